@@ -1,0 +1,33 @@
+"""Choosing between the Triton and PyTorch implementations."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+IMPLS = ("auto", "triton", "torch")
+
+
+def triton_available() -> bool:
+    """Triton is importable and can run here: compiled on CUDA, or interpreted with TRITON_INTERPRET=1."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def resolve_impl(impl: str, tensor: torch.Tensor) -> str:
+    """'auto' -> 'triton' on CUDA tensors when Triton is installed, else 'torch'; explicit choices are checked."""
+    if impl not in IMPLS:
+        raise ValueError(f"kernel impl must be one of {', '.join(IMPLS)}; got {impl!r}")
+    if impl == "torch":
+        return "torch"
+    if impl == "triton":
+        if not triton_available():
+            raise RuntimeError("impl='triton' needs the triton package; install it or use impl='torch'")
+        if not tensor.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError(
+                "impl='triton' on a CPU tensor needs TRITON_INTERPRET=1 (the Triton interpreter); "
+                "set it or use impl='auto'"
+            )
+        return "triton"
+    return "triton" if tensor.is_cuda and triton_available() else "torch"

@@ -1,0 +1,68 @@
+"""Plain PyTorch implementations of every kernel: the fallback path and the tests' reference."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm with statistics in fp32, as Hugging Face LLaMA/ERNIE compute it."""
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """LayerNorm over the last dimension."""
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+
+def rotate_half(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """The 90-degree rotation of each (x_i, x_j) pair: halves (NeoX) or adjacent pairs (GPT-J)."""
+    if interleaved:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.stack((-x2, x1), dim=-1).flatten(-2)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """Rotary embedding of x (batch, seq, heads, head_dim) with cos/sin (seq, head_dim), computed in fp32."""
+    cos = cos[:, None, :].float()
+    sin = sin[:, None, :].float()
+    xf = x.float()
+    return (xf * cos + rotate_half(xf, interleaved) * sin).to(x.dtype)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up."""
+    return F.silu(gate) * up
+
+
+def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(gate) * up."""
+    return F.gelu(gate, approximate="tanh") * up
+
+
+def flash_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True, softmax_scale: float | None = None
+) -> torch.Tensor:
+    """Attention over (batch, heads, seq, head_dim); k/v may have fewer heads (grouped-query)."""
+    return F.scaled_dot_product_attention(
+        q, k, v, is_causal=causal, scale=softmax_scale, enable_gqa=k.shape[1] != q.shape[1]
+    )
+
+
+def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Mean token cross-entropy over the non-ignored targets, in fp32."""
+    return F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1), ignore_index=ignore_index
+    )
+
+
+def fused_linear_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ignore_index: int = -100
+) -> torch.Tensor:
+    """cross_entropy(hidden @ weight.T, target), materialising the logits."""
+    return cross_entropy(hidden @ weight.t(), target, ignore_index)

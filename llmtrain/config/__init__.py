@@ -1,0 +1,33 @@
+"""Typed job configuration: dataclasses, YAML loading with overrides, validation in one place."""
+
+from llmtrain.config.errors import ConfigError
+from llmtrain.config.loader import dump, from_dict, load, parse_override, to_dict
+from llmtrain.config.schema import (
+    CheckpointConfig,
+    DataConfig,
+    JobConfig,
+    LoggingConfig,
+    ModelConfig,
+    ParallelConfig,
+    TrainConfig,
+)
+from llmtrain.config.validate import resolve_dp, validate, validate_world
+
+__all__ = [
+    "CheckpointConfig",
+    "ConfigError",
+    "DataConfig",
+    "JobConfig",
+    "LoggingConfig",
+    "ModelConfig",
+    "ParallelConfig",
+    "TrainConfig",
+    "dump",
+    "from_dict",
+    "load",
+    "parse_override",
+    "resolve_dp",
+    "to_dict",
+    "validate",
+    "validate_world",
+]

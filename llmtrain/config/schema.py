@@ -1,0 +1,241 @@
+"""Typed configuration of a training job: one dataclass per concern.
+
+Every field has a default and a one-line docstring right below it; `llmtrain.config.reference`
+turns those docstrings into the configuration reference, so keep them to one line.
+Field names are a public contract (YAML files, `key.path=value` overrides, sweeps).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+Arch = Literal["gpt", "llama", "ernie"]
+KernelImpl = Literal["auto", "triton", "torch"]
+Recompute = Literal["none", "selective", "full"]
+Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zb_h1"]
+Precision = Literal["fp32", "bf16", "fp16"]
+LrDecay = Literal["cosine", "linear", "constant"]
+
+
+@dataclass
+class ModelConfig:
+    """The architecture and its size."""
+
+    arch: Arch = "ernie"
+    """Architecture from the model zoo: gpt (GPT-2), llama (LLaMA-2/3) or ernie (ERNIE-4.5 dense)."""
+    num_layers: int = 4
+    """Number of transformer blocks."""
+    hidden_size: int = 256
+    """Width of the residual stream."""
+    num_attention_heads: int = 4
+    """Number of query heads."""
+    num_kv_heads: int | None = None
+    """Number of key/value heads for grouped-query attention; null means equal to num_attention_heads."""
+    head_dim: int | None = None
+    """Width of one attention head; null means hidden_size / num_attention_heads."""
+    ffn_hidden_size: int | None = None
+    """Inner width of the MLP; null means 4*hidden (gpt) or 8/3*hidden rounded up to a multiple of 64."""
+    vocab_size: int = 8192
+    """Vocabulary size of the embedding and output layers (at least the tokenizer's vocabulary)."""
+    seq_length: int = 256
+    """Tokens per training sample."""
+    max_position_embeddings: int | None = None
+    """Rows of the learned position table (gpt) or the rotary horizon; null means seq_length."""
+    norm_eps: float = 1e-5
+    """Epsilon of LayerNorm / RMSNorm."""
+    rope_theta: float = 10000.0
+    """Base of the rotary frequencies (llama, ernie)."""
+    tie_word_embeddings: bool | None = None
+    """Share input embedding and output head weights; null means the architecture's default."""
+    use_bias: bool | None = None
+    """Biases in the linear layers; null means the architecture's default (gpt yes, llama/ernie no)."""
+    hidden_dropout: float = 0.0
+    """Dropout probability on the residual branches and embeddings."""
+    attention_dropout: float = 0.0
+    """Dropout probability on the attention weights."""
+    init_std: float = 0.02
+    """Standard deviation of the normal initialisation of weights."""
+    kernels: KernelImpl = "auto"
+    """Kernel implementation: auto (Triton on CUDA, PyTorch elsewhere), triton (forced) or torch."""
+    recompute: Recompute = "none"
+    """Activation recomputation: none, selective (attention core) or full (whole layers)."""
+
+    # Resolved values of the fields whose null means "derive it"; downstream code reads these.
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_attention_heads
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def ffn_size(self) -> int:
+        if self.ffn_hidden_size:
+            return self.ffn_hidden_size
+        if self.arch == "gpt":
+            return 4 * self.hidden_size
+        return -(-(8 * self.hidden_size // 3) // 64) * 64
+
+    @property
+    def max_positions(self) -> int:
+        return self.max_position_embeddings or self.seq_length
+
+    @property
+    def tied_embeddings(self) -> bool:
+        if self.tie_word_embeddings is not None:
+            return self.tie_word_embeddings
+        return self.arch in ("gpt", "ernie")
+
+    @property
+    def bias(self) -> bool:
+        return self.use_bias if self.use_bias is not None else self.arch == "gpt"
+
+
+@dataclass
+class ParallelConfig:
+    """How the job is split over processes."""
+
+    tp: int = 1
+    """Tensor-parallel degree (shards heads, MLP and vocabulary)."""
+    pp: int = 1
+    """Pipeline-parallel degree (splits the layers into stages)."""
+    dp: int | None = None
+    """Data-parallel degree; null means world_size / (tp * pp)."""
+    sequence_parallel: bool = False
+    """Shard activations outside attention/MLP along the sequence (needs tp > 1 to have an effect)."""
+    zero_stage: int = 0
+    """0: replicated optimizer; 1: fp32 master weights and Adam states sharded over the DP group."""
+    schedule: Schedule = "1f1b"
+    """Pipeline schedule: gpipe, 1f1b, interleaved_1f1b or zb_h1."""
+    virtual_stages: int = 1
+    """Model chunks per pipeline rank (interleaved_1f1b uses more than one)."""
+    order: str = "tp-dp-pp"
+    """Rank order of the parallel dimensions, innermost first."""
+    dp_bucket_mb: float = 25.0
+    """Size of a data-parallel gradient-reduction bucket in MiB."""
+    auto: bool = False
+    """Ask the planner for tp/pp/dp/micro-batch/recompute/zero for this world size at launch."""
+    cluster: str | None = None
+    """Cluster description YAML used by parallel.auto; null means a measured description of this machine."""
+    backend: str = "auto"
+    """torch.distributed backend: auto (nccl on CUDA, gloo on CPU), gloo or nccl."""
+    timeout_s: float = 600.0
+    """Timeout of collectives in seconds; on expiry every rank reports where it waits."""
+
+
+@dataclass
+class TrainConfig:
+    """The optimisation loop."""
+
+    steps: int = 200
+    """Number of optimizer steps."""
+    lr: float = 1e-3
+    """Peak learning rate."""
+    min_lr: float = 1e-4
+    """Learning rate at the end of the decay."""
+    warmup_steps: int = 20
+    """Steps of linear warmup from 0 to lr."""
+    lr_decay: LrDecay = "cosine"
+    """Decay after warmup: cosine, linear or constant."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay (not applied to norms, biases and embeddings' positions)."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.95
+    """Adam beta2."""
+    adam_eps: float = 1e-8
+    """Adam epsilon."""
+    grad_clip: float = 1.0
+    """Clip gradients to this global L2 norm; 0 disables clipping."""
+    global_batch_size: int = 16
+    """Samples per optimizer step over all data-parallel ranks."""
+    micro_batch_size: int = 4
+    """Samples per forward/backward on one rank; the rest is gradient accumulation."""
+    seed: int = 1234
+    """Seed of initialisation, data order and dropout."""
+    precision: Precision = "fp32"
+    """Compute precision: fp32, bf16 (fp32 master weights) or fp16 (with dynamic loss scaling)."""
+    initial_loss_scale: float = 65536.0
+    """Starting loss scale for fp16."""
+    eval_interval: int = 50
+    """Evaluate on the held-out split every this many steps (and at the end); 0 disables."""
+    eval_batches: int = 4
+    """Global batches per evaluation."""
+    max_bad_steps: int = 5
+    """Stop after this many consecutive steps with a non-finite loss or gradient."""
+    num_threads: int = 0
+    """torch intra-op threads on CPU; 0 keeps torch's default."""
+
+
+@dataclass
+class DataConfig:
+    """Where the tokens come from."""
+
+    corpus: str = "stdlib"
+    """Built-in corpus used when no prefixes are given: stdlib (the Python standard library's sources)."""
+    prefixes: list[str] = field(default_factory=list)
+    """Indexed-dataset prefixes (path without .bin/.idx); empty means the built-in corpus."""
+    weights: list[float] = field(default_factory=list)
+    """Blend weights, one per prefix; empty means proportional to size."""
+    tokenizer: str | None = None
+    """SentencePiece model file or Hugging Face tokenizer directory; null means train one on the corpus."""
+    split: str = "98,2,0"
+    """Train/valid/test proportions of the documents."""
+    cache_dir: str = "~/.cache/llmtrain"
+    """Where prepared corpora, tokenizers and index files are cached."""
+    num_workers: int = 0
+    """DataLoader worker processes per rank."""
+
+
+@dataclass
+class CheckpointConfig:
+    """Saving and resuming."""
+
+    interval: int = 0
+    """Save every this many steps; 0 saves only at the end."""
+    keep: int = 2
+    """Number of most recent checkpoints kept."""
+    async_save: bool = False
+    """Write checkpoints in the background while training continues."""
+    load: str | None = None
+    """Start from this checkpoint directory (its step, optimizer and data position)."""
+    resume: bool = True
+    """Resume from output_dir's latest checkpoint when there is one."""
+
+
+@dataclass
+class LoggingConfig:
+    """What a run reports."""
+
+    interval: int = 10
+    """Log metrics every this many steps (and always the last)."""
+    tensorboard: bool = True
+    """Write TensorBoard event files to <output_dir>/tensorboard."""
+    time_breakdown: bool = False
+    """Measure forward, backward, optimizer and communication time per step (adds synchronisation)."""
+    profile_steps: list[int] = field(default_factory=list)
+    """[first, last] steps to trace with torch.profiler; empty disables."""
+    peak_tflops: float | None = None
+    """Dense peak TFLOP/s of one device for MFU; null means the known peak (GPU) or a measured one (CPU)."""
+
+
+@dataclass
+class JobConfig:
+    """A whole training job."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The architecture."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """The parallel layout."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """The optimisation loop."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """The data."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpointing."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Metrics and progress."""
+    output_dir: str = "runs/default"
+    """Directory for metrics, TensorBoard logs and checkpoints."""

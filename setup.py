@@ -1,0 +1,33 @@
+"""Installs llmtrain (the training library) and kernels (Triton kernels with PyTorch fallbacks)."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="llmtrain",
+    version="0.1.0",
+    description="Megatron-style LLM pretraining: TP/PP/DP, Triton kernels, an auto-config planner.",
+    python_requires=">=3.10",
+    packages=find_packages(include=["llmtrain", "llmtrain.*", "kernels", "kernels.*"]),
+    # torch is declared with a floor only: GPU users bring their own build; CPU machines pin the CPU wheel.
+    install_requires=[
+        "torch>=2.4",
+        "triton>=3.0; platform_system == 'Linux'",
+        "sentencepiece>=0.2",
+        "datasets>=2.19",
+        "safetensors>=0.4",
+        "pyyaml>=6.0",
+        "numpy>=1.24",
+        "tensorboard>=2.15",
+        "tqdm>=4.66",
+        "matplotlib>=3.7",
+    ],
+    extras_require={
+        "test": [
+            "pytest>=8.0",
+            "pytest-timeout>=2.3",
+            "hypothesis>=6.100",
+            "transformers>=4.54",
+            "ruff>=0.5",
+        ],
+    },
+)
