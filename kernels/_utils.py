@@ -1,0 +1,58 @@
+"""Helpers shared by the Triton kernels: interpreter detection, launch configs, input checks."""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable, Sequence
+
+import torch
+import triton
+
+
+def interpreting() -> bool:
+    """True under the Triton CPU interpreter (TRITON_INTERPRET=1), where kernels run on CPU tensors."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_programs(device: torch.device, work_items: int) -> int:
+    """Programs for a persistent (grid-stride) kernel: a few per SM on CUDA, few under the interpreter.
+
+    The interpreter costs about a millisecond per program instance, so there we keep the grid tiny.
+    """
+    if device.type == "cuda":
+        return max(1, min(work_items, 4 * _sm_count(device.index or 0)))
+    return max(1, min(work_items, 4))
+
+
+def tuned(kernel: triton.JITFunction, configs: Sequence[triton.Config], key: list[str]) -> Callable:
+    """The kernel autotuned over `configs` on CUDA; the interpreter gets the first config only.
+
+    Autotuning with several configs calls the CUDA driver's benchmarker, which fails under the
+    interpreter, so the Autotuner is built lazily and only when a real GPU launches the kernel.
+    """
+    interp = triton.autotune(configs=list(configs[:1]), key=key)(kernel)
+    cached: dict[str, Callable] = {}
+
+    def pick(device: torch.device) -> Callable:
+        if device.type != "cuda":
+            return interp
+        if "cuda" not in cached:
+            cached["cuda"] = triton.autotune(configs=list(configs), key=key)(kernel)
+        return cached["cuda"]
+
+    return pick
+
+
+def check_same_device(**tensors: torch.Tensor | None) -> None:
+    """Raise a ValueError naming the argument when tensors live on different devices."""
+    items = [(n, t) for n, t in tensors.items() if t is not None]
+    first_name, first = items[0]
+    for name, t in items[1:]:
+        if t.device != first.device:
+            raise ValueError(f"{name} is on {t.device} but {first_name} is on {first.device}; move them together")

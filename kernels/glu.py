@@ -1,0 +1,123 @@
+"""SwiGLU and GeGLU (tanh GELU) in Triton: out = act(gate) * up.
+
+Only gate and up are saved; the backward recomputes act(gate) and its derivative in registers, so the
+activation and the product never live in memory. Inputs may be column slices of one fused gate_up
+projection (row stride != width): the kernel walks rows with their stride instead of copying.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._utils import check_same_device
+
+@triton.jit
+def _act_and_grad(g, IS_GELU: tl.constexpr, NEED_GRAD: tl.constexpr):
+    if IS_GELU:
+        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        # tanh(z) = 2 * sigmoid(2z) - 1: libdevice tanh is unavailable under the interpreter.
+        t = 2.0 * tl.sigmoid(2.0 * inner) - 1.0
+        act = 0.5 * g * (1.0 + t)
+        if NEED_GRAD:
+            dact = 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * g * g)
+        else:
+            dact = act
+    else:
+        sig = tl.sigmoid(g)
+        act = g * sig
+        if NEED_GRAD:
+            dact = sig * (1.0 + g * (1.0 - sig))
+        else:
+            dact = act
+    return act, dact
+
+
+@triton.jit
+def _glu_fwd_kernel(
+    G, U, O, M, N, s_g, s_u, s_o,
+    IS_GELU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    g = tl.load(G + rows[:, None] * s_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + rows[:, None] * s_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    act, _ = _act_and_grad(g, IS_GELU, False)
+    tl.store(O + rows[:, None] * s_o + cols[None, :], (act * u).to(O.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _glu_bwd_kernel(
+    G, U, DO, DG, DU, M, N, s_g, s_u, s_do, s_dg, s_du,
+    IS_GELU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    g = tl.load(G + rows[:, None] * s_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + rows[:, None] * s_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(DO + rows[:, None] * s_do + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    act, dact = _act_and_grad(g, IS_GELU, True)
+    tl.store(DG + rows[:, None] * s_dg + cols[None, :], (do * u * dact).to(DG.dtype.element_ty), mask=mask)
+    tl.store(DU + rows[:, None] * s_du + cols[None, :], (do * act).to(DU.dtype.element_ty), mask=mask)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    t2 = t.reshape(-1, t.shape[-1]) if t.dim() != 2 else t
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def _grid_and_blocks(m: int, n: int) -> tuple[tuple[int, int], int, int]:
+    block_n = min(1024, triton.next_power_of_2(n))
+    block_m = max(1, 2048 // block_n)
+    return (triton.cdiv(m, block_m), triton.cdiv(n, block_n)), block_m, block_n
+
+
+class _GluFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up, is_gelu):
+        g2, u2 = _rows(gate), _rows(up)
+        m, n = g2.shape
+        out = torch.empty((m, n), dtype=torch.promote_types(gate.dtype, up.dtype), device=gate.device)
+        grid, bm, bn = _grid_and_blocks(m, n)
+        _glu_fwd_kernel[grid](
+            g2, u2, out, m, n, g2.stride(0), u2.stride(0), out.stride(0),
+            IS_GELU=is_gelu, BLOCK_M=bm, BLOCK_N=bn, num_warps=4,
+        )
+        ctx.save_for_backward(gate, up)
+        ctx.is_gelu = is_gelu
+        return out.view(gate.shape)
+
+    @staticmethod
+    def backward(ctx, dout):
+        gate, up = ctx.saved_tensors
+        g2, u2, d2 = _rows(gate), _rows(up), _rows(dout)
+        m, n = g2.shape
+        dg = torch.empty((m, n), dtype=gate.dtype, device=gate.device)
+        du = torch.empty((m, n), dtype=up.dtype, device=up.device)
+        grid, bm, bn = _grid_and_blocks(m, n)
+        _glu_bwd_kernel[grid](
+            g2, u2, d2, dg, du, m, n, g2.stride(0), u2.stride(0), d2.stride(0), dg.stride(0), du.stride(0),
+            IS_GELU=ctx.is_gelu, BLOCK_M=bm, BLOCK_N=bn, num_warps=4,
+        )
+        return dg.view(gate.shape), du.view(up.shape), None
+
+
+def _check(gate: torch.Tensor, up: torch.Tensor) -> None:
+    if gate.shape != up.shape:
+        raise ValueError(f"gate and up must have the same shape; got {tuple(gate.shape)} and {tuple(up.shape)}")
+    check_same_device(gate=gate, up=up)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Triton silu(gate) * up."""
+    _check(gate, up)
+    return _GluFn.apply(gate, up, False)
+
+
+def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Triton gelu_tanh(gate) * up."""
+    _check(gate, up)
+    return _GluFn.apply(gate, up, True)

@@ -1,0 +1,153 @@
+"""The decoder-only language model shared by every architecture, and `build`."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import kernels
+from llmtrain.config import JobConfig, ModelConfig, validate
+from llmtrain.models.layers import LayerNorm, Rope, RMSNorm, TransformerBlock, make_norm
+from llmtrain.models.registry import get_arch
+
+
+class CausalLM(nn.Module):
+    """Embeddings, a stack of TransformerBlocks, final norm and LM head.
+
+    Pipeline stages call the pieces (`embed`, `rope`, iterate `layers`, `head`, `loss`) themselves;
+    `forward` chains them for a single stage. Parameters are left uninitialised: use `build`.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.spec = get_arch(cfg.arch)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_positions = (
+            nn.Embedding(cfg.max_positions, cfg.hidden_size) if self.spec.learned_positions else None
+        )
+        self.embed_dropout = nn.Dropout(cfg.hidden_dropout)
+        self.layers = nn.ModuleList(TransformerBlock(self.spec, cfg) for _ in range(cfg.num_layers))
+        self.final_norm = make_norm(self.spec, cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.loss_tp_group = None
+        self.tie_weights()
+        # cos/sin per (seq_len, device, dtype): recomputing them every step costs as much as a small kernel.
+        self._rope_cache: dict[tuple[int, str, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def tie_weights(self) -> None:
+        """Make lm_head share embed_tokens' weight when the config ties them (again after to_empty)."""
+        if self.config.tied_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Token (+ learned position) embeddings of (b, s) ids -> (b, s, hidden), after embed_dropout."""
+        x = self.embed_tokens(input_ids)
+        if self.embed_positions is not None:
+            if position_ids is None:
+                position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
+            x = x + self.embed_positions(position_ids)
+        return self.embed_dropout(x)
+
+    def rope(
+        self,
+        positions: int | torch.Tensor,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> Rope:
+        """Rotary (cos, sin), each (s, head_dim) in the layout kernels.apply_rotary expects; None without rotary.
+
+        `positions` is a sequence length (positions 0..s-1) or 1-D position ids. Half layout repeats
+        the s x d/2 angles as [angles, angles], interleaved as [a0, a0, a1, a1, ...] (ERNIE).
+        """
+        if self.spec.rotary == "none":
+            return None
+        if isinstance(positions, int):
+            key = (positions, str(device), dtype)
+            if key not in self._rope_cache:
+                pos = torch.arange(positions, device=device)
+                self._rope_cache[key] = self._rope_from_positions(pos, dtype)
+            return self._rope_cache[key]
+        if positions.dim() != 1:
+            raise ValueError(f"rope: position ids must be 1-D (seq,); got shape {tuple(positions.shape)}")
+        return self._rope_from_positions(positions.to(device) if device is not None else positions, dtype)
+
+    @torch.no_grad()
+    def _rope_from_positions(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        d = self.config.head_size
+        # Same expression as transformers' default rope (fp32 angles), so cos/sin match bit for bit.
+        inv_freq = 1.0 / (self.config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float) / d))
+        angles = pos.float()[:, None] * inv_freq.to(pos.device)[None, :]
+        if self.spec.rotary == "interleaved":
+            angles = angles.repeat_interleave(2, dim=-1)
+        else:
+            angles = torch.cat((angles, angles), dim=-1)
+        cos, sin = angles.cos(), angles.sin()
+        if not self.spec.rope_fp32:
+            cos, sin = cos.to(dtype), sin.to(dtype)
+        return cos, sin
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """final_norm then lm_head: (b, s, hidden) -> logits (b, s, vocab)."""
+        return self.lm_head(self.final_norm(hidden))
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy (fp32) over labels != -100; labels are aligned with logits (already shifted)."""
+        return kernels.cross_entropy(logits, labels, tp_group=self.loss_tp_group, impl=self.config.kernels)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits (b, s, vocab), or the scalar loss when `labels` (b, s) are given."""
+        x = self.embed(input_ids, position_ids)
+        rope = self.rope(input_ids.shape[1] if position_ids is None else position_ids, x.device, x.dtype)
+        for layer in self.layers:
+            x = layer(x, rope)
+        logits = self.head(x)
+        return logits if labels is None else self.loss(logits, labels)
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, std: float) -> None:
+    """Draw every parameter in `named_parameters()` order: norm weights 1, biases 0, others normal(0, std).
+
+    One draw per full (unsharded) tensor from torch's current RNG, so a tensor-parallel rank that
+    builds the full model under the same seed and slices it gets exactly the single-process weights.
+    """
+    norm_weights = {id(m.weight) for m in model.modules() if isinstance(m, (RMSNorm, LayerNorm))}
+    for name, p in model.named_parameters():
+        if id(p) in norm_weights:
+            p.fill_(1.0)
+        elif name.endswith("bias"):
+            p.zero_()
+        else:
+            p.normal_(0.0, std)
+
+
+def check_config(cfg: ModelConfig) -> None:
+    """Raise llmtrain.config.ConfigError when the model config is inconsistent (names the field)."""
+    get_arch(cfg.arch)
+    validate(JobConfig(model=cfg))
+
+
+def empty_model(cfg: ModelConfig, device: torch.device | str | None = None) -> CausalLM:
+    """The model with uninitialised storage on `device` (default: torch's default device); no RNG used."""
+    check_config(cfg)
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    model.to_empty(device=device if device is not None else torch.get_default_device())
+    model.tie_weights()  # to_empty replaces parameters one by one and so unties shared ones
+    return model
+
+
+def build(cfg: ModelConfig) -> CausalLM:
+    """The model for `cfg` on torch's default device and dtype, initialised from torch's current RNG.
+
+    Under `with torch.device("meta"):` it returns a meta model (no memory) for later sharding.
+    """
+    model = empty_model(cfg)
+    init_weights(model, cfg.init_std)
+    return model

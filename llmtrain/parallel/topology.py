@@ -1,0 +1,138 @@
+"""The process grid: which global rank holds which (tp, dp, pp) coordinate, and the groups along each axis."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch.distributed as dist
+
+from llmtrain.config.errors import ConfigError
+from llmtrain.config.schema import ParallelConfig
+
+# Dimensions the grid knows about. cp (context) and ep (expert) have size 1 until the config grows fields for
+# them; they already take part in the rank arithmetic so adding them later changes no caller.
+DIMS = ("tp", "cp", "ep", "dp", "pp")
+
+
+class Topology:
+    """Process groups of every parallel dimension, built once and passed explicitly to whoever needs them."""
+
+    def __init__(self, parallel: ParallelConfig, world_size: int, rank: int) -> None:
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ConfigError(f"rank {rank} is outside a world of {world_size} processes")
+        model_parallel = parallel.tp * parallel.pp
+        if parallel.dp is None:
+            if world_size % model_parallel:
+                raise ConfigError(
+                    f"world size {world_size} is not divisible by parallel.tp * parallel.pp = {model_parallel}; "
+                    "launch a multiple of that many processes or change the degrees"
+                )
+            dp = world_size // model_parallel
+        else:
+            dp = parallel.dp
+        if parallel.tp * parallel.pp * dp != world_size:
+            raise ConfigError(
+                f"parallel.tp * parallel.pp * parallel.dp = {parallel.tp}*{parallel.pp}*{dp} = "
+                f"{parallel.tp * parallel.pp * dp} but the job runs on {world_size} processes; make the product "
+                "equal the world size (or set parallel.dp=null)"
+            )
+        named = parallel.order.split("-")
+        if sorted(named) != ["dp", "pp", "tp"]:
+            raise ConfigError(
+                f"parallel.order must name tp, dp and pp once each, innermost first (e.g. tp-dp-pp); "
+                f"got {parallel.order!r}"
+            )
+        self.parallel = parallel
+        self.world_size = world_size
+        self.rank = rank
+        self.sizes: dict[str, int] = {"tp": parallel.tp, "cp": 1, "ep": 1, "dp": dp, "pp": parallel.pp}
+        # Unnamed size-1 dimensions go innermost; they do not change the numbering of the named ones.
+        self.order: list[str] = [d for d in DIMS if d not in named] + named
+        self.strides: dict[str, int] = {}
+        stride = 1
+        for d in self.order:
+            self.strides[d] = stride
+            stride *= self.sizes[d]
+        self.coords: dict[str, int] = {d: (rank // self.strides[d]) % self.sizes[d] for d in DIMS}
+        self.distributed = dist.is_available() and dist.is_initialized()
+        if world_size > 1 and not self.distributed:
+            raise RuntimeError(
+                "Topology with world_size > 1 needs torch.distributed initialised; call "
+                "llmtrain.parallel.init_distributed(job) first"
+            )
+        self._groups: dict[tuple[str, ...], Any] = {}
+        if self.distributed:
+            for dims in (("tp",), ("dp",), ("pp",), ("tp", "pp")):
+                self._groups[dims] = self._new_groups(dims)
+
+    @classmethod
+    def single(cls) -> Topology:
+        """One process: every degree 1 and no torch.distributed needed."""
+        return cls(ParallelConfig(tp=1, pp=1, dp=1), 1, 0)
+
+    def _new_groups(self, dims: tuple[str, ...]) -> Any:
+        """Create the groups along `dims` (every rank takes part in every new_group call); return this rank's."""
+        others = [d for d in DIMS if d not in dims]
+        mine = None
+        for fixed in itertools.product(*(range(self.sizes[d]) for d in others)):
+            base = dict(zip(others, fixed))
+            ranks = sorted(
+                self._rank_with(**base, **dict(zip(dims, free)))
+                for free in itertools.product(*(range(self.sizes[d]) for d in dims))
+            )
+            group = dist.new_group(ranks)
+            if self.rank in ranks:
+                mine = group
+        return mine
+
+    def rank_of(self, **coords: int) -> int:
+        """Global rank at the given coordinates (missing ones default to this rank's own)."""
+        given = {k.removesuffix("_rank"): v for k, v in coords.items()}
+        unknown = set(given) - set(DIMS)
+        if unknown:
+            raise ValueError(f"unknown parallel dimension(s) {sorted(unknown)}; known: {', '.join(DIMS)}")
+        for d, v in given.items():
+            if not 0 <= v < self.sizes[d]:
+                raise ValueError(f"{d}_rank={v} is outside 0..{self.sizes[d] - 1}")
+        return self._rank_with(**given)
+
+    def group(self, *dims: str) -> Any:
+        """This rank's process group spanning `dims` (e.g. group("tp", "pp")); None when not distributed."""
+        key = tuple(d for d in DIMS if d in dims)
+        if not self.distributed:
+            return None
+        if key not in self._groups:
+            self._groups[key] = self._new_groups(key)
+        return self._groups[key]
+
+    # Plain attributes of the contract, derived from the grid.
+    tp = property(lambda self: self.sizes["tp"])
+    pp = property(lambda self: self.sizes["pp"])
+    dp = property(lambda self: self.sizes["dp"])
+    tp_rank = property(lambda self: self.coords["tp"])
+    pp_rank = property(lambda self: self.coords["pp"])
+    dp_rank = property(lambda self: self.coords["dp"])
+    tp_group = property(lambda self: self._groups.get(("tp",)))
+    pp_group = property(lambda self: self._groups.get(("pp",)))
+    dp_group = property(lambda self: self._groups.get(("dp",)))
+    mp_group = property(lambda self: self._groups.get(("tp", "pp")))
+    is_first_stage = property(lambda self: self.coords["pp"] == 0)
+    is_last_stage = property(lambda self: self.coords["pp"] == self.sizes["pp"] - 1)
+
+    @property
+    def next_pp_rank(self) -> int:
+        """Global rank of the next pipeline stage (wrapping around, as interleaved schedules need)."""
+        return self._rank_with(pp=(self.pp_rank + 1) % self.pp)
+
+    @property
+    def prev_pp_rank(self) -> int:
+        """Global rank of the previous pipeline stage (wrapping around)."""
+        return self._rank_with(pp=(self.pp_rank - 1) % self.pp)
+
+    def _rank_with(self, **coords: int) -> int:
+        return sum({**self.coords, **coords}[d] * self.strides[d] for d in DIMS)
+
+    def __repr__(self) -> str:
+        dims = " ".join(f"{d}={self.sizes[d]}/{self.coords[d]}" for d in DIMS if self.sizes[d] > 1)
+        return f"Topology(rank={self.rank}/{self.world_size} order={'-'.join(self.order[-3:])} {dims or 'single'})"

@@ -1,0 +1,73 @@
+"""One training job from a config: the flow sketched in DESIGN.md, wired in one place."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from llmtrain.config import ConfigError, JobConfig, dump
+from llmtrain.training.trainer import LocalStepRunner, Trainer, TrainResult
+
+
+def seed_everything(seed: int) -> None:
+    """Same seed on every rank: identical initialisation before sharding, identical data order."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def run(job: JobConfig) -> TrainResult:
+    """Train `job` on the processes torchrun (or a plain `python`) started."""
+    from llmtrain.checkpoint import Checkpointer
+    from llmtrain.data import build_data
+    from llmtrain.models import build
+    from llmtrain.parallel import build_optimizer, grad_sync, init_distributed, parallelize
+    from llmtrain.planner.flops import model_flops_per_token
+    from llmtrain.training.metrics import MetricsLogger
+
+    if job.train.num_threads:
+        torch.set_num_threads(job.train.num_threads)
+    topo = init_distributed(job)
+    seed_everything(job.train.seed)
+    data = build_data(job, dp_rank=topo.dp_rank, dp_size=topo.dp)
+    if data.vocab_size > job.model.vocab_size:
+        raise ConfigError(
+            f"the tokenizer has {data.vocab_size} tokens but model.vocab_size={job.model.vocab_size}; "
+            f"set model.vocab_size to at least {data.vocab_size}"
+        )
+    if topo.rank == 0:
+        Path(job.output_dir).mkdir(parents=True, exist_ok=True)
+        dump(job, Path(job.output_dir) / "config.yaml")
+    model = build(job.model)
+    if job.train.precision != "fp32":
+        model = model.to(torch.bfloat16 if job.train.precision == "bf16" else torch.float16)
+    model = parallelize(model, topo, job)
+    optimizer = build_optimizer(model, topo, job)
+    runner = LocalStepRunner(model, optimizer, job.train.micro_batch_size, grad_sync)
+    metrics = MetricsLogger(
+        job,
+        is_main=topo.rank == 0,
+        flops_per_token=model_flops_per_token(job.model, job.model.seq_length),
+        world_size=topo.world_size,
+    )
+    trainer = Trainer(
+        job=job,
+        topo=topo,
+        runner=runner,
+        optimizer=optimizer,
+        data=data,
+        metrics=metrics,
+        checkpointer=Checkpointer(job, topo),
+        model=model,
+        tokens_per_sample=job.model.seq_length,
+    )
+    try:
+        return trainer.fit()
+    finally:
+        metrics.close()
+        if os.environ.get("WORLD_SIZE") and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()

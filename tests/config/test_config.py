@@ -1,0 +1,97 @@
+"""Config loading, overrides and validation: each bad input names the field and the fix."""
+
+from pathlib import Path
+
+import pytest
+
+from llmtrain.config import ConfigError, JobConfig, dump, load, parse_override, validate_world
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_configs_validate(path):
+    job = load(path)
+    assert isinstance(job, JobConfig)
+
+
+def test_public_field_names_are_stable():
+    job = load(None, [
+        "model.arch=llama", "model.num_layers=3", "model.hidden_size=96", "model.num_attention_heads=6",
+        "model.num_kv_heads=2", "model.ffn_hidden_size=200", "model.vocab_size=1000", "model.seq_length=32",
+        "train.steps=7", "train.lr=0.01", "train.global_batch_size=8", "train.micro_batch_size=2",
+        "train.seed=3", "logging.interval=2", "output_dir=/tmp/x",
+    ])
+    assert (job.model.arch, job.model.num_layers, job.model.kv_heads, job.model.ffn_size) == ("llama", 3, 2, 200)
+    assert (job.train.steps, job.train.lr, job.train.seed, job.logging.interval) == (7, 0.01, 3, 2)
+    assert job.output_dir == "/tmp/x"
+
+
+def test_yaml_then_overrides(tmp_path):
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text("model:\n  num_layers: 2\ntrain:\n  steps: 5\n")
+    job = load(cfg, ["train.steps=9"])
+    assert job.model.num_layers == 2 and job.train.steps == 9
+
+
+def test_dump_round_trips(tmp_path):
+    job = load(CONFIGS / "llama3-8b.yaml", ["train.steps=11"])
+    dump(job, tmp_path / "out.yaml")
+    assert load(tmp_path / "out.yaml") == job
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("train.stesp=3", "did you mean train.steps"),
+        ("modle.num_layers=3", "did you mean model"),
+        ("model.num_layers=two", "model.num_layers must be an integer"),
+        ("model.arch=bert", "model.arch must be one of gpt, llama, ernie"),
+        ("parallel.sequence_parallel=3", "must be true or false"),
+        ("model.num_kv_heads=3", "num_attention_heads=4 is not divisible by model.num_kv_heads=3"),
+        ("model.hidden_size=250", "hidden_size=250 is not divisible by model.num_attention_heads"),
+        ("parallel.tp=3", "parallel.tp=3 does not divide model.num_attention_heads"),
+        ("train.micro_batch_size=5", "not a multiple of train.micro_batch_size=5"),
+        ("parallel.virtual_stages=2", "needs parallel.schedule=interleaved_1f1b"),
+        ("parallel.zero_stage=3", "parallel.zero_stage must be 0 or 1"),
+        ("data.split=1,2", "data.split must be three"),
+        ("logging.profile_steps=[5,2]", "logging.profile_steps must be [first, last]"),
+        ("train.lr=0", "train.lr must be positive"),
+    ],
+)
+def test_bad_values_name_field_and_fix(override, expected):
+    with pytest.raises(ConfigError, match=expected.replace("[", r"\[").replace("]", r"\]")):
+        load(None, [override])
+
+
+def test_pipeline_chunks_need_layers():
+    with pytest.raises(ConfigError, match="exceeds model.num_layers=4"):
+        load(None, ["parallel.pp=4", "parallel.virtual_stages=2", "parallel.schedule=interleaved_1f1b"])
+
+
+def test_weights_must_match_prefixes():
+    with pytest.raises(ConfigError, match="give one weight per prefix"):
+        load(None, ["data.prefixes=[a,b]", "data.weights=[1.0]"])
+
+
+def test_missing_file_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load(tmp_path / "nope.yaml")
+
+
+def test_override_syntax():
+    assert parse_override("train.steps=20") == ("train.steps", 20)
+    assert parse_override("parallel.cluster=null") == ("parallel.cluster", None)
+    with pytest.raises(ConfigError, match="key.path=value"):
+        parse_override("train.steps")
+
+
+def test_world_size_must_match_degrees():
+    job = load(None, ["parallel.tp=2", "parallel.dp=2", "train.global_batch_size=16", "train.micro_batch_size=4"])
+    assert validate_world(job, 4) == 2
+    with pytest.raises(ConfigError, match="runs on 8 processes"):
+        validate_world(job, 8)
+    inferred = load(None, ["parallel.tp=2", "train.global_batch_size=16", "train.micro_batch_size=2"])
+    assert validate_world(inferred, 8) == 4
+    with pytest.raises(ConfigError, match="not divisible by parallel.tp"):
+        validate_world(inferred, 3)
