@@ -1,8 +1,11 @@
 """Fused kernels with one dispatch point.
 
-Each public function takes `impl`: "torch" runs the plain PyTorch reference, "triton" the Triton
-kernel (under TRITON_INTERPRET=1 on CPU tensors), "auto" Triton on CUDA and PyTorch elsewhere.
+Each public function takes `impl`: "torch" runs the plain PyTorch path, "triton" the Triton kernel
+(under TRITON_INTERPRET=1 on CPU tensors), "auto" Triton on CUDA and PyTorch elsewhere.
 Model code calls these functions and never branches on the device itself.
+
+TRITON_INTERPRET must be set before triton is first imported (this package imports it lazily, on the
+first Triton call), e.g. `TRITON_INTERPRET=1 pytest tests/kernels` or os.environ in a conftest.
 """
 
 from __future__ import annotations
@@ -25,37 +28,89 @@ __all__ = [
 ]
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, impl: str = "auto") -> torch.Tensor:
+def _add_residual(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    if residual.shape != x.shape:
+        raise ValueError(f"residual must have x's shape {tuple(x.shape)}; got {tuple(residual.shape)}")
+    return x + residual
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    impl: str = "auto",
+    *,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm over the last dim; with `residual` returns (rms_norm(x + residual), x + residual)."""
     if resolve_impl(impl, x) == "triton":
-        raise NotImplementedError("triton rms_norm lands with the kernels issue")
-    return reference.rms_norm(x, weight, eps)
+        from kernels import norms
+
+        return norms.rms_norm(x, weight, eps, residual)
+    if residual is None:
+        return reference.rms_norm(x, weight, eps)
+    h = _add_residual(x, residual)
+    return reference.rms_norm(h, weight, eps), h
 
 
 def layer_norm(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float = 1e-5, impl: str = "auto"
-) -> torch.Tensor:
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    eps: float = 1e-5,
+    impl: str = "auto",
+    *,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """LayerNorm over the last dim; with `residual` returns (layer_norm(x + residual), x + residual)."""
     if resolve_impl(impl, x) == "triton":
-        raise NotImplementedError("triton layer_norm lands with the kernels issue")
-    return reference.layer_norm(x, weight, bias, eps)
+        from kernels import norms
+
+        return norms.layer_norm(x, weight, bias, eps, residual)
+    if residual is None:
+        return reference.layer_norm(x, weight, bias, eps)
+    h = _add_residual(x, residual)
+    return reference.layer_norm(h, weight, bias, eps), h
 
 
 def apply_rotary(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False, impl: str = "auto"
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    interleaved: bool = False,
+    impl: str = "auto",
+    *,
+    position_offset: int = 0,
 ) -> torch.Tensor:
+    """Rotary embedding of x (batch, seq, heads, head_dim); sequence position s uses row s + position_offset
+    of cos/sin (positions, head_dim), which are applied element-wise as the PyTorch reference does."""
+    from kernels.rotary import check_rotary_args
+
+    check_rotary_args(x, cos, sin, position_offset)
     if resolve_impl(impl, x) == "triton":
-        raise NotImplementedError("triton apply_rotary lands with the kernels issue")
-    return reference.apply_rotary(x, cos, sin, interleaved)
+        from kernels import rotary
+
+        return rotary.apply_rotary(x, cos, sin, interleaved, position_offset)
+    seq = x.shape[1]
+    rows = slice(position_offset, position_offset + seq)
+    return reference.apply_rotary(x, cos[rows], sin[rows], interleaved)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, impl: str = "auto") -> torch.Tensor:
+    """silu(gate) * up."""
     if resolve_impl(impl, gate) == "triton":
-        raise NotImplementedError("triton swiglu lands with the kernels issue")
+        from kernels import glu
+
+        return glu.swiglu(gate, up)
     return reference.swiglu(gate, up)
 
 
 def geglu(gate: torch.Tensor, up: torch.Tensor, impl: str = "auto") -> torch.Tensor:
+    """gelu_tanh(gate) * up."""
     if resolve_impl(impl, gate) == "triton":
-        raise NotImplementedError("triton geglu lands with the kernels issue")
+        from kernels import glu
+
+        return glu.geglu(gate, up)
     return reference.geglu(gate, up)
 
 
@@ -67,8 +122,14 @@ def flash_attention(
     softmax_scale: float | None = None,
     impl: str = "auto",
 ) -> torch.Tensor:
+    """Attention over (batch, heads, seq, head_dim); k/v may have fewer heads (grouped-query)."""
     if resolve_impl(impl, q) == "triton":
-        raise NotImplementedError("triton flash_attention lands with the kernels issue")
+        from kernels import attention
+
+        return attention.flash_attention(q, k, v, causal, softmax_scale)
+    from kernels.attention import check_attention_args
+
+    check_attention_args(q, k, v)
     return reference.flash_attention(q, k, v, causal, softmax_scale)
 
 
@@ -76,17 +137,41 @@ def cross_entropy(
     logits: torch.Tensor,
     target: torch.Tensor,
     ignore_index: int = -100,
-    tp_group: object | None = None,
+    tp_group: torch.distributed.ProcessGroup | None = None,
     impl: str = "auto",
 ) -> torch.Tensor:
-    if tp_group is not None or resolve_impl(impl, logits) == "triton":
-        raise NotImplementedError("vocab-parallel / triton cross_entropy lands with the kernels issue")
+    """Mean cross-entropy over targets != ignore_index, in fp32.
+
+    With `tp_group`, `logits` is this rank's vocab shard covering global ids [rank*V, (rank+1)*V) (rank in
+    the group, V = logits.shape[-1]), `target` holds global ids, and every rank returns the full loss.
+    """
+    from kernels.loss import check_ce_args
+
+    check_ce_args(logits, target)
+    if resolve_impl(impl, logits) == "triton":
+        from kernels import loss
+
+        return loss.cross_entropy(logits, target, ignore_index, tp_group)
+    if tp_group is not None:
+        return reference.vocab_parallel_cross_entropy(logits, target, ignore_index, tp_group)
     return reference.cross_entropy(logits, target, ignore_index)
 
 
 def fused_linear_cross_entropy(
-    hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ignore_index: int = -100, impl: str = "auto"
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int = -100,
+    impl: str = "auto",
+    *,
+    chunk_tokens: int | None = None,
 ) -> torch.Tensor:
-    if resolve_impl(impl, hidden) == "triton":
-        raise NotImplementedError("triton fused_linear_cross_entropy lands with the kernels issue")
-    return reference.fused_linear_cross_entropy(hidden, weight, target, ignore_index)
+    """cross_entropy(hidden @ weight.T, target) computed chunk by chunk so the full logits never exist.
+
+    "triton" uses the Triton loss kernels per chunk, "torch" the same chunking with PyTorch ops;
+    `chunk_tokens` defaults to a size whose logits are about as large as `hidden`.
+    """
+    from kernels import loss
+
+    use_triton = resolve_impl(impl, hidden) == "triton"
+    return loss.fused_linear_cross_entropy(hidden, weight, target, ignore_index, chunk_tokens, use_triton)

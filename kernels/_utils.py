@@ -15,7 +15,7 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
@@ -55,4 +55,6 @@ def check_same_device(**tensors: torch.Tensor | None) -> None:
     first_name, first = items[0]
     for name, t in items[1:]:
         if t.device != first.device:
-            raise ValueError(f"{name} is on {t.device} but {first_name} is on {first.device}; move them together")
+            raise ValueError(
+                f"{name} is on {t.device} but {first_name} is on {first.device}; move them together"
+            )

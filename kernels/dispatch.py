@@ -16,7 +16,7 @@ def triton_available() -> bool:
 
 
 def resolve_impl(impl: str, tensor: torch.Tensor) -> str:
-    """'auto' -> 'triton' on CUDA tensors when Triton is installed, else 'torch'; explicit choices are checked."""
+    """'auto' -> 'triton' on CUDA tensors with Triton installed, else 'torch'; explicit ones are checked."""
     if impl not in IMPLS:
         raise ValueError(f"kernel impl must be one of {', '.join(IMPLS)}; got {impl!r}")
     if impl == "torch":

@@ -13,6 +13,7 @@ import triton.language as tl
 
 from kernels._utils import check_same_device
 
+
 @triton.jit
 def _act_and_grad(g, IS_GELU: tl.constexpr, NEED_GRAD: tl.constexpr):
     if IS_GELU:
@@ -21,7 +22,9 @@ def _act_and_grad(g, IS_GELU: tl.constexpr, NEED_GRAD: tl.constexpr):
         t = 2.0 * tl.sigmoid(2.0 * inner) - 1.0
         act = 0.5 * g * (1.0 + t)
         if NEED_GRAD:
-            dact = 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * g * g)
+            dact = 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * 0.7978845608028654 * (
+                1.0 + 3.0 * 0.044715 * g * g
+            )
         else:
             dact = act
     else:
@@ -36,8 +39,17 @@ def _act_and_grad(g, IS_GELU: tl.constexpr, NEED_GRAD: tl.constexpr):
 
 @triton.jit
 def _glu_fwd_kernel(
-    G, U, O, M, N, s_g, s_u, s_o,
-    IS_GELU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    G,
+    U,
+    OUT,
+    M,
+    N,
+    s_g,
+    s_u,
+    s_o,
+    IS_GELU: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -45,13 +57,26 @@ def _glu_fwd_kernel(
     g = tl.load(G + rows[:, None] * s_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     u = tl.load(U + rows[:, None] * s_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     act, _ = _act_and_grad(g, IS_GELU, False)
-    tl.store(O + rows[:, None] * s_o + cols[None, :], (act * u).to(O.dtype.element_ty), mask=mask)
+    tl.store(OUT + rows[:, None] * s_o + cols[None, :], (act * u).to(OUT.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _glu_bwd_kernel(
-    G, U, DO, DG, DU, M, N, s_g, s_u, s_do, s_dg, s_du,
-    IS_GELU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    G,
+    U,
+    DO,
+    DG,
+    DU,
+    M,
+    N,
+    s_g,
+    s_u,
+    s_do,
+    s_dg,
+    s_du,
+    IS_GELU: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -83,8 +108,18 @@ class _GluFn(torch.autograd.Function):
         out = torch.empty((m, n), dtype=torch.promote_types(gate.dtype, up.dtype), device=gate.device)
         grid, bm, bn = _grid_and_blocks(m, n)
         _glu_fwd_kernel[grid](
-            g2, u2, out, m, n, g2.stride(0), u2.stride(0), out.stride(0),
-            IS_GELU=is_gelu, BLOCK_M=bm, BLOCK_N=bn, num_warps=4,
+            g2,
+            u2,
+            out,
+            m,
+            n,
+            g2.stride(0),
+            u2.stride(0),
+            out.stride(0),
+            IS_GELU=is_gelu,
+            BLOCK_M=bm,
+            BLOCK_N=bn,
+            num_warps=4,
         )
         ctx.save_for_backward(gate, up)
         ctx.is_gelu = is_gelu
@@ -99,15 +134,31 @@ class _GluFn(torch.autograd.Function):
         du = torch.empty((m, n), dtype=up.dtype, device=up.device)
         grid, bm, bn = _grid_and_blocks(m, n)
         _glu_bwd_kernel[grid](
-            g2, u2, d2, dg, du, m, n, g2.stride(0), u2.stride(0), d2.stride(0), dg.stride(0), du.stride(0),
-            IS_GELU=ctx.is_gelu, BLOCK_M=bm, BLOCK_N=bn, num_warps=4,
+            g2,
+            u2,
+            d2,
+            dg,
+            du,
+            m,
+            n,
+            g2.stride(0),
+            u2.stride(0),
+            d2.stride(0),
+            dg.stride(0),
+            du.stride(0),
+            IS_GELU=ctx.is_gelu,
+            BLOCK_M=bm,
+            BLOCK_N=bn,
+            num_warps=4,
         )
         return dg.view(gate.shape), du.view(up.shape), None
 
 
 def _check(gate: torch.Tensor, up: torch.Tensor) -> None:
     if gate.shape != up.shape:
-        raise ValueError(f"gate and up must have the same shape; got {tuple(gate.shape)} and {tuple(up.shape)}")
+        raise ValueError(
+            f"gate and up must have the same shape; got {tuple(gate.shape)} and {tuple(up.shape)}"
+        )
     check_same_device(gate=gate, up=up)
 
 

@@ -20,10 +20,26 @@ MAX_HIDDEN = 65536
 
 @triton.jit
 def _norm_fwd_kernel(
-    X, R, W, B, Y, H, MEAN, RSTD,
-    M, N, stride_x, stride_r, stride_y, stride_h, eps,
-    IS_RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    X,
+    R,
+    W,
+    B,
+    Y,
+    H,
+    MEAN,
+    RSTD,
+    M,
+    N,
+    stride_x,
+    stride_r,
+    stride_y,
+    stride_h,
+    eps,
+    IS_RMS: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -62,10 +78,27 @@ def _norm_fwd_kernel(
 
 @triton.jit
 def _norm_bwd_kernel(
-    X, W, DY, DH, DX, MEAN, RSTD, DW_PART, DB_PART,
-    M, N, stride_x, stride_dy, stride_dh, stride_dx, rows_per_program,
-    IS_RMS: tl.constexpr, HAS_DH: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    X,
+    W,
+    DY,
+    DH,
+    DX,
+    MEAN,
+    RSTD,
+    DW_PART,
+    DB_PART,
+    M,
+    N,
+    stride_x,
+    stride_dy,
+    stride_dh,
+    stride_dx,
+    rows_per_program,
+    IS_RMS: tl.constexpr,
+    HAS_DH: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
@@ -97,7 +130,9 @@ def _norm_bwd_kernel(
             dx = (wdy - xhat * c1[:, None] - c2[:, None]) * rstd[:, None]
         if HAS_DH:
             # The new residual stream h feeds later layers too: its gradient joins the norm's.
-            dx += tl.load(DH + rows64[:, None] * stride_dh + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            dx += tl.load(DH + rows64[:, None] * stride_dh + cols[None, :], mask=mask, other=0.0).to(
+                tl.float32
+            )
         tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
         dw_acc += tl.sum(dy * xhat, axis=0)
         if HAS_BIAS:
@@ -138,10 +173,27 @@ class _NormFn(torch.autograd.Function):
             r2, h = x2, x2
         block_m, block_n, warps = _block_sizes(n)
         _norm_fwd_kernel[(triton.cdiv(m, block_m),)](
-            x2, r2, weight, bias if bias is not None else weight, y, h, mean, rstd,
-            m, n, x2.stride(0), r2.stride(0), y.stride(0), h.stride(0), eps,
-            IS_RMS=is_rms, HAS_RES=residual is not None, HAS_BIAS=bias is not None,
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+            x2,
+            r2,
+            weight,
+            bias if bias is not None else weight,
+            y,
+            h,
+            mean,
+            rstd,
+            m,
+            n,
+            x2.stride(0),
+            r2.stride(0),
+            y.stride(0),
+            h.stride(0),
+            eps,
+            IS_RMS=is_rms,
+            HAS_RES=residual is not None,
+            HAS_BIAS=bias is not None,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            num_warps=warps,
         )
         ctx.save_for_backward(h, weight, bias, mean, rstd)
         ctx.is_rms = is_rms
@@ -164,13 +216,32 @@ class _NormFn(torch.autograd.Function):
         rows_per_program = triton.cdiv(triton.cdiv(m, progs), block_m) * block_m
         progs = triton.cdiv(m, rows_per_program)
         dw_part = torch.empty((progs, n), dtype=torch.float32, device=h.device)
-        db_part = torch.empty((progs, n), dtype=torch.float32, device=h.device) if bias is not None else dw_part
+        db_part = (
+            torch.empty((progs, n), dtype=torch.float32, device=h.device) if bias is not None else dw_part
+        )
         _norm_bwd_kernel[(progs,)](
-            h, weight, dy2, dh2 if dh2 is not None else dy2, dx, mean, rstd, dw_part, db_part,
-            m, n, h.stride(0), dy2.stride(0), dh2.stride(0) if dh2 is not None else 0, dx.stride(0),
+            h,
+            weight,
+            dy2,
+            dh2 if dh2 is not None else dy2,
+            dx,
+            mean,
+            rstd,
+            dw_part,
+            db_part,
+            m,
+            n,
+            h.stride(0),
+            dy2.stride(0),
+            dh2.stride(0) if dh2 is not None else 0,
+            dx.stride(0),
             rows_per_program,
-            IS_RMS=ctx.is_rms, HAS_DH=dh2 is not None, HAS_BIAS=bias is not None,
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+            IS_RMS=ctx.is_rms,
+            HAS_DH=dh2 is not None,
+            HAS_BIAS=bias is not None,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            num_warps=warps,
         )
         dweight = dw_part.sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None
         dbias = db_part.sum(0).to(bias.dtype) if bias is not None and ctx.needs_input_grad[2] else None
@@ -179,7 +250,9 @@ class _NormFn(torch.autograd.Function):
         return dx, dweight, dbias, dres, None, None
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None) -> None:
+def _check(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None
+) -> None:
     n = x.shape[-1]
     if weight.shape != (n,):
         raise ValueError(f"weight must have shape ({n},) to match x's last dim; got {tuple(weight.shape)}")

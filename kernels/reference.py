@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 
@@ -27,7 +28,9 @@ def rotate_half(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+def apply_rotary(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False
+) -> torch.Tensor:
     """Rotary embedding of x (batch, seq, heads, head_dim) with cos/sin (seq, head_dim), computed in fp32."""
     cos = cos[:, None, :].float()
     sin = sin[:, None, :].float()
@@ -66,3 +69,44 @@ def fused_linear_cross_entropy(
 ) -> torch.Tensor:
     """cross_entropy(hidden @ weight.T, target), materialising the logits."""
     return cross_entropy(hidden @ weight.t(), target, ignore_index)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Cross-entropy over vocab-sharded logits: max and sum-exp combined with all_reduce over the group."""
+
+    @staticmethod
+    def forward(ctx, logits, target, ignore_index, group):
+        vocab_local = logits.shape[-1]
+        vocab_start = dist.get_rank(group) * vocab_local
+        x = logits.float()
+        row_max = x.max(dim=-1).values
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        local = target - vocab_start
+        in_slice = (local >= 0) & (local < vocab_local)
+        local = torch.where(in_slice, local, 0)
+        picked = x.gather(1, local[:, None])[:, 0]
+        packed = torch.stack(((x - row_max[:, None]).exp().sum(-1), torch.where(in_slice, picked, 0.0)))
+        dist.all_reduce(packed, group=group)
+        lse = row_max + packed[0].log()
+        valid = target != ignore_index
+        count = valid.sum().to(torch.float32)
+        ctx.save_for_backward(logits, local, in_slice, lse, valid, count)
+        return torch.where(valid, lse - packed[1], 0.0).sum() / count
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        logits, local, in_slice, lse, valid, count = ctx.saved_tensors
+        grad = (logits.float() - lse[:, None]).exp()
+        rows = torch.arange(grad.shape[0], device=grad.device)
+        grad[rows, local] -= in_slice.to(grad.dtype)
+        grad *= (valid.to(torch.float32) * (grad_loss / count))[:, None]
+        return grad.to(logits.dtype), None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, target: torch.Tensor, ignore_index: int, group: dist.ProcessGroup
+) -> torch.Tensor:
+    """Mean cross-entropy where each rank of `group` holds vocab ids [rank*V, (rank+1)*V) of the logits."""
+    return _VocabParallelCrossEntropy.apply(
+        logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index, group
+    )

@@ -19,11 +19,26 @@ from kernels._utils import check_same_device
 
 @triton.jit
 def _rotary_kernel(
-    X, COS, SIN, OUT,
-    S, H, D, offset,
-    sx_b, sx_s, sx_h, so_b, so_s, so_h, s_cos, s_sin,
-    INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    X,
+    COS,
+    SIN,
+    OUT,
+    S,
+    H,
+    D,
+    offset,
+    sx_b,
+    sx_s,
+    sx_h,
+    so_b,
+    so_s,
+    so_h,
+    s_cos,
+    s_sin,
+    INTERLEAVED: tl.constexpr,
+    BACKWARD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     pid_bs = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -55,7 +70,9 @@ def _rotary_kernel(
     tl.store(obase + dims[None, :], out.to(OUT.dtype.element_ty), mask=mask)
 
 
-def _launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, offset: int, backward: bool):
+def _launch(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, offset: int, backward: bool
+):
     if x.stride(-1) != 1:
         x = x.contiguous()
     cos = cos if cos.stride(-1) == 1 else cos.contiguous()
@@ -66,10 +83,26 @@ def _launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: 
     block_h = max(1, min(triton.next_power_of_2(heads), 4096 // block_d))
     grid = (bsz * seq, triton.cdiv(heads, block_h))
     _rotary_kernel[grid](
-        x, cos, sin, out, seq, heads, dim, offset,
-        x.stride(0), x.stride(1), x.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        cos.stride(0), sin.stride(0),
-        INTERLEAVED=interleaved, BACKWARD=backward, BLOCK_H=block_h, BLOCK_D=block_d,
+        x,
+        cos,
+        sin,
+        out,
+        seq,
+        heads,
+        dim,
+        offset,
+        x.stride(0),
+        x.stride(1),
+        x.stride(2),
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        cos.stride(0),
+        sin.stride(0),
+        INTERLEAVED=interleaved,
+        BACKWARD=backward,
+        BLOCK_H=block_h,
+        BLOCK_D=block_d,
         num_warps=4 if block_h * block_d >= 2048 else 2,
     )
     return out
@@ -111,7 +144,7 @@ def check_rotary_args(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos
 def apply_rotary(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False, position_offset: int = 0
 ) -> torch.Tensor:
-    """Triton rotary embedding of x (batch, seq, heads, head_dim) with cos/sin rows offset by position_offset."""
+    """Triton rotary embedding of x (batch, seq, heads, head_dim); cos/sin rows offset by position_offset."""
     check_rotary_args(x, cos, sin, position_offset)
     check_same_device(x=x, cos=cos, sin=sin)
     return _RotaryFn.apply(x, cos, sin, bool(interleaved), int(position_offset))

@@ -7,7 +7,7 @@ from torch import nn
 
 import kernels
 from llmtrain.config import JobConfig, ModelConfig, validate
-from llmtrain.models.layers import LayerNorm, Rope, RMSNorm, TransformerBlock, make_norm
+from llmtrain.models.layers import LayerNorm, RMSNorm, Rope, TransformerBlock, make_norm
 from llmtrain.models.registry import get_arch
 
 
@@ -45,6 +45,12 @@ class CausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         if self.embed_positions is not None:
             if position_ids is None:
+                n_pos = self.embed_positions.num_embeddings
+                if input_ids.shape[1] > n_pos:
+                    raise ValueError(
+                        f"a sequence of {input_ids.shape[1]} tokens exceeds the {n_pos} learned positions; "
+                        "raise model.max_position_embeddings"
+                    )
                 position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
             x = x + self.embed_positions(position_ids)
         return self.embed_dropout(x)
@@ -55,7 +61,7 @@ class CausalLM(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
     ) -> Rope:
-        """Rotary (cos, sin), each (s, head_dim) in the layout kernels.apply_rotary expects; None without rotary.
+        """Rotary (cos, sin), each (s, head_dim) as kernels.apply_rotary takes them; None without rotary.
 
         `positions` is a sequence length (positions 0..s-1) or 1-D position ids. Half layout repeats
         the s x d/2 angles as [angles, angles], interleaved as [a0, a0, a1, a1, ...] (ERNIE).
@@ -73,7 +79,9 @@ class CausalLM(nn.Module):
         return self._rope_from_positions(positions.to(device) if device is not None else positions, dtype)
 
     @torch.no_grad()
-    def _rope_from_positions(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rope_from_positions(
+        self, pos: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         d = self.config.head_size
         # Same expression as transformers' default rope (fp32 angles), so cos/sin match bit for bit.
         inv_freq = 1.0 / (self.config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float) / d))

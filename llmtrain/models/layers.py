@@ -83,7 +83,7 @@ class Attention(nn.Module):
         return self.o_proj(context.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal attention of (b, heads, s, d) queries over (b, kv_heads, s, d) keys/values -> (b, heads, s, d)."""
+        """Causal attention: q (b, heads, s, d), k/v (b, kv_heads, s, d) -> context (b, heads, s, d)."""
         if self.training and self.dropout_p > 0:
             # kernels.flash_attention has no dropout; attention dropout is a rarely used pretraining option.
             return F.scaled_dot_product_attention(

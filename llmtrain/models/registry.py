@@ -43,11 +43,19 @@ def get_arch(name: str) -> ArchSpec:
     try:
         return ARCHS[name]
     except KeyError:
-        raise ValueError(f"model.arch={name!r} is not a registered architecture; choose one of {sorted(ARCHS)}") from None
+        raise ValueError(
+            f"model.arch={name!r} is not a registered architecture; choose one of {sorted(ARCHS)}"
+        ) from None
 
 
-register_arch(ArchSpec("gpt", norm="layernorm", mlp="gelu", rotary="none", learned_positions=True, rope_fp32=False))
-register_arch(ArchSpec("llama", norm="rmsnorm", mlp="swiglu", rotary="half", learned_positions=False, rope_fp32=False))
 register_arch(
-    ArchSpec("ernie", norm="rmsnorm", mlp="swiglu", rotary="interleaved", learned_positions=False, rope_fp32=True)
+    ArchSpec("gpt", norm="layernorm", mlp="gelu", rotary="none", learned_positions=True, rope_fp32=False)
+)
+register_arch(
+    ArchSpec("llama", norm="rmsnorm", mlp="swiglu", rotary="half", learned_positions=False, rope_fp32=False)
+)
+register_arch(
+    ArchSpec(
+        "ernie", norm="rmsnorm", mlp="swiglu", rotary="interleaved", learned_positions=False, rope_fp32=True
+    )
 )

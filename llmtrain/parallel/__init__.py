@@ -1,0 +1,43 @@
+"""Tensor, sequence and data parallelism, the distributed optimizer and activation recomputation."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from llmtrain.config.schema import JobConfig
+from llmtrain.parallel.data_parallel import GradBuffers, apply_dp, grad_sync
+from llmtrain.parallel.launch import init_distributed
+from llmtrain.parallel.optimizer import ModelOptimizer, StepStats, build_optimizer
+from llmtrain.parallel.random import RNGTracker
+from llmtrain.parallel.recompute import apply_recompute, saved_activation_bytes
+from llmtrain.parallel.tensor_parallel import apply_tp, gather_full_state_dict, vocab_parallel_cross_entropy
+from llmtrain.parallel.topology import Topology
+
+
+def parallelize(model: nn.Module, topo: Topology, job: JobConfig) -> nn.Module:
+    """apply_tp -> apply_recompute -> apply_dp, in place. With pp > 1 the pipeline splits stages first and
+    apply_dp runs per stage (build_optimizer installs it on the module it is given)."""
+    apply_tp(model, topo, job.parallel.sequence_parallel, job.train.seed)
+    apply_recompute(model, job.model.recompute)
+    if topo.pp == 1:
+        apply_dp(model, topo, job.train.precision, job.parallel.zero_stage, job.parallel.dp_bucket_mb)
+    return model
+
+
+__all__ = [
+    "GradBuffers",
+    "ModelOptimizer",
+    "RNGTracker",
+    "StepStats",
+    "Topology",
+    "apply_dp",
+    "apply_recompute",
+    "apply_tp",
+    "build_optimizer",
+    "gather_full_state_dict",
+    "grad_sync",
+    "init_distributed",
+    "parallelize",
+    "saved_activation_bytes",
+    "vocab_parallel_cross_entropy",
+]

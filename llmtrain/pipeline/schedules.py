@@ -8,11 +8,11 @@ Layout. The model is cut into ``pp * virtual_stages`` consecutive stages; rank `
 
 Actions. ``F`` forward, ``B`` full backward, or for zero-bubble schedules ``I`` (input gradient, what the
 previous stage waits for) and ``W`` (weight gradient, deferrable). Each compute action is surrounded by the
-transfers it implies: ``RECV_F`` (the input activation) right before a forward of a stage > 0, ``SEND_F`` right
-after a forward of a stage below the last, ``RECV_B`` (the output gradient) right before a backward/``I`` of
-a stage below the last, ``SEND_B`` right after a backward/``I`` of a stage > 0. Transfers between chunks on
-the same rank (``pp = 1``) are local and get no actions. Consecutive transfers form one batch for the
-executor (e.g. Megatron's ``send_forward_recv_backward``).
+transfers it implies: ``RECV_F`` (the input activation) right before a forward of a stage > 0, ``SEND_F``
+right after a forward of a stage below the last, ``RECV_B`` (the output gradient) right before a
+backward/``I`` of a stage below the last, ``SEND_B`` right after a backward/``I`` of a stage > 0.
+Transfers between chunks on the same rank (``pp = 1``) are local and get no actions. Consecutive transfers
+form one batch for the executor (e.g. Megatron's ``send_forward_recv_backward``).
 """
 
 from __future__ import annotations
@@ -147,21 +147,16 @@ def _one_f_one_b(pp: int, m: int, v: int) -> list[list[tuple[str, int, int]]]:
     return order
 
 
-def _interleaved_table(m: int, v: int, group: int) -> list[tuple[int, int]]:
-    """Megatron's (microbatch, chunk) order of forwards: groups of ``group`` micro-batches run through every
-    chunk before the next group starts; the remainder of m / group joins the last group."""
-    table: list[tuple[int, int]] = []
-    for first in range(0, m, group):
-        end = m if first + 2 * group > m else first + group
-        table += [(mb, c) for c in range(v) for mb in range(first, end)]
-        if end == m:
-            break
-    return table
+def _interleaved_groups(m: int, group: int) -> list[range]:
+    """Micro-batches in groups of ``group`` (Megatron's microbatch_group_size_per_vp_stage = pp); the
+    remainder m % group joins the last group, so no group is smaller than the pipeline."""
+    starts = list(range(0, m - m % group if m >= group else m, group)) or [0]
+    return [range(s, starts[i + 1] if i + 1 < len(starts) else m) for i, s in enumerate(starts)]
 
 
 def _interleaved(pp: int, m: int, v: int) -> list[list[tuple[str, int, int]]]:
     """Megatron's interleaved 1F1B (Narayanan et al. 2021): v chunks per rank, warm-up
-    2*(pp-rank-1) + (v-1)*pp forwards, backwards visiting chunks in reverse."""
+    2*(pp-rank-1) + (v-1)*pp forwards (more when m % pp != 0), backwards visiting chunks in reverse."""
     if v == 1:
         return _one_f_one_b(pp, m, v)
     if m < pp:
@@ -170,11 +165,15 @@ def _interleaved(pp: int, m: int, v: int) -> list[list[tuple[str, int, int]]]:
             f"train.global_batch_size / (train.micro_batch_size * dp) to >= {pp}, lower parallel.pp, or use "
             "parallel.schedule=1f1b with parallel.virtual_stages=1"
         )
-    table = _interleaved_table(m, v, pp)
+    groups = _interleaved_groups(m, pp)
+    # Forwards run group by group through every chunk; the backward of chunk v-1-c follows that of c, so a
+    # rank must run ahead by (v-1) * the largest group, plus the 2*(pp-rank-1) of the round trip.
+    table = [(mb, c) for g in groups for c in range(v) for mb in g]
+    largest = max(len(g) for g in groups)
     total = m * v
     order = []
     for rank in range(pp):
-        warmup = min(2 * (pp - rank - 1) + (v - 1) * pp, total)
+        warmup = min(2 * (pp - rank - 1) + (v - 1) * largest, total)
         fwd = [(F, mb, c) for mb, c in table]
         bwd = [(B, mb, v - 1 - c) for mb, c in table]
         seq = fwd[:warmup]
@@ -186,27 +185,21 @@ def _interleaved(pp: int, m: int, v: int) -> list[list[tuple[str, int, int]]]:
 
 
 def _zb_h1(pp: int, m: int, v: int) -> list[list[tuple[str, int, int]]]:
-    """ZB-H1 (Qi et al. 2023): 1F1B with the backward split into I and W; rank r defers its W passes by r
-    micro-batches so every rank holds at most pp micro-batches (1F1B's peak) while the deferred W fill the
-    cool-down bubble. Bubble (pp-1)(T_F + T_I - T_W), a third of 1F1B's when T_F = T_I = T_W."""
+    """ZB-H1 (Qi et al. 2023): 1F1B with the backward split into I and W, rank r running W(i - r) after
+    I(i). Deferring W by r micro-batches makes every rank hold at most pp micro-batches (1F1B's peak, on rank
+    0) while the deferred W fill the cool-down; bubble (pp-1)(T_F + T_I - T_W), a third of 1F1B's when
+    T_F = T_I = T_W."""
     order = []
     for rank in range(pp):
         warmup = min(pp - rank - 1, m)
         seq = [(F, i, 0) for i in range(warmup)]
-        next_w = 0
-        for i in range(m - warmup):
-            seq += [(F, warmup + i, 0), (I, i, 0)]
-            if i - rank >= 0:
-                seq.append((W, next_w, 0))
-                next_w += 1
-        for i in range(m - warmup, m):
+        for i in range(m):
+            if warmup + i < m:
+                seq.append((F, warmup + i, 0))
             seq.append((I, i, 0))
-            # In the cool-down a rank still receives gradients at the pace of the ranks after it; one
-            # deferred W per I keeps it busy while it waits, the rest run at the end.
-            if next_w < i - rank + 1 and next_w <= i:
-                seq.append((W, next_w, 0))
-                next_w += 1
-        seq += [(W, i, 0) for i in range(next_w, m)]
+            if i >= rank:
+                seq.append((W, i - rank, 0))
+        seq += [(W, i, 0) for i in range(max(0, m - rank), m)]
         order.append(seq)
     return order
 
@@ -234,8 +227,8 @@ def build_schedule(name: str, pp: int, num_microbatches: int, virtual_stages: in
         raise ConfigError(f"parallel.virtual_stages must be at least 1; got {virtual_stages}")
     if virtual_stages > 1 and name != "interleaved_1f1b":
         raise ConfigError(
-            f"parallel.virtual_stages={virtual_stages} needs parallel.schedule=interleaved_1f1b (got {name}); "
-            "set virtual_stages=1 or change the schedule"
+            f"parallel.virtual_stages={virtual_stages} needs parallel.schedule=interleaved_1f1b "
+            f"(got {name}); set virtual_stages=1 or change the schedule"
         )
     order = _GENERATORS[name](pp, num_microbatches, virtual_stages)
     return Schedule(name, pp, num_microbatches, virtual_stages, _with_transfers(pp, virtual_stages, order))

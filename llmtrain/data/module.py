@@ -1,0 +1,174 @@
+"""`build_data`: what the trainer calls to get tokens (contract E), resharding-safe by construction.
+
+Global batch b is samples [c + b*G, c + (b+1)*G) of one fixed global order (c = consumed samples at
+start, G = global batch size); data-parallel rank r of D reads the r-th of D equal slices. The order
+depends only on the seed and the data, so a run resumed with another D continues exactly.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from llmtrain.config.schema import JobConfig
+from llmtrain.data.cache import file_identity, fingerprint, locked
+from llmtrain.data.corpus import prepare_corpus
+from llmtrain.data.errors import DataError
+from llmtrain.data.gpt_dataset import BlendedDataset, GPTDataset, split_ranges
+from llmtrain.data.indexed import IndexedDataset, bin_path
+from llmtrain.data.tokenizer import Tokenizer, load_tokenizer
+
+
+def entropy_nats(counts: np.ndarray) -> float:
+    """Entropy in nats of the distribution proportional to `counts`."""
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())
+
+
+def slice_of_batch(global_batch_size: int, dp_rank: int, dp_size: int) -> tuple[int, int]:
+    """[start, stop) of rank dp_rank's share within a global batch."""
+    if dp_size < 1 or not 0 <= dp_rank < dp_size:
+        raise DataError(f"dp_rank={dp_rank} must lie in [0, dp_size={dp_size})")
+    if global_batch_size % dp_size:
+        raise DataError(
+            f"train.global_batch_size={global_batch_size} is not divisible by the data-parallel size "
+            f"{dp_size}; "
+            "make it a multiple"
+        )
+    per_rank = global_batch_size // dp_size
+    return dp_rank * per_rank, (dp_rank + 1) * per_rank
+
+
+class DataModule:
+    """Tokenizer, entropy baseline and this rank's batches of the train and valid splits."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        train: GPTDataset | BlendedDataset,
+        valid: GPTDataset | BlendedDataset | None,
+        global_batch_size: int,
+        dp_rank: int,
+        dp_size: int,
+        unigram_entropy: float,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size: int = tokenizer.vocab_size
+        self.unigram_entropy = unigram_entropy
+        self.train, self.valid = train, valid
+        self.global_batch_size = global_batch_size
+        self._lo, self._hi = slice_of_batch(global_batch_size, dp_rank, dp_size)
+
+    def _batch(self, source: GPTDataset | BlendedDataset, first: int) -> torch.Tensor:
+        source.prepare(first + self.global_batch_size)
+        rows = [source[first + i] for i in range(self._lo, self._hi)]
+        return torch.from_numpy(np.stack(rows))
+
+    def train_batches(self, consumed_samples: int = 0) -> Iterator[torch.Tensor]:
+        """Endless: this rank's slice (global_batch/dp, seq+1) of each global batch after consumed_samples."""
+        first = consumed_samples
+        while True:
+            yield self._batch(self.train, first)
+            first += self.global_batch_size
+
+    def eval_batches(self, num_batches: int) -> Iterator[torch.Tensor]:
+        """The first num_batches global batches of the valid split (this rank's slices), same every call."""
+        if self.valid is None:
+            raise DataError("the valid split is empty; give it a share in data.split (e.g. 98,2,0)")
+        for b in range(num_batches):
+            yield self._batch(self.valid, b * self.global_batch_size)
+
+
+def _unigram_counts(ds: GPTDataset, vocab_size: int, cache_dir: Path) -> np.ndarray:
+    key = fingerprint("counts", file_identity(bin_path(ds.indexed.prefix)), ds.first, ds.last, vocab_size)
+    path = cache_dir / f"counts-{key}.npy"
+    with locked(path):
+        if path.exists():
+            return np.load(path)
+        counts = ds.token_counts(vocab_size)
+        tmp = path.with_name(path.stem + ".tmp.npy")
+        np.save(tmp, counts)
+        os.replace(tmp, path)
+    return counts
+
+
+def _check_dtype(indexed: IndexedDataset, tokenizer: Tokenizer) -> None:
+    dt = indexed.dtype
+    if dt.kind not in "iu":
+        raise DataError(f"{bin_path(indexed.prefix)} holds {dt} values, not token ids; regenerate it")
+    if tokenizer.vocab_size - 1 > np.iinfo(dt).max:
+        raise DataError(
+            f"{bin_path(indexed.prefix)} stores tokens as {dt} (ids up to {np.iinfo(dt).max}) but the "
+            "tokenizer "
+            f"has {tokenizer.vocab_size} tokens: the dataset was written with another tokenizer; re-run "
+            "tools/preprocess_data.py with this tokenizer or set data.tokenizer to the one it was built with"
+        )
+
+
+def build_data(job: JobConfig, dp_rank: int = 0, dp_size: int = 1) -> DataModule:
+    """The DataModule of `job` for data-parallel rank dp_rank of dp_size (prepares caches on first use)."""
+    d, m, t = job.data, job.model, job.train
+    slice_of_batch(t.global_batch_size, dp_rank, dp_size)  # fail early on an indivisible batch
+    cache = Path(os.path.expanduser(d.cache_dir))
+    if d.prefixes:
+        if not d.tokenizer:
+            raise DataError(
+                "data.prefixes needs data.tokenizer: set it to the tokenizer the data was built with"
+            )
+        tokenizer, prefixes = load_tokenizer(d.tokenizer), list(d.prefixes)
+    else:
+        corpus = prepare_corpus(d.corpus, cache, m.vocab_size, d.tokenizer)
+        tokenizer, prefixes = load_tokenizer(corpus.tokenizer), [corpus.prefix]
+    if tokenizer.vocab_size > m.vocab_size:
+        raise DataError(
+            f"model.vocab_size={m.vocab_size} is smaller than the tokenizer's vocabulary "
+            f"({tokenizer.vocab_size} tokens, {d.tokenizer or 'trained on the corpus'}); "
+            f"set model.vocab_size >= {tokenizer.vocab_size}"
+        )
+    if d.weights and len(d.weights) != len(prefixes):
+        raise DataError(
+            f"data.weights has {len(d.weights)} entries but data.prefixes has {len(prefixes)}; "
+            "give one weight per prefix (or none for proportional to size)"
+        )
+    index_cache = cache / "index"
+    trains, valids, counts = [], [], []
+    for prefix in prefixes:
+        indexed = IndexedDataset(os.path.expanduser(prefix))
+        _check_dtype(indexed, tokenizer)
+        tr, va, _ = split_ranges(len(indexed), d.split)
+        trains.append(GPTDataset(indexed, tr, m.seq_length, t.seed, index_cache, "train"))
+        if va[1] > va[0] and indexed.sequence_lengths[va[0] : va[1]].sum() > 0:
+            valids.append(GPTDataset(indexed, va, m.seq_length, t.seed, index_cache, "valid"))
+        c = _unigram_counts(trains[-1], tokenizer.vocab_size, index_cache)
+        max_id = int(np.flatnonzero(c)[-1])
+        if max_id >= tokenizer.vocab_size:
+            raise DataError(
+                f"{bin_path(indexed.prefix)} contains token id {max_id} but the tokenizer has "
+                f"{tokenizer.vocab_size} tokens: the dataset was written with another tokenizer; set "
+                "data.tokenizer to that one or re-run tools/preprocess_data.py with this one"
+            )
+        counts.append(np.pad(c, (0, m.vocab_size - len(c))))
+    weights = list(d.weights) if d.weights else [float(ds.tokens_per_epoch) for ds in trains]
+    mixture = sum(w / sum(weights) * c / c.sum() for w, c in zip(weights, counts, strict=True))
+    train = trains[0] if len(trains) == 1 else BlendedDataset(trains, weights)
+    valid = None
+    if len(valids) == 1:
+        valid = valids[0]
+    elif valids:  # blend the valid splits by size: the weights describe the training mixture
+        valid = BlendedDataset(valids, [float(v.tokens_per_epoch) for v in valids])
+    if valid is None and t.eval_interval > 0:
+        raise DataError(
+            f"data.split={d.split!r} leaves the valid split without tokens (datasets of "
+            f"{[len(x.indexed) for x in trains]} documents) but train.eval_interval={t.eval_interval}; "
+            "give valid a larger share (at least one document) or set train.eval_interval=0"
+        )
+    train.prepare(t.steps * t.global_batch_size)
+    if valid is not None:
+        valid.prepare(max(1, t.eval_batches) * t.global_batch_size)
+    return DataModule(
+        tokenizer, train, valid, t.global_batch_size, dp_rank, dp_size, entropy_nats(np.asarray(mixture))
+    )

@@ -1,0 +1,533 @@
+"""Hugging Face interop: config translation, per-architecture weight-name mapping, load and save.
+
+Two directory formats:
+- llmtrain: `llmtrain_config.yaml` (`model:` section, readable by llmtrain.config.load) + `model.safetensors`
+  with llmtrain parameter names (a tied lm_head is not stored).
+- Hugging Face: `config.json` + `model.safetensors` (or a sharded `model.safetensors.index.json`), as
+  `transformers`' GPT2LMHeadModel / LlamaForCausalLM / Ernie4_5ForCausalLM write and read them.
+The conversion is pure renaming, transposing, splitting and concatenating, so round trips are bitwise.
+transformers itself is not needed here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from safetensors.torch import load_file, save_file
+
+from llmtrain.config import ConfigError, ModelConfig
+from llmtrain.config.loader import from_dict
+from llmtrain.models.causal_lm import CausalLM, check_config, empty_model
+
+LLMTRAIN_CONFIG = "llmtrain_config.yaml"
+HF_CONFIG = "config.json"
+WEIGHTS = "model.safetensors"
+HF_INDEX = "model.safetensors.index.json"
+
+MODEL_TYPE_TO_ARCH = {"gpt2": "gpt", "llama": "llama", "ernie4_5": "ernie"}
+ARCH_TO_MODEL_TYPE = {v: k for k, v in MODEL_TYPE_TO_ARCH.items()}
+HF_CLASSES = {"gpt": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "ernie": "Ernie4_5ForCausalLM"}
+# GPT-2's "gelu_new" and these aliases are all the tanh approximation our GPT MLP computes.
+GELU_TANH = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast", "gelu_python_tanh")
+# Buffers some checkpoints carry (GPT-2 causal masks, old LLaMA inv_freq): recomputed, not loaded.
+IGNORED_HF_KEYS = re.compile(r"(\.attn\.(masked_)?bias|\.rotary_emb\.inv_freq)$")
+
+Tensors = dict[str, torch.Tensor]
+
+
+# ---------------------------------------------------------------- configs
+
+
+def from_hf_config(hf_config: Mapping[str, Any] | Any) -> ModelConfig:
+    """ModelConfig of a transformers config (object or config.json dict) of gpt2, llama or ernie4_5."""
+    hf = dict(hf_config) if isinstance(hf_config, Mapping) else hf_config.to_dict()
+    model_type = hf.get("model_type")
+    if model_type not in MODEL_TYPE_TO_ARCH:
+        raise ValueError(
+            f"model_type={model_type!r} is not supported; supported Hugging Face model types: "
+            f"{', '.join(MODEL_TYPE_TO_ARCH)}"
+        )
+    arch = MODEL_TYPE_TO_ARCH[model_type]
+    if arch == "gpt":
+        fields = _gpt2_fields(hf)
+    else:
+        fields = _llama_like_fields(hf, arch)
+    heads, hidden = fields["num_attention_heads"], fields["hidden_size"]
+    if fields.get("num_kv_heads") == heads:
+        fields["num_kv_heads"] = None
+    if fields.get("head_dim") is not None and hidden % heads == 0 and fields["head_dim"] == hidden // heads:
+        fields["head_dim"] = None
+    fields["seq_length"] = min(ModelConfig.seq_length, fields["max_position_embeddings"])
+    cfg = ModelConfig(arch=arch, **fields)
+    check_config(cfg)
+    return cfg
+
+
+def _gpt2_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    act = hf.get("activation_function", "gelu_new")
+    if act not in GELU_TANH:
+        raise ValueError(
+            f"gpt2 activation_function={act!r} is not supported; llmtrain's GPT uses gelu_new (tanh)"
+        )
+    for key, want in (
+        ("scale_attn_weights", True),
+        ("scale_attn_by_inverse_layer_idx", False),
+        ("add_cross_attention", False),
+    ):
+        if hf.get(key, want) != want:
+            raise ValueError(f"gpt2 {key}={hf[key]!r} is not supported; llmtrain's GPT needs {key}={want}")
+    return {
+        "num_layers": hf.get("n_layer", 12),
+        "hidden_size": hf.get("n_embd", 768),
+        "num_attention_heads": hf.get("n_head", 12),
+        "ffn_hidden_size": hf.get("n_inner"),
+        "vocab_size": hf.get("vocab_size", 50257),
+        "max_position_embeddings": hf.get("n_positions", 1024),
+        "norm_eps": hf.get("layer_norm_epsilon", 1e-5),
+        "hidden_dropout": float(hf.get("resid_pdrop", 0.1)),
+        "attention_dropout": float(hf.get("attn_pdrop", 0.1)),
+        "init_std": hf.get("initializer_range", 0.02),
+        "tie_word_embeddings": hf.get("tie_word_embeddings", True),
+        "use_bias": True,
+    }
+
+
+def _llama_like_fields(hf: dict[str, Any], arch: str) -> dict[str, Any]:
+    model_type = hf["model_type"]
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(
+            f"{model_type} hidden_act={act!r} is not supported; llmtrain's {arch} uses silu (SwiGLU)"
+        )
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default" or rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(
+            f"{model_type} rope {rope!r} is not supported; llmtrain implements the default full-width "
+            "rotary only"
+        )
+    if arch == "llama":
+        bias = hf.get("attention_bias", False)
+        if hf.get("mlp_bias", False) != bias:
+            raise ValueError(
+                f"llama attention_bias={bias} with mlp_bias={hf.get('mlp_bias')} is not supported; "
+                "llmtrain's use_bias covers both"
+            )
+        defaults = {"eps": 1e-6, "theta": 10000.0, "tie": False, "max_pos": 2048, "head_dim": None}
+    else:
+        bias = hf.get("use_bias", False)
+        defaults = {"eps": 1e-5, "theta": 500000.0, "tie": True, "max_pos": 131072, "head_dim": 128}
+    heads = hf.get("num_attention_heads", 32)
+    return {
+        "num_layers": hf.get("num_hidden_layers", 32),
+        "hidden_size": hf.get("hidden_size", 4096),
+        "num_attention_heads": heads,
+        "num_kv_heads": hf.get("num_key_value_heads") or heads,
+        "head_dim": hf.get("head_dim", defaults["head_dim"]),
+        "ffn_hidden_size": hf.get("intermediate_size", 11008),
+        "vocab_size": hf.get("vocab_size", 32000),
+        "max_position_embeddings": hf.get("max_position_embeddings", defaults["max_pos"]),
+        "norm_eps": hf.get("rms_norm_eps", defaults["eps"]),
+        "rope_theta": float(rope.get("rope_theta", hf.get("rope_theta", defaults["theta"]))),
+        "attention_dropout": float(hf.get("attention_dropout", 0.0) or 0.0),
+        "init_std": hf.get("initializer_range", 0.02),
+        "tie_word_embeddings": hf.get("tie_word_embeddings", defaults["tie"]),
+        "use_bias": bias,
+    }
+
+
+def to_hf_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """The config.json dict of the transformers model equivalent to `cfg` (error if none is)."""
+    check_config(cfg)
+    common = {
+        "architectures": [HF_CLASSES[cfg.arch]],
+        "model_type": ARCH_TO_MODEL_TYPE[cfg.arch],
+        "vocab_size": cfg.vocab_size,
+        "initializer_range": cfg.init_std,
+        "tie_word_embeddings": cfg.tied_embeddings,
+        "dtype": str(dtype).removeprefix("torch."),
+        # Token ids belong to the tokenizer, which a model config does not know.
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "pad_token_id": None,
+    }
+    if cfg.arch == "gpt":
+        if (
+            cfg.kv_heads != cfg.num_attention_heads
+            or cfg.head_size * cfg.num_attention_heads != cfg.hidden_size
+        ):
+            raise ValueError(
+                "GPT-2 in transformers has no grouped-query attention or free head_dim; "
+                "set model.num_kv_heads and model.head_dim to null to convert this gpt model"
+            )
+        if not cfg.bias:
+            raise ValueError(
+                "GPT-2 in transformers always has biases; set model.use_bias to true to convert it"
+            )
+        return common | {
+            "n_layer": cfg.num_layers,
+            "n_embd": cfg.hidden_size,
+            "n_head": cfg.num_attention_heads,
+            "n_inner": cfg.ffn_hidden_size,  # null means 4 * n_embd in both
+            "n_positions": cfg.max_positions,
+            "layer_norm_epsilon": cfg.norm_eps,
+            # The exact function our GPT MLP computes (gelu_new is the same curve, rounded differently).
+            "activation_function": "gelu_pytorch_tanh",
+            "resid_pdrop": cfg.hidden_dropout,
+            "embd_pdrop": cfg.hidden_dropout,
+            "attn_pdrop": cfg.attention_dropout,
+        }
+    fields = {
+        "num_hidden_layers": cfg.num_layers,
+        "hidden_size": cfg.hidden_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.kv_heads,
+        "head_dim": cfg.head_size,
+        "intermediate_size": cfg.ffn_size,
+        "max_position_embeddings": cfg.max_positions,
+        "rms_norm_eps": cfg.norm_eps,
+        "hidden_act": "silu",
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_theta": cfg.rope_theta,  # where transformers < 5 reads it
+    }
+    if cfg.arch == "llama":
+        fields |= {
+            "attention_bias": cfg.bias,
+            "mlp_bias": cfg.bias,
+            "attention_dropout": cfg.attention_dropout,
+        }
+    else:
+        fields |= {"use_bias": cfg.bias}
+    return common | fields
+
+
+# ---------------------------------------------------------------- weight-name mapping
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rule:
+    """Hugging Face tensors `hf` <-> llmtrain tensors `ours`, with the exact (lossless) maps both ways."""
+
+    hf: tuple[str, ...]
+    ours: tuple[str, ...]
+    to_ours: Callable[[list[torch.Tensor]], list[torch.Tensor]]
+    to_hf: Callable[[list[torch.Tensor]], list[torch.Tensor]]
+
+
+def _same(ts: list[torch.Tensor]) -> list[torch.Tensor]:
+    return ts
+
+
+def _transpose(ts: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [ts[0].t().contiguous()]
+
+
+def _concat(ts: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [torch.cat(ts, dim=0)]
+
+
+def _splitter(parts: int) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
+    return lambda ts: [t.contiguous() for t in ts[0].chunk(parts, dim=0)]
+
+
+def _qkv_from_conv1d(ts: list[torch.Tensor]) -> list[torch.Tensor]:
+    # GPT-2's Conv1D stores (in, out); c_attn's out columns are [q | k | v].
+    return [t.t().contiguous() for t in ts[0].chunk(3, dim=1)]
+
+
+def _qkv_to_conv1d(ts: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [torch.cat(ts, dim=0).t().contiguous()]
+
+
+def _rename(hf: str, ours: str) -> _Rule:
+    return _Rule((hf,), (ours,), _same, _same)
+
+
+def mapping(cfg: ModelConfig) -> list[_Rule]:
+    """The weight-name mapping of `cfg`'s architecture, in llmtrain parameter order."""
+    rules: list[_Rule] = []
+    b = cfg.bias
+    if cfg.arch == "gpt":
+        rules += [
+            _rename("transformer.wte.weight", "embed_tokens.weight"),
+            _rename("transformer.wpe.weight", "embed_positions.weight"),
+        ]
+        for i in range(cfg.num_layers):
+            h, o = f"transformer.h.{i}.", f"layers.{i}."
+            qkv = tuple(f"{o}attn.{p}_proj" for p in "qkv")
+            rules += [
+                _rename(f"{h}ln_1.weight", f"{o}input_norm.weight"),
+                _rename(f"{h}ln_1.bias", f"{o}input_norm.bias"),
+                _Rule(
+                    (f"{h}attn.c_attn.weight",),
+                    tuple(f"{n}.weight" for n in qkv),
+                    _qkv_from_conv1d,
+                    _qkv_to_conv1d,
+                ),
+                _Rule((f"{h}attn.c_attn.bias",), tuple(f"{n}.bias" for n in qkv), _splitter(3), _concat),
+                _Rule((f"{h}attn.c_proj.weight",), (f"{o}attn.o_proj.weight",), _transpose, _transpose),
+                _rename(f"{h}attn.c_proj.bias", f"{o}attn.o_proj.bias"),
+                _rename(f"{h}ln_2.weight", f"{o}post_attn_norm.weight"),
+                _rename(f"{h}ln_2.bias", f"{o}post_attn_norm.bias"),
+                _Rule((f"{h}mlp.c_fc.weight",), (f"{o}mlp.up_proj.weight",), _transpose, _transpose),
+                _rename(f"{h}mlp.c_fc.bias", f"{o}mlp.up_proj.bias"),
+                _Rule((f"{h}mlp.c_proj.weight",), (f"{o}mlp.down_proj.weight",), _transpose, _transpose),
+                _rename(f"{h}mlp.c_proj.bias", f"{o}mlp.down_proj.bias"),
+            ]
+        rules += [
+            _rename("transformer.ln_f.weight", "final_norm.weight"),
+            _rename("transformer.ln_f.bias", "final_norm.bias"),
+        ]
+    else:
+        rules.append(_rename("model.embed_tokens.weight", "embed_tokens.weight"))
+        kinds = ("weight", "bias") if b else ("weight",)
+        for i in range(cfg.num_layers):
+            h, o = f"model.layers.{i}.", f"layers.{i}."
+            rules.append(_rename(f"{h}input_layernorm.weight", f"{o}input_norm.weight"))
+            rules += [
+                _rename(f"{h}self_attn.{p}_proj.{k}", f"{o}attn.{p}_proj.{k}") for p in "qkvo" for k in kinds
+            ]
+            rules.append(_rename(f"{h}post_attention_layernorm.weight", f"{o}post_attn_norm.weight"))
+            rules += [
+                _Rule(
+                    (f"{h}mlp.gate_proj.{k}", f"{h}mlp.up_proj.{k}"),
+                    (f"{o}mlp.gate_up_proj.{k}",),
+                    _concat,
+                    _splitter(2),
+                )
+                for k in kinds
+            ]
+            rules += [_rename(f"{h}mlp.down_proj.{k}", f"{o}mlp.down_proj.{k}") for k in kinds]
+        rules.append(_rename("model.norm.weight", "final_norm.weight"))
+    if not cfg.tied_embeddings:
+        rules.append(_rename("lm_head.weight", "lm_head.weight"))
+    return rules
+
+
+def hf_to_llmtrain_state(
+    cfg: ModelConfig, hf_state: Mapping[str, torch.Tensor], source: str = "state"
+) -> Tensors:
+    """llmtrain tensors (names as in `save_pretrained`) from a Hugging Face state dict of `cfg`."""
+    hf_state = dict(hf_state)
+    if cfg.arch == "gpt":
+        # The original OpenAI checkpoints have no "transformer." prefix.
+        hf_state = {
+            k if k.startswith(("transformer.", "lm_head.")) else f"transformer.{k}": v
+            for k, v in hf_state.items()
+        }
+    for key in [k for k in hf_state if IGNORED_HF_KEYS.search(k)]:
+        del hf_state[key]
+    if cfg.tied_embeddings:
+        hf_state.pop("lm_head.weight", None)  # a tied head duplicates the embedding
+    out: Tensors = {}
+    for rule in mapping(cfg):
+        missing = [n for n in rule.hf if n not in hf_state]
+        if missing:
+            raise ValueError(f"{source}: missing tensor {missing[0]!r} for a {cfg.arch} model of this config")
+        out.update(zip(rule.ours, rule.to_ours([hf_state.pop(n) for n in rule.hf]), strict=True))
+    if hf_state:
+        raise ValueError(
+            f"{source}: unexpected tensors for a {cfg.arch} model of this config: {sorted(hf_state)[:5]}"
+        )
+    return out
+
+
+def llmtrain_to_hf_state(
+    cfg: ModelConfig, state: Mapping[str, torch.Tensor], source: str = "state"
+) -> Tensors:
+    """The Hugging Face state dict (without a tied lm_head, as transformers saves it) of llmtrain tensors."""
+    state = dict(state)
+    if cfg.tied_embeddings:
+        state.pop("lm_head.weight", None)
+    out: Tensors = {}
+    for rule in mapping(cfg):
+        missing = [n for n in rule.ours if n not in state]
+        if missing:
+            raise ValueError(f"{source}: missing tensor {missing[0]!r} for a {cfg.arch} model of this config")
+        out.update(zip(rule.hf, rule.to_hf([state.pop(n) for n in rule.ours]), strict=True))
+    if state:
+        raise ValueError(
+            f"{source}: unexpected tensors for a {cfg.arch} model of this config: {sorted(state)[:5]}"
+        )
+    return out
+
+
+# ---------------------------------------------------------------- directories
+
+
+def read_llmtrain(path: str | os.PathLike) -> tuple[ModelConfig, Tensors]:
+    """(config, tensors) of an llmtrain model directory."""
+    path = Path(path)
+    cfg_file = path / LLMTRAIN_CONFIG
+    raw = yaml.safe_load(cfg_file.read_text())
+    if not isinstance(raw, dict) or not isinstance(raw.get("model"), dict):
+        raise ValueError(f"{cfg_file}: expected a mapping with a 'model' section (a ModelConfig)")
+    try:
+        cfg = from_dict(ModelConfig, raw["model"], "model.")
+        check_config(cfg)
+    except ConfigError as err:
+        raise ValueError(f"{cfg_file}: {err}") from None
+    return cfg, _read_weights(path / WEIGHTS)
+
+
+def read_hf(path: str | os.PathLike) -> tuple[ModelConfig, Tensors]:
+    """(config, Hugging Face-named tensors) of a Hugging Face model directory."""
+    path = Path(path)
+    cfg_file = path / HF_CONFIG
+    try:
+        cfg = from_hf_config(json.loads(cfg_file.read_text()))
+    except (ValueError, ConfigError) as err:
+        raise ValueError(f"{cfg_file}: {err}") from None
+    index = path / HF_INDEX
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        state: Tensors = {}
+        for shard in shards:
+            state.update(_read_weights(path / shard))
+        return cfg, state
+    return cfg, _read_weights(path / WEIGHTS)
+
+
+def _read_weights(file: Path) -> Tensors:
+    if not file.is_file():
+        raise FileNotFoundError(f"{file} does not exist; a model directory needs its safetensors weights")
+    return load_file(file)
+
+
+def detect_format(path: str | os.PathLike) -> str:
+    """'llmtrain' or 'hf' by the config file present, or an error naming the files looked for."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model directory {path} does not exist")
+    if (path / LLMTRAIN_CONFIG).is_file():
+        return "llmtrain"
+    if (path / HF_CONFIG).is_file():
+        return "hf"
+    raise ValueError(
+        f"{path} is neither an llmtrain model directory ({LLMTRAIN_CONFIG} + {WEIGHTS}) "
+        f"nor a Hugging Face one ({HF_CONFIG} + {WEIGHTS})"
+    )
+
+
+def read_any(path: str | os.PathLike) -> tuple[ModelConfig, Tensors]:
+    """(config, llmtrain-named tensors) of either kind of model directory."""
+    if detect_format(path) == "llmtrain":
+        return read_llmtrain(path)
+    cfg, hf_state = read_hf(path)
+    return cfg, hf_to_llmtrain_state(cfg, hf_state, source=str(path))
+
+
+def model_from_state(
+    cfg: ModelConfig,
+    state: Mapping[str, torch.Tensor],
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+) -> CausalLM:
+    """A CausalLM holding `state` (llmtrain names); dtype defaults to the stored one."""
+    dtype = dtype or state["embed_tokens.weight"].dtype
+    model = empty_model(cfg, device).to(dtype)
+    full = dict(state)
+    if cfg.tied_embeddings:
+        full["lm_head.weight"] = full["embed_tokens.weight"]
+    model.load_state_dict(full, strict=True)
+    return model
+
+
+def from_pretrained(
+    path: str | os.PathLike, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+) -> CausalLM:
+    """Load an llmtrain or Hugging Face model directory; eval mode, like transformers' from_pretrained."""
+    cfg, state = read_any(path)
+    return model_from_state(cfg, state, device, dtype).eval()
+
+
+def model_state(model: CausalLM) -> Tensors:
+    """The model's tensors as saved: detached, on CPU, contiguous, a tied lm_head left out."""
+    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    if model.config.tied_embeddings:
+        del state["lm_head.weight"]
+    return state
+
+
+def write_llmtrain(cfg: ModelConfig, state: Mapping[str, torch.Tensor], path: str | os.PathLike) -> None:
+    """Write an llmtrain model directory atomically."""
+    check_config(cfg)
+    with _atomic_dir(path) as tmp:
+        (tmp / LLMTRAIN_CONFIG).write_text(
+            yaml.safe_dump({"model": dataclasses.asdict(cfg)}, sort_keys=False)
+        )
+        save_file(dict(state), tmp / WEIGHTS, metadata={"format": "pt"})
+
+
+def write_hf(cfg: ModelConfig, hf_state: Mapping[str, torch.Tensor], path: str | os.PathLike) -> None:
+    """Write a Hugging Face model directory (config.json + model.safetensors) atomically."""
+    dtype = next(iter(hf_state.values())).dtype
+    hf_config = to_hf_config(cfg, dtype)
+    with _atomic_dir(path) as tmp:
+        (tmp / HF_CONFIG).write_text(json.dumps(hf_config, indent=2) + "\n")
+        save_file(dict(hf_state), tmp / WEIGHTS, metadata={"format": "pt"})
+
+
+def save_pretrained(model: CausalLM, path: str | os.PathLike) -> None:
+    """Save `model` as an llmtrain model directory."""
+    write_llmtrain(model.config, model_state(model), path)
+
+
+def save_hf(model: CausalLM, path: str | os.PathLike) -> None:
+    """Save `model` as a Hugging Face directory that AutoModelForCausalLM.from_pretrained loads."""
+    write_hf(model.config, llmtrain_to_hf_state(model.config, model_state(model)), path)
+
+
+def convert_hf_to_llmtrain(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """Hugging Face directory -> llmtrain directory (tensors renamed, not cast)."""
+    cfg, hf_state = read_hf(src)
+    write_llmtrain(cfg, hf_to_llmtrain_state(cfg, hf_state, source=str(src)), dst)
+
+
+def convert_llmtrain_to_hf(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """llmtrain directory -> Hugging Face directory (tensors renamed, not cast)."""
+    cfg, state = read_llmtrain(src)
+    write_hf(cfg, llmtrain_to_hf_state(cfg, state, source=str(src)), dst)
+
+
+@contextlib.contextmanager
+def _atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary sibling directory to write into; on success it is renamed to `path`.
+
+    An existing `path` is replaced only when it is empty or holds a model written before.
+    """
+    path = Path(path)
+    if path.exists():
+        if not path.is_dir():
+            raise FileExistsError(f"output {path} exists and is not a directory")
+        names = {p.name for p in path.iterdir()}
+        if names and not names & {LLMTRAIN_CONFIG, HF_CONFIG}:
+            raise FileExistsError(
+                f"output {path} is a non-empty directory that holds no model; choose a new path"
+            )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        yield tmp
+        tmp.chmod(0o755)  # mkdtemp makes it private; a model directory is an ordinary one
+        old = None
+        if path.exists():
+            old = path.parent / f".{path.name}.old-{os.getpid()}"
+            os.replace(path, old)
+        os.replace(tmp, path)
+        if old is not None:
+            shutil.rmtree(old)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,214 @@
+"""Data parallelism: parameters and fp32 gradients in flat buffers, reduced bucket by bucket during backward.
+
+Every trainable parameter becomes a view into one flat parameter buffer (model dtype) and gets a `main_grad`
+view into one flat fp32 gradient buffer, in reverse registration order (roughly the order backward produces
+them). A post-accumulate-grad hook per parameter counts the parameters of its bucket; when the last one is in,
+the bucket's reduction (all-reduce for zero_stage 0, reduce-scatter for zero_stage 1) starts asynchronously, so
+communication overlaps the rest of backward. A parameter shared by two modules (tied embeddings) is one
+tensor with one hook, so it is reduced once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from llmtrain.parallel.comm import all_gather_single, reduce_scatter_single
+from llmtrain.parallel.topology import Topology
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class Bucket:
+    """A contiguous range [start, end) of the flat buffers whose reduction is launched as one collective."""
+
+    start: int
+    end: int
+    params: list[nn.Parameter]
+    dp: int
+    pending: int = 0
+    handle: Any = None
+    launched: bool = False
+
+    @property
+    def shard_size(self) -> int:
+        return (self.end - self.start) // self.dp
+
+
+class GradBuffers:
+    """Flat parameter/gradient storage of one model (or pipeline stage) and its bucketed DP reduction."""
+
+    def __init__(self, model: nn.Module, topo: Topology, precision: str, zero_stage: int, bucket_mb: float) -> None:
+        if precision not in _DTYPES:
+            raise ValueError(f"train.precision must be one of {', '.join(_DTYPES)}; got {precision!r}")
+        self.topo = topo
+        self.dp = topo.dp
+        self.dp_group = topo.dp_group
+        self.zero_stage = zero_stage
+        self.dtype = _DTYPES[precision]
+        self.sync_enabled = True
+        names: dict[int, str] = {}
+        for name, p in model.named_parameters():
+            names.setdefault(id(p), name)
+        seen: set[int] = set()
+        params = []
+        for p in model.parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)
+        params.reverse()
+        self.names = {p: names[id(p)] for p in params}
+        bucket_numel = max(1, int(bucket_mb * 2**20 / 4))
+        # Layout: fill buckets in backward order; pad each bucket to a multiple of dp so it splits evenly.
+        self.offsets: dict[nn.Parameter, int] = {}
+        self.buckets: list[Bucket] = []
+        offset, current = 0, []
+        bucket_start = 0
+        for i, p in enumerate(params):
+            self.offsets[p] = offset
+            offset += p.numel()
+            current.append(p)
+            if offset - bucket_start >= bucket_numel or i == len(params) - 1:
+                end = bucket_start + -(-(offset - bucket_start) // self.dp) * self.dp
+                self.buckets.append(Bucket(bucket_start, end, current, self.dp))
+                offset = bucket_start = end
+                current = []
+        self.numel = offset
+        device = params[0].device if params else torch.device("cpu")
+        self.param_buffer = torch.zeros(self.numel, dtype=self.dtype, device=device)
+        self.grad_buffer = torch.zeros(self.numel, dtype=torch.float32, device=device)
+        # Exact fp32 initial values, kept until the optimizer builds its fp32 master copy from them.
+        self.fp32_init: torch.Tensor | None = None
+        if self.dtype != torch.float32:
+            self.fp32_init = torch.zeros(self.numel, dtype=torch.float32, device=device)
+        self.bucket_of: dict[nn.Parameter, Bucket] = {}
+        for bucket in self.buckets:
+            for p in bucket.params:
+                self.bucket_of[p] = bucket
+                view = self._view(self.param_buffer, p)
+                view.copy_(p.data)
+                if self.fp32_init is not None:
+                    self._view(self.fp32_init, p).copy_(p.data)
+                p.data = view
+                p.main_grad = self._view(self.grad_buffer, p)
+                p.register_post_accumulate_grad_hook(self._on_grad)
+        self.params = params
+        self.zero_grad()
+
+    def _view(self, flat: torch.Tensor, p: nn.Parameter) -> torch.Tensor:
+        start = self.offsets[p]
+        return flat[start : start + p.numel()].view(p.shape)
+
+    def zero_grad(self) -> None:
+        """Zero the fp32 gradients and re-arm every bucket."""
+        self.finish(launch=False)
+        self.grad_buffer.zero_()
+        for p in self.params:
+            # fp32 parameters accumulate straight into the buffer (autograd adds in place into .grad).
+            p.grad = p.main_grad if self.dtype == torch.float32 else None
+        for bucket in self.buckets:
+            bucket.pending = len(bucket.params)
+            bucket.launched = False
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if self.dtype != torch.float32:
+            # Low-precision gradient of this micro-batch, accumulated in fp32.
+            p.main_grad.add_(p.grad)
+            p.grad = None
+        if not self.sync_enabled:
+            return
+        bucket = self.bucket_of[p]
+        if bucket.launched:
+            raise RuntimeError(
+                f"gradient of {self.names[p]} arrived after its bucket was reduced: wrap gradient-accumulation "
+                "micro-steps except the last in llmtrain.parallel.grad_sync(model, False)"
+            )
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            self._launch(bucket)
+
+    def _launch(self, bucket: Bucket) -> None:
+        bucket.launched = True
+        if self.dp == 1:
+            return
+        grad = self.grad_buffer[bucket.start : bucket.end]
+        # Pre-divide so the sum is the mean over DP ranks (gloo has no AVG).
+        grad.div_(self.dp)
+        if self.zero_stage == 0:
+            bucket.handle = dist.all_reduce(grad, group=self.dp_group, async_op=True)
+        else:
+            shard = self.shard(grad, bucket)
+            bucket.handle = reduce_scatter_single(shard, grad, group=self.dp_group, async_op=True)
+
+    def shard(self, flat_bucket: torch.Tensor, bucket: Bucket) -> torch.Tensor:
+        """This DP rank's slice of a bucket-sized tensor."""
+        size = bucket.shard_size
+        return flat_bucket[self.topo.dp_rank * size : (self.topo.dp_rank + 1) * size]
+
+    def finish(self, launch: bool = True) -> None:
+        """Launch the buckets still waiting (unused parameters) and wait for every reduction."""
+        for bucket in self.buckets:
+            if launch and not bucket.launched:
+                self._launch(bucket)
+            if bucket.handle is not None:
+                bucket.handle.wait()
+                bucket.handle = None
+
+    def all_gather_params(self) -> None:
+        """After a zero_stage-1 update of this rank's shards, give every DP rank the full parameters."""
+        if self.dp == 1:
+            return
+        handles = []
+        for bucket in self.buckets:
+            flat = self.param_buffer[bucket.start : bucket.end]
+            handles.append(
+                all_gather_single(flat, self.shard(flat, bucket), group=self.dp_group, async_op=True)
+            )
+        for h in handles:
+            h.wait()
+
+    def local_ranges(self) -> list[tuple[nn.Parameter, int, int]]:
+        """(param, buffer start, buffer end) pieces of the parameters this rank updates, in buffer order."""
+        pieces = []
+        for bucket in self.buckets:
+            if self.zero_stage == 0:
+                lo, hi = bucket.start, bucket.end
+            else:
+                lo = bucket.start + self.topo.dp_rank * bucket.shard_size
+                hi = lo + bucket.shard_size
+            for p in bucket.params:
+                start, end = self.offsets[p], self.offsets[p] + p.numel()
+                if max(start, lo) < min(end, hi):
+                    pieces.append((p, max(start, lo), min(end, hi)))
+        return pieces
+
+
+def apply_dp(model: nn.Module, topo: Topology, precision: str = "fp32", zero_stage: int = 0,
+             bucket_mb: float = 25.0) -> nn.Module:
+    """Move the parameters into flat buffers (cast to the compute dtype) and install the bucketed DP hooks."""
+    if getattr(model, "grad_buffers", None) is not None:
+        raise RuntimeError("apply_dp was already applied to this model")
+    model.grad_buffers = GradBuffers(model, topo, precision, zero_stage, bucket_mb)
+    return model
+
+
+@contextlib.contextmanager
+def grad_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
+    """Inside `grad_sync(model, False)` backward only accumulates: no DP communication (accumulation steps)."""
+    buffers: GradBuffers | None = getattr(model, "grad_buffers", None)
+    if buffers is None:
+        yield
+        return
+    previous = buffers.sync_enabled
+    buffers.sync_enabled = enabled
+    try:
+        yield
+    finally:
+        buffers.sync_enabled = previous

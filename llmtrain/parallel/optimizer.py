@@ -1,0 +1,209 @@
+"""The model's optimizer: fp32 master weights, AdamW, loss scaling, global-norm clipping, optional ZeRO-1.
+
+It works on the flat buffers of `data_parallel.GradBuffers`: each rank updates the pieces of the buffer it
+owns (everything for zero_stage 0, its 1/dp shard of every bucket for zero_stage 1). The master weights are
+the parameters themselves in fp32 (no copy), an fp32 copy of the owned pieces in bf16/fp16.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from llmtrain.config.schema import JobConfig
+from llmtrain.parallel.data_parallel import GradBuffers, apply_dp
+from llmtrain.parallel.tensor_parallel import reduce_tp_grads
+from llmtrain.parallel.topology import Topology
+
+# Dynamic loss scaling (fp16): halve on overflow, double after this many clean steps.
+_GROWTH_INTERVAL = 1000
+_MIN_LOSS_SCALE = 1.0
+
+
+@dataclass
+class StepStats:
+    """What one optimizer step did."""
+
+    grad_norm: float
+    skipped: bool
+    loss_scale: float | None
+
+
+def no_weight_decay(name: str, param: nn.Parameter) -> bool:
+    """Norm weights, biases (anything 1-d) and learned position embeddings are not decayed."""
+    return param.ndim < 2 or "embed_positions" in name
+
+
+def _make_adamw(groups: list[dict[str, Any]], job: JobConfig, device: torch.device) -> torch.optim.Optimizer:
+    t = job.train
+    kwargs = dict(lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
+    if device.type == "cuda" and importlib.util.find_spec("apex") is not None:
+        try:
+            from apex.optimizers import FusedAdam
+
+            return FusedAdam(groups, adam_w_mode=True, **kwargs)
+        except (ImportError, RuntimeError):
+            pass  # apex without its CUDA extensions: fall back to torch's own
+    try:
+        return torch.optim.AdamW(groups, fused=True, **kwargs)
+    except (RuntimeError, TypeError, ValueError):
+        return torch.optim.AdamW(groups, foreach=True, **kwargs)
+
+
+class ModelOptimizer:
+    """AdamW over this rank's share of the flat buffers; see the module docstring."""
+
+    def __init__(self, model: nn.Module, topo: Topology, job: JobConfig) -> None:
+        buffers: GradBuffers | None = getattr(model, "grad_buffers", None)
+        if buffers is None:
+            apply_dp(model, topo, job.train.precision, job.parallel.zero_stage, job.parallel.dp_bucket_mb)
+            buffers = model.grad_buffers
+        self.model = model
+        self.buffers = buffers
+        self.topo = topo
+        self.job = job
+        self.precision = job.train.precision
+        self.grad_clip = job.train.grad_clip
+        self.loss_scale: float | None = job.train.initial_loss_scale if self.precision == "fp16" else None
+        self._good_steps = 0
+        pieces = buffers.local_ranges()
+        total = sum(end - start for _, start, end in pieces)
+        # The fp32 master copy of the owned pieces: the parameters themselves in fp32.
+        if buffers.dtype == torch.float32:
+            self.master_flat = None
+            source = buffers.param_buffer
+        else:
+            self.master_flat = torch.empty(total, dtype=torch.float32, device=buffers.param_buffer.device)
+            source = buffers.fp32_init
+        self.masters: list[torch.Tensor] = []
+        self.param_views: list[torch.Tensor] = []
+        self.grads: list[torch.Tensor] = []
+        counted: list[bool] = []
+        decay: list[bool] = []
+        pos = 0
+        for p, start, end in pieces:
+            if self.master_flat is None:
+                master = source[start:end]
+            else:
+                master = self.master_flat[pos : pos + end - start]
+                master.copy_(source[start:end])
+            pos += end - start
+            master.grad = buffers.grad_buffer[start:end]
+            self.masters.append(master)
+            self.param_views.append(buffers.param_buffer[start:end])
+            self.grads.append(master.grad)
+            # A copy another rank also holds (TP-replicated norm weight, replicated kv head, zero_stage 0
+            # replica on dp_rank > 0) adds nothing to the global norm.
+            dup = getattr(p, "duplicate", False) or (buffers.zero_stage == 0 and topo.dp_rank > 0)
+            counted.append(not dup)
+            decay.append(not no_weight_decay(buffers.names[p], p))
+        buffers.fp32_init = None
+        self._counted = [g for g, c in zip(self.grads, counted) if c]
+        self._tp_reduced = [
+            p for p in buffers.params if getattr(p, "sequence_parallel", False) or getattr(p, "kv_replicas", 1) > 1
+        ]
+        wd = job.train.weight_decay
+        groups = [
+            {"params": [m for m, d in zip(self.masters, decay) if d], "weight_decay": wd},
+            {"params": [m for m, d in zip(self.masters, decay) if not d], "weight_decay": 0.0},
+        ]
+        groups = [g for g in groups if g["params"]]
+        device = buffers.param_buffer.device
+        self.optimizer = _make_adamw(groups, job, device) if groups else None
+
+    def zero_grad(self) -> None:
+        """Zero the fp32 gradient buffer (the trainer calls it before the first micro-batch of a step)."""
+        self.buffers.zero_grad()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """loss.backward(), scaled by the loss scale in fp16."""
+        if self.loss_scale is not None:
+            loss = loss * self.loss_scale
+        loss.backward()
+
+    def global_grad_norm(self) -> float:
+        """L2 norm of the full gradient over every TP/PP/DP shard, each element counted once."""
+        if self._counted:
+            sumsq = torch.stack(torch._foreach_norm(self._counted, 2.0)).double().pow(2).sum()
+        else:
+            sumsq = torch.zeros((), dtype=torch.float64, device=self.buffers.grad_buffer.device)
+        if self.topo.world_size > 1:
+            dist.all_reduce(sumsq)
+        return math.sqrt(sumsq.item()) if math.isfinite(sumsq.item()) else float("nan")
+
+    def step(self, lr: float) -> StepStats:
+        """Finish the gradient reduction, unscale, check, clip, update, and publish the new parameters."""
+        self.buffers.finish()
+        reduce_tp_grads(self._tp_reduced, self.topo)
+        if self.loss_scale is not None and self.grads:
+            torch._foreach_mul_(self.grads, 1.0 / self.loss_scale)
+        norm = self.global_grad_norm()
+        scale_used = self.loss_scale
+        if not math.isfinite(norm):
+            # Every rank sees the same non-finite norm (it was all-reduced), so every rank skips.
+            if self.loss_scale is not None:
+                self.loss_scale = max(self.loss_scale / 2, _MIN_LOSS_SCALE)
+                self._good_steps = 0
+            return StepStats(grad_norm=norm, skipped=True, loss_scale=scale_used)
+        if self.grad_clip > 0 and self.grads:
+            # Same coefficient as torch.nn.utils.clip_grad_norm_.
+            coef = min(1.0, self.grad_clip / (norm + 1e-6))
+            if coef < 1.0:
+                torch._foreach_mul_(self.grads, coef)
+        if self.optimizer is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.step()
+        if self.master_flat is not None and self.masters:
+            torch._foreach_copy_(self.param_views, self.masters)
+        if self.buffers.zero_stage == 1:
+            self.buffers.all_gather_params()
+        if self.loss_scale is not None:
+            self._good_steps += 1
+            if self._good_steps % _GROWTH_INTERVAL == 0:
+                self.loss_scale *= 2
+        return StepStats(grad_norm=norm, skipped=False, loss_scale=scale_used)
+
+    def state_bytes(self) -> int:
+        """Bytes this rank holds for the optimizer: fp32 master copy (if separate) plus AdamW states."""
+        total = self.master_flat.numel() * 4 if self.master_flat is not None else 0
+        if self.optimizer is not None:
+            for state in self.optimizer.state.values():
+                total += sum(v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v) and v.ndim)
+        return total
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's optimizer state (its shard under zero_stage 1)."""
+        return {
+            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+            "master": self.master_flat.clone() if self.master_flat is not None else None,
+            "loss_scale": self.loss_scale,
+            "good_steps": self._good_steps,
+            "zero_stage": self.buffers.zero_stage,
+            "dp": self.topo.dp,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a state saved by state_dict on the same layout."""
+        if state["zero_stage"] != self.buffers.zero_stage or state["dp"] != self.topo.dp:
+            raise ValueError(
+                f"optimizer state was saved with zero_stage={state['zero_stage']} dp={state['dp']} but this run has "
+                f"zero_stage={self.buffers.zero_stage} dp={self.topo.dp}; resharding needs the checkpoint converter"
+            )
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        if self.master_flat is not None:
+            self.master_flat.copy_(state["master"])
+        self.loss_scale = state["loss_scale"]
+        self._good_steps = state["good_steps"]
+
+
+def build_optimizer(model: nn.Module, topo: Topology, job: JobConfig) -> ModelOptimizer:
+    """The ModelOptimizer of a (parallelized) model; installs the flat buffers if parallelize did not."""
+    return ModelOptimizer(model, topo, job)

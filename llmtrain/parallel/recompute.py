@@ -1,0 +1,74 @@
+"""Activation recomputation: selective (attention core) or full (whole transformer blocks)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from llmtrain.parallel.random import RNGTracker
+
+MODES = ("none", "selective", "full")
+
+
+def _recomputed(fn: Callable[..., Any], tracker: RNGTracker | None) -> Callable[..., Any]:
+    """`fn` run under torch's checkpoint; the TP RNG tracker is rewound for the recomputation too.
+
+    torch's checkpoint restores the default RNG so dropout masks repeat; dropout under the TP tracker
+    draws from the tracker's own states, which must be rewound to where the forward found them.
+    """
+
+    def call(*args: Any) -> Any:
+        snapshot = tracker.get_states() if tracker is not None else None
+        first = [True]
+
+        def body(*inner: Any) -> Any:
+            if not first[0] and snapshot is not None:
+                after = tracker.get_states()
+                tracker.set_states(snapshot)
+                try:
+                    return fn(*inner)
+                finally:
+                    tracker.set_states(after)
+            first[0] = False
+            return fn(*inner)
+
+        # Reentrant checkpoint keeps its inputs through save_for_backward, so saved-tensor hooks see them.
+        return checkpoint(body, *args, use_reentrant=True, preserve_rng_state=True)
+
+    return functools.wraps(fn)(call)
+
+
+def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
+    """Wrap each block (full) or each attention core (selective) in activation checkpointing, in place."""
+    if mode not in MODES:
+        raise ValueError(f"model.recompute must be one of {', '.join(MODES)}; got {mode!r}")
+    if mode == "none":
+        return model
+    tracker = getattr(model, "tp_rng", None)
+    for block in model.layers:
+        if mode == "full":
+            block.forward = _recomputed(block.forward, tracker)
+        else:
+            block.attn.core = _recomputed(block.attn.core, tracker)
+    return model
+
+
+def saved_activation_bytes(fn: Callable[[], Any], exclude: list[torch.Tensor] | tuple = ()) -> int:
+    """Bytes of distinct storages saved for backward while `fn()` runs (parameters in `exclude` not counted)."""
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in skip:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())

@@ -1,0 +1,428 @@
+"""Tensor and sequence parallelism applied from outside to a plain CausalLM (module names unchanged).
+
+Megatron's layout: q/k/v, gate_up and up projections and the LM head are column-parallel (output features
+split), o_proj and down_proj row-parallel (input features split, outputs summed over TP), the token embedding
+vocab-parallel. The communication sits at the region boundaries: after each norm that feeds a column-parallel
+layer ("enter": identity forward / all-reduce backward, or all-gather along the sequence with sequence
+parallelism) and inside the row-parallel layers ("exit": all-reduce, or reduce-scatter with SP).
+
+Each parameter gets attributes the rest of the package reads:
+  tp_layout: how to reassemble the full tensor ("rows", "cols", "gate_up", ("kv", replicas)) or absent.
+  duplicate: True when another rank holds the same values and counts them in the gradient norm.
+  sequence_parallel: its gradient is partial per TP rank (SP regions) and is summed over TP before the update.
+  kv_replicas: a kv-head slice held by `kv_replicas` consecutive TP ranks; their gradients are summed.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from llmtrain.config.errors import ConfigError
+from llmtrain.parallel.comm import all_gather_single, reduce_scatter_single
+from llmtrain.parallel.random import RNGTracker
+from llmtrain.parallel.topology import Topology
+
+
+def _group_size(group: Any) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _all_gather_dim(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+    size = _group_size(group)
+    if size == 1:
+        return x
+    moved = x.movedim(dim, 0).contiguous()
+    out = moved.new_empty((size * moved.shape[0], *moved.shape[1:]))
+    all_gather_single(out, moved, group=group)
+    return out.movedim(0, dim)
+
+
+def _reduce_scatter_dim(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+    size = _group_size(group)
+    if size == 1:
+        return x
+    moved = x.movedim(dim, 0).contiguous()
+    if moved.shape[0] % size:
+        raise ValueError(f"sequence length {moved.shape[0]} is not divisible by the TP size {size}")
+    out = moved.new_empty((moved.shape[0] // size, *moved.shape[1:]))
+    reduce_scatter_single(out, moved, group=group)
+    return out.movedim(0, dim)
+
+
+def _all_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:
+    if _group_size(group) == 1:
+        return x
+    x = x.contiguous().clone()
+    dist.all_reduce(x, group=group)
+    return x
+
+
+class _CopyToRegion(torch.autograd.Function):
+    """Identity forward, all-reduce of the gradient backward (entering a TP region without SP)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    """All-reduce forward, identity backward (leaving a TP region without SP)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather along the sequence forward, reduce-scatter backward (entering a TP region with SP)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+        ctx.dim, ctx.group = dim, group
+        return _all_gather_dim(x, dim, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _reduce_scatter_dim(grad, ctx.dim, ctx.group), None, None
+
+
+class _ReduceScatterSequence(torch.autograd.Function):
+    """Reduce-scatter along the sequence forward, all-gather backward (leaving a TP region with SP)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+        ctx.dim, ctx.group = dim, group
+        return _reduce_scatter_dim(x, dim, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _all_gather_dim(grad, ctx.dim, ctx.group), None, None
+
+
+def copy_to_region(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """Identity; the gradient is all-reduced over `group`."""
+    return _CopyToRegion.apply(x, group)
+
+
+def reduce_from_region(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """Sum over `group`; the gradient passes through."""
+    return _ReduceFromRegion.apply(x, group)
+
+
+def gather_sequence(x: torch.Tensor, group: Any, dim: int = 1) -> torch.Tensor:
+    """Concatenate the sequence shards of `group` along `dim`; the gradient is reduce-scattered."""
+    return _GatherSequence.apply(x, dim, group)
+
+
+def reduce_scatter_sequence(x: torch.Tensor, group: Any, dim: int = 1) -> torch.Tensor:
+    """Sum over `group` and keep this rank's sequence shard; the gradient is all-gathered."""
+    return _ReduceScatterSequence.apply(x, dim, group)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Cross-entropy over vocabulary shards: only (tokens,) statistics cross ranks, never the logits."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, group: Any, ignore_index: int) -> torch.Tensor:
+        local_vocab = logits.shape[-1]
+        start = (dist.get_rank(group) if _group_size(group) > 1 else 0) * local_vocab
+        logits = logits.float()
+        peak = logits.max(dim=-1).values
+        if _group_size(group) > 1:
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - peak[:, None]
+        valid = target != ignore_index
+        local_target = target - start
+        mine = valid & (local_target >= 0) & (local_target < local_vocab)
+        index = local_target.clamp(0, local_vocab - 1)[:, None]
+        exp = shifted.exp()
+        stats = torch.stack([exp.sum(dim=-1), shifted.gather(1, index).squeeze(1) * mine])
+        if _group_size(group) > 1:
+            dist.all_reduce(stats, group=group)
+        sum_exp, target_logit = stats
+        count = valid.sum().clamp(min=1)
+        loss = ((sum_exp.log() - target_logit) * valid).sum() / count
+        ctx.save_for_backward(exp.div_(sum_exp[:, None]), index, mine, valid, count)
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        softmax, index, mine, valid, count = ctx.saved_tensors
+        grad_logits = softmax
+        grad_logits.scatter_add_(1, index, -mine.to(softmax.dtype)[:, None])
+        grad_logits.mul_((valid.to(softmax.dtype) * (grad / count))[:, None])
+        return grad_logits, None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, target: torch.Tensor, group: Any, ignore_index: int = -100
+) -> torch.Tensor:
+    """Mean fp32 cross-entropy of (..., vocab/tp) logit shards against full-vocabulary targets (...)."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    out = _VocabParallelCrossEntropy.apply(flat, target.reshape(-1), group, ignore_index)
+    return out
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [rank*V/tp, (rank+1)*V/tp) of the token table; lookups outside them give zeros, summed over TP."""
+
+    def __init__(self, full: nn.Embedding, topo: Topology, sequence_parallel: bool) -> None:
+        super().__init__()
+        self.group = topo.tp_group
+        self.sequence_parallel = sequence_parallel
+        rows = full.num_embeddings // topo.tp
+        self.vocab_start = topo.tp_rank * rows
+        self.num_embeddings, self.embedding_dim = rows, full.embedding_dim
+        self.weight = nn.Parameter(full.weight.detach()[self.vocab_start : self.vocab_start + rows].clone())
+        self.weight.tp_layout = "rows"
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.num_embeddings)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = out.masked_fill(outside[..., None], 0.0)
+        if self.sequence_parallel:
+            return reduce_scatter_sequence(out, self.group)
+        return reduce_from_region(out, self.group)
+
+
+class RowParallelLinear(nn.Module):
+    """Columns [rank*in/tp, ...) of a Linear; partial outputs summed over TP (reduce-scattered with SP), then bias."""
+
+    def __init__(self, full: nn.Linear, topo: Topology, sequence_parallel: bool) -> None:
+        super().__init__()
+        self.group = topo.tp_group
+        self.sequence_parallel = sequence_parallel
+        cols = full.in_features // topo.tp
+        self.in_features, self.out_features = cols, full.out_features
+        self.weight = nn.Parameter(full.weight.detach()[:, topo.tp_rank * cols : (topo.tp_rank + 1) * cols].clone())
+        self.weight.tp_layout = "cols"
+        self.bias = nn.Parameter(full.bias.detach().clone()) if full.bias is not None else None
+        if self.bias is not None:
+            _mark_replicated(self.bias, topo, sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight)
+        out = reduce_scatter_sequence(out, self.group) if self.sequence_parallel else reduce_from_region(out, self.group)
+        return out + self.bias if self.bias is not None else out
+
+
+def _mark_replicated(p: nn.Parameter, topo: Topology, sequence_parallel: bool) -> None:
+    p.duplicate = topo.tp_rank > 0
+    p.sequence_parallel = sequence_parallel
+
+
+def _shard_rows(linear: nn.Linear, blocks: list[tuple[int, int]], layout: Any) -> None:
+    """Keep the given [start, end) row blocks (output features) of a Linear, concatenated, in place."""
+    weight = torch.cat([linear.weight.detach()[a:b] for a, b in blocks]).clone()
+    linear.weight = nn.Parameter(weight)
+    linear.weight.tp_layout = layout
+    if linear.bias is not None:
+        linear.bias = nn.Parameter(torch.cat([linear.bias.detach()[a:b] for a, b in blocks]).clone())
+        linear.bias.tp_layout = layout
+    linear.out_features = weight.shape[0]
+
+
+def check_tp(cfg: Any, tp: int, sequence_parallel: bool) -> None:
+    """Raise ConfigError when the model cannot be split over `tp` ranks (names the field and the fix)."""
+    heads, kv = cfg.num_attention_heads, cfg.kv_heads
+    if heads % tp:
+        raise ConfigError(
+            f"parallel.tp={tp} does not divide model.num_attention_heads={heads}; choose a tp among its divisors"
+        )
+    if kv % tp and tp % kv:
+        raise ConfigError(
+            f"parallel.tp={tp} and model.num_kv_heads={kv}: one must divide the other (kv heads are split, "
+            "or replicated when tp exceeds them); change tp or num_kv_heads"
+        )
+    for field, size in (("vocab_size", cfg.vocab_size), ("ffn_hidden_size", cfg.ffn_size)):
+        if size % tp:
+            raise ConfigError(f"model.{field}={size} is not divisible by parallel.tp={tp}; make it a multiple")
+    if sequence_parallel and cfg.seq_length % tp:
+        raise ConfigError(
+            f"parallel.sequence_parallel needs model.seq_length={cfg.seq_length} divisible by parallel.tp={tp}"
+        )
+
+
+def _enter_region(module: nn.Module, group: Any, sequence_parallel: bool) -> None:
+    """After `module` (a norm feeding column-parallel layers): all-gather the sequence (SP) or copy-to-region."""
+    op = gather_sequence if sequence_parallel else copy_to_region
+    module.register_forward_hook(lambda _m, _inp, out: op(out, group))
+
+
+def _shard_attention(attn: nn.Module, topo: Topology, sp: bool) -> None:
+    tp, r = topo.tp, topo.tp_rank
+    d = attn.head_dim
+    heads, kv = attn.num_heads, attn.num_kv_heads
+    local_heads = heads // tp
+    _shard_rows(attn.q_proj, [(r * local_heads * d, (r + 1) * local_heads * d)], "rows")
+    if kv % tp == 0:
+        local_kv = kv // tp
+        blocks = [(r * local_kv * d, (r + 1) * local_kv * d)]
+        layout: Any = "rows"
+        replicas = 1
+    else:
+        # tp > kv heads: each kv head serves tp/kv consecutive ranks (their query heads are its group).
+        replicas = tp // kv
+        local_kv = 1
+        head = r // replicas
+        blocks = [(head * d, (head + 1) * d)]
+        layout = ("kv", replicas)
+    for proj in (attn.k_proj, attn.v_proj):
+        _shard_rows(proj, blocks, layout)
+        if replicas > 1:
+            for p in proj.parameters():
+                p.kv_replicas = replicas
+                p.duplicate = r % replicas != 0
+    attn.o_proj = RowParallelLinear(attn.o_proj, topo, sp)
+    attn.num_heads, attn.num_kv_heads = local_heads, local_kv
+
+
+def _shard_mlp(mlp: nn.Module, topo: Topology, sp: bool) -> None:
+    tp, r = topo.tp, topo.tp_rank
+    if hasattr(mlp, "gate_up_proj"):
+        ffn = mlp.gate_up_proj.out_features // 2
+        f = ffn // tp
+        # Matching gate and up slices, so the local chunk(2) pairs them.
+        _shard_rows(mlp.gate_up_proj, [(r * f, (r + 1) * f), (ffn + r * f, ffn + (r + 1) * f)], "gate_up")
+    else:
+        f = mlp.up_proj.out_features // tp
+        _shard_rows(mlp.up_proj, [(r * f, (r + 1) * f)], "rows")
+    mlp.down_proj = RowParallelLinear(mlp.down_proj, topo, sp)
+
+
+def _vocab_parallel_loss(self: nn.Module, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """CausalLM.loss over vocabulary-sharded logits."""
+    return vocab_parallel_cross_entropy(logits, labels, self.loss_tp_group)
+
+
+def apply_tp(model: nn.Module, topo: Topology, sequence_parallel: bool = False, seed: int = 1234) -> nn.Module:
+    """Shard a fully initialised CausalLM over the TP group in place; every rank keeps slices of the same weights.
+
+    Every rank must have built the same full model (same seed), so the shards are exact slices of the
+    single-process weights. `seed` seeds the per-TP-rank dropout stream (attention heads, SP regions).
+    """
+    tp = topo.tp
+    if tp == 1:
+        return model
+    cfg = model.config
+    check_tp(cfg, tp, sequence_parallel)
+    group, sp = topo.tp_group, sequence_parallel
+    device = model.embed_tokens.weight.device
+    # Megatron's offset: distinct from the default stream, different per TP rank and per pipeline stage.
+    tracker = RNGTracker(seed + 2718 + topo.tp_rank + 100 * topo.pp_rank, device)
+    model.tp_rng = tracker
+    tied = model.lm_head.weight is model.embed_tokens.weight
+
+    model.embed_tokens = VocabParallelEmbedding(model.embed_tokens, topo, sp)
+    if model.embed_positions is not None:
+        _mark_replicated(model.embed_positions.weight, topo, sp)
+        if sp:
+
+            def local_positions(_m: nn.Module, _inp: Any, out: torch.Tensor) -> torch.Tensor:
+                per_rank = out.shape[-2] // tp
+                return out[..., topo.tp_rank * per_rank : (topo.tp_rank + 1) * per_rank, :]
+
+            model.embed_positions.register_forward_hook(local_positions)
+    if sp:
+        tracker.wrap(model.embed_dropout)
+
+    for block in model.layers:
+        for norm in (block.input_norm, block.post_attn_norm):
+            for p in norm.parameters():
+                _mark_replicated(p, topo, sp)
+            _enter_region(norm, group, sp)
+        _shard_attention(block.attn, topo, sp)
+        _shard_mlp(block.mlp, topo, sp)
+        if sp:
+            tracker.wrap(block.dropout)
+        if block.attn.dropout_p > 0:
+            block.attn.core = _forked(block.attn.core, tracker)
+
+    for p in model.final_norm.parameters():
+        _mark_replicated(p, topo, sp)
+    _enter_region(model.final_norm, group, sp)
+    if tied:
+        model.lm_head.weight = model.embed_tokens.weight
+    else:
+        rows = cfg.vocab_size // tp
+        _shard_rows(model.lm_head, [(topo.tp_rank * rows, (topo.tp_rank + 1) * rows)], "rows")
+    model.lm_head.out_features = cfg.vocab_size // tp
+    model.loss_tp_group = group
+    # kernels.cross_entropy(tp_group=...) is the kernels engineer's; until it lands the loss runs here.
+    model.loss = types.MethodType(_vocab_parallel_loss, model)
+    return model
+
+
+def _forked(fn: Any, tracker: RNGTracker) -> Any:
+    """`fn` run on the TP tracker's RNG stream (attention dropout differs per head shard)."""
+
+    def call(*args: Any) -> Any:
+        with tracker.fork():
+            return fn(*args)
+
+    return call
+
+
+def reduce_tp_grads(params: list[nn.Parameter], topo: Topology) -> None:
+    """Sum partial gradients over TP: SP-region replicas over the whole group, kv replicas over their block."""
+    if topo.tp == 1:
+        return
+    group = topo.tp_group
+    sp = [p.main_grad for p in params if getattr(p, "sequence_parallel", False)]
+    if sp:
+        flat = torch.cat([g.reshape(-1) for g in sp])
+        dist.all_reduce(flat, group=group)
+        torch._foreach_copy_(sp, [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in sp]), sp)])
+    kv = [p for p in params if getattr(p, "kv_replicas", 1) > 1]
+    if kv:
+        replicas = kv[0].kv_replicas
+        grads = [p.main_grad for p in kv]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        every = flat.new_empty(topo.tp * flat.numel())
+        all_gather_single(every, flat, group=group)
+        every = every.view(topo.tp, flat.numel())
+        block = topo.tp_rank // replicas
+        summed = every[block * replicas : (block + 1) * replicas].sum(0)
+        torch._foreach_copy_(grads, [f.view_as(g) for f, g in zip(summed.split([g.numel() for g in grads]), grads)])
+
+
+@torch.no_grad()
+def gather_full_state_dict(model: nn.Module, topo: Topology) -> dict[str, torch.Tensor]:
+    """Full unsharded parameters under the single-process names (collective over the TP group)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        layout = getattr(p, "tp_layout", None)
+        t = p.detach()
+        if layout is None or topo.tp == 1:
+            out[name] = t.clone()
+            continue
+        parts = list(_all_gather_dim(t, 0, topo.tp_group).chunk(topo.tp, dim=0)) if layout != "cols" else None
+        if layout == "cols":
+            out[name] = _all_gather_dim(t, t.dim() - 1, topo.tp_group).clone()
+        elif layout == "rows":
+            out[name] = torch.cat(parts).clone()
+        elif layout == "gate_up":
+            halves = [part.chunk(2) for part in parts]
+            out[name] = torch.cat([h[0] for h in halves] + [h[1] for h in halves])
+        else:
+            replicas = layout[1]
+            out[name] = torch.cat(parts[::replicas]).clone()
+    for name, b in model.named_buffers():
+        out[name] = b.detach().clone()
+    return out

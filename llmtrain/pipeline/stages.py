@@ -1,0 +1,240 @@
+"""Cutting a CausalLM into pipeline chunks: which layers go where, and the chunk modules themselves.
+
+Stage ``s`` of ``pp * v`` holds a contiguous run of layers; the first also embeds, the last also applies
+the final norm, the LM head and the loss. Rank ``r`` holds chunks ``c = 0..v-1`` = stages ``c * pp + r``
+(the layout of ``schedules.py``). With tied embeddings and the first and last stage on different ranks,
+the last stage gets its own copy of the embedding matrix for its head: both copies start equal (broadcast
+from the first stage) and their gradients are summed over the pair of ranks before the optimizer step.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from llmtrain.config.errors import ConfigError
+from llmtrain.models import CausalLM
+from llmtrain.parallel.topology import Topology
+
+
+def partition_layers(
+    num_layers: int,
+    num_stages: int,
+    layer_costs: Sequence[float] | None = None,
+    embed_cost: float = 0.0,
+    head_cost: float = 0.0,
+) -> list[range]:
+    """Contiguous layer ranges, one per stage, each non-empty, minimising the most expensive stage.
+
+    Without costs every layer costs 1 (an even split; earlier stages take the remainder). ``embed_cost``
+    and ``head_cost`` are added to the first and last stage, so a heavy head pushes layers forward.
+    """
+    if num_stages < 1 or num_stages > num_layers:
+        raise ConfigError(
+            f"parallel.pp * parallel.virtual_stages = {num_stages} must be between 1 and model.num_layers="
+            f"{num_layers}; every model chunk needs at least one layer"
+        )
+    if layer_costs is None:
+        if embed_cost == head_cost == 0.0:
+            base, extra = divmod(num_layers, num_stages)
+            sizes = [base + (1 if s < extra else 0) for s in range(num_stages)]
+            starts = [sum(sizes[:s]) for s in range(num_stages)]
+            return [range(a, a + n) for a, n in zip(starts, sizes)]
+        layer_costs = [1.0] * num_layers
+    if len(layer_costs) != num_layers:
+        raise ValueError(
+            f"partition_layers: {len(layer_costs)} layer costs for model.num_layers={num_layers}"
+        )
+    costs = list(map(float, layer_costs))
+    # Dynamic programme over (stages used, layers placed): exact minimum of the maximum stage cost.
+    inf = float("inf")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+
+    def stage_cost(s: int, a: int, b: int) -> float:
+        extra = (embed_cost if s == 0 else 0.0) + (head_cost if s == num_stages - 1 else 0.0)
+        return prefix[b] - prefix[a] + extra
+
+    best = [[inf] * (num_layers + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (num_layers + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, num_stages + 1):
+        for b in range(s, num_layers - (num_stages - s) + 1):
+            for a in range(s - 1, b):
+                value = max(best[s - 1][a], stage_cost(s - 1, a, b))
+                if value < best[s][b]:
+                    best[s][b], cut[s][b] = value, a
+    bounds = [num_layers]
+    for s in range(num_stages, 0, -1):
+        bounds.append(cut[s][bounds[-1]])
+    bounds.reverse()
+    return [range(bounds[s], bounds[s + 1]) for s in range(num_stages)]
+
+
+class _ModelShell:
+    """What chunks need of the whole model besides their layers (rotary tables, the loss), without
+    keeping the other layers alive."""
+
+    rope = CausalLM.rope
+    _rope_from_positions = CausalLM._rope_from_positions
+
+    def __init__(self, model: CausalLM) -> None:
+        self.config = model.config
+        self.spec = model.spec
+        self.loss_tp_group = model.loss_tp_group
+        self._rope_cache: dict = {}
+        # apply_tp may have replaced the loss by a vocabulary-parallel one: bind the same function here.
+        self.loss = types.MethodType(model.loss.__func__, self)
+
+
+class StageModule(nn.Module):
+    """One pipeline chunk: [embedding] + layers [first..last] + [final norm, head]; parameter names are
+    those of the single-process model (``layers.<global index>...``)."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        shell: _ModelShell,
+        stage: int,
+        num_stages: int,
+        layers: range,
+        seq_shards: int,
+    ) -> None:
+        super().__init__()
+        self.stage, self.num_stages = stage, num_stages
+        self.is_first, self.is_last = stage == 0, stage == num_stages - 1
+        self.shell = shell
+        self.seq_shards = seq_shards
+        self.embed_tokens = model.embed_tokens if self.is_first else None
+        self.embed_positions = model.embed_positions if self.is_first else None
+        self.embed_dropout = model.embed_dropout if self.is_first else None
+        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layers})
+        self.final_norm = model.final_norm if self.is_last else None
+        self.lm_head = model.lm_head if self.is_last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Token ids (b, s) on the first stage, hidden states otherwise -> hidden states, or logits on the
+        last stage."""
+        if self.is_first:
+            seq = x.shape[1]
+            x = CausalLM.embed(self, x)  # type: ignore[arg-type]  # uses embed_tokens/positions/dropout only
+        else:
+            seq = x.shape[1] * self.seq_shards  # sequence-parallel hidden states hold 1/tp of the sequence
+        rope = self.shell.rope(seq, x.device, x.dtype)
+        for layer in self.layers.values():
+            x = layer(x, rope)
+        return self.lm_head(self.final_norm(x)) if self.is_last else x
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The model's loss (mean fp32 cross-entropy over labels != -100, vocabulary-parallel under TP)."""
+        return self.shell.loss(logits, labels)
+
+
+class PipelineStages(nn.Module):
+    """This pipeline rank's chunks (``chunks[c]`` is stage ``c * pp + pp_rank``) and the tied-embedding
+    bookkeeping. Hand it to build_optimizer like a model."""
+
+    def __init__(self, chunks: list[StageModule], tied_group: Any, tied_param: nn.Parameter | None) -> None:
+        super().__init__()
+        self.chunks = nn.ModuleList(chunks)
+        self.tied_group = tied_group
+        self.tied_param = tied_param
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters under the single-process names (detached clones)."""
+        out: dict[str, torch.Tensor] = {}
+        for chunk in self.chunks:
+            for name, p in chunk.named_parameters(remove_duplicate=False):
+                out[name] = p.detach().clone()
+        return out
+
+    @torch.no_grad()
+    def sync_tied_grads(self) -> None:
+        """Sum the gradients of the two copies of a tied embedding (first and last stage)."""
+        if self.tied_param is None:
+            return
+        buffers = getattr(self, "grad_buffers", None)
+        if buffers is not None:
+            buffers.finish()  # the data-parallel mean must be complete before summing the pair
+            grad = self.tied_param.main_grad
+        else:
+            grad = self.tied_param.grad
+            if grad is None:
+                grad = self.tied_param.grad = torch.zeros_like(self.tied_param)
+        dist.all_reduce(grad, group=self.tied_group)
+
+
+def _tied_pair_group(topo: Topology) -> Any:
+    """The group {first stage, last stage} of this rank's (tp, dp) coordinate; every rank joins the calls."""
+    mine = None
+    for tp_rank in range(topo.tp):
+        for dp_rank in range(topo.dp):
+            pair = [topo.rank_of(tp_rank=tp_rank, dp_rank=dp_rank, pp_rank=p) for p in (0, topo.pp - 1)]
+            group = dist.new_group(pair)
+            if topo.rank in pair:
+                mine = group
+    return mine
+
+
+def build_stages(
+    model: CausalLM,
+    topo: Topology,
+    virtual_stages: int = 1,
+    layer_costs: Sequence[float] | None = None,
+    embed_cost: float = 0.0,
+    head_cost: float = 0.0,
+    sequence_parallel: bool = False,
+) -> PipelineStages:
+    """This pipeline rank's chunks of ``model`` (already tensor-parallel if tp > 1). Every rank must have
+    built the same model; the layers of other ranks are dropped with ``model``."""
+    pp, v = topo.pp, virtual_stages
+    num_stages = pp * v
+    ranges = partition_layers(len(model.layers), num_stages, layer_costs, embed_cost, head_cost)
+    shell = _ModelShell(model)
+    seq_shards = topo.tp if sequence_parallel else 1
+    tied = model.config.tied_embeddings and model.lm_head.weight is model.embed_tokens.weight
+    last_rank = (num_stages - 1) % pp
+    tied_param = None
+    tied_group = None
+    if tied and pp > 1:
+        tied_group = _tied_pair_group(topo)
+        if topo.pp_rank == last_rank:
+            # The head's own copy: same values (broadcast below), marked so the global gradient norm
+            # counts the pair once.
+            copy = nn.Parameter(model.embed_tokens.weight.detach().clone())
+            for attr in ("tp_layout", "duplicate", "sequence_parallel"):
+                if hasattr(model.embed_tokens.weight, attr):
+                    setattr(copy, attr, getattr(model.embed_tokens.weight, attr))
+            copy.duplicate = True
+            model.lm_head.weight = copy
+            tied_param = copy
+        elif topo.pp_rank == 0:
+            tied_param = model.embed_tokens.weight
+        if tied_param is not None:
+            first = topo.rank_of(pp_rank=0)
+            with torch.no_grad():
+                dist.broadcast(tied_param.data, src=first, group=tied_group)
+    chunks = [
+        StageModule(
+            model, shell, c * pp + topo.pp_rank, num_stages, ranges[c * pp + topo.pp_rank], seq_shards
+        )
+        for c in range(v)
+    ]
+    return PipelineStages(chunks, tied_group, tied_param)
+
+
+def activation_shape(
+    micro_batch_size: int, seq_length: int, hidden_size: int, tp: int = 1, sequence_parallel: bool = False
+) -> tuple[int, int, int]:
+    """Shape of the hidden states passed between stages: (b, s, h), s / tp with sequence parallelism."""
+    if sequence_parallel and seq_length % tp:
+        raise ConfigError(
+            f"parallel.sequence_parallel needs model.seq_length={seq_length} divisible by parallel.tp={tp}"
+        )
+    return (micro_batch_size, seq_length // tp if sequence_parallel else seq_length, hidden_size)

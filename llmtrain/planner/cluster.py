@@ -1,0 +1,314 @@
+"""Cluster description: devices, nodes and links, loaded from YAML; alpha-beta collective costs.
+
+A cluster is a list of node groups (``count`` identical nodes, each with ``devices_per_node`` devices of one
+kind and an intra-node link) plus one inter-node link. Node groups may differ (heterogeneous clusters); a job
+on ``n`` devices uses the first nodes in file order, and because synchronous training runs at the pace of its
+slowest member the cost model uses the slowest device, the smallest memory and the slowest links among them.
+
+Links are described per device and direction: ``bandwidth_gbs`` is what one device can send at once (NVLink:
+its NVLink bandwidth; InfiniBand: its NIC, e.g. 200 Gb/s = 25 GB/s) and ``latency_us`` the alpha of a message.
+Collective costs follow the alpha-beta model with ring and tree algorithms (the cheaper one wins), as NCCL
+picks; a group spanning nodes with ``k`` members per node drives ``k`` NICs in parallel (one ring per NIC).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from llmtrain.config.errors import ConfigError
+
+PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "clusters"
+
+
+@dataclass(frozen=True)
+class Device:
+    """One accelerator kind: peaks, memory and the achieved-efficiency curve's constants."""
+
+    name: str
+    peak_tflops: dict[str, float]
+    """Dense peak TFLOP/s per precision (fp32, bf16, fp16, ...), not the 2:4-sparse figures."""
+    memory_gb: float
+    memory_bandwidth_gbs: float
+    gemm_efficiency: float = 0.8
+    """Fraction of peak that large, compute-bound matmuls reach (the top of the efficiency curve)."""
+    memory_efficiency: float = 0.8
+    """Fraction of the memory bandwidth that element-wise kernels reach."""
+    attention_efficiency: float = 0.55
+    """Fraction of peak a fused (flash) attention kernel reaches."""
+    kernel_overhead_us: float = 4.0
+    """Fixed cost per kernel (launch and tail); makes small operations inefficient."""
+    reserved_gb: float = 2.0
+    """Memory not available to tensors: runtime context, library workspaces, fragmentation."""
+
+    def peak_flops(self, precision: str) -> float:
+        """Peak FLOP/s for a training precision (fp16 falls back to bf16 and vice versa)."""
+        for key in (precision, {"fp16": "bf16", "bf16": "fp16"}.get(precision, precision)):
+            if key in self.peak_tflops:
+                return self.peak_tflops[key] * 1e12
+        raise ConfigError(f"device {self.name} has no peak_tflops for precision {precision}; add it to the cluster file")
+
+    def gemm_time(self, m: float, n: float, k: float, precision: str, batch: float = 1.0) -> float:
+        """Seconds for `batch` matmuls (m x k) @ (k x n): a soft roofline (compute plus operand traffic) plus
+        the kernel overhead, so efficiency grows with size and arithmetic intensity."""
+        flops = 2.0 * m * n * k * batch
+        nbytes = _bytes(precision) * (m * k + k * n + m * n) * batch
+        compute = flops / (self.peak_flops(precision) * self.gemm_efficiency)
+        return compute + nbytes / (self.memory_bandwidth_gbs * 1e9 * self.memory_efficiency) + self.kernel_overhead_us * 1e-6
+
+    def gemm_efficiency_at(self, m: float, n: float, k: float, precision: str = "bf16") -> float:
+        """Achieved fraction of peak for one (m x k) @ (k x n) matmul: the efficiency curve."""
+        return 2.0 * m * n * k / self.gemm_time(m, n, k, precision) / self.peak_flops(precision)
+
+    def memory_time(self, nbytes: float, kernels: int = 1) -> float:
+        """Seconds for memory-bound kernels moving `nbytes` in total."""
+        return nbytes / (self.memory_bandwidth_gbs * 1e9 * self.memory_efficiency) + kernels * self.kernel_overhead_us * 1e-6
+
+    def attention_time(self, flops: float, precision: str) -> float:
+        """Seconds for a fused attention kernel of `flops`."""
+        return flops / (self.peak_flops(precision) * self.attention_efficiency) + self.kernel_overhead_us * 1e-6
+
+
+def _bytes(precision: str) -> int:
+    return 4 if precision == "fp32" else 2
+
+
+@dataclass(frozen=True)
+class Link:
+    """A link class: per-device unidirectional bandwidth (GB/s), message latency (us), achieved fraction."""
+
+    bandwidth_gbs: float
+    latency_us: float
+    efficiency: float = 0.85
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.bandwidth_gbs * 1e9 * self.efficiency
+
+    @property
+    def alpha(self) -> float:
+        return self.latency_us * 1e-6
+
+
+@dataclass(frozen=True)
+class NodeGroup:
+    """`count` identical nodes of `devices_per_node` devices joined by an intra-node link."""
+
+    count: int
+    devices_per_node: int
+    device: Device
+    intra: Link
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Node groups plus the inter-node network."""
+
+    name: str
+    nodes: tuple[NodeGroup, ...]
+    inter: Link
+    cross_node_tp: bool = False
+    """Whether tensor-parallel groups may span nodes (normally they stay on NVLink)."""
+    source: str = field(default="", compare=False)
+
+    @property
+    def num_devices(self) -> int:
+        return sum(g.count * g.devices_per_node for g in self.nodes)
+
+    def view(self, gpus: int) -> ClusterView:
+        """The part of the cluster a job on `gpus` devices uses: first nodes in file order, slowest members."""
+        if gpus < 1:
+            raise ConfigError(f"the number of GPUs must be at least 1; got {gpus}")
+        if gpus > self.num_devices:
+            raise ConfigError(
+                f"{gpus} GPUs requested but cluster {self.name} has {self.num_devices}; "
+                "pass a smaller --gpus or a bigger cluster file"
+            )
+        used, left = [], gpus
+        for group in self.nodes:
+            if left <= 0:
+                break
+            used.append(group)
+            left -= group.count * group.devices_per_node
+        device = min((g.device for g in used), key=lambda d: (d.peak_tflops.get("bf16", 0), d.memory_gb))
+        return ClusterView(
+            devices=gpus,
+            devices_per_node=min(min(g.devices_per_node for g in used), gpus),
+            device=Device(
+                name=device.name,
+                peak_tflops=device.peak_tflops,
+                memory_gb=min(g.device.memory_gb for g in used),
+                memory_bandwidth_gbs=min(g.device.memory_bandwidth_gbs for g in used),
+                gemm_efficiency=device.gemm_efficiency,
+                memory_efficiency=device.memory_efficiency,
+                attention_efficiency=device.attention_efficiency,
+                kernel_overhead_us=device.kernel_overhead_us,
+                reserved_gb=max(g.device.reserved_gb for g in used),
+            ),
+            intra=min((g.intra for g in used), key=lambda link: link.bytes_per_s),
+            inter=self.inter,
+            cross_node_tp=self.cross_node_tp,
+        )
+
+
+@dataclass(frozen=True)
+class ClusterView:
+    """What the cost model sees of a cluster for one job: uniform devices, two link classes."""
+
+    devices: int
+    devices_per_node: int
+    device: Device
+    intra: Link
+    inter: Link
+    cross_node_tp: bool = False
+
+    def members_per_node(self, size: int, stride: int) -> int:
+        """How many members of a process group (`size` ranks, `stride` apart) share one node."""
+        gpn = self.devices_per_node
+        if size * stride <= gpn:
+            return size
+        return max(1, min(size, gpn // stride))
+
+    def _path(self, size: int, stride: int) -> tuple[float, float, bool]:
+        """(bytes/s per member, alpha, spans nodes) of the bottleneck link of a group."""
+        k = self.members_per_node(size, stride)
+        if k >= size:
+            return self.intra.bytes_per_s, self.intra.alpha, False
+        # k members per node send over k NICs at once; NVLink caps it when k NICs outrun it.
+        return min(k * self.inter.bytes_per_s, self.intra.bytes_per_s), self.inter.alpha, True
+
+    def spans_nodes(self, size: int, stride: int = 1) -> bool:
+        """True when the group's ranks are on more than one node."""
+        return size > 1 and self._path(size, stride)[2]
+
+    def all_reduce(self, nbytes: float, size: int, stride: int = 1) -> float:
+        """Seconds for an all-reduce of `nbytes` per rank: min(ring, tree)."""
+        if size <= 1 or nbytes <= 0:
+            return 0.0
+        bw, alpha, _ = self._path(size, stride)
+        ring = 2 * (size - 1) / size * nbytes / bw + 2 * (size - 1) * alpha
+        tree = 2 * nbytes / bw + 2 * math.ceil(math.log2(size)) * alpha
+        return min(ring, tree)
+
+    def all_gather(self, nbytes: float, size: int, stride: int = 1) -> float:
+        """Seconds for a ring all-gather whose result has `nbytes` per rank (reduce-scatter costs the same)."""
+        if size <= 1 or nbytes <= 0:
+            return 0.0
+        bw, alpha, _ = self._path(size, stride)
+        return (size - 1) / size * nbytes / bw + (size - 1) * alpha
+
+    reduce_scatter = all_gather
+
+    def p2p(self, nbytes: float, cross_node: bool, parallel: int = 1) -> float:
+        """Seconds for a point-to-point send of `nbytes`, `parallel` senders of one node sharing the work."""
+        link = self.inter if cross_node else self.intra
+        return nbytes / (parallel * link.bytes_per_s) + link.alpha
+
+
+# ---------------------------------------------------------------------------------------------- YAML
+
+
+def _build(cls: type, raw: Any, where: str, **extra: Any) -> Any:
+    """A frozen dataclass from a mapping, naming unknown and missing keys."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where} must be a mapping; got {raw!r}")
+    names = {f.name for f in fields(cls)} - set(extra)
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key {unknown[0]!r}; known keys: {', '.join(sorted(names))}")
+    try:
+        return cls(**raw, **extra)
+    except TypeError as err:
+        raise ConfigError(f"{where}: {err}") from None
+
+
+def _positive(value: Any, where: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ConfigError(f"{where} must be a positive number; got {value!r}")
+
+
+def cluster_from_dict(raw: dict[str, Any], source: str = "<dict>") -> Cluster:
+    """Build and check a Cluster from the YAML structure (see configs/clusters/*.yaml)."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: a cluster file must be a mapping with devices, nodes and links")
+    for key in ("devices", "nodes", "links"):
+        if key not in raw:
+            raise ConfigError(f"{source}: missing top-level key {key!r} (see configs/clusters/a100-80gb.yaml)")
+    unknown = sorted(set(raw) - {"name", "devices", "nodes", "links", "cross_node_tp", "description"})
+    if unknown:
+        raise ConfigError(f"{source}: unknown top-level key {unknown[0]!r}")
+    devices = {}
+    for name, spec in (raw["devices"] or {}).items():
+        dev = _build(Device, spec, f"{source}: devices.{name}", name=str(name))
+        for precision, tflops in dev.peak_tflops.items():
+            _positive(tflops, f"{source}: devices.{name}.peak_tflops.{precision}")
+        for attr in ("memory_gb", "memory_bandwidth_gbs", "gemm_efficiency", "memory_efficiency", "attention_efficiency"):
+            _positive(getattr(dev, attr), f"{source}: devices.{name}.{attr}")
+        devices[str(name)] = dev
+    links = raw["links"] or {}
+    if "inter_node" not in links:
+        raise ConfigError(f"{source}: links.inter_node is missing (bandwidth_gbs per device, latency_us)")
+    parsed_links = {}
+    for name, spec in links.items():
+        link = _build(Link, spec, f"{source}: links.{name}")
+        _positive(link.bandwidth_gbs, f"{source}: links.{name}.bandwidth_gbs")
+        parsed_links[name] = link
+    groups = []
+    for i, spec in enumerate(raw["nodes"] or []):
+        where = f"{source}: nodes[{i}]"
+        if not isinstance(spec, dict):
+            raise ConfigError(f"{where} must be a mapping with count, devices_per_node, device, intra_link")
+        unknown = sorted(set(spec) - {"count", "devices_per_node", "device", "intra_link"})
+        if unknown:
+            raise ConfigError(f"{where}: unknown key {unknown[0]!r}")
+        if spec.get("device") not in devices:
+            raise ConfigError(f"{where}.device={spec.get('device')!r} is not one of devices: {', '.join(devices)}")
+        link_name = spec.get("intra_link", "intra_node")
+        if link_name not in parsed_links:
+            raise ConfigError(f"{where}.intra_link={link_name!r} is not one of links: {', '.join(parsed_links)}")
+        for key in ("count", "devices_per_node"):
+            if not isinstance(spec.get(key), int) or spec[key] < 1:
+                raise ConfigError(f"{where}.{key} must be a positive integer; got {spec.get(key)!r}")
+        groups.append(NodeGroup(spec["count"], spec["devices_per_node"], devices[spec["device"]], parsed_links[link_name]))
+    if not groups:
+        raise ConfigError(f"{source}: nodes is empty; list at least one node group")
+    return Cluster(
+        name=str(raw.get("name", Path(source).stem)),
+        nodes=tuple(groups),
+        inter=parsed_links["inter_node"],
+        cross_node_tp=bool(raw.get("cross_node_tp", False)),
+        source=source,
+    )
+
+
+def load_cluster(path: str | Path) -> Cluster:
+    """Load a cluster YAML; a bare preset name (a100-80gb, h100-80gb) is looked up in configs/clusters/."""
+    p = Path(path)
+    if not p.is_file():
+        preset = PRESET_DIR / f"{path}.yaml"
+        if preset.is_file():
+            p = preset
+        else:
+            names = ", ".join(sorted(x.stem for x in PRESET_DIR.glob("*.yaml")))
+            raise ConfigError(f"cluster file {path} does not exist; pass a YAML path or a preset ({names})")
+    return cluster_from_dict(yaml.safe_load(p.read_text()), str(p))
+
+
+def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
+    """The YAML structure of a cluster (inverse of cluster_from_dict)."""
+    devices, links, nodes = {}, {"inter_node": vars_of(cluster.inter)}, []
+    for i, g in enumerate(cluster.nodes):
+        devices[g.device.name] = {k: v for k, v in vars_of(g.device).items() if k != "name"}
+        link_name = "intra_node" if i == 0 else f"intra_node_{i}"
+        links[link_name] = vars_of(g.intra)
+        nodes.append({"count": g.count, "devices_per_node": g.devices_per_node, "device": g.device.name, "intra_link": link_name})
+    return {"name": cluster.name, "cross_node_tp": cluster.cross_node_tp, "devices": devices, "nodes": nodes, "links": links}
+
+
+def vars_of(obj: Any) -> dict[str, Any]:
+    """Dataclass fields as a plain dict (dict values copied)."""
+    return {f.name: (dict(v) if isinstance(v := getattr(obj, f.name), dict) else v) for f in fields(obj)}

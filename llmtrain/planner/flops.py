@@ -1,0 +1,129 @@
+"""FLOPs per token and parameter counts: the project's one source of truth (trainer MFU, planner, benchmarks).
+
+Counting follows Narayanan et al. 2021 (Megatron-LM, SC21, appendix): a matmul of (m x k) by (k x n) costs
+2mnk FLOPs; attention scores and attention-over-values are counted over the full s x s square (no causal
+halving); the backward pass costs twice the forward. So a GPT layer's forward is 24*s*h^2 + 4*s^2*h FLOPs per
+sequence and the logits 2*s*h*V. Training FLOPs are 3x the forward; with full activation recomputation the
+layers run their forward once more (4 passes) while the logits do not, which gives the paper's
+96*B*s*l*h^2*(1 + s/(6h) + V/(16*l*h)).
+
+Architecture facts that change the counts: grouped-query attention (k/v projections of kv_heads*head_dim),
+gated MLPs (gate and up projections: 3 matrices of h x ffn), LayerNorm (weight and bias, gpt) versus RMSNorm
+(weight only), learned position table (gpt), tied input/output embeddings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llmtrain.config.schema import ModelConfig
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+
+def is_gated(model: ModelConfig) -> bool:
+    """True when the MLP is gated (SwiGLU: llama, ernie), False for the GELU MLP (gpt)."""
+    return model.arch != "gpt"
+
+
+@dataclass(frozen=True)
+class LayerFlops:
+    """Forward FLOPs of one transformer layer for one token (sequence length s), by operation."""
+
+    qkv: float
+    attention_core: float
+    """QK^T plus attention over values: 4*s*heads*head_dim (full square, as Megatron counts)."""
+    out_proj: float
+    mlp: float
+
+    @property
+    def total(self) -> float:
+        return self.qkv + self.attention_core + self.out_proj + self.mlp
+
+
+def layer_flops_per_token(model: ModelConfig, seq_length: int | None = None) -> LayerFlops:
+    """Forward FLOPs of one layer per token, split into the projections, the attention core and the MLP."""
+    s = seq_length or model.seq_length
+    h, d, a, kv, f = model.hidden_size, model.head_size, model.num_attention_heads, model.kv_heads, model.ffn_size
+    mlp_mats = 3 if is_gated(model) else 2
+    return LayerFlops(
+        qkv=2.0 * h * (a + 2 * kv) * d,
+        attention_core=4.0 * s * a * d,
+        out_proj=2.0 * a * d * h,
+        mlp=2.0 * mlp_mats * h * f,
+    )
+
+
+def logits_flops_per_token(model: ModelConfig) -> float:
+    """Forward FLOPs of the output layer per token (2*h*V)."""
+    return 2.0 * model.hidden_size * model.vocab_size
+
+
+def forward_flops_per_token(model: ModelConfig, seq_length: int | None = None) -> float:
+    """Forward FLOPs per token of the whole model: all layers plus the logits."""
+    return model.num_layers * layer_flops_per_token(model, seq_length).total + logits_flops_per_token(model)
+
+
+def model_flops_per_token(model: ModelConfig, seq_length: int | None = None) -> float:
+    """Training FLOPs per token: 3x the forward (forward + backward), attention included, recompute not
+    counted. The numerator of MFU."""
+    return 3.0 * forward_flops_per_token(model, seq_length)
+
+
+def training_flops_per_token(model: ModelConfig, seq_length: int | None = None, recompute: str = "none") -> float:
+    """FLOPs per token actually executed for a recompute mode ("hardware FLOPs"): full adds one more forward of
+    every layer (not of the logits), selective adds the attention core's forward."""
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}; got {recompute!r}")
+    layer = layer_flops_per_token(model, seq_length)
+    extra = {"none": 0.0, "selective": layer.attention_core, "full": layer.total}[recompute]
+    return model_flops_per_token(model, seq_length) + model.num_layers * extra
+
+
+def megatron_flops_per_iteration(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:
+    """The closed form of Narayanan et al. 2021 for GPT with full recomputation:
+    96*B*s*l*h^2*(1 + s/(6h) + V/(16*l*h))."""
+    return 96.0 * batch * seq * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Parameters by place: per transformer layer, the input embeddings (tokens + positions), the output
+    head (0 when tied) and the final norm."""
+
+    per_layer: int
+    embedding: int
+    head: int
+    final_norm: int
+    num_layers: int
+
+    @property
+    def total(self) -> int:
+        return self.num_layers * self.per_layer + self.embedding + self.head + self.final_norm
+
+
+def parameter_counts(model: ModelConfig) -> ParamCounts:
+    """Parameter counts by place (see ParamCounts)."""
+    h, d, a, kv, f, v = (
+        model.hidden_size,
+        model.head_size,
+        model.num_attention_heads,
+        model.kv_heads,
+        model.ffn_size,
+        model.vocab_size,
+    )
+    bias = model.bias
+    norm = 2 * h if model.arch == "gpt" else h  # LayerNorm has weight and bias, RMSNorm a weight only
+    attn = h * (a + 2 * kv) * d + a * d * h + ((a + 2 * kv) * d + h if bias else 0)
+    if is_gated(model):
+        mlp = 3 * h * f + (2 * f + h if bias else 0)
+    else:
+        mlp = 2 * h * f + (f + h if bias else 0)
+    embedding = v * h + (model.max_positions * h if model.arch == "gpt" else 0)
+    head = 0 if model.tied_embeddings else v * h
+    return ParamCounts(attn + mlp + 2 * norm, embedding, head, norm, model.num_layers)
+
+
+def num_parameters(model: ModelConfig) -> int:
+    """Number of trainable parameters (tied embeddings counted once)."""
+    return parameter_counts(model).total

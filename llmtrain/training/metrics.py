@@ -1,0 +1,268 @@
+"""Step metrics of a run: one compact console line, `metrics.jsonl` and TensorBoard, all from rank 0.
+
+The trainer calls `log_step` after every optimizer step; the logger aggregates the steps of each
+logging interval (throughput is total tokens over total step time) and writes an entry at every
+`logging.interval`-th step and at the last one. Other ranks construct it with is_main=False and
+it writes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+
+from llmtrain.config import JobConfig
+from llmtrain.training.peak import device_peak_flops
+
+# JSONL key -> TensorBoard tag; keys absent from an entry (or None) are not written.
+_TB_TAGS = {
+    "loss": "train/loss",
+    "loss_avg": "train/loss_avg",
+    "lr": "train/lr",
+    "grad_norm": "train/grad_norm",
+    "loss_scale": "train/loss_scale",
+    "skipped_steps": "train/skipped_steps",
+    "tokens_per_sec": "perf/tokens_per_sec",
+    "samples_per_sec": "perf/samples_per_sec",
+    "step_time_s": "perf/step_time_s",
+    "data_time_s": "perf/data_time_s",
+    "tflops_per_device": "perf/tflops_per_device",
+    "mfu": "perf/mfu",
+    "peak_memory_gb": "perf/peak_memory_gb",
+    "eval_loss": "eval/loss",
+    "eval_ppl": "eval/ppl",
+}
+
+
+def _finite_or_none(value: Any) -> Any:
+    """JSON has no NaN/inf; a non-finite number is written as null (the step is counted as skipped)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak memory of this process in GiB: CUDA allocator peak on GPU, peak resident set size on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+
+
+def format_duration(seconds: float) -> str:
+    """Compact h/m/s form for ETAs: 3725 -> '1h02m05s'."""
+    seconds = int(max(seconds, 0))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes:02d}m{secs:02d}s"
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+class MetricsLogger:
+    """Rank-0 metrics: console line per logging interval, metrics.jsonl, TensorBoard scalars.
+
+    MFU = flops_per_token x tokens/s / (world_size x dense peak FLOP/s of one device at
+    train.precision); `tokens` passed to log_step are the whole job's tokens of that step.
+    """
+
+    def __init__(
+        self,
+        job: JobConfig,
+        is_main: bool,
+        flops_per_token: float,
+        world_size: int,
+        *,
+        device: torch.device | str | None = None,
+        peak_flops: float | None = None,
+        stream: TextIO | None = None,
+    ) -> None:
+        if flops_per_token <= 0:
+            raise ValueError(f"flops_per_token must be positive; got {flops_per_token}")
+        if world_size < 1:
+            raise ValueError(f"world_size must be at least 1; got {world_size}")
+        self.job = job
+        self.is_main = is_main
+        self.flops_per_token = flops_per_token
+        self.world_size = world_size
+        self.total_steps = job.train.steps
+        self.interval = job.logging.interval
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        self.stream = stream if stream is not None else sys.stdout
+        self.start_time = time.perf_counter()
+        self.last: dict[str, Any] | None = None  # the latest train entry, for callers that report at the end
+        self._window: list[dict[str, Any]] = []
+        self._skipped_total = 0
+        self._jsonl: TextIO | None = None
+        self._tb: Any = None
+        self.peak_flops = 0.0
+        if not is_main:
+            return
+        # Measured (CPU) peaks are taken here, before training starts, so no other rank's compute
+        # competes with the benchmark and inflates MFU.
+        self.peak_flops = peak_flops or device_peak_flops(
+            job.train.precision, self.device, job.logging.peak_tflops
+        )
+        self.output_dir = Path(job.output_dir)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        if job.logging.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(self.output_dir / "tensorboard"))
+
+    def should_log(self, step: int) -> bool:
+        """Whether `step` (1-based, counted after the optimizer step) gets an entry."""
+        return step % self.interval == 0 or step == self.total_steps
+
+    def log_step(self, step: int, values: dict[str, Any]) -> None:
+        """Record one finished step; writes an entry on logging steps.
+
+        values: loss, lr, grad_norm, loss_scale (None without fp16), skipped (bool, this step) or
+        skipped_steps (running count), tokens and samples (whole job, this step), step_time and
+        data_time (seconds), optional breakdown {section: seconds} from StepTimer.pop().
+        """
+        if not self.is_main:
+            return
+        for key in ("tokens", "samples", "step_time"):
+            if key not in values:
+                raise KeyError(f"MetricsLogger.log_step needs values[{key!r}]; got keys {sorted(values)}")
+        if "skipped_steps" in values:
+            self._skipped_total = int(values["skipped_steps"])
+        else:
+            self._skipped_total += int(bool(values.get("skipped", False)))
+        self._window.append(values)
+        if self.should_log(step):
+            self._write_train(step, values)
+            self._window = []
+
+    def _write_train(self, step: int, current: dict[str, Any]) -> None:
+        window = self._window
+        step_time = sum(v["step_time"] for v in window)
+        tokens_per_sec = sum(v["tokens"] for v in window) / step_time if step_time > 0 else 0.0
+        samples_per_sec = sum(v["samples"] for v in window) / step_time if step_time > 0 else 0.0
+        achieved = self.flops_per_token * tokens_per_sec / self.world_size
+        mean_step = step_time / len(window)
+        finite_losses = [v["loss"] for v in window if v.get("loss") is not None and math.isfinite(v["loss"])]
+        entry: dict[str, Any] = {
+            "step": step,
+            "loss": current.get("loss"),
+            "loss_avg": sum(finite_losses) / len(finite_losses) if finite_losses else None,
+            "lr": current.get("lr"),
+            "grad_norm": current.get("grad_norm"),
+            "loss_scale": current.get("loss_scale"),
+            "skipped_steps": self._skipped_total,
+            "tokens_per_sec": tokens_per_sec,
+            "samples_per_sec": samples_per_sec,
+            "step_time_s": mean_step,
+            "data_time_s": sum(v.get("data_time", 0.0) for v in window) / len(window),
+            "tflops_per_device": achieved / 1e12,
+            "mfu": achieved / self.peak_flops,
+            "peak_memory_gb": peak_memory_gb(self.device),
+            "elapsed_s": time.perf_counter() - self.start_time,
+            "eta_s": mean_step * max(self.total_steps - step, 0),
+        }
+        breakdown: dict[str, float] = {}
+        for values in window:
+            for name, seconds in values.get("breakdown", {}).items():
+                breakdown[name] = breakdown.get(name, 0.0) + seconds
+        for name, seconds in breakdown.items():
+            entry[f"time_{name}_s"] = seconds / len(window)
+        self._emit(entry)
+        self.last = entry
+        self._print_line(entry)
+
+    def log_eval(self, step: int, eval_loss: float) -> None:
+        """Record a held-out evaluation at `step`."""
+        if not self.is_main:
+            return
+        ppl = math.exp(eval_loss) if eval_loss < 700 else math.inf  # exp overflows a double past ~709
+        self._emit({"step": step, "eval_loss": eval_loss, "eval_ppl": ppl,
+                    "elapsed_s": time.perf_counter() - self.start_time})
+        print(f"eval step {step}/{self.total_steps} | loss {eval_loss:.4f} | ppl {ppl:.2f}",
+              file=self.stream, flush=True)
+
+    def note(self, message: str) -> None:
+        """A one-off line on rank 0's console (resume, checkpoint saved, ...)."""
+        if self.is_main:
+            print(message, file=self.stream, flush=True)
+
+    def close(self) -> None:
+        """Flush and close the files (safe to call twice)."""
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+    def _emit(self, entry: dict[str, Any]) -> None:
+        """Append an entry to metrics.jsonl and TensorBoard."""
+        if self._jsonl is None:
+            self._jsonl = self._open_jsonl(entry["step"])
+        self._jsonl.write(json.dumps({k: _finite_or_none(v) for k, v in entry.items()}) + "\n")
+        self._jsonl.flush()
+        if self._tb is not None:
+            for key, value in entry.items():
+                tag = _TB_TAGS.get(key) or (f"time/{key[5:-2]}" if key.startswith("time_") else None)
+                if tag is not None and value is not None:
+                    self._tb.add_scalar(tag, value, entry["step"])
+            self._tb.flush()
+
+    def _open_jsonl(self, first_step: int) -> TextIO:
+        """Open metrics.jsonl for appending, dropping entries at or after `first_step`.
+
+        A resumed run redoes the steps after its checkpoint; a fresh run in an old directory redoes
+        all of them. Either way the stale entries of those steps go, and earlier history stays.
+        """
+        path = self.output_dir / "metrics.jsonl"
+        if path.exists():
+            kept = [line for line in path.read_text().splitlines() if _entry_step(line) < first_step]
+            path.write_text("".join(line + "\n" for line in kept))
+        return path.open("a")
+
+    def _print_line(self, e: dict[str, Any]) -> None:
+        width = len(str(self.total_steps))
+        parts = [f"step {e['step']:>{width}}/{self.total_steps}"]
+        parts.append("loss " + (f"{e['loss']:.4f}" if _is_number(e["loss"]) else "nan"))
+        if e["lr"] is not None:
+            parts.append(f"lr {e['lr']:.2e}")
+        if _is_number(e["grad_norm"]):
+            parts.append(f"grad {e['grad_norm']:.3f}")
+        if e["loss_scale"] is not None:
+            parts.append(f"scale {e['loss_scale']:g}")
+        if e["skipped_steps"]:
+            parts.append(f"skipped {e['skipped_steps']}")
+        parts.append(f"{_si(e['tokens_per_sec'])} tok/s")
+        parts.append(f"{e['tflops_per_device']:.3g} TFLOP/s/dev")
+        parts.append(f"MFU {100 * e['mfu']:.1f}%")
+        parts.append(f"mem {e['peak_memory_gb']:.2f} GiB")
+        parts.append(f"ETA {format_duration(e['eta_s'])}")
+        print(" | ".join(parts), file=self.stream, flush=True)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def _si(value: float) -> str:
+    """12345.6 -> '12.3k': throughput figures span many orders of magnitude."""
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if value >= scale:
+            return f"{value / scale:.1f}{unit}"
+    return f"{value:.1f}"
+
+
+def _entry_step(line: str) -> float:
+    """Step of a metrics.jsonl line; unreadable lines (a crash mid-write) sort last and are dropped."""
+    try:
+        return float(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return math.inf

@@ -1,0 +1,185 @@
+"""Checkpoints load on any layout over gloo (4 processes).
+
+References: training continued on the layout that saved (losses within 1e-5 relative, fp32), the saved
+tensors themselves (a checkpoint re-saved on another layout holds bitwise the same model and optimizer
+state), the parallel package's gather_full_state_dict (full weights), and the uninterrupted run (exact
+resume on the same layout).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+import traceback
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from llmtrain import models
+from llmtrain.checkpoint import Checkpointer
+from llmtrain.checkpoint.convert import read_full
+from llmtrain.parallel import (
+    Topology,
+    apply_tp,
+    build_optimizer,
+    gather_full_state_dict,
+    grad_sync,
+    parallelize,
+)
+from llmtrain.pipeline.executor import PipelineExecutor
+from llmtrain.pipeline.schedules import build_schedule
+from llmtrain.pipeline.stages import activation_shape, build_stages
+from tests.checkpoint._util import batch, tiny_job
+
+WORLD = 4
+
+
+class Run:
+    """One layout's model (or pipeline stages), optimizer and step function, as the trainer builds them."""
+
+    def __init__(self, out: Path, rank: int, tp: int, pp: int, dp: int, zero: int, sp: bool = False) -> None:
+        self.job = tiny_job(
+            out, "ernie", model__hidden_dropout=0.0, model__num_layers=4, parallel__tp=tp, parallel__pp=pp,
+            parallel__dp=dp, parallel__zero_stage=zero, parallel__sequence_parallel=sp,
+            train__global_batch_size=8,
+        )  # fmt: skip
+        job = self.job
+        self.topo = Topology(job.parallel, WORLD, rank)
+        torch.manual_seed(job.train.seed)
+        model = models.build(job.model)
+        if pp == 1:
+            self.model = parallelize(model, self.topo, job)
+            self.executor = None
+        else:
+            apply_tp(model, self.topo, sp, job.train.seed)
+            self.model = build_stages(model, self.topo, sequence_parallel=sp)
+            micro = job.train.micro_batch_size
+            m = job.train.global_batch_size // (micro * dp)
+            shape = activation_shape(micro, job.model.seq_length, job.model.hidden_size, tp, sp)
+            self.executor = PipelineExecutor(self.model, build_schedule("1f1b", pp, m), self.topo, shape)
+        self.opt = build_optimizer(self.model, self.topo, job)
+        self.ck = Checkpointer(job, self.topo)
+
+    def train(self, first: int, last: int) -> list[float]:
+        """Global-batch mean losses of steps first..last-1 (the same on every rank)."""
+        t, topo = self.job.train, self.topo
+        losses = []
+        for step in range(first, last):
+            local = batch(self.job, step).chunk(topo.dp)[topo.dp_rank]
+            micro = list(local.split(t.micro_batch_size))
+            if self.executor is not None:
+                loss = self.executor.run(micro)
+            else:
+                loss = torch.zeros(())
+                for i, mb in enumerate(micro):
+                    with grad_sync(self.model, i == len(micro) - 1):
+                        part = self.model(mb[:, :-1], mb[:, 1:]) / len(micro)
+                        self.opt.backward(part)
+                    loss += part.detach()
+            self.opt.step(1e-2)
+            self.opt.zero_grad()
+            if topo.dp > 1:
+                dist.all_reduce(loss, group=topo.dp_group)
+                loss /= topo.dp
+            losses.append(loss.item())
+        return losses
+
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        chunks = self.model.chunks if self.executor is not None else [self.model]
+        out: dict[str, torch.Tensor] = {}
+        for chunk in chunks:
+            out.update(gather_full_state_dict(chunk, self.topo))
+        return out
+
+
+# (tp, pp, dp, zero_stage): the saving layout first, then those that load it.
+SAVE = (2, 2, 1, 0)
+LOADS = [(1, 1, 4, 1), (4, 1, 1, 0), (1, 2, 2, 1), (2, 1, 2, 1)]
+
+
+def _reshard(rank: int, tmp: str) -> None:
+    root = Path(tmp)
+    a = Run(root / "a", rank, *SAVE)
+    a.train(0, 2)
+    a.ck.save(2, a.model, a.opt, {"step": 2})
+    expected = a.train(2, 4)
+    for tp, pp, dp, zero in LOADS:
+        b = Run(root / f"b{tp}{pp}{dp}", rank, tp, pp, dp, zero)
+        b.ck.load(root / "a", b.model, b.opt)
+        b.ck.save(2, b.model, b.opt, {"step": 2})  # the same state, written by this layout
+        got = b.train(2, 4)
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=0,
+                                   msg=f"losses after loading {SAVE} at {(tp, pp, dp, zero)}")  # fmt: skip
+    # ... and back: the original layout loads what the others wrote and continues identically.
+    back = Run(root / "back", rank, *SAVE)
+    back.ck.load(root / "b121" / "checkpoints", back.model, back.opt)
+    torch.testing.assert_close(torch.tensor(back.train(2, 4)), torch.tensor(expected), rtol=1e-5, atol=0)
+    dist.barrier()
+    if rank == 0:
+        original = read_full(root / "a" / "checkpoints")
+        for tp, pp, dp, _ in LOADS:
+            again = read_full(root / f"b{tp}{pp}{dp}" / "checkpoints")
+            assert original.keys() == again.keys()
+            for key, value in original.items():
+                assert torch.equal(value, again[key]), (
+                    f"{key} differs after a round trip through {(tp, pp, dp)}"
+                )
+
+
+def _exact_resume_and_full_weights(rank: int, tmp: str) -> None:
+    root = Path(tmp)
+    run = Run(root / "r", rank, 2, 1, 2, 1, sp=True)
+    run.train(0, 2)
+    run.ck.save(2, run.model, run.opt, {"step": 2})
+    saved = run.full_weights()
+    expected = run.train(2, 4)
+    fresh = Run(root / "r", rank, 2, 1, 2, 1, sp=True)
+    fresh.ck.load(fresh.ck.resume_path(), fresh.model, fresh.opt)
+    for name, value in fresh.full_weights().items():
+        assert torch.equal(value, saved[name]), name
+    assert fresh.train(2, 4) == expected  # bitwise
+    if rank == 0:
+        on_disk = read_full(root / "r" / "checkpoints", prefix="model.")
+        for name, value in saved.items():
+            if name != "lm_head.weight":  # tied: stored once, as embed_tokens.weight
+                assert torch.equal(on_disk[name], value), name
+
+
+def _worker(rank: int, port: int, fn: Any, tmp: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        fn(rank, tmp)
+        result = None
+    except Exception:
+        result = f"rank {rank}:\n{traceback.format_exc()}"
+    Path(tmp, f"result.{rank}").write_bytes(pickle.dumps(result))
+    dist.destroy_process_group()
+
+
+def _spawn(fn: Any) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_worker, args=(port, fn, tmp), nprocs=WORLD, join=True)
+        errors = [pickle.loads(Path(tmp, f"result.{r}").read_bytes()) for r in range(WORLD)]
+    errors = [e for e in errors if e]
+    assert not errors, "\n".join(errors)
+
+
+@pytest.mark.slow
+def test_save_at_tp2_pp2_load_anywhere_and_back() -> None:
+    _spawn(_reshard)
+
+
+@pytest.mark.slow
+def test_exact_resume_under_tp_sp_zero1() -> None:
+    _spawn(_exact_resume_and_full_weights)

@@ -1,0 +1,163 @@
+"""build_data (contract E): exact resumption across DP degrees, eval determinism, entropy, errors, caches."""
+
+from __future__ import annotations
+
+import json
+import math
+import multiprocessing as mp
+import sysconfig
+import time
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+from llmtrain.config import JobConfig
+from llmtrain.data import DataError, IndexedDataset, IndexedDatasetWriter, build_data, load_tokenizer
+from llmtrain.data import corpus as corpus_mod
+from llmtrain.data.preprocess import preprocess_documents
+
+
+def _job(tmp_path, prefixes, tokenizer, **kw):
+    job = JobConfig()
+    job.model.vocab_size = kw.pop("vocab_size", 512)
+    job.model.seq_length = kw.pop("seq_length", 32)
+    job.train.global_batch_size = kw.pop("global_batch_size", 8)
+    job.train.steps = kw.pop("steps", 10)
+    job.data.prefixes = list(prefixes)
+    job.data.tokenizer = tokenizer
+    job.data.cache_dir = str(tmp_path / "cache")
+    job.data.split = "80,20,0"  # the test corpus has few documents: 2% would be none
+    for k, v in kw.items():
+        setattr(job.data, k, v)
+    return job
+
+
+def _global_batches(job, dp, consumed, steps):
+    """The global batches seen by a DP group of `dp` ranks: rank slices concatenated in rank order."""
+    iters = [build_data(job, r, dp).train_batches(consumed) for r in range(dp)]
+    return [torch.cat([next(it) for it in iters]) for _ in range(steps)]
+
+
+def test_resuming_with_another_dp_degree_continues_exactly(tmp_path, dataset_prefix, sp_model):
+    job = _job(tmp_path, [dataset_prefix], sp_model, steps=8)
+    reference = _global_batches(job, 1, 0, 8)  # one rank reads every global batch whole
+    gbs = job.train.global_batch_size
+    run = (
+        _global_batches(job, 4, 0, 3)
+        + _global_batches(job, 2, 3 * gbs, 3)
+        + _global_batches(job, 8, 6 * gbs, 2)
+    )
+    for step, (got, want) in enumerate(zip(run, reference, strict=True)):
+        assert got.shape == (gbs, 33) and got.dtype == torch.int64
+        assert torch.equal(got, want), f"global batch {step} differs after resharding"
+    rows = torch.cat(reference)
+    assert len({tuple(r.tolist()) for r in rows}) == len(rows)  # no sample repeated within the epoch
+
+
+def test_eval_batches_are_deterministic_and_held_out(tmp_path, dataset_prefix, sp_model, docs):
+    job = _job(tmp_path, [dataset_prefix], sp_model, split="80,20,0")
+    dm = build_data(job, 1, 2)
+    first, second = list(dm.eval_batches(3)), list(dm.eval_batches(3))
+    assert len(first) == 3 and all(b.shape == (4, 33) for b in first)
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+    # Every eval token window comes from the valid documents (the last 20% of the dataset).
+    ds = IndexedDataset(dataset_prefix)
+    n_train = round(0.8 * len(ds))
+    valid_text = "".join(dm.tokenizer.decode(ds[i].tolist()) for i in range(n_train, len(ds)))
+    for row in first[0]:
+        piece = dm.tokenizer.decode([t for t in row[1:-1].tolist() if t != dm.tokenizer.eod_id])
+        assert piece[5:-5] in valid_text
+
+
+def test_unigram_entropy_matches_counting(tmp_path, dataset_prefix, sp_model):
+    dm = build_data(_job(tmp_path, [dataset_prefix], sp_model, split="90,10,0"))
+    ds = IndexedDataset(dataset_prefix)
+    counts = Counter(t for i in range(round(0.9 * len(ds))) for t in ds[i].tolist())
+    total = sum(counts.values())
+    expected = -sum(c / total * math.log(c / total) for c in counts.values())
+    assert dm.unigram_entropy == pytest.approx(expected, rel=1e-9)
+    assert dm.vocab_size == 512 and dm.tokenizer.eod_id == load_tokenizer(sp_model).eod_id
+
+
+def test_blend_of_two_prefixes(tmp_path, dataset_prefix, sp_model, docs):
+    other = str(tmp_path / "other")
+    preprocess_documents(docs[::-1], other, sp_model)
+    job = _job(tmp_path, [dataset_prefix, other], sp_model, weights=[1.0, 3.0], steps=4)
+    batches = list(zip(range(4), build_data(job).train_batches(), strict=False))
+    assert all(b.shape == (8, 33) for _, b in batches)
+    job.data.weights = [1.0]
+    with pytest.raises(DataError, match="data.weights has 1 entries but data.prefixes has 2"):
+        build_data(job)
+
+
+def test_vocabulary_errors(tmp_path, dataset_prefix, sp_model):
+    with pytest.raises(DataError, match=r"model.vocab_size=300 is smaller .*512.*model.vocab_size >= 512"):
+        build_data(_job(tmp_path, [dataset_prefix], sp_model, vocab_size=300))
+    with pytest.raises(DataError, match="data.prefixes needs data.tokenizer"):
+        build_data(_job(tmp_path, [dataset_prefix], None))
+    narrow = str(tmp_path / "narrow")
+    with IndexedDatasetWriter(narrow, np.uint8) as w:
+        w.add_document(np.arange(200))
+    with pytest.raises(DataError, match=r"narrow\.bin stores tokens as uint8 .* tokenizer has 512"):
+        build_data(_job(tmp_path, [narrow], sp_model))
+    foreign = str(tmp_path / "foreign")
+    with IndexedDatasetWriter(foreign, np.uint16) as w:
+        w.add_document(np.arange(900))
+    with pytest.raises(DataError, match=r"foreign\.bin contains token id 899 but the tokenizer has 512"):
+        build_data(_job(tmp_path, [foreign], sp_model, vocab_size=1024))
+    with pytest.raises(DataError, match="not divisible by the data-parallel size 3"):
+        build_data(_job(tmp_path, [dataset_prefix], sp_model), 0, 3)
+
+
+def test_empty_valid_split_with_eval_enabled(tmp_path, dataset_prefix, sp_model):
+    with pytest.raises(DataError, match="valid split without tokens.*train.eval_interval"):
+        build_data(_job(tmp_path, [dataset_prefix], sp_model, split="100,0,0"))
+
+
+def _build_small_corpus(cache_dir):
+    corpus_mod.MAX_CORPUS_BYTES = 200_000  # forked children inherit this; the cache key includes it
+    job = JobConfig()
+    job.model.vocab_size, job.model.seq_length = 1024, 64
+    job.train.steps = 5
+    job.data.cache_dir, job.data.split = cache_dir, "80,20,0"
+    dm = build_data(job)
+    return dm.unigram_entropy, next(dm.train_batches()).sum().item()
+
+
+@pytest.mark.slow
+def test_default_corpus_built_once_by_concurrent_ranks(tmp_path, monkeypatch):
+    monkeypatch.setattr(corpus_mod, "MAX_CORPUS_BYTES", 200_000)
+    with mp.get_context("fork").Pool(3) as pool:
+        results = pool.map(_build_small_corpus, [str(tmp_path / "cache")] * 3)
+    assert len(set(results)) == 1
+    folders = [p for p in (tmp_path / "cache" / "corpus").iterdir() if p.is_dir()]
+    assert len(folders) == 1 and not list((tmp_path / "cache" / "corpus").glob("*.tmp-*"))
+    # The corpus is the stdlib's real source text: decoding a document gives back a source file.
+    ds = IndexedDataset(folders[0] / "corpus")
+    tok = load_tokenizer(folders[0] / "tokenizer.model")
+    text = tok.decode(ds[0][:-1].tolist())
+    first_file = corpus_mod.stdlib_files()[0][1]
+    assert text == first_file.read_text(encoding="utf-8", errors="replace")
+    assert str(first_file).startswith(sysconfig.get_paths()["stdlib"])
+
+
+@pytest.mark.slow
+def test_real_default_corpus(tmp_path):
+    """The default job's data as tools/pretrain.py gets it, prepared from scratch (timed)."""
+    job = JobConfig()
+    job.data.cache_dir = str(tmp_path / "cache")
+    start = time.perf_counter()
+    dm = build_data(job)
+    seconds = time.perf_counter() - start
+    meta = json.loads(next((tmp_path / "cache" / "corpus").glob("*/meta.json")).read_text())
+    print(f"default corpus: {meta} first build {seconds:.1f}s, unigram entropy {dm.unigram_entropy:.3f}")
+    assert dm.vocab_size == job.model.vocab_size == 8192
+    assert meta["tokens"] > 2 * job.train.steps * job.train.global_batch_size * job.model.seq_length
+    assert 4.0 < dm.unigram_entropy < math.log(8192)
+    batch = next(dm.train_batches())
+    assert batch.shape == (job.train.global_batch_size, job.model.seq_length + 1)
+    start = time.perf_counter()
+    build_data(job)
+    assert time.perf_counter() - start < seconds  # the second start reuses every cache

@@ -1,0 +1,66 @@
+"""Kernel tests run Triton kernels on CPU tensors through the Triton interpreter.
+
+TRITON_INTERPRET=1 is read when a @triton.jit function is defined, i.e. when a kernels.<module> holding
+kernels is first imported; `kernels/__init__.py` imports them lazily, so setting the variable here, at
+conftest import time, is early enough for the whole session. Outside pytest run with
+`TRITON_INTERPRET=1 python ...`.
+
+Every test compares against the PyTorch reference in kernels/reference.py (torch's own ops: F.layer_norm,
+F.scaled_dot_product_attention, F.cross_entropy, ...) evaluated in float64 on the same (rounded) inputs.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+# Tolerances against the float64 reference, per input dtype. fp32 kernels accumulate in fp32, so errors
+# stay within a few ulps of the O(1) values; fp16 outputs are rounded once to fp16 (ulp 2^-10 ~ 1e-3
+# relative), so tolerances sit at about two fp16 ulps.
+TOLERANCES = {
+    torch.float32: dict(atol=2e-5, rtol=2e-5),
+    torch.float16: dict(atol=2e-3, rtol=2e-3),
+}
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, scale: float = 1.0, what: str = ""):
+    """Compare to a float64 reference with the tolerance of `dtype`, widened by `scale` where a test says why."""
+    tol = TOLERANCES[dtype]
+    torch.testing.assert_close(
+        actual.double(), expected.double(), atol=tol["atol"] * scale, rtol=tol["rtol"] * scale, msg=lambda m: f"{what}: {m}"
+    )
+
+
+def forward_backward(fn, inputs, cotangent_seed: int = 1):
+    """Outputs of fn(*inputs) and gradients of <outputs, random cotangents> w.r.t. the tensors that require grad.
+
+    The cotangents come from a fixed seed and are rounded through fp16, so a kernel run (any dtype) and its
+    float64 reference run receive exactly the same upstream gradients.
+    """
+    outs = fn(*inputs)
+    outs_t = outs if isinstance(outs, tuple) else (outs,)
+    gen = torch.Generator().manual_seed(cotangent_seed)
+    total = 0
+    for o in outs_t:
+        cot = torch.randn(o.shape, generator=gen, dtype=torch.float64).half().to(o.dtype)
+        total = total + (o * cot).sum()
+    leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    grads = torch.autograd.grad(total, leaves)
+    return outs_t, grads
+
+
+def as_float64_leaves(*tensors):
+    """float64 copies of the inputs, keeping requires_grad where the original had it."""
+    return [
+        t.detach().double().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+        for t in tensors
+    ]
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)

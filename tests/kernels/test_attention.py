@@ -1,0 +1,71 @@
+"""Flash-attention Triton kernel vs torch's scaled_dot_product_attention (math backend) in float64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels
+from tests.kernels.conftest import assert_close, forward_backward
+
+
+def _sdpa64(q, k, v, causal, scale):
+    # Repeat kv heads explicitly so the reference does not depend on SDPA's enable_gqa path.
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+
+
+CASES = [
+    # batch, q_heads, kv_heads, seq, head_dim
+    (1, 2, 2, 16, 16),  # one block, MHA
+    (2, 4, 2, 37, 32),  # GQA, ragged tail
+    (1, 3, 1, 70, 64),  # MQA, head_dim 64, several key blocks
+    (1, 2, 1, 19, 128),  # head_dim 128
+    (1, 2, 2, 23, 40),  # non-power-of-two head_dim
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("batch,hq,hkv,seq,dim", CASES)
+def test_flash_attention_matches_sdpa(batch, hq, hkv, seq, dim, causal, dtype):
+    q = torch.randn(batch, hq, seq, dim, dtype=torch.float64).to(dtype).requires_grad_()
+    k = torch.randn(batch, hkv, seq, dim, dtype=torch.float64).to(dtype).requires_grad_()
+    v = torch.randn(batch, hkv, seq, dim, dtype=torch.float64).to(dtype).requires_grad_()
+    scale = dim**-0.5
+    got, got_g = forward_backward(
+        lambda q, k, v: kernels.flash_attention(q, k, v, causal=causal, impl="triton"), [q, k, v]
+    )
+    exp, exp_g = forward_backward(
+        lambda q, k, v: _sdpa64(q, k, v, causal, scale), [t.detach().double().requires_grad_() for t in (q, k, v)]
+    )
+    assert got[0].dtype == dtype
+    assert_close(got[0], exp[0], dtype, what="output")
+    # Gradients sum products over the sequence (and over a GQA group for dk/dv): allow 2x.
+    for name, a, e in zip("qkv", got_g, exp_g):
+        assert_close(a, e, dtype, scale=2.0, what=f"grad {name}")
+
+
+def test_flash_attention_custom_scale_and_noncontiguous():
+    # q/k/v as transposed views of (batch, seq, heads, dim) projections, as the model builds them.
+    q = torch.randn(1, 21, 4, 16).transpose(1, 2).requires_grad_()
+    k = torch.randn(1, 21, 2, 16).transpose(1, 2).requires_grad_()
+    v = torch.randn(1, 21, 2, 16).transpose(1, 2).requires_grad_()
+    got, got_g = forward_backward(
+        lambda q, k, v: kernels.flash_attention(q, k, v, True, 0.3, impl="triton"), [q, k, v]
+    )
+    exp, exp_g = forward_backward(
+        lambda q, k, v: _sdpa64(q, k, v, True, 0.3), [t.detach().double().requires_grad_() for t in (q, k, v)]
+    )
+    assert_close(got[0], exp[0], torch.float32)
+    for a, e in zip(got_g, exp_g):
+        assert_close(a, e, torch.float32, scale=2.0)
+
+
+def test_flash_attention_rejects_bad_gqa():
+    q, k = torch.randn(1, 3, 8, 16), torch.randn(1, 2, 8, 16)
+    with pytest.raises(ValueError, match="multiple of kv heads"):
+        kernels.flash_attention(q, k, k, impl="torch")

@@ -1,0 +1,119 @@
+"""Cross-entropy kernels vs torch's F.cross_entropy in float64: plain, vocab-parallel (gloo, tp=2/4), fused linear."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+import kernels
+from tests.kernels.conftest import assert_close, forward_backward
+
+DTYPES = [torch.float32, torch.float16]
+
+
+def _targets(shape, vocab, gen=None, ignore_every: int = 4):
+    t = torch.randint(0, vocab, shape, generator=gen)
+    t.view(-1)[::ignore_every] = -100  # some ignored positions
+    return t
+
+
+def _ce64(logits, target):
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape,vocab", [((2, 9), 300), ((13,), 5000), ((3, 4), 4096 + 17)])
+def test_cross_entropy_matches_torch(shape, vocab, dtype):
+    logits = (3 * torch.randn(*shape, vocab, dtype=torch.float64)).to(dtype).requires_grad_()
+    target = _targets(shape, vocab)
+    got, got_g = forward_backward(lambda x: kernels.cross_entropy(x, target, impl="triton"), [logits])
+    exp, exp_g = forward_backward(lambda x: _ce64(x, target), [logits.detach().double().requires_grad_()])
+    assert got[0].dtype == torch.float32  # the loss is fp32 whatever the logits dtype
+    assert_close(got[0], exp[0], torch.float32, what="loss")  # fp32 statistics even for fp16 logits
+    assert got_g[0].dtype == dtype
+    assert_close(got_g[0], exp_g[0], dtype, what="grad logits")
+
+
+def test_cross_entropy_ignored_rows_get_zero_grad():
+    logits = torch.randn(6, 50, requires_grad=True)
+    target = torch.tensor([1, -100, 3, -100, 49, 0])
+    loss = kernels.cross_entropy(logits, target, impl="triton")
+    loss.backward()
+    assert torch.all(logits.grad[1] == 0) and torch.all(logits.grad[3] == 0)
+    torch.testing.assert_close(loss, F.cross_entropy(logits, target), atol=1e-6, rtol=1e-6)
+
+
+def _vocab_parallel_worker(rank: int, world: int, init_file: str, vocab: int):
+    os.environ["TRITON_INTERPRET"] = "1"
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        gen = torch.Generator().manual_seed(123)  # every rank draws the same full logits and targets
+        full = 3 * torch.randn(2, 5, vocab, generator=gen, dtype=torch.float64)
+        target = _targets((2, 5), vocab, gen, ignore_every=3)
+        shard = vocab // world
+        cols = slice(rank * shard, (rank + 1) * shard)
+        for dtype in DTYPES:
+            full64 = full.to(dtype).double().requires_grad_()  # the reference sees the same rounded logits
+            exp_loss = _ce64(full64, target)
+            (exp_grad,) = torch.autograd.grad(exp_loss, [full64])
+            for impl in ("torch", "triton"):
+                local = full[..., cols].to(dtype).requires_grad_()
+                loss = kernels.cross_entropy(local, target, tp_group=dist.group.WORLD, impl=impl)
+                (grad,) = torch.autograd.grad(loss, [local])
+                assert_close(loss, exp_loss, torch.float32, what=f"{impl} {dtype} loss rank {rank}")
+                assert_close(grad, exp_grad[..., cols], dtype, what=f"{impl} {dtype} grad rank {rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_vocab_parallel_cross_entropy_gloo(world, tmp_path):
+    # fork, not spawn: re-importing torch in every child costs ~10 s on a shared 2-core machine; the parent
+    # has no process group or CUDA state, so forked children start clean.
+    mp.start_processes(
+        _vocab_parallel_worker,
+        args=(world, str(tmp_path / "store"), 24 * world),
+        nprocs=world,
+        join=True,
+        start_method="fork",
+    )
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,hidden,vocab,chunk", [((2, 9), 24, 300, 4), ((17,), 40, 1000, None)])
+def test_fused_linear_cross_entropy_matches_torch(tokens, hidden, vocab, chunk, dtype, impl):
+    h = torch.randn(*tokens, hidden, dtype=torch.float64).to(dtype).requires_grad_()
+    w = (0.3 * torch.randn(vocab, hidden, dtype=torch.float64)).to(dtype).requires_grad_()
+    target = _targets(tokens, vocab)
+    got, got_g = forward_backward(
+        lambda h, w: kernels.fused_linear_cross_entropy(h, w, target, impl=impl, chunk_tokens=chunk), [h, w]
+    )
+    exp, exp_g = forward_backward(
+        lambda h, w: _ce64(h @ w.t(), target), [t.detach().double().requires_grad_() for t in (h, w)]
+    )
+    # fp16 logits are rounded once before the fp32 softmax: the loss inherits fp16-level error.
+    assert_close(got[0], exp[0], dtype, what="loss")
+    for name, a, e in zip(["hidden", "weight"], got_g, exp_g):
+        assert a.dtype == dtype
+        # Each gradient is a matmul over vocab (hidden) or tokens (weight) of rounded logit grads.
+        assert_close(a, e, dtype, scale=2.0, what=f"grad {name}")
+
+
+def test_fused_linear_cross_entropy_without_grad():
+    h, w = torch.randn(5, 8), torch.randn(30, 8)
+    target = torch.randint(0, 30, (5,))
+    with torch.no_grad():
+        loss = kernels.fused_linear_cross_entropy(h, w, target, impl="torch", chunk_tokens=2)
+    torch.testing.assert_close(loss, F.cross_entropy(h @ w.t(), target), atol=1e-6, rtol=1e-6)
+
+
+def test_cross_entropy_rejects_bad_target_shape():
+    with pytest.raises(ValueError, match="target shape"):
+        kernels.cross_entropy(torch.randn(4, 10), torch.zeros(5, dtype=torch.long), impl="torch")

@@ -1,0 +1,233 @@
+"""Reference: transformers' own save_pretrained / AutoModelForCausalLM.from_pretrained directory layout.
+
+Conversions HF -> llmtrain -> HF are bitwise, converted directories load in transformers with the
+same logits, and bad directories fail with errors that name the offending file.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+import llmtrain
+from llmtrain.config import ModelConfig
+from llmtrain.models import build, from_hf_config, from_pretrained, save_hf, save_pretrained, to_hf_config
+from llmtrain.models import hf as hf_io
+from tests.models.hf_models import CONFIGS, hf_model
+
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("convert_checkpoint", ROOT / "tools" / "convert_checkpoint.py")
+convert_tool = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(convert_tool)
+
+# Tied and untied heads, with and without biases (test_equivalence covers the mapping of every config).
+CASES = [("gpt", 0), ("llama", 0), ("ernie", 0), ("ernie", 1)]
+TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+def _ids(vocab: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, 11), generator=torch.Generator().manual_seed(3))
+
+
+def _assert_same_tensors(a: Path, b: Path) -> None:
+    sa, sb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    assert sorted(sa) == sorted(sb)
+    for name in sa:
+        assert sa[name].dtype == sb[name].dtype and torch.equal(sa[name], sb[name]), name
+
+
+def _load_hf(path: Path, attn: str = "sdpa") -> torch.nn.Module:
+    model, info = AutoModelForCausalLM.from_pretrained(
+        path, output_loading_info=True, attn_implementation=attn
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    return model.eval()
+
+
+@pytest.mark.parametrize(("arch", "index"), CASES, ids=[f"{a}-{i}" for a, i in CASES])
+def test_hf_llmtrain_hf_round_trip_is_bitwise_and_loads_in_transformers(
+    arch: str, index: int, tmp_path: Path
+) -> None:
+    ref = hf_model(arch, index).eval()
+    ref.save_pretrained(tmp_path / "hf")
+    assert (
+        convert_tool.main(
+            ["hf-to-llmtrain", "--input", str(tmp_path / "hf"), "--output", str(tmp_path / "ours")]
+        )
+        == 0
+    )
+    assert (
+        convert_tool.main(
+            ["llmtrain-to-hf", "--input", str(tmp_path / "ours"), "--output", str(tmp_path / "back")]
+        )
+        == 0
+    )
+    _assert_same_tensors(tmp_path / "hf", tmp_path / "back")
+
+    ids = _ids(ref.config.vocab_size)
+    with torch.no_grad():
+        expected = ref(ids).logits
+        torch.testing.assert_close(
+            _load_hf(tmp_path / "back", ref.config._attn_implementation)(ids).logits, expected, **TOL
+        )
+        # The llmtrain directory and the original HF directory both load as our model.
+        torch.testing.assert_close(llmtrain.from_pretrained(str(tmp_path / "ours"))(ids), expected, **TOL)
+        torch.testing.assert_close(llmtrain.from_pretrained(str(tmp_path / "hf"))(ids), expected, **TOL)
+
+
+@pytest.mark.parametrize("arch", ["gpt", "llama", "ernie"])
+def test_llmtrain_model_saved_as_hf_gives_same_logits(arch: str, tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    cfg = ModelConfig(
+        arch=arch,
+        num_layers=2,
+        hidden_size=72,
+        num_attention_heads=6,
+        num_kv_heads=None if arch == "gpt" else 3,
+        vocab_size=500,
+        ffn_hidden_size=100,
+        seq_length=12,
+    )
+    model = build(cfg).eval()
+    save_hf(model, tmp_path / "hf")
+    save_pretrained(model, tmp_path / "ours")
+    ids = _ids(cfg.vocab_size)
+    with torch.no_grad():
+        torch.testing.assert_close(_load_hf(tmp_path / "hf")(ids).logits, model(ids), **TOL)
+        assert torch.equal(from_pretrained(tmp_path / "ours")(ids), model(ids))
+    # ours -> HF -> ours keeps every tensor bit for bit.
+    convert_tool.main(
+        ["hf-to-llmtrain", "--input", str(tmp_path / "hf"), "--output", str(tmp_path / "again")]
+    )
+    _assert_same_tensors(tmp_path / "ours", tmp_path / "again")
+    assert yaml.safe_load((tmp_path / "again" / "llmtrain_config.yaml").read_text())["model"]["arch"] == arch
+
+
+def test_bf16_round_trip_keeps_dtype(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    cfg = ModelConfig(
+        arch="llama",
+        num_layers=1,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        vocab_size=300,
+        ffn_hidden_size=96,
+        seq_length=8,
+    )
+    save_pretrained(build(cfg).to(torch.bfloat16), tmp_path / "ours")
+    convert_tool.main(["llmtrain-to-hf", "--input", str(tmp_path / "ours"), "--output", str(tmp_path / "hf")])
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "bfloat16"
+    convert_tool.main(["hf-to-llmtrain", "--input", str(tmp_path / "hf"), "--output", str(tmp_path / "back")])
+    _assert_same_tensors(tmp_path / "ours", tmp_path / "back")
+    assert from_pretrained(tmp_path / "back").lm_head.weight.dtype == torch.bfloat16
+
+
+def test_original_gpt2_layout_and_sharded_checkpoints_load(tmp_path: Path) -> None:
+    """OpenAI's GPT-2 files have no "transformer." prefix and carry attn.bias mask buffers."""
+    ref = hf_model("gpt", 1).eval()
+    state = {
+        k.removeprefix("transformer."): v.contiguous()
+        for k, v in ref.state_dict().items()
+        if k != "lm_head.weight"
+    }
+    n = ref.config.n_positions
+    state |= {f"h.{i}.attn.bias": torch.tril(torch.ones(1, 1, n, n)) for i in range(ref.config.n_layer)}
+    (tmp_path / "openai").mkdir()
+    save_file(state, tmp_path / "openai" / "model.safetensors", metadata={"format": "pt"})
+    (tmp_path / "openai" / "config.json").write_text(ref.config.to_json_string())
+    ref.save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    ids = _ids(ref.config.vocab_size)
+    with torch.no_grad():
+        for name in ("openai", "sharded"):
+            torch.testing.assert_close(from_pretrained(tmp_path / name)(ids), ref(ids).logits, **TOL)
+
+
+@pytest.mark.parametrize(("arch", "index"), [(a, i) for a in CONFIGS for i in range(len(CONFIGS[a]))])
+def test_config_round_trip(arch: str, index: int) -> None:
+    cfg = from_hf_config(hf_model(arch, index).config)
+    again = from_hf_config(to_hf_config(cfg))
+    assert again == cfg
+
+
+def test_unconvertible_configs_name_the_problem() -> None:
+    gqa_gpt = ModelConfig(arch="gpt", hidden_size=64, num_attention_heads=4, num_kv_heads=2)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        to_hf_config(gqa_gpt)
+    llama3 = to_hf_config(ModelConfig(arch="llama", hidden_size=64, num_attention_heads=4))
+    llama3["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}
+    with pytest.raises(ValueError, match="llama3"):
+        from_hf_config(llama3)
+    with pytest.raises(ValueError, match="model_type='bert'"):
+        from_hf_config({"model_type": "bert"})
+
+
+def test_bad_directories_give_clear_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="neither an llmtrain model directory"):
+        from_pretrained(tmp_path / "empty")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        from_pretrained(tmp_path / "nowhere")
+
+    (tmp_path / "bad_arch").mkdir()
+    (tmp_path / "bad_arch" / "llmtrain_config.yaml").write_text("model:\n  arch: mamba\n")
+    with pytest.raises(ValueError, match=r"llmtrain_config\.yaml.*model\.arch"):
+        from_pretrained(tmp_path / "bad_arch")
+
+    (tmp_path / "bad_hf").mkdir()
+    (tmp_path / "bad_hf" / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    assert (
+        convert_tool.main(
+            ["hf-to-llmtrain", "--input", str(tmp_path / "bad_hf"), "--output", str(tmp_path / "o")]
+        )
+        == 1
+    )
+    err = capsys.readouterr().err
+    assert "bad_hf/config.json" in err and "bert" in err
+    with pytest.raises(ValueError, match=r"config\.json: model_type='bert'"):
+        from_pretrained(tmp_path / "bad_hf")
+    assert not (tmp_path / "o").exists()
+
+    (tmp_path / "no_weights").mkdir()
+    (tmp_path / "no_weights" / "config.json").write_text(json.dumps(to_hf_config(ModelConfig(arch="ernie"))))
+    with pytest.raises(FileNotFoundError, match=r"no_weights/model\.safetensors"):
+        from_pretrained(tmp_path / "no_weights")
+
+
+def test_writes_are_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    model = build(ModelConfig(arch="gpt", num_layers=1, hidden_size=32, num_attention_heads=2, vocab_size=64))
+    save_pretrained(model, tmp_path / "m")
+    before = load_file(tmp_path / "m" / "model.safetensors")
+
+    def boom(*args: object, **kwargs: object) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(hf_io, "save_file", boom)
+    with torch.no_grad():
+        model.embed_tokens.weight.add_(1.0)
+    with pytest.raises(OSError, match="disk full"):
+        save_pretrained(model, tmp_path / "m")
+    monkeypatch.undo()
+    # The old directory is intact and no temporary directory is left behind.
+    assert torch.equal(
+        load_file(tmp_path / "m" / "model.safetensors")["embed_tokens.weight"], before["embed_tokens.weight"]
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+    # Overwriting a model directory works; a directory of other files is refused.
+    save_pretrained(model, tmp_path / "m")
+    assert not torch.equal(
+        load_file(tmp_path / "m" / "model.safetensors")["embed_tokens.weight"], before["embed_tokens.weight"]
+    )
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "notes.txt").write_text("keep me")
+    with pytest.raises(FileExistsError, match="holds no model"):
+        save_pretrained(model, tmp_path / "docs")

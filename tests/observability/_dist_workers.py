@@ -1,0 +1,40 @@
+"""Process bodies of the multi-process watchdog tests (importable by torch.multiprocessing's spawn)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from llmtrain.parallel.watchdog import Watchdog, fail_fast
+
+GROUP_TIMEOUT_S = 60  # far beyond the watchdog's: the watchdog, not gloo, must end these jobs
+
+
+def _init(rank: int, world: int, port: int) -> None:
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+
+
+def straggler(rank: int, world: int, port: int, timeout_s: float) -> None:
+    """Rank 1 sleeps inside the all-reduce every other rank waits in."""
+    _init(rank, world, port)
+    watchdog = Watchdog(timeout_s, rank, world).start()
+    grads = torch.ones(4)
+    with watchdog.waiting("dp", "all_reduce", detail="grad bucket 0"):
+        if rank == 1:
+            time.sleep(GROUP_TIMEOUT_S)
+        dist.all_reduce(grads)
+
+
+def crash(rank: int, world: int, port: int) -> None:
+    """Rank 1 raises; rank 0 waits in a barrier that can now never complete."""
+    with fail_fast(rank):
+        _init(rank, world, port)
+        if rank == 1:
+            raise RuntimeError("boom on rank 1")
+        dist.barrier()
