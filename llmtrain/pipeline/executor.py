@@ -27,7 +27,7 @@ from torch import nn
 
 from llmtrain.parallel.data_parallel import grad_sync
 from llmtrain.parallel.topology import Topology
-from llmtrain.pipeline.schedules import RECV_B, RECV_F, SEND_B, SEND_F, Action, B, I, Schedule, W
+from llmtrain.pipeline.schedules import RECV_F, SEND_B, SEND_F, Action, B, I, Schedule, W
 from llmtrain.pipeline.stages import PipelineStages
 
 # Weight-gradient work deferred by the current I action: None outside of one.

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import random
 from pathlib import Path
 
@@ -10,6 +9,7 @@ import numpy as np
 import torch
 
 from llmtrain.config import ConfigError, JobConfig, dump
+from llmtrain.parallel.topology import Topology
 from llmtrain.training.trainer import LocalStepRunner, Trainer, TrainResult
 
 
@@ -20,18 +20,15 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def run(job: JobConfig) -> TrainResult:
-    """Train `job` on the processes torchrun (or a plain `python`) started."""
+def build_trainer(job: JobConfig, topo: Topology) -> Trainer:
+    """Data, model, parallel layout, optimizer, metrics and checkpointer for `job`, assembled."""
     from llmtrain.checkpoint import Checkpointer
     from llmtrain.data import build_data
     from llmtrain.models import build
-    from llmtrain.parallel import build_optimizer, grad_sync, init_distributed, parallelize
+    from llmtrain.parallel import build_optimizer, grad_sync, parallelize
     from llmtrain.planner.flops import model_flops_per_token
     from llmtrain.training.metrics import MetricsLogger
 
-    if job.train.num_threads:
-        torch.set_num_threads(job.train.num_threads)
-    topo = init_distributed(job)
     seed_everything(job.train.seed)
     data = build_data(job, dp_rank=topo.dp_rank, dp_size=topo.dp)
     if data.vocab_size > job.model.vocab_size:
@@ -47,17 +44,16 @@ def run(job: JobConfig) -> TrainResult:
         model = model.to(torch.bfloat16 if job.train.precision == "bf16" else torch.float16)
     model = parallelize(model, topo, job)
     optimizer = build_optimizer(model, topo, job)
-    runner = LocalStepRunner(model, optimizer, job.train.micro_batch_size, grad_sync)
     metrics = MetricsLogger(
         job,
         is_main=topo.rank == 0,
         flops_per_token=model_flops_per_token(job.model, job.model.seq_length),
         world_size=topo.world_size,
     )
-    trainer = Trainer(
+    return Trainer(
         job=job,
         topo=topo,
-        runner=runner,
+        runner=LocalStepRunner(model, optimizer, job.train.micro_batch_size, grad_sync),
         optimizer=optimizer,
         data=data,
         metrics=metrics,
@@ -65,9 +61,20 @@ def run(job: JobConfig) -> TrainResult:
         model=model,
         tokens_per_sample=job.model.seq_length,
     )
+
+
+def run(job: JobConfig) -> TrainResult:
+    """Train `job` on the processes torchrun (or a plain `python`) started."""
+    from llmtrain.parallel import init_distributed
+
+    if job.train.num_threads:
+        torch.set_num_threads(job.train.num_threads)
+    topo = init_distributed(job)
+    trainer = build_trainer(job, topo)
     try:
         return trainer.fit()
     finally:
-        metrics.close()
-        if os.environ.get("WORLD_SIZE") and torch.distributed.is_initialized():
+        trainer.metrics.close()
+        trainer.checkpointer.close()
+        if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()

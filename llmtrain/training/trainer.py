@@ -190,8 +190,7 @@ class Trainer:
             if train.eval_interval and (self.step % train.eval_interval == 0 or last):
                 eval_loss = self.evaluate()
                 self.metrics.log_eval(self.step, eval_loss)
-            interval = self.job.checkpoint.interval
-            if (interval and self.step % interval == 0) or last:
+            if self.checkpointer.is_due(self.step, final=last):
                 self.checkpointer.save(self.step, self.model, self.optimizer, self._checkpoint_extra())
         self.checkpointer.wait()
         return TrainResult(

@@ -1,0 +1,142 @@
+"""Pipeline step time and in-flight micro-batches: the pipeline simulator, or its closed forms.
+
+The pipeline issue's simulator (``llmtrain.pipeline.simulator``) replays a schedule's actions, so the planner
+and the executor agree on what a schedule costs. Replaying is linear in ``pp * m * v`` actions, too slow
+for a search over thousands of layouts with hundreds of micro-batches, so the search uses closed forms that
+reproduce the simulator exactly for uniform per-chunk costs (tests/planner/test_pipeline_time.py checks
+them against the simulator on a grid of shapes), with the heaviest rank setting the steady state when
+stages differ (first stage: embeddings; last: logits and loss). The final ranking re-times small shapes
+with the simulator itself (per-(rank, chunk) cost tables, cached per shape and costs).
+
+Closed forms with per-chunk forward f, backward b (= input grad I + weight grad W), send latency c,
+p ranks, m micro-batches, v chunks per rank:
+    gpipe             (m + p - 1)(f + b) + 2(p - 1) c
+    1f1b              (m + p - 1)(f + b) + (2m(p - 1)/p + 2(p - 2)) c      (m >= p)
+    interleaved_1f1b  (m v + p - 1)(f + b) + 2(p v - 1) c
+    zb_h1             m (f + b) + (p - 1)(f + I - W) + 4(p - 1) c            (m >= p)
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from llmtrain.pipeline.schedules import build_schedule
+from llmtrain.pipeline.simulator import simulate
+
+SIMULATE_MAX_ACTIONS = 1024
+"""Re-time with the simulator when pp * micro-batches * virtual stages is at most this."""
+
+
+@dataclass(frozen=True)
+class PipelineTime:
+    """Step time of the pipeline part of a step and the activations it keeps."""
+
+    step_time: float
+    busy: float
+    """Compute time of the busiest rank (the ideal, bubble-free pipeline time)."""
+    peak_inflight: int
+    """Most (micro-batch, chunk) pairs with activations held on the rank holding most (rank 0)."""
+    simulated: bool
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Share of the step the busiest rank is idle (pipeline fill/drain and transfers)."""
+        return 1.0 - self.busy / self.step_time if self.step_time > 0 else 0.0
+
+
+def peak_inflight_closed(schedule: str, pp: int, m: int, v: int) -> int:
+    """Peak (micro-batch, chunk) pairs held by rank 0, as the schedule generators produce them."""
+    if schedule == "gpipe":
+        return m
+    if schedule == "interleaved_1f1b" and v > 1:
+        return min(2 * (pp - 1) + (v - 1) * pp + 1, m * v)
+    return min(pp, m)
+
+
+def closed_form(
+    schedule: str,
+    pp: int,
+    m: int,
+    v: int,
+    forward: Sequence[float],
+    backward: Sequence[float],
+    weight_grad: Sequence[float] | None,
+    p2p: float,
+) -> float:
+    """Closed-form step time; `forward`/`backward`/`weight_grad` are per-rank costs of ONE chunk. Exact for
+    uniform costs; otherwise the slowest rank sets the steady state and every rank's fill/drain is summed."""
+    fb = [f + b for f, b in zip(forward, backward, strict=True)]
+    fill, steady = sum(fb) / pp, max(fb)
+    p = pp
+    if p == 1:
+        return m * v * steady
+    if schedule == "gpipe":
+        return (m - 1) * steady + p * fill + 2 * (p - 1) * p2p
+    if schedule == "interleaved_1f1b" and v > 1:
+        return (m * v - 1) * steady + p * fill + 2 * (p * v - 1) * p2p
+    if schedule == "zb_h1":
+        w = weight_grad if weight_grad is not None else [b / 2 for b in backward]
+        tail = max(f + b - 2 * ww for f, b, ww in zip(forward, backward, w, strict=True))
+        return m * steady + (p - 1) * tail + 4 * (p - 1) * p2p
+    return (m - 1) * steady + p * fill + (2 * m * (p - 1) / p + 2 * (p - 2)) * p2p
+
+
+def _needs_simulation(schedule: str, pp: int, m: int) -> bool:
+    """Shapes the closed forms do not cover (fewer micro-batches than ranks in 1f1b / zb_h1)."""
+    return pp > 1 and m < pp and schedule in ("1f1b", "zb_h1")
+
+
+@functools.lru_cache(maxsize=4096)
+def _simulated(
+    schedule: str,
+    pp: int,
+    m: int,
+    v: int,
+    forward: tuple[float, ...],
+    backward: tuple[float, ...],
+    weight_grad: tuple[float, ...] | None,
+    p2p: float,
+) -> tuple[float, int]:
+    sched = build_schedule(schedule, pp, m, v)
+    table = lambda costs: [[c] * v for c in costs]  # noqa: E731 - every chunk of a rank costs the same
+    result = simulate(
+        sched,
+        table(forward),
+        table(backward),
+        table(weight_grad) if weight_grad is not None else None,
+        p2p,
+    )
+    return result.step_time, result.peak_inflight[0]
+
+
+def pipeline_time(
+    schedule: str,
+    pp: int,
+    m: int,
+    v: int,
+    forward: Sequence[float],
+    backward: Sequence[float],
+    weight_grad: Sequence[float] | None = None,
+    p2p: float = 0.0,
+    use_simulator: bool = False,
+) -> PipelineTime:
+    """Pipeline time for per-rank, per-chunk costs; the simulator when asked (and the shape is small) or when
+    no closed form applies, else the closed form."""
+    busy = m * v * max(f + b for f, b in zip(forward, backward, strict=True))
+    small = pp * m * v <= SIMULATE_MAX_ACTIONS
+    if pp > 1 and (_needs_simulation(schedule, pp, m) or (use_simulator and small)):
+        step, inflight = _simulated(
+            schedule,
+            pp,
+            m,
+            v,
+            tuple(forward),
+            tuple(backward),
+            tuple(weight_grad) if weight_grad is not None else None,
+            p2p,
+        )
+        return PipelineTime(step, busy, inflight, True)
+    step = closed_form(schedule, pp, m, v, forward, backward, weight_grad, p2p)
+    return PipelineTime(step, busy, peak_inflight_closed(schedule, pp, m, v), False)

@@ -1,0 +1,353 @@
+"""Search over parallel layouts for a fixed model, global batch and GPU count.
+
+Dimensions: tp, pp (dp follows), micro-batch size, schedule with its virtual stages, recompute mode,
+sequence parallelism and ZeRO stage. Impossible values are pruned up front with a reason each (tp must
+divide the heads, kv heads, vocabulary and MLP width and stay inside a node unless the cluster allows
+otherwise; dp must divide the global batch; pp * v must not exceed the layers; ...). The remaining space is
+enumerated exhaustively when small and searched by coordinate descent with restarts when large (AutoDDL
+style): a coarse screen of every (tp, pp) picks the seeds, then each seed improves one dimension at a time
+(tp/pp jointly, since dp follows) until no single change helps. Layouts that do not fit in memory score worse
+than any that fit, ordered by how much they overflow, so descent walks towards fitting layouts.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+
+from llmtrain.config.errors import ConfigError
+from llmtrain.config.loader import parse_override
+from llmtrain.config.schema import JobConfig
+from llmtrain.planner.cluster import Cluster, ClusterView
+from llmtrain.planner.cost_model import CostModel, Estimate, Layout, Software, Workload
+
+EXHAUSTIVE_LIMIT = 4000
+"""Spaces up to this many layouts are enumerated; larger ones use coordinate descent."""
+MAX_VIRTUAL_STAGES = 8
+MAX_MICRO_BATCH = 64
+
+# --evaluate keys -> Layout fields.
+FIXABLE = {
+    "parallel.tp": "tp",
+    "parallel.pp": "pp",
+    "parallel.dp": "dp",
+    "parallel.virtual_stages": "virtual_stages",
+    "parallel.schedule": "schedule",
+    "parallel.sequence_parallel": "sequence_parallel",
+    "parallel.zero_stage": "zero_stage",
+    "train.micro_batch_size": "micro_batch",
+    "model.recompute": "recompute",
+}
+
+
+def parse_fixed(text: str | Iterable[str] | None) -> dict[str, object]:
+    """`"parallel.tp=8 parallel.pp=2"` (or a list of such items) -> {"tp": 8, "pp": 2}."""
+    if not text:
+        return {}
+    items = text.split() if isinstance(text, str) else list(text)
+    fixed: dict[str, object] = {}
+    for item in items:
+        key, value = parse_override(item)
+        if key not in FIXABLE:
+            raise ConfigError(f"--evaluate: {key} is not a planner setting; use one of {', '.join(FIXABLE)}")
+        fixed[FIXABLE[key]] = value
+    return fixed
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass
+class Space:
+    """Candidate values per dimension after pruning, and why the others were dropped."""
+
+    tp_pp: list[tuple[int, int]]
+    micro_batches: dict[int, list[int]]
+    """Per dp, the allowed micro-batch sizes."""
+    schedules: list[tuple[str, int]]
+    recompute: list[str]
+    sequence_parallel: list[bool]
+    zero_stage: list[int]
+    gpus: int
+    pruned: Counter = field(default_factory=Counter)
+
+    def layouts(self, model: CostModel) -> Iterable[Layout]:
+        """Every combination, skipping invalid ones (counted in `pruned`)."""
+        for tp, pp in self.tp_pp:
+            dp = model.c.devices // (tp * pp)
+            for mb, (sched, v), rc, sp, zero in itertools.product(
+                self.micro_batches[dp], self.schedules, self.recompute, self.sequence_parallel, self.zero_stage
+            ):
+                layout = Layout(tp, pp, dp, mb, v, sched, rc, sp, zero)
+                why = model.invalid_reason(layout)
+                if why:
+                    continue
+                yield layout
+
+    def size(self) -> int:
+        """Number of combinations before the per-layout validity check."""
+        per = len(self.schedules) * len(self.recompute) * len(self.sequence_parallel) * len(self.zero_stage)
+        return sum(len(self.micro_batches[self.gpus // (tp * pp)]) for tp, pp in self.tp_pp) * per
+
+
+def build_space(model: CostModel, fixed: dict[str, object] | None = None) -> Space:
+    """Candidate values for every dimension, with pruning reasons."""
+    fixed = dict(fixed or {})
+    m, w, view = model.w.model, model.w, model.c
+    gpus = view.devices
+    pruned: Counter = Counter()
+
+    def pick(name: str, values: list) -> list:
+        if name in fixed:
+            value = fixed[name]
+            return [value]
+        return values
+
+    tps = []
+    for tp in pick("tp", _divisors(gpus)):
+        reason = ""
+        if gpus % tp:
+            reason = f"tp={tp} does not divide {gpus} GPUs"
+        elif m.num_attention_heads % tp:
+            reason = f"tp={tp} does not divide num_attention_heads={m.num_attention_heads}"
+        elif m.kv_heads % tp and tp % m.kv_heads:
+            reason = f"tp={tp} and num_kv_heads={m.kv_heads} do not divide one another"
+        elif m.vocab_size % tp:
+            reason = f"tp={tp} does not divide vocab_size={m.vocab_size}"
+        elif m.ffn_size % tp:
+            reason = f"tp={tp} does not divide ffn_size={m.ffn_size}"
+        elif tp > view.devices_per_node and not view.cross_node_tp and "tp" not in fixed:
+            reason = f"tp={tp} would span nodes of {view.devices_per_node} devices (cross_node_tp: false)"
+        if reason:
+            pruned[reason] += 1
+        else:
+            tps.append(tp)
+    tp_pp = []
+    for tp in tps:
+        for pp in pick("pp", _divisors(gpus // tp) if gpus % tp == 0 else []):
+            reason = ""
+            if (gpus // tp) % pp:
+                reason = f"tp*pp={tp * pp} does not divide {gpus} GPUs"
+            elif pp > m.num_layers:
+                reason = f"pp={pp} exceeds num_layers={m.num_layers}"
+            else:
+                dp = gpus // (tp * pp)
+                if "dp" in fixed and fixed["dp"] != dp:
+                    continue
+                if w.global_batch % dp:
+                    reason = f"dp={dp} does not divide global batch {w.global_batch}"
+            if reason:
+                pruned[reason] += 1
+            else:
+                tp_pp.append((tp, pp))
+    if not tp_pp:
+        detail = "; ".join(f"{k}" for k in list(pruned)[:5])
+        raise ConfigError(f"no (tp, pp) layout is possible for {gpus} GPUs: {detail}")
+    micro = {}
+    for tp, pp in tp_pp:
+        dp = gpus // (tp * pp)
+        per_replica = w.global_batch // dp
+        allowed = [b for b in _divisors(per_replica) if b <= MAX_MICRO_BATCH]
+        micro[dp] = pick("micro_batch", allowed)
+        if "micro_batch" in fixed and per_replica % int(fixed["micro_batch"]):
+            raise ConfigError(
+                f"train.micro_batch_size={fixed['micro_batch']} does not divide global_batch/dp = {per_replica}"
+            )
+    max_pp = max(pp for _, pp in tp_pp)
+    schedules = [("1f1b", 1), ("gpipe", 1), ("zb_h1", 1)]
+    schedules += [("interleaved_1f1b", v) for v in range(2, MAX_VIRTUAL_STAGES + 1) if 2 * v <= m.num_layers]
+    if "schedule" in fixed:
+        schedules = [(s, v) for s, v in schedules if s == fixed["schedule"]] or [(str(fixed["schedule"]), 1)]
+    if "virtual_stages" in fixed:
+        vv = int(fixed["virtual_stages"])  # type: ignore[arg-type]
+        schedules = [(s, vv) for s in dict.fromkeys(s for s, _ in schedules) if (s == "interleaved_1f1b") == (vv > 1)]
+    if max_pp == 1 and "schedule" not in fixed:
+        schedules = [("1f1b", 1)]
+    return Space(
+        tp_pp=tp_pp,
+        micro_batches=micro,
+        schedules=schedules,
+        recompute=pick("recompute", ["none", "selective", "full"]),
+        sequence_parallel=pick("sequence_parallel", [False, True]),
+        zero_stage=pick("zero_stage", [0, 1]),
+        gpus=gpus,
+        pruned=pruned,
+    )
+
+
+def score(est: Estimate) -> float:
+    """Lower is better: step time for fitting layouts; above every fitting one, memory overflow otherwise."""
+    if est.fits:
+        return est.step_time
+    return 1e9 * est.memory["total"] / est.capacity
+
+
+@dataclass
+class PlanResult:
+    """Ranked estimates (best first) and how the search went."""
+
+    ranked: list[Estimate]
+    evaluated: int
+    method: str
+    seconds: float
+    pruned: Counter
+    workload: Workload
+    cluster_name: str
+    gpus: int
+
+    @property
+    def best(self) -> Estimate:
+        return self.ranked[0]
+
+    def fitting(self) -> list[Estimate]:
+        """The estimates that fit in memory."""
+        return [e for e in self.ranked if e.fits]
+
+
+class Searcher:
+    """Evaluates layouts with caching; exhaustive or coordinate-descent search over a Space."""
+
+    def __init__(self, model: CostModel, space: Space) -> None:
+        self.model = model
+        self.space = space
+        self.cache: dict[Layout, Estimate] = {}
+
+    def eval(self, layout: Layout) -> Estimate | None:
+        if layout in self.cache:
+            return self.cache[layout]
+        why = self.model.invalid_reason(layout)
+        if why:
+            self.space.pruned[why] += 1
+            return None
+        est = self.model.evaluate(layout)
+        self.cache[layout] = est
+        return est
+
+    def exhaustive(self) -> None:
+        for layout in self.space.layouts(self.model):
+            self.eval(layout)
+
+    def _neighbours(self, cur: Layout, dim: str) -> list[Layout]:
+        s, gpus = self.space, self.model.c.devices
+        if dim == "tp_pp":
+            out = []
+            for tp, pp in s.tp_pp:
+                dp = gpus // (tp * pp)
+                mbs = s.micro_batches[dp]
+                mb = min(mbs, key=lambda b: (abs(b - cur.micro_batch), b))
+                out.append(replace(cur, tp=tp, pp=pp, dp=dp, micro_batch=mb))
+            return out
+        if dim == "micro_batch":
+            return [replace(cur, micro_batch=b) for b in s.micro_batches[cur.dp]]
+        if dim == "schedule":
+            return [replace(cur, schedule=sc, virtual_stages=v) for sc, v in s.schedules]
+        if dim == "recompute":
+            return [replace(cur, recompute=r) for r in s.recompute]
+        if dim == "sequence_parallel":
+            return [replace(cur, sequence_parallel=x) for x in s.sequence_parallel]
+        return [replace(cur, zero_stage=z) for z in s.zero_stage]
+
+    def _best_of(self, layouts: Iterable[Layout]) -> Layout | None:
+        best, best_score = None, float("inf")
+        for layout in layouts:
+            est = self.eval(layout)
+            if est is not None and score(est) < best_score:
+                best, best_score = layout, score(est)
+        return best
+
+    def coordinate_descent(self, seeds: int = 8) -> None:
+        s, gpus = self.space, self.model.c.devices
+        dims = ("tp_pp", "micro_batch", "schedule", "recompute", "sequence_parallel", "zero_stage")
+        # Screen every (tp, pp) with the settings that usually fit and rarely lose much.
+        starts = []
+        for tp, pp in s.tp_pp:
+            dp = gpus // (tp * pp)
+            base = Layout(
+                tp,
+                pp,
+                dp,
+                s.micro_batches[dp][0],
+                s.schedules[0][1],
+                s.schedules[0][0],
+                "full" if "full" in s.recompute else s.recompute[0],
+                (tp > 1) if (tp > 1) in s.sequence_parallel else s.sequence_parallel[0],
+                max(s.zero_stage) if dp > 1 else min(s.zero_stage),
+            )
+            candidates = [base, replace(base, recompute=s.recompute[0])]
+            best = self._best_of(candidates)
+            if best is not None:
+                starts.append(best)
+        starts.sort(key=lambda lay: score(self.cache[lay]))
+        for start in starts[:seeds]:
+            cur = start
+            improved = True
+            while improved:
+                improved = False
+                for dim in dims:
+                    cand = self._best_of(self._neighbours(cur, dim))
+                    if cand is not None and score(self.cache[cand]) < score(self.cache[cur]):
+                        cur, improved = cand, True
+
+
+def plan(
+    workload: Workload,
+    cluster: Cluster | ClusterView,
+    gpus: int,
+    fixed: dict[str, object] | None = None,
+    software: Software | None = None,
+    top: int = 10,
+    method: str = "auto",
+    simulate_top: bool = True,
+) -> PlanResult:
+    """Search the best layouts of `workload` on `gpus` devices of `cluster`; best first (fitting first)."""
+    start = time.perf_counter()
+    view = cluster.view(gpus) if isinstance(cluster, Cluster) else cluster
+    if view.devices != gpus:
+        raise ConfigError(f"cluster view has {view.devices} devices but {gpus} were requested")
+    model = CostModel(workload, view, software)
+    space = build_space(model, fixed)
+    searcher = Searcher(model, space)
+    if method not in ("auto", "exhaustive", "coordinate"):
+        raise ConfigError(f"search method must be auto, exhaustive or coordinate; got {method!r}")
+    size = space.size()
+    if method == "exhaustive" or (method == "auto" and size <= EXHAUSTIVE_LIMIT):
+        searcher.exhaustive()
+        used = "exhaustive"
+    else:
+        searcher.coordinate_descent()
+        used = "coordinate-descent"
+    if not searcher.cache:
+        reasons = "; ".join(f"{k} (x{n})" for k, n in space.pruned.most_common(4))
+        raise ConfigError(f"no valid layout for {gpus} GPUs and global batch {workload.global_batch}: {reasons}")
+    ranked = sorted(searcher.cache.values(), key=score)
+    if simulate_top:
+        # Re-time the leaders with the pipeline simulator where the shape is small enough to replay.
+        head = [model.evaluate(e.layout, use_simulator=True) for e in ranked[:top]]
+        ranked = sorted(head, key=score) + ranked[top:]
+    return PlanResult(
+        ranked=ranked,
+        evaluated=len(searcher.cache),
+        method=used,
+        seconds=time.perf_counter() - start,
+        pruned=space.pruned,
+        workload=workload,
+        cluster_name=view.device.name,
+        gpus=gpus,
+    )
+
+
+def plan_job(
+    job: JobConfig,
+    cluster: Cluster | ClusterView,
+    gpus: int,
+    global_batch: int | None = None,
+    fixed: dict[str, object] | None = None,
+    software: Software | None = None,
+    top: int = 10,
+) -> PlanResult:
+    """`plan` for a JobConfig (model, precision, bucket size; global batch from the job unless given)."""
+    return plan(Workload.from_job(job, global_batch), cluster, gpus, fixed, software, top)
