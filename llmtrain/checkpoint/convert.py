@@ -74,8 +74,8 @@ def describe(path: str | Path) -> str:
     model_bytes = sum(t["bytes"] for k, t in d["tensors"].items() if k.startswith("model."))
     lines = [
         f"{d['path']}: step {d['step']}, written by {d['world_size']} ranks ({layout})",
-        f"model: {m['arch']} layers={m['num_layers']} hidden={m['hidden_size']} heads={m['num_attention_heads']} "
-        f"vocab={m['vocab_size']}; {model_bytes / 2**20:.1f} MiB of weights",
+        f"model: {m['arch']} layers={m['num_layers']} hidden={m['hidden_size']} "
+        f"heads={m['num_attention_heads']} vocab={m['vocab_size']}; {model_bytes / 2**20:.1f} MiB of weights",
         f"{len(d['tensors'])} tensors in {d['files']} files, {d['file_bytes'] / 2**20:.1f} MiB on disk",
     ]
     width = max(len(k) for k in d["tensors"]) if d["tensors"] else 0

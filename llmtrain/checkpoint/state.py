@@ -47,12 +47,19 @@ def describe_model(model: nn.Module, topo: Any, tied: bool) -> dict[str, ModelTe
     reads but never writes.
     """
     tp, tp_rank = (getattr(topo, "tp", 1), getattr(topo, "tp_rank", 0)) if topo is not None else (1, 0)
-    out: dict[str, ModelTensor] = {}
-    seen: set[int] = set()
+    # A tensor may have several names (tied weights; PipelineStages also registers `tied_param`): take
+    # the first one inside a pipeline chunk if there is one, else the first.
+    names: dict[int, str] = {}
+    tensors: dict[int, torch.Tensor] = {}
     for local_name, tensor in model.state_dict(keep_vars=True).items():
-        if id(tensor) in seen:
-            continue
-        seen.add(id(tensor))
+        if id(tensor) not in names or (
+            _CHUNK_PREFIX.match(local_name) and not _CHUNK_PREFIX.match(names[id(tensor)])
+        ):
+            names[id(tensor)] = local_name
+        tensors[id(tensor)] = tensor
+    out: dict[str, ModelTensor] = {}
+    for key, local_name in names.items():
+        tensor = tensors[key]
         name = _CHUNK_PREFIX.sub("", local_name)
         if tied and name == "lm_head.weight":
             name = "embed_tokens.weight"

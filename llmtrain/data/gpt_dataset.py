@@ -90,7 +90,10 @@ class GPTDataset:
             folder = build_dir_once(
                 self.cache_dir / f"gpt-{key}", lambda tmp: self._save(tmp, self._build(blocks))
             )
-            arrays = tuple(np.load(folder / f"{n}.npy", mmap_mode="r") for n in ("doc", "sample", "shuffle"))
+            # Plain ndarray views of the mapped files: np.memmap's own indexing is several times slower.
+            arrays = tuple(
+                np.asarray(np.load(folder / f"{n}.npy", mmap_mode="r")) for n in ("doc", "sample", "shuffle")
+            )
         self._doc_idx, self._sample_idx, self._shuffle_idx = arrays
         self.num_samples = len(self._shuffle_idx)
 
@@ -124,16 +127,14 @@ class GPTDataset:
 
     def __getitem__(self, i: int) -> np.ndarray:
         """Sample i (must be < num_samples: call prepare first) as int64 tokens of length seq_length+1."""
-        s = int(self._shuffle_idx[i])
-        j0, o0 = (int(x) for x in self._sample_idx[s])
-        j1, o1 = (int(x) for x in self._sample_idx[s + 1])
-        first = self.first
+        s, idx, doc, first = self._shuffle_idx[i], self._sample_idx, self._doc_idx, self.first
+        j0, o0, j1, o1 = idx[s, 0], idx[s, 1], idx[s + 1, 0], idx[s + 1, 1]
         if j0 == j1:
-            return self.indexed.get(first + int(self._doc_idx[j0]), o0, o1 - o0 + 1).astype(np.int64)
-        parts = [self.indexed.get(first + int(self._doc_idx[j0]), o0)]
-        parts += [self.indexed.get(first + int(self._doc_idx[j])) for j in range(j0 + 1, j1)]
-        parts.append(self.indexed.get(first + int(self._doc_idx[j1]), 0, o1 + 1))
-        return np.concatenate(parts).astype(np.int64)
+            return self.indexed.get(first + doc[j0], o0, o1 - o0 + 1).astype(np.int64)
+        parts = [self.indexed.get(first + doc[j0], o0)]
+        parts += [self.indexed[first + doc[j]] for j in range(j0 + 1, j1)]
+        parts.append(self.indexed.get(first + doc[j1], 0, o1 + 1))
+        return np.concatenate(parts, dtype=np.int64)
 
     def token_counts(self, vocab_size: int, max_tokens: int = 100_000_000) -> np.ndarray:
         """Occurrences of each token id in the split (its first max_tokens tokens, in storage order)."""

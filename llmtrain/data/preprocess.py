@@ -16,7 +16,7 @@ import numpy as np
 from llmtrain.data.errors import DataError
 from llmtrain.data.indexed import IndexedDatasetWriter, dtype_for_vocab
 from llmtrain.data.sources import CHUNK_BYTES, CHUNK_RECORDS, Chunk, chunk_texts, read_chunks
-from llmtrain.data.tokenizer import Tokenizer, load_tokenizer
+from llmtrain.data.tokenizer import SentencePieceTokenizer, Tokenizer, load_tokenizer
 
 
 @dataclass
@@ -36,8 +36,14 @@ class PreprocessStats:
 class _Encoder:
     """Per-process tokenization state (one per worker, created by the pool initializer)."""
 
-    def __init__(self, tokenizer_path: str, keys: list[str], append_eod: bool, skip_empty: bool) -> None:
+    def __init__(
+        self, tokenizer_path: str, keys: list[str], append_eod: bool, skip_empty: bool, in_pool: bool = False
+    ) -> None:
         self.tok: Tokenizer = load_tokenizer(tokenizer_path)
+        if in_pool and isinstance(self.tok, SentencePieceTokenizer):
+            self.tok.num_threads = (
+                1  # the pool already runs one process per core; threads would oversubscribe
+            )
         self.keys, self.append_eod, self.skip_empty = keys, append_eod, skip_empty
         self.dtype = dtype_for_vocab(self.tok.vocab_size)
 
@@ -91,7 +97,7 @@ def _ordered_results(
         return
     # fork starts workers fastest; the library imports no threaded runtime before this point.
     ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
-    with ctx.Pool(workers, initializer=_init_worker, initargs=init_args) as pool:
+    with ctx.Pool(workers, initializer=_init_worker, initargs=(*init_args, True)) as pool:
         pending: deque = deque()
         # Bounded look-ahead instead of pool.imap, whose feeder thread reads the whole input into memory.
         for chunk in chunks:

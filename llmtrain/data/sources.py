@@ -16,7 +16,7 @@ from pathlib import Path
 
 from llmtrain.data.errors import DataError
 
-CHUNK_BYTES = 1 << 20  # text per work item: large enough to amortise IPC, small enough to bound memory
+CHUNK_BYTES = 1 << 18  # text per work item: amortises IPC, balances workers, bounds memory
 CHUNK_RECORDS = 2048
 
 

@@ -41,6 +41,9 @@ class SentencePieceTokenizer:
             raise DataError(f"cannot load SentencePiece model {self.path}: {e}; check data.tokenizer") from e
         self.vocab_size: int = self._sp.get_piece_size()
         self.eod_id: int = self._sp.eos_id()
+        self.num_threads: int | None = (
+            None  # threads of encode_batch; None: the library's default (all cores)
+        )
         if self.eod_id < 0:
             raise DataError(
                 f"SentencePiece model {self.path} has no end-of-sentence piece (eos_id=-1); "
@@ -53,7 +56,7 @@ class SentencePieceTokenizer:
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """Token ids of several texts."""
-        return self._sp.encode(texts)
+        return self._sp.encode(texts, num_threads=self.num_threads)
 
     def decode(self, ids: list[int]) -> str:
         """Text of token ids."""

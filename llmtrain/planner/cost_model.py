@@ -355,8 +355,8 @@ class CostModel:
             return "ZeRO needs dp > 1"
         if layout.pp == 1 and layout.schedule != "1f1b":
             return "pp=1 runs no pipeline schedule (use 1f1b)"
-        if layout.schedule == "interleaved_1f1b" and w.global_batch // (layout.dp * layout.micro_batch) < layout.pp:
-            return "interleaved_1f1b needs at least pp micro-batches"
+        if layout.schedule == "interleaved_1f1b" and (w.global_batch // (layout.dp * layout.micro_batch)) % layout.pp:
+            return "interleaved_1f1b needs the micro-batches per step to be a multiple of pp"
         return ""
 
     def evaluate(self, layout: Layout, use_simulator: bool = False) -> Estimate:
@@ -453,8 +453,8 @@ class CostModel:
         )
 
 
-def with_layout(job: JobConfig, layout: Layout) -> JobConfig:
-    """A copy of `job` running `layout` (what --write and parallel.auto produce)."""
+def with_layout(job: JobConfig, layout: Layout, global_batch: int | None = None) -> JobConfig:
+    """A copy of `job` running `layout` (and `global_batch` if given): what --write produces."""
     model = replace(job.model, recompute=layout.recompute)
     parallel = replace(
         job.parallel,
@@ -467,5 +467,7 @@ def with_layout(job: JobConfig, layout: Layout) -> JobConfig:
         zero_stage=layout.zero_stage,
         auto=False,
     )
-    train = replace(job.train, micro_batch_size=layout.micro_batch)
+    train = replace(
+        job.train, micro_batch_size=layout.micro_batch, global_batch_size=global_batch or job.train.global_batch_size
+    )
     return replace(job, model=model, parallel=parallel, train=train)

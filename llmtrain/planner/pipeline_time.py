@@ -11,9 +11,11 @@ with the simulator itself (per-(rank, chunk) cost tables, cached per shape and c
 Closed forms with per-chunk forward f, backward b (= input grad I + weight grad W), send latency c,
 p ranks, m micro-batches, v chunks per rank:
     gpipe             (m + p - 1)(f + b) + 2(p - 1) c
-    1f1b              (m + p - 1)(f + b) + (2m(p - 1)/p + 2(p - 2)) c      (m >= p)
-    interleaved_1f1b  (m v + p - 1)(f + b) + 2(p v - 1) c
-    zb_h1             m (f + b) + (p - 1)(f + I - W) + 4(p - 1) c            (m >= p)
+    1f1b              (m + p - 1)(f + b) + (2(p - 1) + 2(k - floor(k / p))) c,  k = max(m - 2, 0)
+    interleaved_1f1b  (m v + p - 1)(f + b) + 2(p v - 1) c                     (m >= p)
+    zb_h1             m (f + b) + (p - 1)(f + I - W) + 4(p - 1) c               (m > p, c <= f / 5)
+interleaved_1f1b needs m to be a multiple of p (Megatron's rule, which the planner enforces); zb_h1 shapes
+outside its range are replayed with the slowest rank's costs (normalised, so similar layouts share a replay).
 """
 
 from __future__ import annotations
@@ -80,12 +82,21 @@ def closed_form(
         w = weight_grad if weight_grad is not None else [b / 2 for b in backward]
         tail = max(f + b - 2 * ww for f, b, ww in zip(forward, backward, w, strict=True))
         return m * steady + (p - 1) * tail + 4 * (p - 1) * p2p
-    return (m - 1) * steady + p * fill + (2 * m * (p - 1) / p + 2 * (p - 2)) * p2p
+    k = max(m - 2, 0)  # every micro-batch after the second waits a round trip, except one in each p
+    return (m - 1) * steady + p * fill + (2 * (p - 1) + 2 * (k - k // p)) * p2p
 
 
-def _needs_simulation(schedule: str, pp: int, m: int) -> bool:
-    """Shapes the closed forms do not cover (fewer micro-batches than ranks in 1f1b / zb_h1)."""
-    return pp > 1 and m < pp and schedule in ("1f1b", "zb_h1")
+def _needs_simulation(schedule: str, pp: int, m: int, slow_link: bool) -> bool:
+    """Shapes the closed forms miss: zb_h1 with at most pp micro-batches or transfers longer than a fifth
+    of a forward (while a replay stays affordable)."""
+    return schedule == "zb_h1" and pp > 1 and (m <= pp or slow_link) and pp * m <= 8 * SIMULATE_MAX_ACTIONS
+
+
+@functools.lru_cache(maxsize=4096)
+def _simulated_uniform(schedule: str, pp: int, m: int, v: int, f: float, w: float, c: float) -> tuple[float, int]:
+    """Simulated step time for per-chunk costs forward f, backward 1 - f, weight-grad w, latency c (in units of
+    f + b, rounded by the caller so that similar layouts share one replay)."""
+    return _simulated(schedule, pp, m, v, (f,) * pp, (1.0 - f,) * pp, (w,) * pp, c)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -126,7 +137,7 @@ def pipeline_time(
     no closed form applies, else the closed form."""
     busy = m * v * max(f + b for f, b in zip(forward, backward, strict=True))
     small = pp * m * v <= SIMULATE_MAX_ACTIONS
-    if pp > 1 and (_needs_simulation(schedule, pp, m) or (use_simulator and small)):
+    if pp > 1 and use_simulator and small:
         step, inflight = _simulated(
             schedule,
             pp,
@@ -138,5 +149,14 @@ def pipeline_time(
             p2p,
         )
         return PipelineTime(step, busy, inflight, True)
+    if _needs_simulation(schedule, pp, m, p2p > 0.2 * min(forward)):
+        # No closed form: replay once per shape with the slowest rank's costs, normalised and rounded.
+        k = max(range(pp), key=lambda r: forward[r] + backward[r])
+        unit = forward[k] + backward[k]
+        w = weight_grad[k] if weight_grad is not None else backward[k] / 2
+        step, inflight = _simulated_uniform(
+            schedule, pp, m, v, round(forward[k] / unit, 2), round(w / unit, 2), round(p2p / unit, 3)
+        )
+        return PipelineTime(step * unit, busy, inflight, True)
     step = closed_form(schedule, pp, m, v, forward, backward, weight_grad, p2p)
     return PipelineTime(step, busy, peak_inflight_closed(schedule, pp, m, v), False)

@@ -50,9 +50,9 @@ def to_records(result: PlanResult, top: int = 10) -> list[dict]:
     return [e.as_dict() for e in result.ranked[:top]]
 
 
-def write_config(job: JobConfig, estimate: Estimate, path: str | Path) -> JobConfig:
+def write_config(job: JobConfig, estimate: Estimate, path: str | Path, global_batch: int | None = None) -> JobConfig:
     """Write `job` running the estimate's layout as a YAML that llmtrain.config.load accepts."""
-    best = with_layout(job, estimate.layout)
+    best = with_layout(job, estimate.layout, global_batch)
     validate(best)
     dump(best, path)
     return best

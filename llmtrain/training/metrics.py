@@ -87,7 +87,6 @@ class MetricsLogger:
             raise ValueError(f"flops_per_token must be positive; got {flops_per_token}")
         if world_size < 1:
             raise ValueError(f"world_size must be at least 1; got {world_size}")
-        self.job = job
         self.is_main = is_main
         self.flops_per_token = flops_per_token
         self.world_size = world_size
@@ -98,7 +97,6 @@ class MetricsLogger:
         self.device = torch.device(device)
         self.stream = stream if stream is not None else sys.stdout
         self.start_time = time.perf_counter()
-        self.last: dict[str, Any] | None = None  # the latest train entry, for callers that report at the end
         self._window: list[dict[str, Any]] = []
         self._skipped_total = 0
         self._jsonl: TextIO | None = None
@@ -106,8 +104,8 @@ class MetricsLogger:
         self.peak_flops = 0.0
         if not is_main:
             return
-        # Measured (CPU) peaks are taken here, before training starts, so no other rank's compute
-        # competes with the benchmark and inflates MFU.
+        # A measured (CPU) peak is taken here, before training, so the benchmark never competes
+        # with this job's own compute.
         self.peak_flops = peak_flops or device_peak_flops(
             job.train.precision, self.device, job.logging.peak_tflops
         )
@@ -176,7 +174,6 @@ class MetricsLogger:
         for name, seconds in breakdown.items():
             entry[f"time_{name}_s"] = seconds / len(window)
         self._emit(entry)
-        self.last = entry
         self._print_line(entry)
 
     def log_eval(self, step: int, eval_loss: float) -> None:

@@ -40,9 +40,11 @@ def _best_matmul_tflops(dtype: torch.dtype, device: str, sizes: tuple[int, ...],
     """Fastest square matmul seen, in TFLOP/s, over `seconds` per size."""
     on_cuda = torch.device(device).type == "cuda"
     best = 0.0
+    # A private generator: measuring must not shift the training RNG stream (dropout, init) of the run.
+    generator = torch.Generator(device=device).manual_seed(0)
     for n in sizes:
-        a = torch.randn(n, n, dtype=dtype, device=device)
-        b = torch.randn(n, n, dtype=dtype, device=device)
+        a = torch.randn(n, n, dtype=dtype, device=device, generator=generator)
+        b = torch.randn(n, n, dtype=dtype, device=device, generator=generator)
         torch.mm(a, b)  # warm-up: the first call pays for allocation and kernel selection
         deadline = time.perf_counter() + seconds
         while time.perf_counter() < deadline:

@@ -1,0 +1,70 @@
+"""`parallel.auto`: the layout the trainer uses for the current world size, and why."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from llmtrain.config.errors import ConfigError
+from llmtrain.config.schema import JobConfig
+from llmtrain.planner.cluster import Cluster, load_cluster
+from llmtrain.planner.cost_model import Estimate, Layout
+from llmtrain.planner.search import plan_job
+
+
+def layout_overrides(layout: Layout) -> dict[str, Any]:
+    """A layout as `key.path: value` config overrides (what tools/pretrain.py and config.load accept)."""
+    return {
+        "parallel.tp": layout.tp,
+        "parallel.pp": layout.pp,
+        "parallel.dp": layout.dp,
+        "parallel.virtual_stages": layout.virtual_stages,
+        "parallel.schedule": layout.schedule,
+        "parallel.sequence_parallel": layout.sequence_parallel,
+        "parallel.zero_stage": layout.zero_stage,
+        "train.micro_batch_size": layout.micro_batch,
+        "model.recompute": layout.recompute,
+    }
+
+
+def _describe(e: Estimate) -> str:
+    return (
+        f"{e.layout.short()}: {e.step_time:.3g} s/step, {e.tflops_per_gpu:.3g} TFLOP/s/GPU, MFU {100 * e.mfu:.1f}%, "
+        f"{e.memory_gb:.1f} of {e.capacity / 2**30:.0f} GiB"
+    )
+
+
+def plan_for_world(
+    job: JobConfig, world_size: int, cluster: Cluster | str | Path | None = None
+) -> tuple[dict[str, Any], str]:
+    """Best layout for `world_size` processes: (config overrides, explanation). The cluster is the given one,
+    else job.parallel.cluster, else a description of this machine (its GPU's preset or measured CPU)."""
+    if cluster is None and job.parallel.cluster:
+        cluster = job.parallel.cluster
+    if cluster is None:
+        from llmtrain.planner.profile import local_cluster  # torch only when describing this machine
+
+        cluster = local_cluster(world_size)
+    elif not isinstance(cluster, Cluster):
+        cluster = load_cluster(cluster)
+    result = plan_job(job, cluster, world_size, top=5)
+    fitting = result.fitting()
+    if not fitting:
+        raise ConfigError(
+            f"parallel.auto: no layout of {job.model.num_layers} layers x {job.model.hidden_size} hidden fits "
+            f"{world_size} x {result.cluster_name}; closest: {result.best.layout.short()} ({result.best.why}). "
+            "Use more GPUs, a smaller train.global_batch_size or a smaller model"
+        )
+    best = fitting[0]
+    lines = [f"parallel.auto chose {_describe(best)}"]
+    lines.append(
+        f"  breakdown: compute {best.compute:.3g} s, TP {best.tp_comm:.3g} s, pipeline bubble {best.pp_bubble:.3g} s "
+        f"({100 * best.bubble_fraction:.1f}%), DP exposed {best.dp_exposed:.3g} s, optimizer {best.optimizer:.3g} s"
+    )
+    if len(fitting) > 1:
+        second = fitting[1]
+        lines.append(f"  runner-up ({100 * (second.step_time / best.step_time - 1):.1f}% slower): {_describe(second)}")
+    lines.append(
+        f"  {result.method} search over {result.evaluated} layouts in {result.seconds:.2f} s on {result.cluster_name}"
+    )
+    return layout_overrides(best.layout), "\n".join(lines)

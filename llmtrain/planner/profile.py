@@ -1,0 +1,206 @@
+"""Describe this machine as a cluster: measured matmul FLOP/s, memory bandwidth, gloo collective costs.
+
+The only planner module that uses torch, imported lazily so the planner itself runs without it.
+`profile_local` measures everything (2 gloo processes on loopback for the link); `local_cluster` is the
+quick description `parallel.auto` uses at launch: the preset for a known GPU, otherwise measured compute
+and memory with loopback link defaults.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import socket
+import time
+from typing import Any
+
+from llmtrain.planner.cluster import Cluster, cluster_from_dict, load_cluster
+
+# Loopback TCP (gloo) figures used when the link is not measured.
+LOOPBACK_LINK = {"bandwidth_gbs": 2.0, "latency_us": 60.0, "efficiency": 1.0}
+
+
+def _best_time(fn, seconds: float) -> float:
+    fn()  # warm-up: allocation and kernel selection
+    best, deadline = float("inf"), time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_matmul_tflops(precision: str = "fp32", device: str = "cpu", seconds: float = 0.2) -> float:
+    """Best achieved TFLOP/s of square matmuls (several sizes) at `precision`."""
+    import torch
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    sizes = (1024, 2048, 4096) if device != "cpu" else (256, 512, 1024)
+    best = 0.0
+    for n in sizes:
+        a = torch.randn(n, n, dtype=dtype, device=device)
+        b = torch.randn(n, n, dtype=dtype, device=device)
+
+        def run(a=a, b=b) -> None:
+            torch.mm(a, b)
+            if device != "cpu":
+                torch.cuda.synchronize()
+
+        best = max(best, 2 * n**3 / _best_time(run, seconds / len(sizes)) / 1e12)
+    return best
+
+
+def measure_memory_bandwidth_gbs(device: str = "cpu", mbytes: int = 256, seconds: float = 0.2) -> float:
+    """Copy bandwidth (read + write bytes per second) of a large buffer, GB/s."""
+    import torch
+
+    src = torch.empty(mbytes * 2**20 // 4, dtype=torch.float32, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+
+    def run() -> None:
+        dst.copy_(src)
+        if device != "cpu":
+            torch.cuda.synchronize()
+
+    return 2 * src.numel() * 4 / _best_time(run, seconds) / 1e9
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _gloo_worker(rank: int, world: int, port: int, mbytes: int, out: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        small = torch.zeros(2)
+        large = torch.zeros(mbytes * 2**20 // 4)
+        reps = 20
+        ar_small = _best_time(lambda: dist.all_reduce(small), 0.3)
+        ar_large = min(_timed(lambda: dist.all_reduce(large)) for _ in range(3))
+
+        def ping(t: torch.Tensor) -> None:
+            if rank == 0:
+                dist.send(t, 1)
+                dist.recv(t, 1)
+            else:
+                dist.recv(t, 0)
+                dist.send(t, 0)
+
+        p2p_small = min(_timed(lambda: [ping(small) for _ in range(reps)]) for _ in range(3)) / reps / 2
+        p2p_large = min(_timed(lambda: ping(large)) for _ in range(3)) / 2
+        if rank == 0:
+            out.put(
+                {"ar_small": ar_small, "ar_large": ar_large, "p2p_small": p2p_small, "p2p_large": p2p_large, "bytes": large.numel() * 4}
+            )
+    finally:
+        dist.destroy_process_group()
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def measure_gloo(mbytes: int = 16) -> dict[str, float]:
+    """All-reduce and point-to-point latency (us) and bandwidth (GB/s) between 2 local gloo processes."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_gloo_worker, args=(r, 2, port, mbytes, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        raw = queue.get(timeout=300)
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+    size = raw["bytes"]
+    # 2-rank ring all-reduce: 2 latencies plus each rank sending half the buffer twice (= the whole buffer).
+    ar_latency = raw["ar_small"] / 2
+    ar_bw = size / max(raw["ar_large"] - raw["ar_small"], 1e-9)
+    p2p_bw = size / max(raw["p2p_large"] - raw["p2p_small"], 1e-9)
+    return {
+        "allreduce_latency_us": ar_latency * 1e6,
+        "allreduce_bandwidth_gbs": ar_bw / 1e9,
+        "p2p_latency_us": raw["p2p_small"] * 1e6,
+        "p2p_bandwidth_gbs": p2p_bw / 1e9,
+    }
+
+
+def _ram_gb() -> float:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError, AttributeError):
+        return 16.0
+
+
+def describe_local(devices: int = 2, measure_links: bool = True, seconds: float = 0.2) -> dict[str, Any]:
+    """This machine as a cluster dict (one node of `devices` processes sharing the CPU, or its GPUs)."""
+    import torch
+
+    if torch.cuda.is_available():
+        dev = "cuda"
+        name = torch.cuda.get_device_name(0)
+        memory_gb = torch.cuda.get_device_properties(0).total_memory / 2**30
+        devices = min(devices, torch.cuda.device_count()) or 1
+    else:
+        dev, name = "cpu", f"cpu-{os.cpu_count()}-cores"
+        memory_gb = _ram_gb() / devices  # processes share the machine's memory
+    peaks = {p: measure_matmul_tflops(p, dev, seconds) for p in ("fp32", "bf16")}
+    if dev == "cpu":
+        peaks = {k: v / devices for k, v in peaks.items()}  # processes share the cores
+    bandwidth = measure_memory_bandwidth_gbs(dev, seconds=seconds) / (devices if dev == "cpu" else 1)
+    link = dict(LOOPBACK_LINK)
+    measured = {}
+    if measure_links:
+        measured = measure_gloo()
+        link = {
+            "bandwidth_gbs": round(measured["p2p_bandwidth_gbs"], 3),
+            "latency_us": round(measured["p2p_latency_us"], 1),
+            "efficiency": 1.0,
+        }
+    desc = (
+        f"Measured on this machine by tools/plan.py --profile-local: matmul best of square sizes, copy bandwidth, "
+        f"gloo loopback {measured}"
+    )
+    return {
+        "name": f"local-{name}",
+        "description": desc,
+        "devices": {
+            name: {
+                # The measured best is the achievable peak: efficiency 1 at the top of the curve.
+                "peak_tflops": {k: round(v, 4) for k, v in peaks.items()},
+                "memory_gb": round(memory_gb, 2),
+                "memory_bandwidth_gbs": round(bandwidth, 2),
+                "gemm_efficiency": 1.0,
+                "memory_efficiency": 1.0,
+                "attention_efficiency": 0.5,
+                "kernel_overhead_us": 10.0 if dev == "cpu" else 4.0,
+                "reserved_gb": 0.5,
+            }
+        },
+        "nodes": [{"count": 1, "devices_per_node": devices, "device": name, "intra_link": "intra_node"}],
+        "links": {"intra_node": link, "inter_node": link},
+    }
+
+
+@functools.lru_cache(maxsize=8)
+def local_cluster(world_size: int) -> Cluster:
+    """The cluster `parallel.auto` plans on when no file is given: a known GPU's preset (with this GPU's
+    memory), otherwise this machine's quickly measured compute and memory with loopback link defaults."""
+    import torch
+
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name(0).lower()
+        for key, preset in (("h100", "h100-80gb"), ("a100", "a100-80gb")):
+            if key in name:
+                return load_cluster(preset)
+    return cluster_from_dict(describe_local(world_size, measure_links=False, seconds=0.1), "local")

@@ -1,0 +1,137 @@
+"""Validation of the cost model against published measurements (Narayanan et al. 2021, Table 1).
+
+Each published row gives the GPT model (heads, hidden, layers; vocabulary 51200, sequence 2048), tp, pp,
+GPU count, global batch and the measured TFLOP/s per GPU, counted with the paper's formula
+96*B*s*l*h^2*(1 + s/(6h) + V/(16lh)), i.e. with full activation recomputation, which the paper's runs used.
+The prediction fixes everything the paper states (tp, pp, dp, full recomputation, no sequence parallelism,
+no ZeRO, Megatron-2021 software behaviour, the default 1F1B schedule) and lets the planner choose only what
+the table leaves open (the micro-batch size). One cluster file and one model for every row; no per-row
+factors. Then the planner's own best layout for the same model, GPUs and batch is compared with it.
+"""
+
+from __future__ import annotations
+
+import csv
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from llmtrain.config.errors import ConfigError
+from llmtrain.config.schema import ModelConfig
+from llmtrain.planner.cluster import Cluster, load_cluster
+from llmtrain.planner.cost_model import Estimate, Software, Workload
+from llmtrain.planner.flops import megatron_flops_per_iteration
+from llmtrain.planner.search import plan
+
+REPO = Path(__file__).resolve().parents[2]
+REFERENCE = "megatron_a100_2021.csv"
+
+
+def reference_path() -> Path:
+    """The published table: ../shared/reference/ relative to the repository root."""
+    path = REPO.parent / "shared" / "reference" / REFERENCE
+    if not path.is_file():
+        raise ConfigError(
+            f"reference table {path} is missing; it ships next to the repository as ../shared/reference/{REFERENCE} "
+            "(Narayanan et al. 2021, Table 1)"
+        )
+    return path
+
+
+def load_reference(path: str | Path | None = None) -> list[dict[str, float]]:
+    """Rows of the published table as dicts of numbers (comment lines skipped)."""
+    path = Path(path) if path else reference_path()
+    lines = [line for line in path.read_text().splitlines() if line.strip() and not line.startswith("#")]
+    return [{k: float(v) for k, v in row.items()} for row in csv.DictReader(lines)]
+
+
+def gpt_model(row: dict[str, float]) -> ModelConfig:
+    """The GPT of a published row (dropout 0.1 as Megatron's GPT runs)."""
+    return ModelConfig(
+        arch="gpt",
+        num_layers=int(row["layers"]),
+        hidden_size=int(row["hidden"]),
+        num_attention_heads=int(row["heads"]),
+        vocab_size=51200,
+        seq_length=2048,
+        hidden_dropout=0.1,
+        attention_dropout=0.1,
+    )
+
+
+@dataclass
+class RowResult:
+    """One published row: its prediction and the planner's own best."""
+
+    row: dict[str, float]
+    published: Estimate
+    predicted_tflops: float
+    """TFLOP/s per GPU with the paper's formula over the predicted step time."""
+    error: float
+    """predicted / measured - 1."""
+    interleaved_tflops: float
+    """The same with the interleaved schedule (best virtual stages), for reference."""
+    best: Estimate
+
+    @property
+    def best_speedup(self) -> float:
+        """Predicted step time of the published layout over that of the planner's best (>= 1: not worse)."""
+        return self.published.step_time / self.best.step_time
+
+
+def validate_megatron(cluster: Cluster | str = "a100-80gb", path: str | Path | None = None) -> list[RowResult]:
+    """Predict every published row and the planner's best for it."""
+    cl = load_cluster(cluster) if isinstance(cluster, str) else cluster
+    software = Software.megatron_2021()
+    out = []
+    for row in load_reference(path):
+        model = gpt_model(row)
+        gpus, tp, pp, batch = int(row["gpus"]), int(row["tp"]), int(row["pp"]), int(row["global_batch"])
+        work = Workload(model, batch, "fp16")
+        fixed = {
+            "tp": tp, "pp": pp, "dp": gpus // (tp * pp), "recompute": "full", "sequence_parallel": False,
+            "zero_stage": 0, "schedule": "1f1b", "virtual_stages": 1,
+        }  # fmt: skip
+        published = plan(work, cl, gpus, fixed, software, top=1).fitting()[0]
+        flops = megatron_flops_per_iteration(batch, model.seq_length, model.num_layers, model.hidden_size, model.vocab_size)
+        predicted = flops / published.step_time / gpus / 1e12
+        interleaved = dict(fixed, schedule="interleaved_1f1b")
+        del interleaved["virtual_stages"]
+        inter = plan(work, cl, gpus, interleaved, software, top=1).fitting() if pp > 1 else [published]
+        inter_tflops = flops / inter[0].step_time / gpus / 1e12 if inter else float("nan")
+        best = plan(work, cl, gpus, None, software, top=5).fitting()[0]
+        out.append(RowResult(row, published, predicted, predicted / row["tflops_per_gpu"] - 1, inter_tflops, best))
+    return out
+
+
+def summary(results: list[RowResult]) -> dict[str, float]:
+    """Median and max |error| of the predictions, and the worst best-vs-published speedup."""
+    errors = [abs(r.error) for r in results]
+    return {
+        "median_abs_error": statistics.median(errors),
+        "max_abs_error": max(errors),
+        "min_best_speedup": min(r.best_speedup for r in results),
+    }
+
+
+def format_results(results: list[RowResult]) -> str:
+    """The validation table."""
+    head = (
+        f"{'params_B':>8} {'tp':>3} {'pp':>3} {'gpus':>5} {'batch':>5} {'meas':>6} {'pred':>6} {'err':>6} "
+        f"{'mb':>3} {'interl':>6}  planner best (speedup over published layout)"
+    )
+    lines = [head]
+    for r in results:
+        row, lay = r.row, r.best.layout
+        lines.append(
+            f"{row['params_b']:8.1f} {int(row['tp']):3d} {int(row['pp']):3d} {int(row['gpus']):5d} "
+            f"{int(row['global_batch']):5d} {row['tflops_per_gpu']:6.1f} {r.predicted_tflops:6.1f} "
+            f"{100 * r.error:+5.1f}% {r.published.layout.micro_batch:3d} {r.interleaved_tflops:6.1f}  "
+            f"{lay.short()} ({r.best_speedup:.2f}x)"
+        )
+    s = summary(results)
+    lines.append(
+        f"median |error| {100 * s['median_abs_error']:.1f}%, max |error| {100 * s['max_abs_error']:.1f}%; "
+        f"planner best vs published layout: min speedup {s['min_best_speedup']:.3f}x"
+    )
+    return "\n".join(lines)

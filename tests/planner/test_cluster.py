@@ -1,0 +1,87 @@
+"""Cluster files and the alpha-beta collective costs, against hand-computed cases."""
+
+import pytest
+
+from llmtrain.config.errors import ConfigError
+from llmtrain.planner.cluster import cluster_from_dict, load_cluster
+
+
+def tiny(**links):
+    return {
+        "devices": {
+            "fast": {"peak_tflops": {"bf16": 100.0}, "memory_gb": 80, "memory_bandwidth_gbs": 2000},
+            "slow": {"peak_tflops": {"bf16": 50.0}, "memory_gb": 40, "memory_bandwidth_gbs": 1000},
+        },
+        "nodes": [
+            {"count": 2, "devices_per_node": 4, "device": "fast", "intra_link": "nvlink"},
+            {"count": 2, "devices_per_node": 4, "device": "slow", "intra_link": "nvlink"},
+        ],
+        "links": {
+            "nvlink": {"bandwidth_gbs": 100, "latency_us": 1, "efficiency": 1.0},
+            "inter_node": {"bandwidth_gbs": 10, "latency_us": 10, "efficiency": 1.0},
+            **links,
+        },
+    }
+
+
+def test_presets_load_with_dense_peaks():
+    a100 = load_cluster("a100-80gb")
+    dev = a100.view(8).device
+    assert dev.peak_tflops["bf16"] == 312.0  # dense, not the 624 sparse figure
+    assert a100.nodes[0].devices_per_node == 8 and a100.num_devices >= 3072
+    assert load_cluster("h100-80gb").view(8).device.peak_tflops["bf16"] == pytest.approx(989.4)
+
+
+def test_ring_all_reduce_inside_a_node():
+    view = cluster_from_dict(tiny()).view(4)
+    n, size = 4, 1e9
+    ring = 2 * (n - 1) / n * size / 100e9 + 2 * (n - 1) * 1e-6
+    assert view.all_reduce(size, n) == pytest.approx(ring)
+    assert view.all_gather(size, n) == pytest.approx((n - 1) / n * size / 100e9 + (n - 1) * 1e-6)
+    assert view.all_reduce(size, 1) == 0.0
+
+
+def test_groups_spanning_nodes_use_one_nic_per_member_per_node():
+    view = cluster_from_dict(tiny()).view(16)
+    # dp group of 4 with stride 4 (tp=4 inside each node): one member per node, one 10 GB/s NIC.
+    assert view.members_per_node(4, 4) == 1 and view.spans_nodes(4, 4)
+    ring = 2 * 3 / 4 * 1e9 / 10e9 + 2 * 3 * 10e-6
+    assert view.all_reduce(1e9, 4, stride=4) == pytest.approx(ring)
+    # group of 8 with stride 1: 4 members per node drive 4 NICs.
+    assert view.all_reduce(1e9, 8, stride=1) == pytest.approx(2 * 7 / 8 * 1e9 / 40e9 + 2 * 7 * 10e-6)
+    # Small messages: the tree's log2(n) latency beats the ring's n.
+    assert view.all_reduce(8, 16) == pytest.approx(2 * 8 / 40e9 + 2 * 4 * 10e-6)
+
+
+def test_heterogeneous_cluster_runs_at_the_slowest_device():
+    cl = cluster_from_dict(tiny())
+    assert cl.view(8).device.peak_tflops["bf16"] == 100.0  # first two nodes only
+    mixed = cl.view(12).device
+    assert mixed.peak_tflops["bf16"] == 50.0 and mixed.memory_gb == 40
+
+
+def test_efficiency_curve_grows_with_matmul_size():
+    dev = load_cluster("a100-80gb").view(8).device
+    small, mid, big = (dev.gemm_efficiency_at(n, n, n) for n in (256, 1024, 8192))
+    assert small < mid < big <= dev.gemm_efficiency
+
+
+@pytest.mark.parametrize(
+    "mutate,needle",
+    [
+        (lambda d: d["nodes"][0].update(device="tpu"), "nodes[0].device"),
+        (lambda d: d["devices"]["fast"].update(memory_gb=-1), "memory_gb"),
+        (lambda d: d["devices"]["fast"].update(colour="red"), "colour"),
+        (lambda d: d["links"].pop("inter_node"), "inter_node"),
+    ],
+)
+def test_bad_cluster_files_name_the_field(mutate, needle):
+    raw = tiny()
+    mutate(raw)
+    with pytest.raises(ConfigError, match=needle.replace("[", r"\[").replace("]", r"\]")):
+        cluster_from_dict(raw)
+
+
+def test_too_many_gpus_is_a_clear_error():
+    with pytest.raises(ConfigError, match="--gpus"):
+        cluster_from_dict(tiny()).view(100)
