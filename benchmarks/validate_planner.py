@@ -35,11 +35,17 @@ def main(argv: list[str] | None = None) -> int:
     print(format_results(results))
     if args.json:
         rows = [
-            dict(r.row, predicted_tflops=r.predicted_tflops, error=r.error, interleaved_tflops=r.interleaved_tflops,
-                 published_layout=r.published.layout.short(), best_layout=r.best.layout.short(),
-                 best_speedup=r.best_speedup)
+            dict(
+                r.row,
+                predicted_tflops=r.predicted_tflops,
+                error=r.error,
+                interleaved_tflops=r.interleaved_tflops,
+                published_layout=r.published.layout.short(),
+                best_layout=r.best.layout.short(),
+                best_speedup=r.best_speedup,
+            )
             for r in results
-        ]  # fmt: skip
+        ]
         with open(args.json, "w") as fh:
             json.dump({"rows": rows, "summary": summary(results)}, fh, indent=1)
     return 0

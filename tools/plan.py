@@ -3,7 +3,7 @@
     python tools/plan.py --config configs/ernie.yaml --cluster a100-80gb --gpus 64 --global-batch 512
     python tools/plan.py --config MODEL.yaml --cluster h100-80gb --gpus 3072 --json --top 3
     python tools/plan.py --config MODEL.yaml --cluster a100-80gb --gpus 512 \
-        --evaluate "parallel.tp=8 parallel.pp=2 model.recompute=full"      # fix some settings, search the rest
+        --evaluate "parallel.tp=8 parallel.pp=2 model.recompute=full"   # fix some settings, search the rest
     python tools/plan.py --config MODEL.yaml --cluster a100-80gb --gpus 64 --write best.yaml --plot plan.png
     python tools/plan.py --profile-local --output configs/clusters/local.yaml   # measure this machine
 """
@@ -25,21 +25,37 @@ SOFTWARE = {"llmtrain": Software(), "megatron-2021": Software.megatron_2021()}
 
 def main(argv: list[str] | None = None) -> int:
     """Parse arguments, plan, print; returns the exit status."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--config", help="model/job YAML (the model, precision and batch come from it)")
     parser.add_argument("overrides", nargs="*", help="key.path=value overrides of the config")
-    parser.add_argument("--cluster", default="a100-80gb", help="cluster YAML or preset name (a100-80gb, h100-80gb)")
+    parser.add_argument(
+        "--cluster", default="a100-80gb", help="cluster YAML or preset name (a100-80gb, h100-80gb)"
+    )
     parser.add_argument("--gpus", type=int, help="number of GPUs")
-    parser.add_argument("--global-batch", type=int, help="samples per step (default: train.global_batch_size)")
+    parser.add_argument(
+        "--global-batch", type=int, help="samples per step (default: train.global_batch_size)"
+    )
     parser.add_argument("--top", type=int, default=10, help="rows to show")
     parser.add_argument("--json", action="store_true", help="print a JSON list instead of the table")
-    parser.add_argument("--evaluate", help='fix settings, e.g. "parallel.tp=8 parallel.pp=2"; search the rest')
+    parser.add_argument(
+        "--evaluate", help='fix settings, e.g. "parallel.tp=8 parallel.pp=2"; search the rest'
+    )
     parser.add_argument("--write", help="write the best layout as a training config YAML")
     parser.add_argument("--plot", help="draw time and memory breakdowns of the top layouts to this image")
-    parser.add_argument("--software", choices=sorted(SOFTWARE), default="llmtrain", help="framework behaviour")
-    parser.add_argument("--profile-local", action="store_true", help="measure this machine, write a cluster file")
-    parser.add_argument("--output", default="local-cluster.yaml", help="cluster file written by --profile-local")
-    parser.add_argument("--devices", type=int, default=2, help="processes sharing this machine (--profile-local)")
+    parser.add_argument(
+        "--software", choices=sorted(SOFTWARE), default="llmtrain", help="framework behaviour"
+    )
+    parser.add_argument(
+        "--profile-local", action="store_true", help="measure this machine, write a cluster file"
+    )
+    parser.add_argument(
+        "--output", default="local-cluster.yaml", help="cluster file written by --profile-local"
+    )
+    parser.add_argument(
+        "--devices", type=int, default=2, help="processes sharing this machine (--profile-local)"
+    )
     args = parser.parse_args(argv)
     try:
         if args.profile_local:
@@ -68,7 +84,9 @@ def main(argv: list[str] | None = None) -> int:
             print(format_table(result, args.top))
         if args.write:
             if not result.best.fits:
-                raise ConfigError(f"no layout fits in memory ({result.best.why}); nothing written to {args.write}")
+                raise ConfigError(
+                    f"no layout fits in memory ({result.best.why}); nothing written to {args.write}"
+                )
             write_config(job, result.best, args.write, result.workload.global_batch)
             print(f"wrote {args.write} ({result.best.layout.short()})", file=sys.stderr)
         if args.plot:

@@ -82,7 +82,7 @@ class _Snapshot:
     step: int
     entries: dict[str, GlobalTensor]
     extra: dict[str, Any]
-    rng: dict[str, Any]
+    rng: dict[str, Any] | None
     scalars: dict[str, Any]
 
     def staged(self) -> _Snapshot:
@@ -182,8 +182,10 @@ class Checkpointer:
         (tmp / "rng").mkdir(parents=True)
 
     def _write_local(self, tmp: Path, snap: _Snapshot) -> dict[str, dict[str, Any]]:
-        mine = [tmp / "rng" / f"rank_{self.rank:05d}.pt"]
-        torch.save(snap.rng, mine[0])
+        mine = []
+        if snap.rng is not None:  # offline conversions have no RNG state to keep
+            mine.append(tmp / "rng" / f"rank_{self.rank:05d}.pt")
+            torch.save(snap.rng, mine[0])
         if self.rank == 0:
             torch.save({"extra": snap.extra, "optimizer": snap.scalars}, tmp / TRAINER_STATE)
             write_atomic(tmp / META, json.dumps(self._meta(snap.step), indent=1).encode())
@@ -201,7 +203,7 @@ class Checkpointer:
         return {
             "format": FORMAT,
             "step": step,
-            "world_size": self.world_size,
+            "world_size": getattr(t, "world_size", self.world_size),
             "layout": {
                 **layout,
                 "virtual_stages": self.job.parallel.virtual_stages,

@@ -25,7 +25,9 @@ def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] 
             raise ConfigError(f"config file {path} does not exist; pass an existing YAML file to --config")
         loaded = yaml.safe_load(path.read_text())
         if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(loaded).__name__}")
+            raise ConfigError(
+                f"{path}: the top level must be a mapping of sections, got {type(loaded).__name__}"
+            )
         raw = loaded or {}
     for item in overrides:
         key, value = parse_override(item)

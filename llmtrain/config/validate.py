@@ -52,7 +52,10 @@ def validate(job: JobConfig) -> None:
         sorted(p.order.split("-")) == ["dp", "pp", "tp"],
         f"parallel.order must name tp, dp and pp once each, innermost first (e.g. tp-dp-pp); got {p.order!r}",
     )
-    _require(p.backend in ("auto", "gloo", "nccl"), f"parallel.backend must be auto, gloo or nccl; got {p.backend!r}")
+    _require(
+        p.backend in ("auto", "gloo", "nccl"),
+        f"parallel.backend must be auto, gloo or nccl; got {p.backend!r}",
+    )
     if not p.auto:
         _check_tensor_parallel(job)
         _check_pipeline(job)
@@ -77,7 +80,9 @@ def validate(job: JobConfig) -> None:
             f"data.weights has {len(d.weights)} entries but data.prefixes has {len(d.prefixes)}; "
             "give one weight per prefix",
         )
-        _require(all(w >= 0 for w in d.weights) and sum(d.weights) > 0, "data.weights must be >= 0, not all zero")
+        _require(
+            all(w >= 0 for w in d.weights) and sum(d.weights) > 0, "data.weights must be >= 0, not all zero"
+        )
     parts = d.split.split(",")
     try:
         shares = [float(x) for x in parts]
@@ -99,7 +104,8 @@ def validate(job: JobConfig) -> None:
         f"logging.profile_steps must be [first, last]; got {lg.profile_steps}",
     )
     _require(
-        lg.peak_tflops is None or lg.peak_tflops > 0, f"logging.peak_tflops must be positive; got {lg.peak_tflops}"
+        lg.peak_tflops is None or lg.peak_tflops > 0,
+        f"logging.peak_tflops must be positive; got {lg.peak_tflops}",
     )
 
 
@@ -117,7 +123,8 @@ def _check_tensor_parallel(job: JobConfig) -> None:
     )
     _require(
         m.vocab_size % tp == 0,
-        f"model.vocab_size={m.vocab_size} is not divisible by parallel.tp={tp}; pad the vocabulary to a multiple",
+        f"model.vocab_size={m.vocab_size} is not divisible by parallel.tp={tp}; "
+        "pad the vocabulary to a multiple of tp",
     )
     _require(
         m.ffn_size % tp == 0,
@@ -160,8 +167,9 @@ def resolve_dp(job: JobConfig, world_size: int) -> int:
         return world_size // model_parallel
     _require(
         model_parallel * p.dp == world_size,
-        f"parallel.tp * parallel.pp * parallel.dp = {p.tp}*{p.pp}*{p.dp} = {model_parallel * p.dp} but the job "
-        f"runs on {world_size} processes; make the product equal the world size (or set parallel.dp=null)",
+        f"parallel.tp * parallel.pp * parallel.dp = {p.tp}*{p.pp}*{p.dp} = {model_parallel * p.dp} "
+        f"but the job runs on {world_size} processes; "
+        "make the product equal the world size (or set parallel.dp=null)",
     )
     return p.dp
 

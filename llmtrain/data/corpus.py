@@ -68,6 +68,14 @@ def _read_documents(files: list[tuple[str, Path]]) -> list[str]:
     return docs
 
 
+def _tokenizer_identity(path: str) -> list:
+    p = Path(os.path.expanduser(path))
+    for name in ("tokenizer.json", "tokenizer.model"):
+        if p.is_dir() and (p / name).is_file():
+            return file_identity(p / name)
+    return file_identity(p)
+
+
 def prepare_corpus(
     name: str, cache_dir: str | os.PathLike, vocab_size: int, tokenizer: str | None = None
 ) -> Corpus:
@@ -88,12 +96,16 @@ def prepare_corpus(
         sys.version_info[:3],
         MAX_CORPUS_BYTES,
         [(rel, p.stat().st_size) for rel, p in files],
-        file_identity(tokenizer) if tokenizer else ("sentencepiece-bpe", trained_vocab),
+        _tokenizer_identity(tokenizer) if tokenizer else ("sentencepiece-bpe", trained_vocab),
     )
     root = Path(os.path.expanduser(os.fspath(cache_dir))) / "corpus"
     root.mkdir(parents=True, exist_ok=True)
 
     def build(tmp: Path) -> None:
+        print(
+            f"[data] first use of the {name} corpus: preparing it in {root} (cached for later runs)",
+            flush=True,
+        )
         start = time.perf_counter()
         docs = _read_documents(files)
         tok_path = tokenizer or str(train_sentencepiece(docs, tmp / "tokenizer.model", trained_vocab))
@@ -108,6 +120,11 @@ def prepare_corpus(
             "prepare_seconds": round(time.perf_counter() - start, 2),
         }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        print(
+            f"[data] {name} corpus: {stats.documents} documents, {stats.tokens:,} tokens, "
+            f"prepared in {meta['prepare_seconds']} s",
+            flush=True,
+        )
 
     folder = build_dir_once(root / f"{name}-{key}", build)
     tok = tokenizer or str(folder / "tokenizer.model")

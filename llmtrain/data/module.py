@@ -7,12 +7,14 @@ depends only on the seed and the data, so a run resumed with another D continues
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import torch
+from torch.utils.data import DataLoader, Dataset
 
 from llmtrain.config.schema import JobConfig
 from llmtrain.data.cache import file_identity, fingerprint, locked
@@ -55,6 +57,7 @@ class DataModule:
         dp_rank: int,
         dp_size: int,
         unigram_entropy: float,
+        num_workers: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size: int = tokenizer.vocab_size
@@ -62,6 +65,7 @@ class DataModule:
         self.train, self.valid = train, valid
         self.global_batch_size = global_batch_size
         self._lo, self._hi = slice_of_batch(global_batch_size, dp_rank, dp_size)
+        self.num_workers = num_workers
 
     def _batch(self, source: GPTDataset | BlendedDataset, first: int) -> torch.Tensor:
         source.prepare(first + self.global_batch_size)
@@ -70,10 +74,13 @@ class DataModule:
 
     def train_batches(self, consumed_samples: int = 0) -> Iterator[torch.Tensor]:
         """Endless: this rank's slice (global_batch/dp, seq+1) of each global batch after consumed_samples."""
-        first = consumed_samples
-        while True:
-            yield self._batch(self.train, first)
-            first += self.global_batch_size
+        firsts = itertools.count(consumed_samples, self.global_batch_size)
+        if self.num_workers == 0:
+            for first in firsts:
+                yield self._batch(self.train, first)
+        else:  # worker processes assemble upcoming batches while the trainer computes
+            batches = _Batches(self, self.train)
+            yield from DataLoader(batches, batch_size=None, sampler=firsts, num_workers=self.num_workers)
 
     def eval_batches(self, num_batches: int) -> Iterator[torch.Tensor]:
         """The first num_batches global batches of the valid split (this rank's slices), same every call."""
@@ -81,6 +88,16 @@ class DataModule:
             raise DataError("the valid split is empty; give it a share in data.split (e.g. 98,2,0)")
         for b in range(num_batches):
             yield self._batch(self.valid, b * self.global_batch_size)
+
+
+class _Batches(Dataset):
+    """Map-style view for DataLoader workers: item `first` is this rank's slice of the batch from there."""
+
+    def __init__(self, module: DataModule, source: GPTDataset | BlendedDataset) -> None:
+        self.module, self.source = module, source
+
+    def __getitem__(self, first: int) -> torch.Tensor:
+        return self.module._batch(self.source, first)
 
 
 def _unigram_counts(ds: GPTDataset, vocab_size: int, cache_dir: Path) -> np.ndarray:
@@ -113,6 +130,10 @@ def build_data(job: JobConfig, dp_rank: int = 0, dp_size: int = 1) -> DataModule
     """The DataModule of `job` for data-parallel rank dp_rank of dp_size (prepares caches on first use)."""
     d, m, t = job.data, job.model, job.train
     slice_of_batch(t.global_batch_size, dp_rank, dp_size)  # fail early on an indivisible batch
+    if d.num_workers < 0:
+        raise DataError(
+            f"data.num_workers must be >= 0 (0 reads in the training process); got {d.num_workers}"
+        )
     cache = Path(os.path.expanduser(d.cache_dir))
     if d.prefixes:
         if not d.tokenizer:
@@ -170,5 +191,12 @@ def build_data(job: JobConfig, dp_rank: int = 0, dp_size: int = 1) -> DataModule
     if valid is not None:
         valid.prepare(max(1, t.eval_batches) * t.global_batch_size)
     return DataModule(
-        tokenizer, train, valid, t.global_batch_size, dp_rank, dp_size, entropy_nats(np.asarray(mixture))
+        tokenizer,
+        train,
+        valid,
+        t.global_batch_size,
+        dp_rank,
+        dp_size,
+        entropy_nats(np.asarray(mixture)),
+        num_workers=d.num_workers,
     )

@@ -56,7 +56,7 @@ class _Encoder:
                 if not ids:
                     if not self.skip_empty:
                         raise DataError(
-                            f"{chunk.path}:{chunk.first + n}: empty document (no tokens); remove it or pass "
+                            f"{chunk.where(n)}: empty document (no tokens); remove it or pass "
                             "--skip-empty to drop empty documents"
                         )
                     skipped += 1

@@ -28,6 +28,11 @@ class Chunk:
     first: int  # 1-based record (line) number of items[0], for error messages
     kind: str  # "json": items are raw JSON lines; "text": items are {key: text} dicts
     items: list
+    lines: list[int] | None = None  # line number of each item when blank lines make them non-consecutive
+
+    def where(self, n: int) -> str:
+        """file:line of item n, for error messages."""
+        return f"{self.path}:{self.lines[n] if self.lines else self.first + n}"
 
 
 def input_kind(path: str) -> str:
@@ -40,7 +45,7 @@ def input_kind(path: str) -> str:
         return "jsonl"
     if name.endswith(".parquet"):
         return "parquet"
-    if name.endswith((".txt", ".text", ".md", ".rst", ".py")):
+    if name.endswith((".txt", ".text")):
         return "text"
     raise DataError(
         f"--input {path}: unknown format; use .jsonl/.json (one JSON object per line), .txt (one document "
@@ -56,21 +61,21 @@ def _open_text(path: str):
 
 def _chunks_of_lines(path: str, kind: str, key: str) -> Iterator[Chunk]:
     items: list = []
-    size, first = 0, 1
+    lines: list[int] = []
+    size = 0
     with _open_text(path) as f:
         for lineno, line in enumerate(f, 1):
             line = line.rstrip("\n")
             if not line.strip():
                 continue  # blank lines separate documents; they are not documents
-            if not items:
-                first = lineno
             items.append(line if kind == "json" else {key: line})
+            lines.append(lineno)
             size += len(line)
             if size >= CHUNK_BYTES or len(items) >= CHUNK_RECORDS:
-                yield Chunk(path, first, kind, items)
-                items, size = [], 0
+                yield Chunk(path, lines[0], kind, items, lines)
+                items, lines, size = [], [], 0
     if items:
-        yield Chunk(path, first, kind, items)
+        yield Chunk(path, lines[0], kind, items, lines)
 
 
 def _chunks_of_table(path: str, batches: Iterator[dict[str, list]], keys: list[str]) -> Iterator[Chunk]:
@@ -133,18 +138,15 @@ def chunk_texts(chunk: Chunk, keys: list[str]) -> list[list[str]]:
             try:
                 item = json.loads(item)
             except json.JSONDecodeError as e:
-                raise DataError(
-                    f"{chunk.path}:{chunk.first + n}: invalid JSON ({e}); fix or remove the line"
-                ) from e
+                raise DataError(f"{chunk.where(n)}: invalid JSON ({e}); fix or remove the line") from e
         for col, key in zip(out, keys, strict=True):
             if not isinstance(item, dict) or key not in item:
                 raise DataError(
-                    f"{chunk.path}:{chunk.first + n}: record has no key {key!r}; pass --json-keys naming the "
-                    "text field"
+                    f"{chunk.where(n)}: record has no key {key!r}; pass --json-keys naming the text field"
                 )
             text = item[key]
             if not isinstance(text, str):
-                raise DataError(f"{chunk.path}:{chunk.first + n}: {key!r} is {type(text).__name__}, not text")
+                raise DataError(f"{chunk.where(n)}: {key!r} is {type(text).__name__}, not text")
             col.append(text)
     return out
 

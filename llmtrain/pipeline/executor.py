@@ -97,9 +97,9 @@ class PipelineExecutor:
     ) -> None:
         if schedule.pp != topo.pp or len(stages.chunks) != schedule.virtual_stages:
             raise ValueError(
-                f"schedule {schedule.name} is for pp={schedule.pp}, v={schedule.virtual_stages} but the topology "
-                f"has pp={topo.pp} and this rank holds {len(stages.chunks)} chunks; build both from the same "
-                "parallel.pp / parallel.virtual_stages"
+                f"schedule {schedule.name} is for pp={schedule.pp}, v={schedule.virtual_stages} but the "
+                f"topology has pp={topo.pp} and this rank holds {len(stages.chunks)} chunks; build both from "
+                "the same parallel.pp / parallel.virtual_stages"
             )
         self.stages = stages
         self.schedule = schedule
@@ -176,7 +176,7 @@ class PipelineExecutor:
             if not batch:
                 return
             works = dist.batch_isend_irecv(list(batch))
-            for op, work in zip(batch, works):
+            for op, work in zip(batch, works, strict=True):
                 if op.op is dist.isend:
                     pending_sends.append(work)
                 else:

@@ -44,7 +44,7 @@ def partition_layers(
             base, extra = divmod(num_layers, num_stages)
             sizes = [base + (1 if s < extra else 0) for s in range(num_stages)]
             starts = [sum(sizes[:s]) for s in range(num_stages)]
-            return [range(a, a + n) for a, n in zip(starts, sizes)]
+            return [range(a, a + n) for a, n in zip(starts, sizes, strict=True)]
         layer_costs = [1.0] * num_layers
     if len(layer_costs) != num_layers:
         raise ValueError(

@@ -29,7 +29,8 @@ def layout_overrides(layout: Layout) -> dict[str, Any]:
 
 def _describe(e: Estimate) -> str:
     return (
-        f"{e.layout.short()}: {e.step_time:.3g} s/step, {e.tflops_per_gpu:.3g} TFLOP/s/GPU, MFU {100 * e.mfu:.1f}%, "
+        f"{e.layout.short()}: {e.step_time:.3g} s/step, {e.tflops_per_gpu:.3g} TFLOP/s/GPU, "
+        f"MFU {100 * e.mfu:.1f}%, "
         f"{e.memory_gb:.1f} of {e.capacity / 2**30:.0f} GiB"
     )
 
@@ -51,20 +52,26 @@ def plan_for_world(
     fitting = result.fitting()
     if not fitting:
         raise ConfigError(
-            f"parallel.auto: no layout of {job.model.num_layers} layers x {job.model.hidden_size} hidden fits "
-            f"{world_size} x {result.cluster_name}; closest: {result.best.layout.short()} ({result.best.why}). "
+            f"parallel.auto: no layout of {job.model.num_layers} layers x {job.model.hidden_size} hidden "
+            f"fits {world_size} x {result.cluster_name}; closest: {result.best.layout.short()} "
+            f"({result.best.why}). "
             "Use more GPUs, a smaller train.global_batch_size or a smaller model"
         )
     best = fitting[0]
     lines = [f"parallel.auto chose {_describe(best)}"]
     lines.append(
-        f"  breakdown: compute {best.compute:.3g} s, TP {best.tp_comm:.3g} s, pipeline bubble {best.pp_bubble:.3g} s "
-        f"({100 * best.bubble_fraction:.1f}%), DP exposed {best.dp_exposed:.3g} s, optimizer {best.optimizer:.3g} s"
+        f"  breakdown: compute {best.compute:.3g} s, TP {best.tp_comm:.3g} s, "
+        f"pipeline bubble {best.pp_bubble:.3g} s "
+        f"({100 * best.bubble_fraction:.1f}%), DP exposed {best.dp_exposed:.3g} s, "
+        f"optimizer {best.optimizer:.3g} s"
     )
     if len(fitting) > 1:
         second = fitting[1]
-        lines.append(f"  runner-up ({100 * (second.step_time / best.step_time - 1):.1f}% slower): {_describe(second)}")
+        lines.append(
+            f"  runner-up ({100 * (second.step_time / best.step_time - 1):.1f}% slower): {_describe(second)}"
+        )
     lines.append(
-        f"  {result.method} search over {result.evaluated} layouts in {result.seconds:.2f} s on {result.cluster_name}"
+        f"  {result.method} search over {result.evaluated} layouts in {result.seconds:.2f} s "
+        f"on {result.cluster_name}"
     )
     return layout_overrides(best.layout), "\n".join(lines)

@@ -50,7 +50,9 @@ class Device:
         for key in (precision, {"fp16": "bf16", "bf16": "fp16"}.get(precision, precision)):
             if key in self.peak_tflops:
                 return self.peak_tflops[key] * 1e12
-        raise ConfigError(f"device {self.name} has no peak_tflops for precision {precision}; add it to the cluster file")
+        raise ConfigError(
+            f"device {self.name} has no peak_tflops for precision {precision}; add it to the cluster file"
+        )
 
     def gemm_time(self, m: float, n: float, k: float, precision: str, batch: float = 1.0) -> float:
         """Seconds for `batch` matmuls (m x k) @ (k x n): a soft roofline (compute plus operand traffic) plus
@@ -58,7 +60,11 @@ class Device:
         flops = 2.0 * m * n * k * batch
         nbytes = _bytes(precision) * (m * k + k * n + m * n) * batch
         compute = flops / (self.peak_flops(precision) * self.gemm_efficiency)
-        return compute + nbytes / (self.memory_bandwidth_gbs * 1e9 * self.memory_efficiency) + self.kernel_overhead_us * 1e-6
+        return (
+            compute
+            + nbytes / (self.memory_bandwidth_gbs * 1e9 * self.memory_efficiency)
+            + self.kernel_overhead_us * 1e-6
+        )
 
     def gemm_efficiency_at(self, m: float, n: float, k: float, precision: str = "bf16") -> float:
         """Achieved fraction of peak for one (m x k) @ (k x n) matmul: the efficiency curve."""
@@ -66,11 +72,16 @@ class Device:
 
     def memory_time(self, nbytes: float, kernels: int = 1) -> float:
         """Seconds for memory-bound kernels moving `nbytes` in total."""
-        return nbytes / (self.memory_bandwidth_gbs * 1e9 * self.memory_efficiency) + kernels * self.kernel_overhead_us * 1e-6
+        return (
+            nbytes / (self.memory_bandwidth_gbs * 1e9 * self.memory_efficiency)
+            + kernels * self.kernel_overhead_us * 1e-6
+        )
 
     def attention_time(self, flops: float, precision: str) -> float:
         """Seconds for a fused attention kernel of `flops`."""
-        return flops / (self.peak_flops(precision) * self.attention_efficiency) + self.kernel_overhead_us * 1e-6
+        return (
+            flops / (self.peak_flops(precision) * self.attention_efficiency) + self.kernel_overhead_us * 1e-6
+        )
 
 
 def _bytes(precision: str) -> int:
@@ -120,7 +131,7 @@ class Cluster:
         return sum(g.count * g.devices_per_node for g in self.nodes)
 
     def view(self, gpus: int) -> ClusterView:
-        """The part of the cluster a job on `gpus` devices uses: first nodes in file order, slowest members."""
+        """The part of the cluster a job on `gpus` devices uses: first nodes in order, slowest members."""
         if gpus < 1:
             raise ConfigError(f"the number of GPUs must be at least 1; got {gpus}")
         if gpus > self.num_devices:
@@ -195,7 +206,7 @@ class ClusterView:
         return min(ring, tree)
 
     def all_gather(self, nbytes: float, size: int, stride: int = 1) -> float:
-        """Seconds for a ring all-gather whose result has `nbytes` per rank (reduce-scatter costs the same)."""
+        """Seconds for a ring all-gather with `nbytes` of result per rank (reduce-scatter costs the same)."""
         if size <= 1 or nbytes <= 0:
             return 0.0
         bw, alpha, _ = self._path(size, stride)
@@ -237,7 +248,9 @@ def cluster_from_dict(raw: dict[str, Any], source: str = "<dict>") -> Cluster:
         raise ConfigError(f"{source}: a cluster file must be a mapping with devices, nodes and links")
     for key in ("devices", "nodes", "links"):
         if key not in raw:
-            raise ConfigError(f"{source}: missing top-level key {key!r} (see configs/clusters/a100-80gb.yaml)")
+            raise ConfigError(
+                f"{source}: missing top-level key {key!r} (see configs/clusters/a100-80gb.yaml)"
+            )
     unknown = sorted(set(raw) - {"name", "devices", "nodes", "links", "cross_node_tp", "description"})
     if unknown:
         raise ConfigError(f"{source}: unknown top-level key {unknown[0]!r}")
@@ -246,7 +259,13 @@ def cluster_from_dict(raw: dict[str, Any], source: str = "<dict>") -> Cluster:
         dev = _build(Device, spec, f"{source}: devices.{name}", name=str(name))
         for precision, tflops in dev.peak_tflops.items():
             _positive(tflops, f"{source}: devices.{name}.peak_tflops.{precision}")
-        for attr in ("memory_gb", "memory_bandwidth_gbs", "gemm_efficiency", "memory_efficiency", "attention_efficiency"):
+        for attr in (
+            "memory_gb",
+            "memory_bandwidth_gbs",
+            "gemm_efficiency",
+            "memory_efficiency",
+            "attention_efficiency",
+        ):
             _positive(getattr(dev, attr), f"{source}: devices.{name}.{attr}")
         devices[str(name)] = dev
     links = raw["links"] or {}
@@ -266,14 +285,22 @@ def cluster_from_dict(raw: dict[str, Any], source: str = "<dict>") -> Cluster:
         if unknown:
             raise ConfigError(f"{where}: unknown key {unknown[0]!r}")
         if spec.get("device") not in devices:
-            raise ConfigError(f"{where}.device={spec.get('device')!r} is not one of devices: {', '.join(devices)}")
+            raise ConfigError(
+                f"{where}.device={spec.get('device')!r} is not one of devices: {', '.join(devices)}"
+            )
         link_name = spec.get("intra_link", "intra_node")
         if link_name not in parsed_links:
-            raise ConfigError(f"{where}.intra_link={link_name!r} is not one of links: {', '.join(parsed_links)}")
+            raise ConfigError(
+                f"{where}.intra_link={link_name!r} is not one of links: {', '.join(parsed_links)}"
+            )
         for key in ("count", "devices_per_node"):
             if not isinstance(spec.get(key), int) or spec[key] < 1:
                 raise ConfigError(f"{where}.{key} must be a positive integer; got {spec.get(key)!r}")
-        groups.append(NodeGroup(spec["count"], spec["devices_per_node"], devices[spec["device"]], parsed_links[link_name]))
+        groups.append(
+            NodeGroup(
+                spec["count"], spec["devices_per_node"], devices[spec["device"]], parsed_links[link_name]
+            )
+        )
     if not groups:
         raise ConfigError(f"{source}: nodes is empty; list at least one node group")
     return Cluster(
@@ -305,8 +332,21 @@ def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
         devices[g.device.name] = {k: v for k, v in vars_of(g.device).items() if k != "name"}
         link_name = "intra_node" if i == 0 else f"intra_node_{i}"
         links[link_name] = vars_of(g.intra)
-        nodes.append({"count": g.count, "devices_per_node": g.devices_per_node, "device": g.device.name, "intra_link": link_name})
-    return {"name": cluster.name, "cross_node_tp": cluster.cross_node_tp, "devices": devices, "nodes": nodes, "links": links}
+        nodes.append(
+            {
+                "count": g.count,
+                "devices_per_node": g.devices_per_node,
+                "device": g.device.name,
+                "intra_link": link_name,
+            }
+        )
+    return {
+        "name": cluster.name,
+        "cross_node_tp": cluster.cross_node_tp,
+        "devices": devices,
+        "nodes": nodes,
+        "links": links,
+    }
 
 
 def vars_of(obj: Any) -> dict[str, Any]:

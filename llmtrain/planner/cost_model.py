@@ -187,7 +187,9 @@ class CostModel:
         self.prec = workload.precision
         self.act_bytes = 4 if self.prec == "fp32" else 2
         self.params = F.parameter_counts(workload.model)
-        self._flops = {rc: F.training_flops_per_token(workload.model, workload.seq, rc) for rc in F.RECOMPUTE_MODES}
+        self._flops = {
+            rc: F.training_flops_per_token(workload.model, workload.seq, rc) for rc in F.RECOMPUTE_MODES
+        }
         self._model_flops = F.model_flops_per_token(workload.model, workload.seq)
         self._layer = functools.lru_cache(maxsize=None)(self._layer_costs)
         self._extras = functools.lru_cache(maxsize=None)(self._stage_extras)
@@ -215,7 +217,7 @@ class CostModel:
             core_b = 2.5 * dev.attention_time(core_flops, prec)  # flash backward recomputes QK^T: 5 matmuls
         else:
             scores = b * a * s * s
-            # Fused scale-mask-softmax reads and writes the scores once; dropout adds a read, a write and a mask.
+            # Fused scale-mask-softmax reads and writes the scores once; dropout adds a read, write and mask.
             softmax = scores * (2 * e + (2 * e + 1 if m.attention_dropout > 0 else 0))
             core_f = dev.gemm_time(s, s, d, prec, batch=b * a) + dev.gemm_time(s, d, s, prec, batch=b * a)
             core_f += dev.memory_time(softmax, kernels=2)
@@ -259,7 +261,9 @@ class CostModel:
         ce = dev.memory_time(3 * 4 * tok * vocab, kernels=3)  # fp32 softmax, loss and its gradient
         norm = dev.memory_time(2 * e * tok * h / (tp if sp else 1))
         head_tp = (self.c.all_gather(size, tp) if sp else 0.0) if tp > 1 else 0.0
-        head_tp_b = (self.c.reduce_scatter(size, tp) if sp else self.c.all_reduce(size, tp)) if tp > 1 else 0.0
+        head_tp_b = (
+            (self.c.reduce_scatter(size, tp) if sp else self.c.all_reduce(size, tp)) if tp > 1 else 0.0
+        )
         last = _Pass(logits + ce / 3 + norm, 2 * logits + 2 * ce / 3 + 2 * norm, logits, head_tp, head_tp_b)
         return first, last
 
@@ -282,7 +286,9 @@ class CostModel:
         split = s * b * ((a + 2 * kv_local) * d * e + a * d * e + mlp)
         if not self.sw.flash_attention and recompute != "selective":
             drop = m.attention_dropout > 0
-            split += a * s * s * b * (e + (1 + e if drop else 0))  # softmax output (+ dropout mask and output)
+            split += (
+                a * s * s * b * (e + (1 + e if drop else 0))
+            )  # softmax output (+ dropout mask and output)
         return replicated / (tp if sp else 1) + split / tp
 
     def _params_on_rank(self, layout: Layout) -> tuple[float, float]:
@@ -292,7 +298,9 @@ class CostModel:
         body = layers * p.per_layer / tp
         if layout.pp == 1:
             return body + (p.embedding + p.head + p.final_norm) / tp, body
-        head = (p.head or self.w.model.vocab_size * self.w.model.hidden_size) / tp  # tied: a copy on the last stage
+        head = (
+            p.head or self.w.model.vocab_size * self.w.model.hidden_size
+        ) / tp  # tied: a copy on the last stage
         return body + p.embedding / tp, body + head + p.final_norm
 
     def _max_layers_per_rank(self, layout: Layout) -> int:
@@ -302,22 +310,32 @@ class CostModel:
     def memory(self, layout: Layout, inflight: int, num_micro: int) -> dict[str, float]:
         """Bytes on the fullest rank (the first pipeline rank, or the last when its head dominates)."""
         e, g = self.act_bytes, self.sw.grad_bytes
-        opt = 8 if self.prec == "fp32" else 12  # Adam m and v (+ fp32 master weights when training in 16 bits)
+        opt = (
+            8 if self.prec == "fp32" else 12
+        )  # Adam m and v (+ fp32 master weights when training in 16 bits)
         shard = layout.dp if layout.zero_stage >= 1 else 1
         first_p, last_p = self._params_on_rank(layout)
         layers_chunk = -(-self.w.model.num_layers // (layout.pp * layout.virtual_stages))
-        per_layer = self.activation_bytes_per_layer(layout.tp, layout.micro_batch, layout.sequence_parallel, layout.recompute)
+        per_layer = self.activation_bytes_per_layer(
+            layout.tp, layout.micro_batch, layout.sequence_parallel, layout.recompute
+        )
         tok = layout.micro_batch * self.w.seq
         sp_div = layout.tp if layout.sequence_parallel else 1
-        act_first = inflight * layers_chunk * per_layer + inflight * e * tok * self.w.model.hidden_size / sp_div
-        # Last rank: its own micro-batches (at most 1f1b's 1 per chunk) plus one micro-batch of logits in fp32.
+        act_first = (
+            inflight * layers_chunk * per_layer + inflight * e * tok * self.w.model.hidden_size / sp_div
+        )
+        # Last rank: its own micro-batches (1f1b: 1 per chunk) plus one micro-batch of logits in fp32.
         logits = tok * self.w.model.vocab_size / layout.tp * (e + 4)
         last_inflight = min(num_micro * layout.virtual_stages, layout.virtual_stages)
         act_last = last_inflight * layers_chunk * per_layer + logits
         if layout.pp == 1:
             act_first, act_last = act_first + logits, 0.0
         send = e * tok * self.w.model.hidden_size / sp_div
-        buffers = 2 * send + 2 * self.w.dp_bucket_mb * 2**20 + (e * tok * self.w.model.hidden_size if layout.sequence_parallel else 0)
+        buffers = (
+            2 * send
+            + 2 * self.w.dp_bucket_mb * 2**20
+            + (e * tok * self.w.model.hidden_size if layout.sequence_parallel else 0)
+        )
 
         def total(params: float, act: float) -> dict[str, float]:
             out = {
@@ -344,7 +362,8 @@ class CostModel:
         if m.num_attention_heads % layout.tp:
             return f"tp={layout.tp} does not divide {m.num_attention_heads} heads"
         if w.global_batch % (layout.dp * layout.micro_batch):
-            return f"global batch {w.global_batch} not a multiple of micro_batch*dp={layout.micro_batch * layout.dp}"
+            mbdp = layout.micro_batch * layout.dp
+            return f"global batch {w.global_batch} not a multiple of micro_batch*dp={mbdp}"
         if layout.pp * layout.virtual_stages > m.num_layers:
             return f"pp*v={layout.pp * layout.virtual_stages} exceeds {m.num_layers} layers"
         if layout.virtual_stages > 1 and layout.schedule != "interleaved_1f1b":
@@ -355,7 +374,10 @@ class CostModel:
             return "ZeRO needs dp > 1"
         if layout.pp == 1 and layout.schedule != "1f1b":
             return "pp=1 runs no pipeline schedule (use 1f1b)"
-        if layout.schedule == "interleaved_1f1b" and (w.global_batch // (layout.dp * layout.micro_batch)) % layout.pp:
+        if (
+            layout.schedule == "interleaved_1f1b"
+            and (w.global_batch // (layout.dp * layout.micro_batch)) % layout.pp
+        ):
             return "interleaved_1f1b needs the micro-batches per step to be a multiple of pp"
         return ""
 
@@ -373,7 +395,13 @@ class CostModel:
         # Per-rank per-chunk costs; uneven splits give the first chunks one more layer.
         fwd, bwd, wgt, tpc = [], [], [], []
         for r in range(pp):
-            n = sum(layers_total // chunks + (1 if c * pp + r < layers_total % chunks else 0) for c in range(v)) / v
+            n = (
+                sum(
+                    layers_total // chunks + (1 if c * pp + r < layers_total % chunks else 0)
+                    for c in range(v)
+                )
+                / v
+            )
             f = n * (layer.fwd + layer.tp_fwd)
             bk = n * (layer.bwd + layer.tp_bwd)
             wg = n * layer.wgrad
@@ -397,7 +425,9 @@ class CostModel:
         p2p = self.c.p2p(send / (tp if split else 1), cross) if pp > 1 else 0.0
         if split and not layout.sequence_parallel and tp > 1 and pp > 1:
             p2p += self.c.all_gather(send, tp)  # scatter/gather re-assembles the activation over NVLink
-        pipe: PipelineTime = pipeline_time(layout.schedule, pp, num_micro, v, fwd, bwd, wgt, p2p, use_simulator)
+        pipe: PipelineTime = pipeline_time(
+            layout.schedule, pp, num_micro, v, fwd, bwd, wgt, p2p, use_simulator
+        )
 
         busiest = max(range(pp), key=lambda r: fwd[r] + bwd[r])
         tp_total = num_micro * v * tpc[busiest]
@@ -428,7 +458,10 @@ class CostModel:
         why = ""
         if not fits:
             top = max(("params", "grads", "optimizer", "activations"), key=lambda k: mem[k])
-            why = f"needs {mem['total'] / GIB:.1f} GiB > {self.dev.memory_gb:g} GiB (largest: {top} {mem[top] / GIB:.1f} GiB)"
+            why = (
+                f"needs {mem['total'] / GIB:.1f} GiB > {self.dev.memory_gb:g} GiB "
+                f"(largest: {top} {mem[top] / GIB:.1f} GiB)"
+            )
         tokens = self.w.global_batch * self.w.seq
         executed = self._flops[layout.recompute] * tokens
         model_flops = self._model_flops * tokens
@@ -468,6 +501,8 @@ def with_layout(job: JobConfig, layout: Layout, global_batch: int | None = None)
         auto=False,
     )
     train = replace(
-        job.train, micro_batch_size=layout.micro_batch, global_batch_size=global_batch or job.train.global_batch_size
+        job.train,
+        micro_batch_size=layout.micro_batch,
+        global_batch_size=global_batch or job.train.global_batch_size,
     )
     return replace(job, model=model, parallel=parallel, train=train)

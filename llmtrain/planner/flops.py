@@ -44,7 +44,13 @@ class LayerFlops:
 def layer_flops_per_token(model: ModelConfig, seq_length: int | None = None) -> LayerFlops:
     """Forward FLOPs of one layer per token, split into the projections, the attention core and the MLP."""
     s = seq_length or model.seq_length
-    h, d, a, kv, f = model.hidden_size, model.head_size, model.num_attention_heads, model.kv_heads, model.ffn_size
+    h, d, a, kv, f = (
+        model.hidden_size,
+        model.head_size,
+        model.num_attention_heads,
+        model.kv_heads,
+        model.ffn_size,
+    )
     mlp_mats = 3 if is_gated(model) else 2
     return LayerFlops(
         qkv=2.0 * h * (a + 2 * kv) * d,
@@ -70,8 +76,10 @@ def model_flops_per_token(model: ModelConfig, seq_length: int | None = None) -> 
     return 3.0 * forward_flops_per_token(model, seq_length)
 
 
-def training_flops_per_token(model: ModelConfig, seq_length: int | None = None, recompute: str = "none") -> float:
-    """FLOPs per token actually executed for a recompute mode ("hardware FLOPs"): full adds one more forward of
+def training_flops_per_token(
+    model: ModelConfig, seq_length: int | None = None, recompute: str = "none"
+) -> float:
+    """FLOPs per token executed for a recompute mode ("hardware FLOPs"): full adds one more forward of
     every layer (not of the logits), selective adds the attention core's forward."""
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}; got {recompute!r}")

@@ -89,12 +89,14 @@ def closed_form(
 def _needs_simulation(schedule: str, pp: int, m: int, slow_link: bool) -> bool:
     """Shapes the closed forms miss: zb_h1 with at most pp micro-batches or transfers longer than a fifth
     of a forward (while a replay stays affordable)."""
-    return schedule == "zb_h1" and pp > 1 and (m <= pp or slow_link) and pp * m <= 8 * SIMULATE_MAX_ACTIONS
+    return schedule == "zb_h1" and pp > 1 and (m <= pp or slow_link) and pp * m <= SIMULATE_MAX_ACTIONS
 
 
 @functools.lru_cache(maxsize=4096)
-def _simulated_uniform(schedule: str, pp: int, m: int, v: int, f: float, w: float, c: float) -> tuple[float, int]:
-    """Simulated step time for per-chunk costs forward f, backward 1 - f, weight-grad w, latency c (in units of
+def _simulated_uniform(
+    schedule: str, pp: int, m: int, v: int, f: float, w: float, c: float
+) -> tuple[float, int]:
+    """Simulated step time for per-chunk costs forward f, backward 1 - f, weight-grad w, latency c (units of
     f + b, rounded by the caller so that similar layouts share one replay)."""
     return _simulated(schedule, pp, m, v, (f,) * pp, (1.0 - f,) * pp, (w,) * pp, c)
 

@@ -80,6 +80,7 @@ def _gloo_worker(rank: int, world: int, port: int, mbytes: int, out: Any) -> Non
         small = torch.zeros(2)
         large = torch.zeros(mbytes * 2**20 // 4)
         reps = 20
+        dist.barrier()
         ar_small = _best_time(lambda: dist.all_reduce(small), 0.3)
         ar_large = min(_timed(lambda: dist.all_reduce(large)) for _ in range(3))
 
@@ -91,11 +92,19 @@ def _gloo_worker(rank: int, world: int, port: int, mbytes: int, out: Any) -> Non
                 dist.recv(t, 0)
                 dist.send(t, 0)
 
+        dist.barrier()
         p2p_small = min(_timed(lambda: [ping(small) for _ in range(reps)]) for _ in range(3)) / reps / 2
+        dist.barrier()
         p2p_large = min(_timed(lambda: ping(large)) for _ in range(3)) / 2
         if rank == 0:
             out.put(
-                {"ar_small": ar_small, "ar_large": ar_large, "p2p_small": p2p_small, "p2p_large": p2p_large, "bytes": large.numel() * 4}
+                {
+                    "ar_small": ar_small,
+                    "ar_large": ar_large,
+                    "p2p_small": p2p_small,
+                    "p2p_large": p2p_large,
+                    "bytes": large.numel() * 4,
+                }
             )
     finally:
         dist.destroy_process_group()
@@ -168,7 +177,8 @@ def describe_local(devices: int = 2, measure_links: bool = True, seconds: float 
             "efficiency": 1.0,
         }
     desc = (
-        f"Measured on this machine by tools/plan.py --profile-local: matmul best of square sizes, copy bandwidth, "
+        f"Measured on this machine by tools/plan.py --profile-local: matmul best of square sizes, "
+        "copy bandwidth, "
         f"gloo loopback {measured}"
     )
     return {
@@ -188,7 +198,7 @@ def describe_local(devices: int = 2, measure_links: bool = True, seconds: float 
             }
         },
         "nodes": [{"count": 1, "devices_per_node": devices, "device": name, "intra_link": "intra_node"}],
-        "links": {"intra_node": link, "inter_node": link},
+        "links": {"intra_node": link, "inter_node": dict(link)},
     }
 
 

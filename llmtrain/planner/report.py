@@ -10,31 +10,67 @@ from llmtrain.planner.cost_model import GIB, Estimate, with_layout
 from llmtrain.planner.search import PlanResult
 
 COLUMNS = (
-    "#", "tp", "pp", "dp", "mb", "schedule", "recomp", "sp", "zero", "step_s", "TFLOP/s", "MFU", "mem_GiB",
-    "bubble", "compute", "TP", "PP", "DP", "DP_exp", "optim", "fits",
-)  # fmt: skip
+    "#",
+    "tp",
+    "pp",
+    "dp",
+    "mb",
+    "schedule",
+    "recomp",
+    "sp",
+    "zero",
+    "step_s",
+    "TFLOP/s",
+    "MFU",
+    "mem_GiB",
+    "bubble",
+    "compute",
+    "TP",
+    "PP",
+    "DP",
+    "DP_exp",
+    "optim",
+    "fits",
+)
 
 
 def _row(i: int, e: Estimate) -> list[str]:
     lay = e.layout
     sched = lay.schedule + (f"/v{lay.virtual_stages}" if lay.virtual_stages > 1 else "")
     return [
-        str(i), str(lay.tp), str(lay.pp), str(lay.dp), str(lay.micro_batch), sched, lay.recompute,
-        "y" if lay.sequence_parallel else "n", str(lay.zero_stage), f"{e.step_time:.3f}", f"{e.tflops_per_gpu:.1f}",
-        f"{100 * e.mfu:.1f}%", f"{e.memory_gb:.1f}", f"{100 * e.bubble_fraction:.1f}%", f"{e.compute:.3f}",
-        f"{e.tp_comm:.3f}", f"{e.pp_bubble:.3f}", f"{e.dp_comm:.3f}", f"{e.dp_exposed:.3f}", f"{e.optimizer:.3f}",
+        str(i),
+        str(lay.tp),
+        str(lay.pp),
+        str(lay.dp),
+        str(lay.micro_batch),
+        sched,
+        lay.recompute,
+        "y" if lay.sequence_parallel else "n",
+        str(lay.zero_stage),
+        f"{e.step_time:.3f}",
+        f"{e.tflops_per_gpu:.1f}",
+        f"{100 * e.mfu:.1f}%",
+        f"{e.memory_gb:.1f}",
+        f"{100 * e.bubble_fraction:.1f}%",
+        f"{e.compute:.3f}",
+        f"{e.tp_comm:.3f}",
+        f"{e.pp_bubble:.3f}",
+        f"{e.dp_comm:.3f}",
+        f"{e.dp_exposed:.3f}",
+        f"{e.optimizer:.3f}",
         "yes" if e.fits else "NO: " + e.why,
-    ]  # fmt: skip
+    ]
 
 
 def format_table(result: PlanResult, top: int = 10) -> str:
     """The ranked table with a header line saying what was searched and how."""
     rows = [list(COLUMNS)] + [_row(i + 1, e) for i, e in enumerate(result.ranked[:top])]
     widths = [max(len(r[c]) for r in rows) for c in range(len(COLUMNS) - 1)]
-    lines = ["  ".join([cell.rjust(w) for cell, w in zip(r, widths)] + [r[-1]]) for r in rows]
+    lines = ["  ".join([cell.rjust(w) for cell, w in zip(r, widths, strict=False)] + [r[-1]]) for r in rows]
     w = result.workload
     head = (
-        f"{result.gpus} x {result.cluster_name}, global batch {w.global_batch} x {w.seq} tokens, {w.precision}; "
+        f"{result.gpus} x {result.cluster_name}, global batch {w.global_batch} x {w.seq} tokens, "
+        f"{w.precision}; "
         f"{result.method} search, {result.evaluated} layouts evaluated in {result.seconds:.3f} s. "
         "Times in seconds per step (compute/TP/PP/DP columns: busiest rank; DP = total, DP_exp = exposed); "
         "TFLOP/s counts recomputation, MFU does not."
@@ -50,7 +86,9 @@ def to_records(result: PlanResult, top: int = 10) -> list[dict]:
     return [e.as_dict() for e in result.ranked[:top]]
 
 
-def write_config(job: JobConfig, estimate: Estimate, path: str | Path, global_batch: int | None = None) -> JobConfig:
+def write_config(
+    job: JobConfig, estimate: Estimate, path: str | Path, global_batch: int | None = None
+) -> JobConfig:
     """Write `job` running the estimate's layout as a YAML that llmtrain.config.load accepts."""
     best = with_layout(job, estimate.layout, global_batch)
     validate(best)
@@ -66,7 +104,10 @@ def plot(result: PlanResult, path: str | Path, top: int = 10) -> None:
     import matplotlib.pyplot as plt
 
     ests = result.ranked[:top]
-    labels = [f"#{i + 1}\n{e.layout.tp}/{e.layout.pp}/{e.layout.dp}\nmb{e.layout.micro_batch}" for i, e in enumerate(ests)]
+    labels = [
+        f"#{i + 1}\n{e.layout.tp}/{e.layout.pp}/{e.layout.dp}\nmb{e.layout.micro_batch}"
+        for i, e in enumerate(ests)
+    ]
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(max(8, 1.4 * len(ests) + 4), 5))
     parts = {
         "compute": [e.compute for e in ests],

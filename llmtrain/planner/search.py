@@ -80,7 +80,11 @@ class Space:
         for tp, pp in self.tp_pp:
             dp = model.c.devices // (tp * pp)
             for mb, (sched, v), rc, sp, zero in itertools.product(
-                self.micro_batches[dp], self.schedules, self.recompute, self.sequence_parallel, self.zero_stage
+                self.micro_batches[dp],
+                self.schedules,
+                self.recompute,
+                self.sequence_parallel,
+                self.zero_stage,
             ):
                 layout = Layout(tp, pp, dp, mb, v, sched, rc, sp, zero)
                 why = model.invalid_reason(layout)
@@ -155,7 +159,8 @@ def build_space(model: CostModel, fixed: dict[str, object] | None = None) -> Spa
         micro[dp] = pick("micro_batch", allowed)
         if "micro_batch" in fixed and per_replica % int(fixed["micro_batch"]):
             raise ConfigError(
-                f"train.micro_batch_size={fixed['micro_batch']} does not divide global_batch/dp = {per_replica}"
+                f"train.micro_batch_size={fixed['micro_batch']} does not divide "
+                f"global_batch/dp = {per_replica}"
             )
     max_pp = max(pp for _, pp in tp_pp)
     schedules = [("1f1b", 1), ("gpipe", 1), ("zb_h1", 1)]
@@ -164,7 +169,9 @@ def build_space(model: CostModel, fixed: dict[str, object] | None = None) -> Spa
         schedules = [(s, v) for s, v in schedules if s == fixed["schedule"]] or [(str(fixed["schedule"]), 1)]
     if "virtual_stages" in fixed:
         vv = int(fixed["virtual_stages"])  # type: ignore[arg-type]
-        schedules = [(s, vv) for s in dict.fromkeys(s for s, _ in schedules) if (s == "interleaved_1f1b") == (vv > 1)]
+        schedules = [
+            (s, vv) for s in dict.fromkeys(s for s, _ in schedules) if (s == "interleaved_1f1b") == (vv > 1)
+        ]
     if max_pp == 1 and "schedule" not in fixed:
         schedules = [("1f1b", 1)]
     return Space(
@@ -322,7 +329,9 @@ def plan(
         used = "coordinate-descent"
     if not searcher.cache:
         reasons = "; ".join(f"{k} (x{n})" for k, n in space.pruned.most_common(4))
-        raise ConfigError(f"no valid layout for {gpus} GPUs and global batch {workload.global_batch}: {reasons}")
+        raise ConfigError(
+            f"no valid layout for {gpus} GPUs and global batch {workload.global_batch}: {reasons}"
+        )
     ranked = sorted(searcher.cache.values(), key=score)
     if simulate_top:
         # Re-time the leaders with the pipeline simulator where the shape is small enough to replay.

@@ -32,7 +32,8 @@ def reference_path() -> Path:
     path = REPO.parent / "shared" / "reference" / REFERENCE
     if not path.is_file():
         raise ConfigError(
-            f"reference table {path} is missing; it ships next to the repository as ../shared/reference/{REFERENCE} "
+            f"reference table {path} is missing; it ships next to the repository as "
+            f"../shared/reference/{REFERENCE} "
             "(Narayanan et al. 2021, Table 1)"
         )
     return path
@@ -79,7 +80,9 @@ class RowResult:
         return self.published.step_time / self.best.step_time
 
 
-def validate_megatron(cluster: Cluster | str = "a100-80gb", path: str | Path | None = None) -> list[RowResult]:
+def validate_megatron(
+    cluster: Cluster | str = "a100-80gb", path: str | Path | None = None
+) -> list[RowResult]:
     """Predict every published row and the planner's best for it."""
     cl = load_cluster(cluster) if isinstance(cluster, str) else cluster
     software = Software.megatron_2021()
@@ -89,18 +92,28 @@ def validate_megatron(cluster: Cluster | str = "a100-80gb", path: str | Path | N
         gpus, tp, pp, batch = int(row["gpus"]), int(row["tp"]), int(row["pp"]), int(row["global_batch"])
         work = Workload(model, batch, "fp16")
         fixed = {
-            "tp": tp, "pp": pp, "dp": gpus // (tp * pp), "recompute": "full", "sequence_parallel": False,
-            "zero_stage": 0, "schedule": "1f1b", "virtual_stages": 1,
-        }  # fmt: skip
+            "tp": tp,
+            "pp": pp,
+            "dp": gpus // (tp * pp),
+            "recompute": "full",
+            "sequence_parallel": False,
+            "zero_stage": 0,
+            "schedule": "1f1b",
+            "virtual_stages": 1,
+        }
         published = plan(work, cl, gpus, fixed, software, top=1).fitting()[0]
-        flops = megatron_flops_per_iteration(batch, model.seq_length, model.num_layers, model.hidden_size, model.vocab_size)
+        flops = megatron_flops_per_iteration(
+            batch, model.seq_length, model.num_layers, model.hidden_size, model.vocab_size
+        )
         predicted = flops / published.step_time / gpus / 1e12
         interleaved = dict(fixed, schedule="interleaved_1f1b")
         del interleaved["virtual_stages"]
         inter = plan(work, cl, gpus, interleaved, software, top=1).fitting() if pp > 1 else [published]
         inter_tflops = flops / inter[0].step_time / gpus / 1e12 if inter else float("nan")
         best = plan(work, cl, gpus, None, software, top=5).fitting()[0]
-        out.append(RowResult(row, published, predicted, predicted / row["tflops_per_gpu"] - 1, inter_tflops, best))
+        out.append(
+            RowResult(row, published, predicted, predicted / row["tflops_per_gpu"] - 1, inter_tflops, best)
+        )
     return out
 
 

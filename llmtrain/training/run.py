@@ -10,6 +10,7 @@ import torch
 
 from llmtrain.config import ConfigError, JobConfig, dump
 from llmtrain.parallel.topology import Topology
+from llmtrain.parallel.watchdog import Watchdog, install_excepthook
 from llmtrain.training.trainer import LocalStepRunner, Trainer, TrainResult
 
 
@@ -20,7 +21,7 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def build_trainer(job: JobConfig, topo: Topology) -> Trainer:
+def build_trainer(job: JobConfig, topo: Topology, watchdog: Watchdog | None = None) -> Trainer:
     """Data, model, parallel layout, optimizer, metrics and checkpointer for `job`, assembled."""
     from llmtrain.checkpoint import Checkpointer
     from llmtrain.data import build_data
@@ -60,6 +61,7 @@ def build_trainer(job: JobConfig, topo: Topology) -> Trainer:
         checkpointer=Checkpointer(job, topo),
         model=model,
         tokens_per_sample=job.model.seq_length,
+        watchdog=watchdog or Watchdog(job.parallel.timeout_s, topo.rank, topo.world_size),
     )
 
 
@@ -70,10 +72,13 @@ def run(job: JobConfig) -> TrainResult:
     if job.train.num_threads:
         torch.set_num_threads(job.train.num_threads)
     topo = init_distributed(job)
-    trainer = build_trainer(job, topo)
+    install_excepthook(topo.rank)
+    watchdog = Watchdog(job.parallel.timeout_s, topo.rank, topo.world_size).start()
+    trainer = build_trainer(job, topo, watchdog)
     try:
         return trainer.fit()
     finally:
+        watchdog.stop()
         trainer.metrics.close()
         trainer.checkpointer.close()
         if torch.distributed.is_initialized():

@@ -12,13 +12,15 @@ import torch
 import torch.distributed as dist
 
 from llmtrain.config import JobConfig, to_dict
+from llmtrain.parallel.watchdog import Watchdog
 from llmtrain.training.lr_schedule import learning_rate
+from llmtrain.training.profiling import ProfilerWindow, StepTimer
 
 
 class StepRunner(Protocol):
     """Runs the forward and backward passes of one global batch slice on this rank."""
 
-    def train_step(self, batch: torch.Tensor) -> torch.Tensor:
+    def train_step(self, batch: torch.Tensor, timer: StepTimer) -> torch.Tensor:
         """Accumulate gradients over the micro-batches of `batch`; return the mean loss (a 0-d tensor)."""
 
     def eval_step(self, batch: torch.Tensor) -> torch.Tensor:
@@ -34,22 +36,26 @@ class LocalStepRunner:
         self.micro_batch_size = micro_batch_size
         self.grad_sync = grad_sync
 
-    def train_step(self, batch: torch.Tensor) -> torch.Tensor:
+    def train_step(self, batch: torch.Tensor, timer: StepTimer) -> torch.Tensor:
         self.model.train()
         micro_batches = batch.split(self.micro_batch_size)
         total = torch.zeros((), dtype=torch.float32)
         for index, micro in enumerate(micro_batches):
             # Data-parallel gradient reduction only runs with the last micro-batch's backward.
             with self.grad_sync(self.model, enabled=index == len(micro_batches) - 1):
-                loss = self.model(micro[:, :-1], labels=micro[:, 1:])
-                self.optimizer.backward(loss / len(micro_batches))
+                with timer.section("forward"):
+                    loss = self.model(micro[:, :-1], labels=micro[:, 1:])
+                with timer.section("backward"):
+                    self.optimizer.backward(loss / len(micro_batches))
             total += loss.detach().float().cpu()
         return total / len(micro_batches)
 
     @torch.no_grad()
     def eval_step(self, batch: torch.Tensor) -> torch.Tensor:
         self.model.eval()
-        losses = [self.model(m[:, :-1], labels=m[:, 1:]).float().cpu() for m in batch.split(self.micro_batch_size)]
+        losses = [
+            self.model(m[:, :-1], labels=m[:, 1:]).float().cpu() for m in batch.split(self.micro_batch_size)
+        ]
         return torch.stack(losses).mean()
 
 
@@ -82,6 +88,7 @@ class Trainer:
         checkpointer: Any,
         model: torch.nn.Module,
         tokens_per_sample: int,
+        watchdog: Watchdog,
     ) -> None:
         self.job = job
         self.topo = topo
@@ -92,6 +99,8 @@ class Trainer:
         self.checkpointer = checkpointer
         self.model = model
         self.tokens_per_sample = tokens_per_sample
+        self.watchdog = watchdog
+        self.timer = StepTimer(job.logging.time_breakdown)
         self.step = 0
         self.consumed_samples = 0
         self.skipped_steps = 0
@@ -102,7 +111,8 @@ class Trainer:
         group = self.topo.dp_group
         if group is not None and self.topo.dp > 1:
             value = value.clone()
-            dist.all_reduce(value, group=group)
+            with self.watchdog.waiting("dp", "all_reduce", "loss"), self.timer.section("dp_comm"):
+                dist.all_reduce(value, group=group)
             value /= self.topo.dp
         return float(value)
 
@@ -111,7 +121,8 @@ class Trainer:
         if not dist.is_initialized():
             return flag
         tensor = torch.tensor([1.0 if flag else 0.0])
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        with self.watchdog.waiting("world", "all_reduce", "non-finite loss check"):
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
         return bool(tensor.item())
 
     def restore(self) -> None:
@@ -134,65 +145,77 @@ class Trainer:
         }
 
     def evaluate(self) -> float:
-        losses = [self.runner.eval_step(batch) for batch in self.data.eval_batches(self.job.train.eval_batches)]
+        losses = [
+            self.runner.eval_step(batch) for batch in self.data.eval_batches(self.job.train.eval_batches)
+        ]
         return self._mean_over_dp(torch.stack(losses).mean())
+
+    def _train_step(self, batches: Iterator[torch.Tensor]) -> dict[str, Any]:
+        """One optimizer step (or a skipped one after a non-finite loss); returns what gets logged."""
+        train = self.job.train
+        start = time.perf_counter()
+        batch = next(batches)
+        data_time = time.perf_counter() - start
+        lr = learning_rate(train, self.step)
+        loss = self._mean_over_dp(self.runner.train_step(batch, self.timer))
+        grad_norm, loss_scale = float("nan"), None
+        if self._any_rank(not math.isfinite(loss)):
+            self.optimizer.zero_grad()
+            self.skipped_steps += 1
+            self.bad_steps_in_a_row += 1
+            if self.bad_steps_in_a_row >= train.max_bad_steps:
+                raise TrainingDiverged(
+                    f"loss was not finite for {self.bad_steps_in_a_row} steps in a row (up to step "
+                    f"{self.step + 1}); stopping. Lower train.lr or raise train.max_bad_steps; the last "
+                    "good checkpoint is kept."
+                )
+        else:
+            with self.timer.section("optimizer"):
+                stats = self.optimizer.step(lr)
+                self.optimizer.zero_grad()
+            grad_norm, loss_scale = stats.grad_norm, stats.loss_scale
+            self.skipped_steps += int(stats.skipped)
+            self.bad_steps_in_a_row = 0
+        self.step += 1
+        self.consumed_samples += train.global_batch_size
+        return {
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "loss_scale": loss_scale,
+            "skipped_steps": self.skipped_steps,
+            "samples": train.global_batch_size,
+            "tokens": train.global_batch_size * self.tokens_per_sample,
+            "step_time": time.perf_counter() - start,
+            "data_time": data_time,
+            "breakdown": self.timer.pop(),
+        }
 
     def fit(self) -> TrainResult:
         """Train until train.steps, evaluating and checkpointing on schedule."""
         train = self.job.train
         self.restore()
         start = time.perf_counter()
-        batches: Iterator[torch.Tensor] = self.data.train_batches(self.consumed_samples)
+        batches = self.data.train_batches(self.consumed_samples)
+        profiler = ProfilerWindow(self.job.logging.profile_steps, self.job.output_dir, self.topo.rank)
         last_loss = float("nan")
         eval_loss = None
-        while self.step < train.steps:
-            step_start = time.perf_counter()
-            batch = next(batches)
-            data_time = time.perf_counter() - step_start
-            lr = learning_rate(train, self.step)
-            local_loss = self.runner.train_step(batch)
-            loss = self._mean_over_dp(local_loss)
-            if self._any_rank(not math.isfinite(loss)):
-                self.optimizer.zero_grad()
-                self.skipped_steps += 1
-                self.bad_steps_in_a_row += 1
-                grad_norm, loss_scale = float("nan"), None
-                if self.bad_steps_in_a_row >= train.max_bad_steps:
-                    raise TrainingDiverged(
-                        f"loss was not finite for {self.bad_steps_in_a_row} steps in a row (up to step "
-                        f"{self.step + 1}); stopping. Lower train.lr or raise train.max_bad_steps; the last "
-                        "good checkpoint is kept."
-                    )
-            else:
-                stats = self.optimizer.step(lr)
-                self.optimizer.zero_grad()
-                grad_norm, loss_scale = stats.grad_norm, stats.loss_scale
-                self.skipped_steps += int(stats.skipped)
-                self.bad_steps_in_a_row = 0
-                last_loss = loss
-            self.step += 1
-            self.consumed_samples += train.global_batch_size
-            self.metrics.log_step(
-                self.step,
-                {
-                    "loss": loss,
-                    "lr": lr,
-                    "grad_norm": grad_norm,
-                    "loss_scale": loss_scale,
-                    "skipped_steps": self.skipped_steps,
-                    "samples": train.global_batch_size,
-                    "tokens": train.global_batch_size * self.tokens_per_sample,
-                    "step_time": time.perf_counter() - step_start,
-                    "data_time": data_time,
-                },
-            )
-            last = self.step == train.steps
-            if train.eval_interval and (self.step % train.eval_interval == 0 or last):
-                eval_loss = self.evaluate()
-                self.metrics.log_eval(self.step, eval_loss)
-            if self.checkpointer.is_due(self.step, final=last):
-                self.checkpointer.save(self.step, self.model, self.optimizer, self._checkpoint_extra())
-        self.checkpointer.wait()
+        try:
+            while self.step < train.steps:
+                with profiler.step(self.step + 1):
+                    values = self._train_step(batches)
+                if math.isfinite(values["loss"]):
+                    last_loss = values["loss"]
+                self.metrics.log_step(self.step, values)
+                last = self.step == train.steps
+                if train.eval_interval and (self.step % train.eval_interval == 0 or last):
+                    eval_loss = self.evaluate()
+                    self.metrics.log_eval(self.step, eval_loss)
+                if self.checkpointer.is_due(self.step, final=last):
+                    self.checkpointer.save(self.step, self.model, self.optimizer, self._checkpoint_extra())
+            self.checkpointer.wait()
+        finally:
+            profiler.close()
         return TrainResult(
             steps=self.step,
             final_loss=last_loss,

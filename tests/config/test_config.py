@@ -16,13 +16,32 @@ def test_shipped_configs_validate(path):
 
 
 def test_public_field_names_are_stable():
-    job = load(None, [
-        "model.arch=llama", "model.num_layers=3", "model.hidden_size=96", "model.num_attention_heads=6",
-        "model.num_kv_heads=2", "model.ffn_hidden_size=200", "model.vocab_size=1000", "model.seq_length=32",
-        "train.steps=7", "train.lr=0.01", "train.global_batch_size=8", "train.micro_batch_size=2",
-        "train.seed=3", "logging.interval=2", "output_dir=/tmp/x",
-    ])
-    assert (job.model.arch, job.model.num_layers, job.model.kv_heads, job.model.ffn_size) == ("llama", 3, 2, 200)
+    job = load(
+        None,
+        [
+            "model.arch=llama",
+            "model.num_layers=3",
+            "model.hidden_size=96",
+            "model.num_attention_heads=6",
+            "model.num_kv_heads=2",
+            "model.ffn_hidden_size=200",
+            "model.vocab_size=1000",
+            "model.seq_length=32",
+            "train.steps=7",
+            "train.lr=0.01",
+            "train.global_batch_size=8",
+            "train.micro_batch_size=2",
+            "train.seed=3",
+            "logging.interval=2",
+            "output_dir=/tmp/x",
+        ],
+    )
+    assert (job.model.arch, job.model.num_layers, job.model.kv_heads, job.model.ffn_size) == (
+        "llama",
+        3,
+        2,
+        200,
+    )
     assert (job.train.steps, job.train.lr, job.train.seed, job.logging.interval) == (7, 0.01, 3, 2)
     assert job.output_dir == "/tmp/x"
 
@@ -87,7 +106,9 @@ def test_override_syntax():
 
 
 def test_world_size_must_match_degrees():
-    job = load(None, ["parallel.tp=2", "parallel.dp=2", "train.global_batch_size=16", "train.micro_batch_size=4"])
+    job = load(
+        None, ["parallel.tp=2", "parallel.dp=2", "train.global_batch_size=16", "train.micro_batch_size=4"]
+    )
     assert validate_world(job, 4) == 2
     with pytest.raises(ConfigError, match="runs on 8 processes"):
         validate_world(job, 8)

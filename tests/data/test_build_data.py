@@ -56,6 +56,16 @@ def test_resuming_with_another_dp_degree_continues_exactly(tmp_path, dataset_pre
     assert len({tuple(r.tolist()) for r in rows}) == len(rows)  # no sample repeated within the epoch
 
 
+def test_dataloader_workers_give_the_same_batches(tmp_path, dataset_prefix, sp_model):
+    job = _job(tmp_path, [dataset_prefix], sp_model)
+    plain = build_data(job, 1, 2).train_batches(16)
+    job.data.num_workers = 2
+    loader = build_data(job, 1, 2).train_batches(16)
+    for _ in range(4):
+        assert torch.equal(next(plain), next(loader))
+    loader.close()
+
+
 def test_eval_batches_are_deterministic_and_held_out(tmp_path, dataset_prefix, sp_model, docs):
     job = _job(tmp_path, [dataset_prefix], sp_model, split="80,20,0")
     dm = build_data(job, 1, 2)

@@ -80,8 +80,8 @@ def test_without_eod_and_progress(tmp_path, jsonl, records, sp_model):
 
 def test_empty_documents(tmp_path, sp_model):
     path = tmp_path / "e.jsonl"
-    path.write_text('{"text": "a"}\n{"text": ""}\n{"text": "b"}\n')
-    with pytest.raises(DataError, match=r"e\.jsonl:2: empty document.*--skip-empty"):
+    path.write_text('{"text": "a"}\n\n{"text": ""}\n{"text": "b"}\n')
+    with pytest.raises(DataError, match=r"e\.jsonl:3: empty document.*--skip-empty"):
         preprocess_files([str(path)], str(tmp_path / "e"), sp_model, log=None, workers=1)
     assert not list(tmp_path.glob("e_*"))  # nothing half-written
     stats = preprocess_files([str(path)], str(tmp_path / "e"), sp_model, log=None, workers=2, skip_empty=True)
@@ -146,3 +146,23 @@ def test_tools_end_to_end(tmp_path, jsonl, records, sp_model, mcore_indexed):
         text=True,
     )
     assert bad.returncode != 0 and "nope.jsonl does not exist" in bad.stderr
+
+
+def test_reading_stays_bounded_ahead_of_writing(sp_model, monkeypatch):
+    """Streaming: the reader runs at most a fixed number of chunks ahead, whatever the input size."""
+    from llmtrain.data.preprocess import _ordered_results, _text_chunks
+
+    monkeypatch.setattr("llmtrain.data.preprocess.CHUNK_RECORDS", 10)
+    pulled = 0
+
+    def counting():
+        nonlocal pulled
+        for i in range(1000):
+            pulled += 1
+            yield f"document number {i}"
+
+    chunks = _text_chunks(counting(), "gen")
+    results = _ordered_results(chunks, 2, (sp_model, ["text"], True, False))
+    next(results)
+    assert pulled <= 10 * (2 * 2 + 2 + 1)  # the look-ahead bound; a greedy feeder would read all 1000
+    results.close()

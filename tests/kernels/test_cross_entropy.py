@@ -48,41 +48,38 @@ def test_cross_entropy_ignored_rows_get_zero_grad():
     torch.testing.assert_close(loss, F.cross_entropy(logits, target), atol=1e-6, rtol=1e-6)
 
 
-def _vocab_parallel_worker(rank: int, world: int, init_file: str, vocab: int):
+def _vocab_parallel_worker(rank: int, world: int, init_file: str):
     os.environ["TRITON_INTERPRET"] = "1"
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        gen = torch.Generator().manual_seed(123)  # every rank draws the same full logits and targets
-        full = 3 * torch.randn(2, 5, vocab, generator=gen, dtype=torch.float64)
-        target = _targets((2, 5), vocab, gen, ignore_every=3)
-        shard = vocab // world
-        cols = slice(rank * shard, (rank + 1) * shard)
-        for dtype in DTYPES:
-            full64 = full.to(dtype).double().requires_grad_()  # the reference sees the same rounded logits
-            exp_loss = _ce64(full64, target)
-            (exp_grad,) = torch.autograd.grad(exp_loss, [full64])
-            for impl in ("torch", "triton"):
-                local = full[..., cols].to(dtype).requires_grad_()
-                loss = kernels.cross_entropy(local, target, tp_group=dist.group.WORLD, impl=impl)
-                (grad,) = torch.autograd.grad(loss, [local])
-                assert_close(loss, exp_loss, torch.float32, what=f"{impl} {dtype} loss rank {rank}")
-                assert_close(grad, exp_grad[..., cols], dtype, what=f"{impl} {dtype} grad rank {rank}")
+        # One 4-process job checks tp=4 (the whole world) and tp=2 (two groups {0,1}, {2,3}).
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        for tp, group in ((4, dist.group.WORLD), (2, pairs[rank // 2])):
+            vocab = 24 * tp  # each rank's shard is 24 wide
+            gen = torch.Generator().manual_seed(100 + tp)  # the ranks of a group draw identical data
+            full = 3 * torch.randn(2, 5, vocab, generator=gen, dtype=torch.float64)
+            target = _targets((2, 5), vocab, gen, ignore_every=3)
+            shard = vocab // tp
+            group_rank = dist.get_rank(group)
+            cols = slice(group_rank * shard, (group_rank + 1) * shard)
+            for dtype in DTYPES:
+                full64 = full.to(dtype).double().requires_grad_()  # the reference sees the same rounded logits
+                exp_loss = _ce64(full64, target)
+                (exp_grad,) = torch.autograd.grad(exp_loss, [full64])
+                for impl in ("torch", "triton"):
+                    local = full[..., cols].to(dtype).requires_grad_()
+                    loss = kernels.cross_entropy(local, target, tp_group=group, impl=impl)
+                    (grad,) = torch.autograd.grad(loss, [local])
+                    what = f"tp={tp} {impl} {dtype} rank {rank}"
+                    assert_close(loss, exp_loss, torch.float32, what=f"loss {what}")
+                    assert_close(grad, exp_grad[..., cols], dtype, what=f"grad {what}")
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 4])
-def test_vocab_parallel_cross_entropy_gloo(world, tmp_path):
-    # fork, not spawn: re-importing torch in every child costs ~10 s on a shared 2-core machine; the parent
-    # has no process group or CUDA state, so forked children start clean.
-    mp.start_processes(
-        _vocab_parallel_worker,
-        args=(world, str(tmp_path / "store"), 24 * world),
-        nprocs=world,
-        join=True,
-        start_method="fork",
-    )
+def test_vocab_parallel_cross_entropy_gloo_tp2_tp4(tmp_path):
+    mp.spawn(_vocab_parallel_worker, args=(4, str(tmp_path / "store")), nprocs=4, join=True)
 
 
 @pytest.mark.parametrize("impl", ["triton", "torch"])

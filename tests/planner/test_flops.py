@@ -12,18 +12,28 @@ from llmtrain.planner.flops import (
 
 
 def gpt(layers=24, hidden=2304, heads=24, vocab=51200, seq=2048):
-    return ModelConfig(arch="gpt", num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
-                       vocab_size=vocab, seq_length=seq)  # fmt: skip
+    return ModelConfig(
+        arch="gpt",
+        num_layers=layers,
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        vocab_size=vocab,
+        seq_length=seq,
+    )
 
 
 @pytest.mark.parametrize("layers,hidden,heads", [(24, 2304, 24), (128, 25600, 160), (4, 256, 4)])
 def test_full_recompute_matches_megatron_formula(layers, hidden, heads):
     # Narayanan et al. 2021, eq. 3: 96*B*s*l*h^2*(1 + s/(6h) + V/(16lh)), 4 passes of the layers.
     m, batch = gpt(layers, hidden, heads), 8
-    expected = 96 * batch * 2048 * layers * hidden**2 * (1 + 2048 / (6 * hidden) + 51200 / (16 * layers * hidden))
+    expected = (
+        96 * batch * 2048 * layers * hidden**2 * (1 + 2048 / (6 * hidden) + 51200 / (16 * layers * hidden))
+    )
     got = training_flops_per_token(m, recompute="full") * batch * 2048
     assert got == pytest.approx(expected, rel=1e-12)
-    assert megatron_flops_per_iteration(batch, 2048, layers, hidden, 51200) == pytest.approx(expected, rel=1e-12)
+    assert megatron_flops_per_iteration(batch, 2048, layers, hidden, 51200) == pytest.approx(
+        expected, rel=1e-12
+    )
 
 
 def test_model_flops_are_three_passes():
@@ -38,9 +48,17 @@ def test_model_flops_are_three_passes():
 
 
 def test_gated_mlp_and_gqa_flops():
-    # LLaMA-style: q/o projections h*h, k/v h*(kv*d), SwiGLU 3 matrices of h x ffn; 6 FLOPs per weight + attention.
-    m = ModelConfig(arch="llama", num_layers=2, hidden_size=512, num_attention_heads=8, num_kv_heads=2,
-                    ffn_hidden_size=1408, vocab_size=1000, seq_length=128)  # fmt: skip
+    # LLaMA-style: q/o h*h, k/v h*(kv*d), SwiGLU 3 matrices of h x ffn; 6 FLOPs per weight + attention.
+    m = ModelConfig(
+        arch="llama",
+        num_layers=2,
+        hidden_size=512,
+        num_attention_heads=8,
+        num_kv_heads=2,
+        ffn_hidden_size=1408,
+        vocab_size=1000,
+        seq_length=128,
+    )
     weights_per_layer = 512 * 512 * 2 + 2 * 512 * 128 + 3 * 512 * 1408
     expected = 3 * (2 * (2 * weights_per_layer + 4 * 128 * 512) + 2 * 512 * 1000)
     assert model_flops_per_token(m) == pytest.approx(expected)
@@ -50,16 +68,46 @@ def test_gated_mlp_and_gqa_flops():
     "cfg,published",
     [
         # GPT-2 small (tied, learned positions, biases, LayerNorm): 124,439,808 parameters.
-        (dict(arch="gpt", num_layers=12, hidden_size=768, num_attention_heads=12, vocab_size=50257,
-              seq_length=1024), 124_439_808),
+        (
+            dict(
+                arch="gpt",
+                num_layers=12,
+                hidden_size=768,
+                num_attention_heads=12,
+                vocab_size=50257,
+                seq_length=1024,
+            ),
+            124_439_808,
+        ),
         # LLaMA-2 7B: 6,738,415,616 parameters.
-        (dict(arch="llama", num_layers=32, hidden_size=4096, num_attention_heads=32, ffn_hidden_size=11008,
-              vocab_size=32000, seq_length=4096), 6_738_415_616),
+        (
+            dict(
+                arch="llama",
+                num_layers=32,
+                hidden_size=4096,
+                num_attention_heads=32,
+                ffn_hidden_size=11008,
+                vocab_size=32000,
+                seq_length=4096,
+            ),
+            6_738_415_616,
+        ),
         # Llama-3 8B (GQA with 8 kv heads): 8,030,261,248 parameters.
-        (dict(arch="llama", num_layers=32, hidden_size=4096, num_attention_heads=32, num_kv_heads=8,
-              ffn_hidden_size=14336, vocab_size=128256, seq_length=8192), 8_030_261_248),
+        (
+            dict(
+                arch="llama",
+                num_layers=32,
+                hidden_size=4096,
+                num_attention_heads=32,
+                num_kv_heads=8,
+                ffn_hidden_size=14336,
+                vocab_size=128256,
+                seq_length=8192,
+            ),
+            8_030_261_248,
+        ),
     ],
-)  # fmt: skip
+)
 def test_parameter_counts_match_published_models(cfg, published):
     assert num_parameters(ModelConfig(**cfg)) == published
 
@@ -68,8 +116,15 @@ def test_parameter_counts_match_published_models(cfg, published):
 def test_parameter_count_matches_built_model(arch):
     torch = pytest.importorskip("torch")
     models = pytest.importorskip("llmtrain.models")
-    cfg = ModelConfig(arch=arch, num_layers=2, hidden_size=64, num_attention_heads=4, num_kv_heads=2,
-                      vocab_size=300, seq_length=16)  # fmt: skip
+    cfg = ModelConfig(
+        arch=arch,
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        vocab_size=300,
+        seq_length=16,
+    )
     with torch.device("meta"):
         model = models.build(cfg)
     assert num_parameters(cfg) == sum(p.numel() for p in model.parameters())

@@ -1,4 +1,4 @@
-"""Memory per rank against hand-computed cases: bytes per parameter and Korthikanti et al. 2022 activations."""
+"""Memory per rank against hand-computed cases: bytes per parameter, Korthikanti et al. 2022 activations."""
 
 import pytest
 
@@ -6,8 +6,16 @@ from llmtrain.config.schema import ModelConfig
 from llmtrain.planner.cluster import load_cluster
 from llmtrain.planner.cost_model import CostModel, Layout, Software, Workload
 
-GPT = ModelConfig(arch="gpt", num_layers=8, hidden_size=1024, num_attention_heads=16, vocab_size=51200,
-                  seq_length=2048, hidden_dropout=0.1, attention_dropout=0.1)  # fmt: skip
+GPT = ModelConfig(
+    arch="gpt",
+    num_layers=8,
+    hidden_size=1024,
+    num_attention_heads=16,
+    vocab_size=51200,
+    seq_length=2048,
+    hidden_dropout=0.1,
+    attention_dropout=0.1,
+)
 
 
 def model(precision="bf16", software=None, gpus=8, batch=64):
@@ -36,7 +44,9 @@ def test_distributed_optimizer_is_six_plus_twelve_over_d(dp):
 
 def test_fp32_training_is_sixteen_bytes():
     cm = model("fp32")
-    assert state_bytes(cm.memory(Layout(tp=1, pp=1, dp=8, micro_batch=1), 1, 8)) == pytest.approx(16 * cm.params.total)
+    assert state_bytes(cm.memory(Layout(tp=1, pp=1, dp=8, micro_batch=1), 1, 8)) == pytest.approx(
+        16 * cm.params.total
+    )
 
 
 @pytest.mark.parametrize("tp", [1, 2, 8])
@@ -61,14 +71,29 @@ def test_flash_attention_drops_the_score_matrix():
 
 
 def test_activations_scale_with_inflight_microbatches_and_oversize_layouts_are_marked():
-    cm = model(gpus=8, batch=64)
+    small_vocab = ModelConfig(
+        arch="gpt", num_layers=8, hidden_size=1024, num_attention_heads=16, vocab_size=1024, seq_length=2048
+    )
+    cm = CostModel(Workload(small_vocab, 64, "bf16"), load_cluster("a100-80gb").view(8))
     fits = cm.evaluate(Layout(tp=1, pp=8, dp=1, micro_batch=1, schedule="1f1b", recompute="full"))
     gpipe = cm.evaluate(Layout(tp=1, pp=8, dp=1, micro_batch=1, schedule="gpipe", recompute="full"))
     # gpipe keeps all 64 micro-batches, 1f1b pp=8 of them on the first rank.
     ratio = (gpipe.memory["activations"]) / (fits.memory["activations"])
     assert ratio == pytest.approx(64 / 8, rel=0.01)
-    big = CostModel(Workload(ModelConfig(arch="gpt", num_layers=96, hidden_size=12288, num_attention_heads=96,
-                                         vocab_size=51200, seq_length=2048), 64, "bf16"),
-                    load_cluster("a100-80gb").view(8))  # fmt: skip
+    big = CostModel(
+        Workload(
+            ModelConfig(
+                arch="gpt",
+                num_layers=96,
+                hidden_size=12288,
+                num_attention_heads=96,
+                vocab_size=51200,
+                seq_length=2048,
+            ),
+            64,
+            "bf16",
+        ),
+        load_cluster("a100-80gb").view(8),
+    )
     est = big.evaluate(Layout(tp=8, pp=1, dp=1, micro_batch=1, recompute="full"))
     assert not est.fits and "GiB" in est.why and "optimizer" in est.why

@@ -6,7 +6,11 @@ from llmtrain.pipeline.schedules import build_schedule
 from llmtrain.pipeline.simulator import simulate
 from llmtrain.planner.pipeline_time import closed_form, peak_inflight_closed, pipeline_time
 
-COSTS = [(1.0, 2.0, 0.8, 0.0), (1.0, 2.0, 1.0, 0.05), (0.7, 1.9, 1.0, 0.14)]
+COSTS = [
+    (1.0, 2.0, 0.8, 0.0),
+    (1.0, 2.0, 1.0, 0.05),
+    (0.7, 1.9, 0.9, 0.14),
+]  # W <= I, as the cost model produces
 
 
 def shapes():
@@ -26,7 +30,9 @@ def test_closed_forms_equal_the_simulator_for_uniform_costs(name, p, m, v):
     sched = build_schedule(name, p, m, v)
     for f, b, w, c in COSTS:
         sim = simulate(sched, f, b, w, c)
-        assert closed_form(name, p, m, v, [f] * p, [b] * p, [w] * p, c) == pytest.approx(sim.step_time, rel=1e-9)
+        assert closed_form(name, p, m, v, [f] * p, [b] * p, [w] * p, c) == pytest.approx(
+            sim.step_time, rel=1e-9
+        )
         assert peak_inflight_closed(name, p, m, v) == sim.peak_inflight[0]
 
 
@@ -42,7 +48,9 @@ def test_uneven_stages_stay_close_to_the_simulator():
 def test_small_shapes_are_replayed_by_the_simulator():
     res = pipeline_time("zb_h1", 4, 2, 1, [1.0] * 4, [2.0] * 4, [0.8] * 4, 0.0)
     sim = simulate(build_schedule("zb_h1", 4, 2), 1.0, 2.0, 0.8, 0.0)
-    assert res.simulated and res.step_time == pytest.approx(sim.step_time)
+    assert res.simulated and res.step_time == pytest.approx(
+        sim.step_time, rel=0.01
+    )  # costs rounded to share replays
     exact = pipeline_time("1f1b", 4, 8, 1, [1.0, 1.1, 1.0, 1.2], [2.0] * 4, None, 0.1, use_simulator=True)
     assert exact.simulated
     assert exact.bubble_fraction == pytest.approx(1 - exact.busy / exact.step_time)

@@ -10,13 +10,21 @@ from llmtrain.config import load
 from llmtrain.models import build
 from llmtrain.parallel import Topology, grad_sync
 from llmtrain.training import TrainingDiverged
+from llmtrain.training.profiling import StepTimer
 from llmtrain.training.run import build_trainer, run
 from llmtrain.training.trainer import LocalStepRunner
 
 TINY = [
-    "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4", "model.num_kv_heads=2",
-    "model.ffn_hidden_size=128", "model.seq_length=32", "train.global_batch_size=8", "train.micro_batch_size=4",
-    "train.warmup_steps=2", "train.eval_batches=1",
+    "model.num_layers=2",
+    "model.hidden_size=64",
+    "model.num_attention_heads=4",
+    "model.num_kv_heads=2",
+    "model.ffn_hidden_size=128",
+    "model.seq_length=32",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=4",
+    "train.warmup_steps=2",
+    "train.eval_batches=1",
 ]
 
 
@@ -43,7 +51,8 @@ def test_gradient_accumulation_equals_one_big_batch():
     model(batch[:, :-1], labels=batch[:, 1:]).backward()
     reference = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
-    loss = LocalStepRunner(model, _AutogradOptimizer(), micro_batch_size=2, grad_sync=grad_sync).train_step(batch)
+    runner = LocalStepRunner(model, _AutogradOptimizer(), micro_batch_size=2, grad_sync=grad_sync)
+    loss = runner.train_step(batch, StepTimer(enabled=False))
     assert math.isfinite(float(loss))
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, reference[name], rtol=1e-5, atol=1e-6, msg=name)
@@ -70,9 +79,9 @@ class _NaNAt:
     def __init__(self, runner, bad_calls):
         self.runner, self.bad_calls, self.calls = runner, set(bad_calls), 0
 
-    def train_step(self, batch):
+    def train_step(self, batch, timer):
         self.calls += 1
-        loss = self.runner.train_step(batch)
+        loss = self.runner.train_step(batch, timer)
         return loss * float("nan") if self.calls in self.bad_calls else loss
 
     def eval_step(self, batch):
@@ -81,8 +90,9 @@ class _NaNAt:
 
 @pytest.mark.slow
 def test_nan_step_is_skipped_and_counted(tmp_path):
-    trainer = build_trainer(tiny_job(tmp_path, "train.steps=5", "logging.interval=1", "train.eval_interval=0"),
-                            Topology.single())
+    trainer = build_trainer(
+        tiny_job(tmp_path, "train.steps=5", "logging.interval=1", "train.eval_interval=0"), Topology.single()
+    )
     trainer.runner = _NaNAt(trainer.runner, bad_calls={3})
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     result = trainer.fit()
@@ -105,7 +115,12 @@ def test_too_many_bad_steps_stop_the_run(tmp_path):
 
 @pytest.mark.slow
 def test_resume_is_bitwise_exact(tmp_path):
-    common = ["logging.interval=1", "train.eval_interval=0", "checkpoint.interval=3", "model.hidden_dropout=0.1"]
+    common = [
+        "logging.interval=1",
+        "train.eval_interval=0",
+        "checkpoint.interval=3",
+        "model.hidden_dropout=0.1",
+    ]
     run(tiny_job(tmp_path / "straight", "train.steps=6", *common))
     run(tiny_job(tmp_path / "stopped", "train.steps=3", *common))
     trainer = build_trainer(tiny_job(tmp_path / "stopped", "train.steps=6", *common), Topology.single())

@@ -1,0 +1,316 @@
+"""Benchmark llmtrain's Triton kernels against PyTorch eager, torch.compile, Liger-Kernel and SDPA.
+
+On a CUDA GPU: forward+backward time, achieved GB/s (memory-bound kernels) or TFLOP/s (attention, fused
+linear CE) and peak memory at LLaMA-3-8B shapes, printed with ratios against our Triton kernel.
+Without a GPU it says so and exits 0.
+
+  python benchmarks/bench_kernels.py                 # GPU benchmark
+  python benchmarks/bench_kernels.py --cpu-memory    # peak host memory: fused linear CE vs logits + CE (CPU)
+  TRITON_INTERPRET=1 python benchmarks/bench_kernels.py --smoke   # tiny CPU run exercising every case
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import kernels  # noqa: E402
+from kernels import reference  # noqa: E402
+
+# LLaMA-3-8B: hidden 4096, 32 q heads / 8 kv heads of 128, ffn 14336, vocab 128256; one 8192-token sequence.
+LLAMA3_8B = dict(tokens=8192, hidden=4096, heads=32, kv_heads=8, head_dim=128, ffn=14336, vocab=128256)
+SMOKE = dict(tokens=48, hidden=64, heads=4, kv_heads=2, head_dim=16, ffn=96, vocab=500)
+
+
+@dataclasses.dataclass
+class Case:
+    """One kernel at one shape: inputs factory, implementations, and its work for GB/s or TFLOP/s."""
+
+    name: str
+    make_inputs: Callable[[], list[torch.Tensor]]
+    impls: dict[str, Callable[..., torch.Tensor]]
+    bytes_moved: float = 0.0  # forward + backward HBM traffic (read + write), for GB/s
+    flops: float = 0.0  # forward + backward FLOPs, for TFLOP/s
+
+
+def _liger() -> object | None:
+    if importlib.util.find_spec("liger_kernel") is None:
+        return None
+    import liger_kernel.transformers.functional as liger_functional
+
+    return liger_functional
+
+
+def _compiled(fn: Callable) -> Callable:
+    return torch.compile(fn, dynamic=False)
+
+
+def build_cases(shape: dict, device: str, dtype: torch.dtype, compile_ok: bool) -> list[Case]:
+    """The benchmark cases; each implementation maps the same inputs to one output tensor."""
+    t, h, nh, nkv, d, ffn, vocab = (shape[k] for k in ("tokens", "hidden", "heads", "kv_heads", "head_dim", "ffn",
+                                                        "vocab"))
+    el = torch.finfo(dtype).bits // 8
+    liger = _liger()
+
+    def rand(*size, scale=1.0, grad=True):
+        return (scale * torch.randn(*size, device=device, dtype=dtype)).requires_grad_(grad)
+
+    def with_compile(impls: dict, eager: Callable) -> dict:
+        if compile_ok:
+            impls["torch.compile"] = _compiled(eager)
+        return impls
+
+    cases = []
+    rms_eager = lambda x, w: reference.rms_norm(x, w, 1e-6)
+    impls = {"triton": lambda x, w: kernels.rms_norm(x, w, 1e-6, "triton"), "eager": rms_eager}
+    if liger is not None:
+        impls["liger"] = lambda x, w: liger.liger_rms_norm(x, w, 1e-6)
+    cases.append(Case("rms_norm", lambda: [rand(1, t, h), rand(h)], with_compile(impls, rms_eager),
+                      bytes_moved=el * t * h * 5))  # fwd: x, y; bwd: x, dy, dx
+
+    ln_eager = lambda x, w, b: reference.layer_norm(x, w, b, 1e-5)
+    impls = {"triton": lambda x, w, b: kernels.layer_norm(x, w, b, 1e-5, "triton"), "eager": ln_eager}
+    if liger is not None:
+        impls["liger"] = lambda x, w, b: liger.liger_layer_norm(x, w, b, 1e-5)
+    cases.append(Case("layer_norm", lambda: [rand(1, t, h), rand(h), rand(h)], with_compile(impls, ln_eager),
+                      bytes_moved=el * t * h * 5))
+
+    def rope_tables():
+        angles = torch.outer(torch.arange(t, device=device, dtype=torch.float32),
+                             1e4 ** (-torch.arange(0, d, 2, device=device, dtype=torch.float32) / d))
+        emb = torch.cat((angles, angles), -1)
+        return emb.cos(), emb.sin()
+
+    cos, sin = rope_tables()
+    rope_eager = lambda x: reference.apply_rotary(x, cos, sin, False)
+    impls = {"triton": lambda x: kernels.apply_rotary(x, cos, sin, False, "triton"), "eager": rope_eager}
+    cases.append(Case("rotary (q)", lambda: [rand(1, t, nh, d)], with_compile(impls, rope_eager),
+                      bytes_moved=el * t * nh * d * 4))
+
+    impls = {"triton": lambda g, u: kernels.swiglu(g, u, "triton"), "eager": reference.swiglu}
+    if liger is not None:
+        impls["liger"] = lambda g, u: liger.liger_swiglu(g, u)
+    cases.append(Case("swiglu", lambda: [rand(1, t, ffn), rand(1, t, ffn)], with_compile(impls, reference.swiglu),
+                      bytes_moved=el * t * ffn * 7))  # fwd: g, u, out; bwd: g, u, dout, dg, du
+
+    def attn_math(q, k, v):
+        # Eager attention as a model would write it without fused kernels: scores, mask, softmax, matmul.
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], 1)
+        s = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+        mask = torch.ones(s.shape[-2:], device=s.device, dtype=torch.bool).triu(1)
+        return torch.softmax(s.masked_fill(mask, float("-inf")).float(), -1).to(q.dtype) @ v
+
+    attn_t = min(t, 4096)  # eager attention materialises (heads, t, t) scores: keep it within memory
+    impls = {
+        "triton": lambda q, k, v: kernels.flash_attention(q, k, v, True, impl="triton"),
+        "sdpa": lambda q, k, v: reference.flash_attention(q, k, v, True),
+        "eager": attn_math,
+    }
+    # Causal attention: 2 matmuls forward, 5 backward (recompute S, dV, dP, dQ, dK), half the square each.
+    cases.append(Case("flash_attention", lambda: [rand(1, nh, attn_t, d), rand(1, nkv, attn_t, d),
+                                                  rand(1, nkv, attn_t, d)], with_compile(impls, attn_math),
+                      flops=7 * 2 * nh * attn_t * attn_t * d / 2))
+
+    ce_eager = lambda x, y: reference.cross_entropy(x, y)
+    target = torch.randint(0, vocab, (t,), device=device)
+    impls = {"triton": lambda x: kernels.cross_entropy(x, target, impl="triton"), "eager": lambda x: ce_eager(x, target)}
+    if liger is not None:
+        from liger_kernel.transformers import LigerCrossEntropyLoss
+
+        liger_ce = LigerCrossEntropyLoss()
+        impls["liger"] = lambda x: liger_ce(x, target)
+    if compile_ok:
+        compiled_ce = _compiled(ce_eager)
+        impls["torch.compile"] = lambda x: compiled_ce(x, target)
+    cases.append(Case("cross_entropy", lambda: [rand(t, vocab)], impls, bytes_moved=el * t * vocab * 3))
+
+    flce_eager = lambda x, w: reference.fused_linear_cross_entropy(x, w, target)
+    impls = {
+        "triton": lambda x, w: kernels.fused_linear_cross_entropy(x, w, target, impl="triton"),
+        "eager": flce_eager,
+    }
+    if liger is not None:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+        liger_flce = LigerFusedLinearCrossEntropyLoss()
+        impls["liger"] = lambda x, w: liger_flce(w, x, target)
+    if compile_ok:
+        impls["torch.compile"] = _compiled(flce_eager)
+    cases.append(Case("fused_linear_ce", lambda: [rand(t, h), rand(vocab, h, scale=0.02)], impls,
+                      flops=3 * 2 * t * h * vocab))
+    return cases
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure(fn: Callable, inputs: list[torch.Tensor], device: str, reps: int) -> tuple[float, float]:
+    """Median forward+backward seconds and peak extra memory (bytes, CUDA only) of fn on inputs."""
+    leaves = [x for x in inputs if x.requires_grad]
+
+    def step():
+        out = fn(*inputs)
+        grad = torch.ones_like(out) if out.dim() else None
+        torch.autograd.backward(out, grad)
+        for x in leaves:
+            x.grad = None
+
+    for _ in range(2):  # warm up: compilation, autotuning, allocator
+        step()
+    _sync(device)
+    peak = float("nan")
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        step()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+    times = []
+    for _ in range(reps):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times), peak
+
+
+def run_benchmarks(shape: dict, device: str, dtype: torch.dtype, reps: int, compile_ok: bool) -> None:
+    """Print one table per kernel: time, throughput, peak memory, and time/memory ratios vs Triton."""
+    for case in build_cases(shape, device, dtype, compile_ok):
+        print(f"\n== {case.name} ==")
+        print(f"{'impl':<15}{'fwd+bwd ms':>12}{'throughput':>16}{'peak MiB':>11}{'time/triton':>13}{'mem/triton':>12}")
+        results = {}
+        for impl, fn in case.impls.items():
+            try:
+                results[impl] = measure(fn, case.make_inputs(), device, reps)
+            except Exception as exc:  # one failing baseline (e.g. out of memory) must not hide the others
+                print(f"{impl:<15} failed: {type(exc).__name__}: {str(exc)[:80]}")
+            if device == "cuda":
+                torch.cuda.empty_cache()
+        ref_t, ref_m = results.get("triton", (float("nan"), float("nan")))
+        for impl, (sec, peak) in results.items():
+            if case.flops:
+                thr = f"{case.flops / sec / 1e12:.1f} TFLOP/s"
+            else:
+                thr = f"{case.bytes_moved / sec / 1e9:.0f} GB/s"
+            print(f"{impl:<15}{sec * 1e3:>12.3f}{thr:>16}{peak / 2**20:>11.1f}{sec / ref_t:>13.2f}"
+                  f"{peak / ref_m if ref_m else float('nan'):>12.2f}")
+
+
+def _rss_peak_child(mode: str, tokens: int, hidden: int, vocab: int, dtype: str) -> None:
+    """Child process: peak resident memory above the inputs while one loss forward+backward runs."""
+    torch.set_num_threads(1)
+    dt = getattr(torch, dtype)
+    h = torch.randn(tokens, hidden, dtype=dt).requires_grad_()
+    w = (0.02 * torch.randn(vocab, hidden, dtype=dt)).requires_grad_()
+    target = torch.randint(0, vocab, (tokens,))
+    # Warm up on a tiny problem so one-off allocations (thread pools, kernels) are not counted.
+    small = kernels.fused_linear_cross_entropy(h[:4], w[:64], target[:4] % 64, impl="torch")
+    small.backward()
+    h.grad = w.grad = None
+    base = _rss_now()
+    _reset_peak()
+    if mode == "fused":
+        loss = kernels.fused_linear_cross_entropy(h, w, target, impl="torch")
+    else:
+        loss = reference.fused_linear_cross_entropy(h, w, target)
+    loss.backward()
+    print(json.dumps({"mode": mode, "peak_bytes": _peak() - base}))
+
+
+def _rss_now() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _reset_peak() -> None:
+    # Linux: writing 5 to clear_refs resets the peak resident set size (VmHWM).
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _peak() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def cpu_memory_comparison(tokens: int, hidden: int, vocab: int, dtype: str = "float32") -> dict[str, float]:
+    """Peak host memory of logits + cross-entropy vs the chunked fused linear CE, each in a fresh process."""
+    peaks = {}
+    for mode in ("logits+ce", "fused"):
+        out = subprocess.run(
+            [sys.executable, __file__, "--_rss-child", mode, str(tokens), str(hidden), str(vocab), dtype],
+            check=True, capture_output=True, text=True,
+        )
+        peaks[mode] = json.loads(out.stdout.strip().splitlines()[-1])["peak_bytes"]
+    peaks["ratio"] = peaks["logits+ce"] / peaks["fused"]
+    return peaks
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point; returns the exit status."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
+    parser.add_argument("--cpu-memory", action="store_true", help="fused linear CE peak-memory comparison on CPU")
+    parser.add_argument("--tokens", type=int, default=512)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--vocab", type=int, default=131072)
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (TRITON_INTERPRET=1)")
+    parser.add_argument("--_rss-child", nargs=5, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args._rss_child:
+        mode, tokens, hidden, vocab, dtype = args._rss_child
+        _rss_peak_child(mode, int(tokens), int(hidden), int(vocab), dtype)
+        return 0
+    if args.cpu_memory:
+        r = cpu_memory_comparison(args.tokens, args.hidden, args.vocab)
+        print(f"fused linear CE, tokens={args.tokens} hidden={args.hidden} vocab={args.vocab} fp32, CPU peak RSS:")
+        print(f"  logits + CE: {r['logits+ce'] / 2**20:.1f} MiB   fused: {r['fused'] / 2**20:.1f} MiB   "
+              f"ratio: {r['ratio']:.1f}x")
+        return 0
+    if args.smoke:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            print("--smoke runs the Triton kernels on CPU: set TRITON_INTERPRET=1")
+            return 2
+        run_benchmarks(SMOKE, "cpu", torch.float32, reps=1, compile_ok=False)
+        return 0
+    if not torch.cuda.is_available():
+        print("bench_kernels.py needs a CUDA GPU to benchmark the Triton kernels; none found, nothing to do.")
+        return 0
+    run_benchmarks(LLAMA3_8B, "cuda", getattr(torch, args.dtype), args.reps, not args.no_compile)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,170 @@
+"""Search: pruning with reasons, coordinate descent against exhaustive enumeration, speed, parallel.auto."""
+
+import time
+
+import pytest
+
+from llmtrain.config import ConfigError, load, validate_world
+from llmtrain.config.schema import JobConfig, ModelConfig, TrainConfig
+from llmtrain.planner import Software, Workload, load_cluster, parse_fixed, plan, plan_for_world
+from llmtrain.planner.cost_model import CostModel, Layout
+from llmtrain.planner.report import format_table, to_records, write_config
+from llmtrain.planner.search import build_space
+
+A100 = load_cluster("a100-80gb")
+
+
+def gpt(layers, hidden, heads, seq=2048, vocab=51200):
+    return ModelConfig(
+        arch="gpt",
+        num_layers=layers,
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        vocab_size=vocab,
+        seq_length=seq,
+    )
+
+
+SMALL_SPACES = [
+    (gpt(8, 1024, 16, 1024), 64, 8, None),
+    (gpt(24, 2048, 16), 256, 16, None),
+    (
+        ModelConfig(
+            arch="llama",
+            num_layers=16,
+            hidden_size=2048,
+            num_attention_heads=16,
+            num_kv_heads=4,
+            vocab_size=32000,
+            seq_length=2048,
+        ),
+        128,
+        16,
+        Software.megatron_2021(),
+    ),
+    (gpt(32, 4096, 32), 128, 32, None),
+]
+
+
+@pytest.mark.parametrize("model,batch,gpus,software", SMALL_SPACES)
+def test_coordinate_descent_finds_the_exhaustive_optimum(model, batch, gpus, software):
+    work = Workload(model, batch, "bf16")
+    exhaustive = plan(work, A100, gpus, software=software, method="exhaustive", simulate_top=False)
+    descent = plan(work, A100, gpus, software=software, method="coordinate", simulate_top=False)
+    best = min((e for e in exhaustive.ranked if e.fits), key=lambda e: e.step_time)
+    assert exhaustive.best is best
+    assert descent.best.step_time == pytest.approx(best.step_time, rel=1e-12)
+    assert descent.evaluated < exhaustive.evaluated
+
+
+def test_pruning_gives_reasons():
+    model = gpt(4, 768, 12, 1024, vocab=50304)
+    space = build_space(CostModel(Workload(model, 48, "bf16"), A100.view(16)))
+    reasons = " | ".join(space.pruned)
+    assert "tp=16 does not divide num_attention_heads=12" in reasons
+    assert all(tp <= 8 for tp, _ in space.tp_pp)  # tp stays inside a node of 8
+    assert "pp=16 exceeds num_layers=4" in reasons
+    cm = CostModel(Workload(model, 48, "bf16"), A100.view(16))
+    assert "multiple of micro_batch*dp" in cm.invalid_reason(Layout(tp=1, pp=1, dp=16, micro_batch=2))
+    assert "ZeRO needs dp > 1" in CostModel(Workload(model, 48, "bf16"), A100.view(8)).invalid_reason(
+        Layout(tp=4, pp=2, dp=1, micro_batch=1, zero_stage=1)
+    )
+
+
+def test_fixed_settings_are_respected():
+    fixed = parse_fixed("parallel.tp=4 parallel.pp=2 model.recompute=full parallel.schedule=1f1b")
+    assert fixed == {"tp": 4, "pp": 2, "recompute": "full", "schedule": "1f1b"}
+    result = plan(Workload(gpt(24, 2048, 16), 256, "bf16"), A100, 32, fixed)
+    assert all(
+        (e.layout.tp, e.layout.pp, e.layout.recompute, e.layout.schedule) == (4, 2, "full", "1f1b")
+        for e in result.ranked
+    )
+    with pytest.raises(ConfigError, match="not a planner setting"):
+        parse_fixed("train.lr=0.1")
+
+
+def test_trillion_parameters_on_3072_gpus_plans_in_under_a_second():
+    model = gpt(128, 25600, 160)
+    start = time.perf_counter()
+    result = plan(Workload(model, 3072, "bf16"), A100, 3072, top=10)
+    elapsed = time.perf_counter() - start
+    assert elapsed < 1.0
+    assert result.best.fits and result.method == "coordinate-descent"
+    assert 0.3 < result.best.mfu < 0.75
+
+
+def test_table_json_and_written_config(tmp_path):
+    job = JobConfig(model=gpt(8, 1024, 16, 1024), train=TrainConfig(global_batch_size=64, precision="bf16"))
+    result = plan(Workload.from_job(job), A100, 16, top=3)
+    table = format_table(result, 3)
+    assert "TFLOP/s" in table and table.count("\n") >= 4
+    record = to_records(result, 3)[0]
+    for key in (
+        "tp",
+        "pp",
+        "dp",
+        "virtual_stages",
+        "micro_batch",
+        "recompute",
+        "sequence_parallel",
+        "zero_stage",
+        "step_time_s",
+        "tflops_per_gpu",
+        "mfu",
+        "memory_gb",
+        "fits",
+    ):
+        assert key in record
+    path = tmp_path / "best.yaml"
+    write_config(job, result.best, path)
+    loaded = load(path)
+    assert validate_world(loaded, 16) == result.best.layout.dp
+    assert loaded.train.micro_batch_size == result.best.layout.micro_batch
+
+
+def test_plan_for_world_returns_loadable_overrides():
+    job = load(
+        None,
+        [
+            "model.arch=llama",
+            "model.num_layers=4",
+            "model.hidden_size=256",
+            "model.num_attention_heads=4",
+            "train.global_batch_size=16",
+            "train.micro_batch_size=1",
+            "parallel.auto=true",
+        ],
+    )
+    for world in (4, 8):
+        overrides, why = plan_for_world(job, world, A100)
+        again = load(
+            None,
+            [
+                *(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in overrides.items()),
+                "model.arch=llama",
+                "model.num_layers=4",
+                "model.hidden_size=256",
+                "model.num_attention_heads=4",
+                "train.global_batch_size=16",
+            ],
+        )
+        assert validate_world(again, world) == overrides["parallel.dp"]
+        assert "parallel.auto chose" in why and "s/step" in why
+
+
+def test_nothing_fits_is_explained():
+    job = load(
+        None,
+        [
+            "model.arch=gpt",
+            "model.num_layers=96",
+            "model.hidden_size=12288",
+            "model.num_attention_heads=96",
+            "model.seq_length=2048",
+            "model.vocab_size=51200",
+            "train.global_batch_size=8",
+            "train.micro_batch_size=1",
+        ],
+    )
+    with pytest.raises(ConfigError, match="fits"):
+        plan_for_world(job, 8, A100)
