@@ -25,7 +25,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -62,8 +61,9 @@ def _compiled(fn: Callable) -> Callable:
 
 def build_cases(shape: dict, device: str, dtype: torch.dtype, compile_ok: bool) -> list[Case]:
     """The benchmark cases; each implementation maps the same inputs to one output tensor."""
-    t, h, nh, nkv, d, ffn, vocab = (shape[k] for k in ("tokens", "hidden", "heads", "kv_heads", "head_dim", "ffn",
-                                                        "vocab"))
+    t, h, nh, nkv, d, ffn, vocab = (
+        shape[k] for k in ("tokens", "hidden", "heads", "kv_heads", "head_dim", "ffn", "vocab")
+    )
     el = torch.finfo(dtype).bits // 8
     liger = _liger()
 
@@ -80,33 +80,59 @@ def build_cases(shape: dict, device: str, dtype: torch.dtype, compile_ok: bool) 
     impls = {"triton": lambda x, w: kernels.rms_norm(x, w, 1e-6, "triton"), "eager": rms_eager}
     if liger is not None:
         impls["liger"] = lambda x, w: liger.liger_rms_norm(x, w, 1e-6)
-    cases.append(Case("rms_norm", lambda: [rand(1, t, h), rand(h)], with_compile(impls, rms_eager),
-                      bytes_moved=el * t * h * 5))  # fwd: x, y; bwd: x, dy, dx
+    cases.append(
+        Case(
+            "rms_norm",
+            lambda: [rand(1, t, h), rand(h)],
+            with_compile(impls, rms_eager),
+            bytes_moved=el * t * h * 5,
+        )
+    )  # fwd: x, y; bwd: x, dy, dx
 
     ln_eager = lambda x, w, b: reference.layer_norm(x, w, b, 1e-5)
     impls = {"triton": lambda x, w, b: kernels.layer_norm(x, w, b, 1e-5, "triton"), "eager": ln_eager}
     if liger is not None:
         impls["liger"] = lambda x, w, b: liger.liger_layer_norm(x, w, b, 1e-5)
-    cases.append(Case("layer_norm", lambda: [rand(1, t, h), rand(h), rand(h)], with_compile(impls, ln_eager),
-                      bytes_moved=el * t * h * 5))
+    cases.append(
+        Case(
+            "layer_norm",
+            lambda: [rand(1, t, h), rand(h), rand(h)],
+            with_compile(impls, ln_eager),
+            bytes_moved=el * t * h * 5,
+        )
+    )
 
     def rope_tables():
-        angles = torch.outer(torch.arange(t, device=device, dtype=torch.float32),
-                             1e4 ** (-torch.arange(0, d, 2, device=device, dtype=torch.float32) / d))
+        angles = torch.outer(
+            torch.arange(t, device=device, dtype=torch.float32),
+            1e4 ** (-torch.arange(0, d, 2, device=device, dtype=torch.float32) / d),
+        )
         emb = torch.cat((angles, angles), -1)
         return emb.cos(), emb.sin()
 
     cos, sin = rope_tables()
     rope_eager = lambda x: reference.apply_rotary(x, cos, sin, False)
     impls = {"triton": lambda x: kernels.apply_rotary(x, cos, sin, False, "triton"), "eager": rope_eager}
-    cases.append(Case("rotary (q)", lambda: [rand(1, t, nh, d)], with_compile(impls, rope_eager),
-                      bytes_moved=el * t * nh * d * 4))
+    cases.append(
+        Case(
+            "rotary (q)",
+            lambda: [rand(1, t, nh, d)],
+            with_compile(impls, rope_eager),
+            bytes_moved=el * t * nh * d * 4,
+        )
+    )
 
     impls = {"triton": lambda g, u: kernels.swiglu(g, u, "triton"), "eager": reference.swiglu}
     if liger is not None:
         impls["liger"] = lambda g, u: liger.liger_swiglu(g, u)
-    cases.append(Case("swiglu", lambda: [rand(1, t, ffn), rand(1, t, ffn)], with_compile(impls, reference.swiglu),
-                      bytes_moved=el * t * ffn * 7))  # fwd: g, u, out; bwd: g, u, dout, dg, du
+    cases.append(
+        Case(
+            "swiglu",
+            lambda: [rand(1, t, ffn), rand(1, t, ffn)],
+            with_compile(impls, reference.swiglu),
+            bytes_moved=el * t * ffn * 7,
+        )
+    )  # fwd: g, u, out; bwd: g, u, dout, dg, du
 
     def attn_math(q, k, v):
         # Eager attention as a model would write it without fused kernels: scores, mask, softmax, matmul.
@@ -123,13 +149,21 @@ def build_cases(shape: dict, device: str, dtype: torch.dtype, compile_ok: bool) 
         "eager": attn_math,
     }
     # Causal attention: 2 matmuls forward, 5 backward (recompute S, dV, dP, dQ, dK), half the square each.
-    cases.append(Case("flash_attention", lambda: [rand(1, nh, attn_t, d), rand(1, nkv, attn_t, d),
-                                                  rand(1, nkv, attn_t, d)], with_compile(impls, attn_math),
-                      flops=7 * 2 * nh * attn_t * attn_t * d / 2))
+    cases.append(
+        Case(
+            "flash_attention",
+            lambda: [rand(1, nh, attn_t, d), rand(1, nkv, attn_t, d), rand(1, nkv, attn_t, d)],
+            with_compile(impls, attn_math),
+            flops=7 * 2 * nh * attn_t * attn_t * d / 2,
+        )
+    )
 
     ce_eager = lambda x, y: reference.cross_entropy(x, y)
     target = torch.randint(0, vocab, (t,), device=device)
-    impls = {"triton": lambda x: kernels.cross_entropy(x, target, impl="triton"), "eager": lambda x: ce_eager(x, target)}
+    impls = {
+        "triton": lambda x: kernels.cross_entropy(x, target, impl="triton"),
+        "eager": lambda x: ce_eager(x, target),
+    }
     if liger is not None:
         from liger_kernel.transformers import LigerCrossEntropyLoss
 
@@ -152,8 +186,14 @@ def build_cases(shape: dict, device: str, dtype: torch.dtype, compile_ok: bool) 
         impls["liger"] = lambda x, w: liger_flce(w, x, target)
     if compile_ok:
         impls["torch.compile"] = _compiled(flce_eager)
-    cases.append(Case("fused_linear_ce", lambda: [rand(t, h), rand(vocab, h, scale=0.02)], impls,
-                      flops=3 * 2 * t * h * vocab))
+    cases.append(
+        Case(
+            "fused_linear_ce",
+            lambda: [rand(t, h), rand(vocab, h, scale=0.02)],
+            impls,
+            flops=3 * 2 * t * h * vocab,
+        )
+    )
     return cases
 
 
@@ -203,7 +243,8 @@ def run_benchmarks(shape: dict, device: str, dtype: torch.dtype, reps: int, comp
     """Print one table per kernel: time, throughput, peak memory, and time/memory ratios vs Triton."""
     for case in build_cases(shape, device, dtype, compile_ok):
         print(f"\n== {case.name} ==")
-        print(f"{'impl':<15}{'fwd+bwd ms':>12}{'throughput':>16}{'peak MiB':>11}{'time/triton':>13}{'mem/triton':>12}")
+        header = ("impl", "fwd+bwd ms", "throughput", "peak MiB", "time/triton", "mem/triton")
+        print("".join(f"{c:<15}" if i == 0 else f"{c:>13}" for i, c in enumerate(header)))
         results = {}
         for impl, fn in case.impls.items():
             try:
@@ -218,8 +259,10 @@ def run_benchmarks(shape: dict, device: str, dtype: torch.dtype, reps: int, comp
                 thr = f"{case.flops / sec / 1e12:.1f} TFLOP/s"
             else:
                 thr = f"{case.bytes_moved / sec / 1e9:.0f} GB/s"
-            print(f"{impl:<15}{sec * 1e3:>12.3f}{thr:>16}{peak / 2**20:>11.1f}{sec / ref_t:>13.2f}"
-                  f"{peak / ref_m if ref_m else float('nan'):>12.2f}")
+            print(
+                f"{impl:<15}{sec * 1e3:>12.3f}{thr:>16}{peak / 2**20:>11.1f}{sec / ref_t:>13.2f}"
+                f"{peak / ref_m if ref_m else float('nan'):>12.2f}"
+            )
 
 
 def _rss_peak_child(mode: str, tokens: int, hidden: int, vocab: int, dtype: str) -> None:
@@ -268,7 +311,9 @@ def cpu_memory_comparison(tokens: int, hidden: int, vocab: int, dtype: str = "fl
     for mode in ("logits+ce", "fused"):
         out = subprocess.run(
             [sys.executable, __file__, "--_rss-child", mode, str(tokens), str(hidden), str(vocab), dtype],
-            check=True, capture_output=True, text=True,
+            check=True,
+            capture_output=True,
+            text=True,
         )
         peaks[mode] = json.loads(out.stdout.strip().splitlines()[-1])["peak_bytes"]
     peaks["ratio"] = peaks["logits+ce"] / peaks["fused"]
@@ -277,11 +322,20 @@ def cpu_memory_comparison(tokens: int, hidden: int, vocab: int, dtype: str = "fl
 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; returns the exit status."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        choices=["bfloat16", "float16", "float32"],
+        help="default: bfloat16 on GPU, float32 for --cpu-memory",
+    )
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
-    parser.add_argument("--cpu-memory", action="store_true", help="fused linear CE peak-memory comparison on CPU")
+    parser.add_argument(
+        "--cpu-memory", action="store_true", help="fused linear CE peak-memory comparison on CPU"
+    )
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--vocab", type=int, default=131072)
@@ -294,10 +348,15 @@ def main(argv: list[str] | None = None) -> int:
         _rss_peak_child(mode, int(tokens), int(hidden), int(vocab), dtype)
         return 0
     if args.cpu_memory:
-        r = cpu_memory_comparison(args.tokens, args.hidden, args.vocab)
-        print(f"fused linear CE, tokens={args.tokens} hidden={args.hidden} vocab={args.vocab} fp32, CPU peak RSS:")
-        print(f"  logits + CE: {r['logits+ce'] / 2**20:.1f} MiB   fused: {r['fused'] / 2**20:.1f} MiB   "
-              f"ratio: {r['ratio']:.1f}x")
+        r = cpu_memory_comparison(args.tokens, args.hidden, args.vocab, args.dtype or "float32")
+        print(
+            f"fused linear CE, tokens={args.tokens} hidden={args.hidden} vocab={args.vocab} "
+            f"{args.dtype or 'float32'}, CPU peak RSS above inputs:"
+        )
+        print(
+            f"  logits + CE: {r['logits+ce'] / 2**20:.1f} MiB   fused: {r['fused'] / 2**20:.1f} MiB   "
+            f"ratio: {r['ratio']:.1f}x"
+        )
         return 0
     if args.smoke:
         if os.environ.get("TRITON_INTERPRET") != "1":
@@ -308,7 +367,9 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("bench_kernels.py needs a CUDA GPU to benchmark the Triton kernels; none found, nothing to do.")
         return 0
-    run_benchmarks(LLAMA3_8B, "cuda", getattr(torch, args.dtype), args.reps, not args.no_compile)
+    run_benchmarks(
+        LLAMA3_8B, "cuda", getattr(torch, args.dtype or "bfloat16"), args.reps, not args.no_compile
+    )
     return 0
 
 

@@ -11,6 +11,7 @@ first) over several repeats, and the median repeat is reported.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -28,16 +29,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", default="gpt,llama,ernie", help="comma-separated architectures")
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=192)
+    p.add_argument("--heads", type=int, default=6)
     p.add_argument("--kv-heads", type=int, default=2, help="key/value heads of llama and ernie (gpt has MHA)")
     p.add_argument("--ffn", type=int, default=None, help="MLP width; default: the architecture's")
-    p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--steps", type=int, default=4, help="timed steps per repeat")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per repeat")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per model before measuring")
-    p.add_argument("--repeats", type=int, default=3, help="alternating measurements per model")
+    p.add_argument("--repeats", type=int, default=5, help="alternating measurements per model")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads for both models")
     return p.parse_args(argv)
 
@@ -72,16 +73,16 @@ def step_fn(model: torch.nn.Module, ids: torch.Tensor, hf: bool) -> Callable[[],
     return step
 
 
-def measure(step: Callable[[], float], steps: int) -> float:
-    """Steps per second over `steps` consecutive steps."""
-    start = time.perf_counter()
+def measure(step: Callable[[], float], steps: int) -> tuple[float, float]:
+    """Steps per second of wall-clock time and of this process's CPU time over `steps` consecutive steps."""
+    wall, cpu = time.perf_counter(), time.process_time()
     for _ in range(steps):
         step()
-    return steps / (time.perf_counter() - start)
+    return steps / (time.perf_counter() - wall), steps / (time.process_time() - cpu)
 
 
-def bench(arch: str, args: argparse.Namespace) -> tuple[int, float, float]:
-    """(parameters, our steps/s, transformers steps/s) of one architecture."""
+def bench(arch: str, args: argparse.Namespace) -> tuple[int, dict[str, list[tuple[float, float]]]]:
+    """(parameters, {"ours"|"hf": [(wall steps/s, cpu steps/s) per repeat]}) of one architecture."""
     cfg = ModelConfig(
         arch=arch,
         num_layers=args.layers,
@@ -105,13 +106,12 @@ def bench(arch: str, args: argparse.Namespace) -> tuple[int, float, float]:
     for step in steps.values():
         for _ in range(args.warmup):
             step()
-    rates: dict[str, list[float]] = {"ours": [], "hf": []}
+    rates: dict[str, list[tuple[float, float]]] = {"ours": [], "hf": []}
     for r in range(args.repeats):
         order = ["ours", "hf"] if r % 2 == 0 else ["hf", "ours"]
         for name in order:
             rates[name].append(measure(steps[name], args.steps))
-    n_params = sum(p.numel() for p in ours.parameters())
-    return n_params, statistics.median(rates["ours"]), statistics.median(rates["hf"])
+    return sum(p.numel() for p in ours.parameters()), rates
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -121,12 +121,18 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"fp32, {args.threads} threads, batch {args.batch} x seq {args.seq}, layers {args.layers}, "
         f"hidden {args.hidden}, heads {args.heads}, vocab {args.vocab}; median of {args.repeats} x "
-        f"{args.steps} steps; torch {torch.__version__}, transformers {transformers.__version__}"
+        f"{args.steps} steps; torch {torch.__version__}, transformers {transformers.__version__}; "
+        f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
     )
-    print(f"{'arch':<7}{'params':>12}{'llmtrain it/s':>15}{'HF it/s':>10}{'ratio':>8}")
+    # The CPU-time rate (process CPU seconds, all threads) is less sensitive to other jobs sharing the CPUs.
+    print(f"{'arch':<7}{'params':>11}{'llmtrain it/s':>15}{'HF it/s':>9}{'ratio':>7}{'ratio (cpu time)':>18}")
     for arch in args.arch.split(","):
-        n, ours, hf = bench(arch.strip(), args)
-        print(f"{arch:<7}{n:>12,}{ours:>15.3f}{hf:>10.3f}{ours / hf:>8.3f}", flush=True)
+        n, rates = bench(arch.strip(), args)
+        ours, hf = (statistics.median(r[0] for r in rates[k]) for k in ("ours", "hf"))
+        ours_cpu, hf_cpu = (statistics.median(r[1] for r in rates[k]) for k in ("ours", "hf"))
+        print(
+            f"{arch:<7}{n:>11,}{ours:>15.3f}{hf:>9.3f}{ours / hf:>7.3f}{ours_cpu / hf_cpu:>18.3f}", flush=True
+        )
 
 
 if __name__ == "__main__":

@@ -244,6 +244,9 @@ class _FusedLinearCrossEntropyFn(torch.autograd.Function):
         need_w = with_grad and ctx.needs_input_grad[1]
         grad_h = torch.empty_like(hid) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        # Low-precision weights: each chunk's weight-grad product lands in one reused scratch buffer, then
+        # joins the fp32 accumulator (a fresh product per chunk would allocate vocab x hidden every time).
+        scratch = torch.empty_like(weight) if need_w and weight.dtype != torch.float32 else None
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         step = _chunk_loss_and_grad_triton if use_triton else _chunk_loss_and_grad_torch
         for start in range(0, tokens, chunk_tokens):
@@ -253,8 +256,11 @@ class _FusedLinearCrossEntropyFn(torch.autograd.Function):
             # `logits` now holds d(loss)/d(logits) for the chunk.
             if need_h:
                 torch.mm(logits, weight, out=grad_h[start : start + chunk_tokens])
-            if need_w:
-                grad_w += (logits.t() @ h_chunk).float()
+            if need_w and scratch is None:
+                grad_w.addmm_(logits.t(), h_chunk)
+            elif need_w:
+                torch.mm(logits.t(), h_chunk, out=scratch)
+                grad_w += scratch
             del logits
         ctx.save_for_backward(grad_h, grad_w)
         ctx.hidden_shape = hidden.shape

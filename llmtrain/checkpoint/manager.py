@@ -16,10 +16,12 @@ from __future__ import annotations
 import copy
 import dataclasses
 import errno
+import io
 import json
 import shutil
 import time
 import warnings
+import zlib
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -168,9 +170,9 @@ class Checkpointer:
     def _commit(self, snap: _Snapshot) -> None:
         tmp = self.root / f".tmp_step_{snap.step}"
         self._everywhere(lambda: self._prepare(tmp) if self.rank == 0 else None, snap.step, tmp)
-        self._everywhere(lambda: write_tensors(tmp, snap.entries, self.group), snap.step, tmp)
+        written = self._everywhere(lambda: write_tensors(tmp, snap.entries, self.group), snap.step, tmp)
         files = self._everywhere(lambda: self._write_local(tmp, snap), snap.step, tmp)
-        manifest = {name: info for part in files for name, info in part.items()}
+        manifest = {name: info for part in written + files for name, info in part.items()}
         self._everywhere(
             lambda: self._publish(tmp, snap.step, manifest) if self.rank == 0 else None, snap.step, tmp
         )
@@ -182,16 +184,17 @@ class Checkpointer:
         (tmp / "rng").mkdir(parents=True)
 
     def _write_local(self, tmp: Path, snap: _Snapshot) -> dict[str, dict[str, Any]]:
-        mine = []
+        files: dict[str, bytes] = {}
         if snap.rng is not None:  # offline conversions have no RNG state to keep
-            mine.append(tmp / "rng" / f"rank_{self.rank:05d}.pt")
-            torch.save(snap.rng, mine[0])
+            files[f"rng/rank_{self.rank:05d}.pt"] = _torch_bytes(snap.rng)
         if self.rank == 0:
-            torch.save({"extra": snap.extra, "optimizer": snap.scalars}, tmp / TRAINER_STATE)
-            write_atomic(tmp / META, json.dumps(self._meta(snap.step), indent=1).encode())
-            mine += [tmp / TRAINER_STATE, tmp / META, tmp / ".metadata"]
-        mine += sorted(tmp.glob(f"__{self.rank}_*.distcp"))
-        return {str(f.relative_to(tmp)): {"bytes": f.stat().st_size, "crc32": file_checksum(f)} for f in mine}
+            files[TRAINER_STATE] = _torch_bytes({"extra": snap.extra, "optimizer": snap.scalars})
+            files[META] = json.dumps(self._meta(snap.step), indent=1).encode()
+        for name, data in files.items():
+            write_atomic(tmp / name, data)
+        return {
+            name: {"bytes": len(data), "crc32": f"{zlib.crc32(data):08x}"} for name, data in files.items()
+        }
 
     def _meta(self, step: int) -> dict[str, Any]:
         t = self.topo
@@ -309,6 +312,12 @@ class Checkpointer:
         return trainer["extra"]
 
 
+def _torch_bytes(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
 def _describe(err: BaseException) -> str:
     """A one-line cause: disk-full errors say so plainly, DCP's per-rank wrapping is unwrapped."""
     if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
@@ -362,8 +371,8 @@ def verify(
             problems.append(
                 f"{f} is truncated or overwritten: {f.stat().st_size} bytes, expected {want['bytes']}"
             )
-        elif file_checksum(f) != want["crc32"]:
-            problems.append(f"{f} is corrupt: CRC-32 {file_checksum(f)}, manifest says {want['crc32']}")
+        elif (crc := file_checksum(f)) != want["crc32"]:
+            problems.append(f"{f} is corrupt: CRC-32 {crc}, manifest says {want['crc32']}")
     if group is not None:
         gathered: list[Any] = [None] * world_size
         dist.all_gather_object(gathered, problems, group=group)

@@ -160,37 +160,51 @@ class _LoadPlanner(LoadPlanner):
 
 
 class _RecordingFileSystem(FileSystem):
-    """DCP's file system, remembering failed writes: torch.save turns them into an opaque RuntimeError."""
+    """DCP's file system, keeping a CRC-32 and size of every file as it is written (no second read for the
+    manifest) and the OSError of a failed write (torch.save turns it into an opaque RuntimeError)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.errors: list[OSError] = []
+        self.files: dict[Path, list[int]] = {}  # path -> [bytes, crc]
 
     @contextlib.contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
         with super().create_stream(path, mode) as stream:
-            yield _RecordingStream(stream, self.errors, Path(path))
+            record = self.files[Path(path)] = [0, 0]
+            yield _RecordingStream(stream, self.errors, Path(path), record)
+
+    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+        super().rename(path, new_path)
+        if Path(path) in self.files:
+            self.files[Path(new_path)] = self.files.pop(Path(path))
 
 
 class _RecordingStream:
-    """A file whose failed writes are recorded (with the file name) before they propagate."""
+    """A file being written sequentially: size and CRC-32 updated per write, failures recorded."""
 
-    def __init__(self, stream: Any, errors: list[OSError], path: Path) -> None:
-        self._stream, self._errors, self._path = stream, errors, path
+    def __init__(self, stream: Any, errors: list[OSError], path: Path, record: list[int]) -> None:
+        self._stream, self._errors, self._path, self._record = stream, errors, path, record
 
     def write(self, data: Any) -> int:
         try:
-            return self._stream.write(data)
+            n = self._stream.write(data)
         except OSError as err:
             self._errors.append(OSError(err.errno, err.strerror, str(self._path)))
             raise
+        self._record[0] += n
+        self._record[1] = zlib.crc32(data, self._record[1])
+        return n
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._stream, name)
 
 
-def write_tensors(path: Path, entries: dict[str, GlobalTensor], group: dist.ProcessGroup | None) -> None:
-    """Write every rank's pieces under `path` (collective over `group` when distributed).
+def write_tensors(
+    path: Path, entries: dict[str, GlobalTensor], group: dist.ProcessGroup | None
+) -> dict[str, dict[str, Any]]:
+    """Write every rank's pieces under `path` (collective over `group` when distributed); return the files
+    this rank wrote as {name relative to path: {"bytes", "crc32"}}.
 
     A failed write raises the OSError that caused it (disk full, quota, file-size limit) on the rank that
     hit it; DCP's CheckpointException elsewhere.
@@ -205,6 +219,11 @@ def write_tensors(path: Path, entries: dict[str, GlobalTensor], group: dist.Proc
         if fs.errors:
             raise fs.errors[0] from None
         raise
+    return {
+        str(p.relative_to(path)): {"bytes": size, "crc32": f"{crc:08x}"}
+        for p, (size, crc) in fs.files.items()
+        if p.exists()
+    }
 
 
 def read_metadata(path: Path) -> Metadata:

@@ -1,7 +1,7 @@
 """Typed job configuration: dataclasses, YAML loading with overrides, validation in one place."""
 
 from llmtrain.config.errors import ConfigError
-from llmtrain.config.loader import dump, from_dict, load, parse_override, to_dict
+from llmtrain.config.loader import dump, from_dict, load, parse_override, to_dict, with_overrides
 from llmtrain.config.schema import (
     CheckpointConfig,
     DataConfig,
@@ -30,4 +30,5 @@ __all__ = [
     "to_dict",
     "validate",
     "validate_world",
+    "with_overrides",
 ]

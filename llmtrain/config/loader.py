@@ -37,6 +37,16 @@ def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] 
     return job
 
 
+def with_overrides(job: JobConfig, overrides: dict[str, Any]) -> JobConfig:
+    """A copy of `job` with `{"key.path": value}` overrides applied, validated like a loaded config."""
+    raw = to_dict(job)
+    for key, value in overrides.items():
+        set_path(raw, key, value)
+    updated = from_dict(JobConfig, raw)
+    validate(updated)
+    return updated
+
+
 def parse_override(item: str) -> tuple[str, Any]:
     """`train.steps=20` -> ("train.steps", 20); the value is read as YAML (numbers, bools, lists, null)."""
     if "=" not in item:

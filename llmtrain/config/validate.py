@@ -56,9 +56,8 @@ def validate(job: JobConfig) -> None:
         p.backend in ("auto", "gloo", "nccl"),
         f"parallel.backend must be auto, gloo or nccl; got {p.backend!r}",
     )
-    if not p.auto:
-        _check_tensor_parallel(job)
-        _check_pipeline(job)
+    _check_tensor_parallel(job)
+    _check_pipeline(job)
 
     _require(t.steps >= 1, f"train.steps must be at least 1; got {t.steps}")
     _require(t.lr > 0, f"train.lr must be positive; got {t.lr}")

@@ -60,8 +60,7 @@ class GPTDataset:
         if self.tokens_per_epoch == 0:
             raise DataError(
                 f"the {split_name} split of {indexed.prefix} (documents {self.first}..{self.last}) "
-                "has no tokens; "
-                "give it documents via data.split or add data to the dataset"
+                "has no tokens; give it documents via data.split or add data to the dataset"
             )
         self._identity = [file_identity(idx_path(indexed.prefix)), file_identity(bin_path(indexed.prefix))]
         self.num_samples = 0  # materialised so far

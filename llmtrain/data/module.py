@@ -38,8 +38,7 @@ def slice_of_batch(global_batch_size: int, dp_rank: int, dp_size: int) -> tuple[
     if global_batch_size % dp_size:
         raise DataError(
             f"train.global_batch_size={global_batch_size} is not divisible by the data-parallel size "
-            f"{dp_size}; "
-            "make it a multiple"
+            f"{dp_size}; make it a multiple"
         )
     per_rank = global_batch_size // dp_size
     return dp_rank * per_rank, (dp_rank + 1) * per_rank
@@ -120,9 +119,16 @@ def _check_dtype(indexed: IndexedDataset, tokenizer: Tokenizer) -> None:
     if tokenizer.vocab_size - 1 > np.iinfo(dt).max:
         raise DataError(
             f"{bin_path(indexed.prefix)} stores tokens as {dt} (ids up to {np.iinfo(dt).max}) but the "
-            "tokenizer "
-            f"has {tokenizer.vocab_size} tokens: the dataset was written with another tokenizer; re-run "
-            "tools/preprocess_data.py with this tokenizer or set data.tokenizer to the one it was built with"
+            f"tokenizer has {tokenizer.vocab_size} tokens: the dataset was written with another tokenizer; "
+            "re-run tools/preprocess_data.py with this tokenizer or set data.tokenizer to the dataset's one"
+        )
+
+
+def _check_vocab(tokenizer: Tokenizer, model_vocab: int, origin: str) -> None:
+    if tokenizer.vocab_size > model_vocab:
+        raise DataError(
+            f"model.vocab_size={model_vocab} is smaller than the tokenizer's vocabulary "
+            f"({tokenizer.vocab_size} tokens, {origin}); set model.vocab_size >= {tokenizer.vocab_size}"
         )
 
 
@@ -135,21 +141,18 @@ def build_data(job: JobConfig, dp_rank: int = 0, dp_size: int = 1) -> DataModule
             f"data.num_workers must be >= 0 (0 reads in the training process); got {d.num_workers}"
         )
     cache = Path(os.path.expanduser(d.cache_dir))
+    if d.prefixes and not d.tokenizer:
+        raise DataError("data.prefixes needs data.tokenizer: set it to the tokenizer the data was built with")
+    # A given tokenizer is checked before the corpus is prepared with it: a mismatch fails in seconds.
+    tokenizer = load_tokenizer(d.tokenizer) if d.tokenizer else None
+    if tokenizer is not None:
+        _check_vocab(tokenizer, m.vocab_size, d.tokenizer)
     if d.prefixes:
-        if not d.tokenizer:
-            raise DataError(
-                "data.prefixes needs data.tokenizer: set it to the tokenizer the data was built with"
-            )
-        tokenizer, prefixes = load_tokenizer(d.tokenizer), list(d.prefixes)
+        prefixes = list(d.prefixes)
     else:
         corpus = prepare_corpus(d.corpus, cache, m.vocab_size, d.tokenizer)
-        tokenizer, prefixes = load_tokenizer(corpus.tokenizer), [corpus.prefix]
-    if tokenizer.vocab_size > m.vocab_size:
-        raise DataError(
-            f"model.vocab_size={m.vocab_size} is smaller than the tokenizer's vocabulary "
-            f"({tokenizer.vocab_size} tokens, {d.tokenizer or 'trained on the corpus'}); "
-            f"set model.vocab_size >= {tokenizer.vocab_size}"
-        )
+        tokenizer, prefixes = tokenizer or load_tokenizer(corpus.tokenizer), [corpus.prefix]
+        _check_vocab(tokenizer, m.vocab_size, "trained on the corpus")
     if d.weights and len(d.weights) != len(prefixes):
         raise DataError(
             f"data.weights has {len(d.weights)} entries but data.prefixes has {len(prefixes)}; "

@@ -40,7 +40,8 @@ def _all_gather_dim(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
     moved = x.movedim(dim, 0).contiguous()
     out = moved.new_empty((size * moved.shape[0], *moved.shape[1:]))
     all_gather_single(out, moved, group=group)
-    return out.movedim(0, dim)
+    # Contiguous once here, rather than once in every layer that reads it (q, k and v).
+    return out.movedim(0, dim).contiguous()
 
 
 def _reduce_scatter_dim(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
@@ -227,15 +228,53 @@ def _mark_replicated(p: nn.Parameter, topo: Topology, sequence_parallel: bool) -
     p.sequence_parallel = sequence_parallel
 
 
-def _shard_rows(linear: nn.Linear, blocks: list[tuple[int, int]], layout: Any) -> None:
-    """Keep the given [start, end) row blocks (output features) of a Linear, concatenated, in place."""
-    weight = torch.cat([linear.weight.detach()[a:b] for a, b in blocks]).clone()
-    linear.weight = nn.Parameter(weight)
-    linear.weight.tp_layout = layout
-    if linear.bias is not None:
-        linear.bias = nn.Parameter(torch.cat([linear.bias.detach()[a:b] for a, b in blocks]).clone())
-        linear.bias.tp_layout = layout
-    linear.out_features = weight.shape[0]
+class _LinearSavingShard(torch.autograd.Function):
+    """linear(x) where x is the all-gather of `shard`: only the shard is kept, x is re-gathered in backward.
+
+    This is what lets sequence parallelism divide the saved inputs of column-parallel layers by tp
+    (Korthikanti et al. 2022, 4.2.2); the gradient of x flows back through the gather (a reduce-scatter).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, shard: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                group: Any) -> torch.Tensor:
+        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.save_for_backward(shard, weight)
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        shard, weight = ctx.saved_tensors
+        x = _all_gather_dim(shard, 1, ctx.group)
+        grad_x = grad.matmul(weight)
+        flat_grad = grad.reshape(-1, grad.shape[-1])
+        grad_w = flat_grad.t().matmul(x.reshape(-1, x.shape[-1]))
+        grad_b = flat_grad.sum(0) if ctx.has_bias else None
+        return grad_x, None, grad_w, grad_b, None
+
+
+class ColumnParallelLinear(nn.Module):
+    """Row blocks (output features) of a Linear; its input is replicated over TP (or SP-gathered)."""
+
+    def __init__(self, full: nn.Linear, blocks: list[tuple[int, int]], layout: Any, group: Any,
+                 weight: nn.Parameter | None = None) -> None:
+        super().__init__()
+        self.group = group
+        if weight is None:
+            weight = nn.Parameter(torch.cat([full.weight.detach()[a:b] for a, b in blocks]).clone())
+            weight.tp_layout = layout
+        self.weight = weight
+        self.bias = None
+        if full.bias is not None:
+            self.bias = nn.Parameter(torch.cat([full.bias.detach()[a:b] for a, b in blocks]).clone())
+            self.bias.tp_layout = layout
+        self.in_features, self.out_features = full.in_features, self.weight.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shard = getattr(x, "sequence_shard", None)
+        if shard is None:
+            return F.linear(x, self.weight, self.bias)
+        return _LinearSavingShard.apply(x, shard, self.weight, self.bias, self.group)
 
 
 def check_tp(cfg: Any, tp: int, sequence_parallel: bool) -> None:
@@ -261,8 +300,16 @@ def check_tp(cfg: Any, tp: int, sequence_parallel: bool) -> None:
 
 def _enter_region(module: nn.Module, group: Any, sequence_parallel: bool) -> None:
     """After `module` (a norm feeding column-parallel layers): all-gather the sequence (SP) or copy-to-region."""
-    op = gather_sequence if sequence_parallel else copy_to_region
-    module.register_forward_hook(lambda _m, _inp, out: op(out, group))
+
+    def enter(_m: nn.Module, _inp: Any, out: torch.Tensor) -> torch.Tensor:
+        if not sequence_parallel:
+            return copy_to_region(out, group)
+        gathered = gather_sequence(out, group)
+        # ColumnParallelLinear saves this shard instead of the gathered tensor (see _LinearSavingShard).
+        gathered.sequence_shard = out
+        return gathered
+
+    module.register_forward_hook(enter)
 
 
 def _shard_attention(attn: nn.Module, topo: Topology, sp: bool) -> None:
@@ -270,7 +317,8 @@ def _shard_attention(attn: nn.Module, topo: Topology, sp: bool) -> None:
     d = attn.head_dim
     heads, kv = attn.num_heads, attn.num_kv_heads
     local_heads = heads // tp
-    _shard_rows(attn.q_proj, [(r * local_heads * d, (r + 1) * local_heads * d)], "rows")
+    group = topo.tp_group
+    attn.q_proj = ColumnParallelLinear(attn.q_proj, [(r * local_heads * d, (r + 1) * local_heads * d)], "rows", group)
     if kv % tp == 0:
         local_kv = kv // tp
         blocks = [(r * local_kv * d, (r + 1) * local_kv * d)]
@@ -283,8 +331,9 @@ def _shard_attention(attn: nn.Module, topo: Topology, sp: bool) -> None:
         head = r // replicas
         blocks = [(head * d, (head + 1) * d)]
         layout = ("kv", replicas)
+    attn.k_proj = ColumnParallelLinear(attn.k_proj, blocks, layout, group)
+    attn.v_proj = ColumnParallelLinear(attn.v_proj, blocks, layout, group)
     for proj in (attn.k_proj, attn.v_proj):
-        _shard_rows(proj, blocks, layout)
         if replicas > 1:
             for p in proj.parameters():
                 p.kv_replicas = replicas
@@ -299,10 +348,11 @@ def _shard_mlp(mlp: nn.Module, topo: Topology, sp: bool) -> None:
         ffn = mlp.gate_up_proj.out_features // 2
         f = ffn // tp
         # Matching gate and up slices, so the local chunk(2) pairs them.
-        _shard_rows(mlp.gate_up_proj, [(r * f, (r + 1) * f), (ffn + r * f, ffn + (r + 1) * f)], "gate_up")
+        blocks = [(r * f, (r + 1) * f), (ffn + r * f, ffn + (r + 1) * f)]
+        mlp.gate_up_proj = ColumnParallelLinear(mlp.gate_up_proj, blocks, "gate_up", topo.tp_group)
     else:
         f = mlp.up_proj.out_features // tp
-        _shard_rows(mlp.up_proj, [(r * f, (r + 1) * f)], "rows")
+        mlp.up_proj = ColumnParallelLinear(mlp.up_proj, [(r * f, (r + 1) * f)], "rows", topo.tp_group)
     mlp.down_proj = RowParallelLinear(mlp.down_proj, topo, sp)
 
 
@@ -357,12 +407,11 @@ def apply_tp(model: nn.Module, topo: Topology, sequence_parallel: bool = False, 
     for p in model.final_norm.parameters():
         _mark_replicated(p, topo, sp)
     _enter_region(model.final_norm, group, sp)
-    if tied:
-        model.lm_head.weight = model.embed_tokens.weight
-    else:
-        rows = cfg.vocab_size // tp
-        _shard_rows(model.lm_head, [(topo.tp_rank * rows, (topo.tp_rank + 1) * rows)], "rows")
-    model.lm_head.out_features = cfg.vocab_size // tp
+    rows = cfg.vocab_size // tp
+    model.lm_head = ColumnParallelLinear(
+        model.lm_head, [(topo.tp_rank * rows, (topo.tp_rank + 1) * rows)], "rows", group,
+        weight=model.embed_tokens.weight if tied else None,
+    )
     model.loss_tp_group = group
     # kernels.cross_entropy(tp_group=...) is the kernels engineer's; until it lands the loss runs here.
     model.loss = types.MethodType(_vocab_parallel_loss, model)

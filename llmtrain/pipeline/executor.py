@@ -1,10 +1,13 @@
 """Running a pipeline schedule for real: the actions of ``schedules.py`` with point-to-point transfers.
 
-The executor walks this rank's action list in order. Consecutive transfer actions are posted together with
-``torch.distributed.batch_isend_irecv``; receives are waited for at once (the next compute needs them),
-sends only at the end of the step, so a send never blocks the sender (the simulator's model, under which
-every schedule is checked deadlock-free). Every transfer carries its own tag, so a receive matches its send
-whatever order the two ranks post them in. Shapes are fixed ahead (``activation_shape``): no handshakes.
+The executor walks this rank's action list in order. Before each compute it posts, in one
+``torch.distributed.batch_isend_irecv``, the sends of the previous compute and the receives of the next
+``lookahead`` computes (so transfers overlap compute), then waits for the receives this compute needs.
+Sends are waited for only at the end of the step, so a send never blocks the sender: the simulator's model,
+under which every schedule is checked deadlock-free. Every transfer carries its own tag, so a receive
+matches its send whatever order the two ranks post them in (gloo); NCCL matches by order, so there the
+executor checks ``transfers_in_order`` and posts nothing early. Shapes are fixed ahead
+(``activation_shape``): no handshakes.
 
 Gradients accumulate over the micro-batches; the loss is the mean over micro-batches of each micro-batch's
 mean loss, exactly as ``LocalStepRunner`` on one process. With a split backward (zero-bubble schedules) the
@@ -25,10 +28,23 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from llmtrain.config.schema import JobConfig
 from llmtrain.parallel.data_parallel import grad_sync
 from llmtrain.parallel.topology import Topology
-from llmtrain.pipeline.schedules import RECV_F, SEND_B, SEND_F, Action, B, I, Schedule, W
-from llmtrain.pipeline.stages import PipelineStages
+from llmtrain.pipeline.schedules import (
+    RECV_B,
+    RECV_F,
+    SEND_B,
+    SEND_F,
+    Action,
+    B,
+    I,
+    Schedule,
+    W,
+    build_schedule,
+    transfers_in_order,
+)
+from llmtrain.pipeline.stages import PipelineStages, activation_shape, build_stages
 
 # Weight-gradient work deferred by the current I action: None outside of one.
 _deferred: list[tuple[nn.Parameter, nn.Parameter | None, torch.Tensor, torch.Tensor]] | None = None
@@ -94,6 +110,7 @@ class PipelineExecutor:
         activation_shape: Sequence[int],
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        lookahead: int = 2,
     ) -> None:
         if schedule.pp != topo.pp or len(stages.chunks) != schedule.virtual_stages:
             raise ValueError(
@@ -108,7 +125,17 @@ class PipelineExecutor:
         self.dtype = dtype
         self.device = torch.device(device) if device is not None else next(stages.parameters()).device
         self.actions = schedule.actions[topo.pp_rank]
+        # Receives posted this many computes early; NCCL completes a batch as one, so it posts none early.
+        nccl = topo.pp > 1 and dist.get_backend(topo.pp_group) == "nccl"
+        self.lookahead = 0 if nccl else lookahead
+        if nccl and not transfers_in_order(schedule):
+            raise ValueError(
+                f"{schedule.name} with pp={schedule.pp}, {schedule.num_microbatches} micro-batches and "
+                f"v={schedule.virtual_stages} posts transfers between two ranks in different orders, which "
+                "NCCL cannot match; use a number of micro-batches that is a multiple of parallel.pp"
+            )
         self.trace: list[dict] | None = None
+        self._loss_scale = 1.0
         # The last action that adds to each chunk's gradients: data-parallel reduction runs with it.
         self._final: set[Action] = set()
         seen: set[tuple[str, int]] = set()
@@ -141,10 +168,24 @@ class PipelineExecutor:
         direction = 0 if a.kind in (SEND_F, RECV_F) else 1
         return (a.microbatch * self.schedule.num_stages + stage_to) * 2 + direction
 
-    def run(self, micro_batches: Sequence[torch.Tensor], trace: bool = False) -> torch.Tensor:
+    def _send_op(self, t: Action, outputs: dict, inputs: dict) -> dist.P2POp:
+        """The isend of a SEND_F (this chunk's output) or SEND_B (the gradient of its input)."""
+        stage = self.schedule.stage(self.topo.pp_rank, t.chunk)
+        key = (t.microbatch, t.chunk)
+        if t.kind == SEND_F:
+            tensor, stage_to = outputs[key].detach(), stage + 1
+        else:
+            tensor, stage_to = inputs.pop(key).grad, stage - 1
+        return dist.P2POp(dist.isend, tensor, self._global(t.peer), tag=self._tag(t, stage_to))
+
+    def run(
+        self, micro_batches: Sequence[torch.Tensor], trace: bool = False, loss_scale: float = 1.0
+    ) -> torch.Tensor:
         """Forward and backward of every micro-batch ((b, s+1) token ids: inputs [:, :-1], labels [:, 1:]);
         returns the mean loss (0-d fp32 tensor, on every pipeline rank). ``trace`` records per-action
-        start/end times in ``self.trace`` (the format of ``timeline.load_trace``)."""
+        start/end times in ``self.trace`` (the format of ``timeline.load_trace``); ``loss_scale`` multiplies
+        the loss before backward (fp16)."""
+        self._loss_scale = loss_scale
         return self._run(micro_batches, forward_only=False, trace=trace)
 
     @torch.no_grad()
@@ -169,43 +210,71 @@ class PipelineExecutor:
         pending_sends: list[Any] = []
         losses: list[torch.Tensor] = []
         self.trace = [] if trace else None
-        batch: list[dist.P2POp] = []
-        recv_slots: list[tuple[dict, tuple[int, int], torch.Tensor]] = []
-
-        def flush() -> None:
-            if not batch:
-                return
-            works = dist.batch_isend_irecv(list(batch))
-            for op, work in zip(batch, works, strict=True):
-                if op.op is dist.isend:
-                    pending_sends.append(work)
-                else:
-                    work.wait()
-            for store, key, tensor in recv_slots:
-                store[key] = tensor
-            batch.clear()
-            recv_slots.clear()
-
         actions = (
             [a for a in self.actions if a.kind in ("F", SEND_F, RECV_F)] if forward_only else self.actions
         )
-        for a in actions:
-            key = (a.microbatch, a.chunk)
-            stage = s.stage(pp_rank, a.chunk)
-            if a.is_comm:
-                peer = self._global(a.peer)
-                if a.kind == SEND_F:
-                    tensor = outputs[key].detach()
-                    batch.append(dist.P2POp(dist.isend, tensor, peer, tag=self._tag(a, stage + 1)))
-                elif a.kind == SEND_B:
-                    tensor = inputs.pop(key).grad
-                    batch.append(dist.P2POp(dist.isend, tensor, peer, tag=self._tag(a, stage - 1)))
-                else:
+        computes = [i for i, a in enumerate(actions) if a.is_compute]
+        ops: list[dist.P2POp] = []
+        op_recv: list[int | None] = []  # the action index of each receive op, None for sends
+        recv_bufs: dict[int, torch.Tensor] = {}
+        recv_works: dict[int, Any] = {}
+        posted = 0  # receives of actions[:posted] are posted
+
+        def post_receives(limit: int) -> None:
+            nonlocal posted
+            for j in range(posted, limit):
+                a = actions[j]
+                if a.kind in (RECV_F, RECV_B):
                     buf = torch.empty(self.activation_shape, dtype=self.dtype, device=self.device)
-                    batch.append(dist.P2POp(dist.irecv, buf, peer, tag=self._tag(a, stage)))
-                    recv_slots.append((inputs if a.kind == RECV_F else grads_in, key, buf))
-                continue
+                    ops.append(
+                        dist.P2POp(dist.irecv, buf, self._global(a.peer), tag=self._tag(a, a_stage(a)))
+                    )
+                    op_recv.append(j)
+                    recv_bufs[j] = buf
+            posted = max(posted, limit)
+
+        def flush() -> None:
+            if not ops:
+                return
+            works = dist.batch_isend_irecv(list(ops))
+            if len(works) == len(ops):
+                for j, work in zip(op_recv, works, strict=True):
+                    if j is None:
+                        pending_sends.append(work)
+                    else:
+                        recv_works[j] = work
+            else:
+                # Coalesced (NCCL): the batch completes as one.
+                for work in works:
+                    work.wait()
+            ops.clear()
+            op_recv.clear()
+
+        def a_stage(a: Action) -> int:
+            return s.stage(pp_rank, a.chunk)
+
+        previous = -1
+        for k, i in enumerate(computes):
+            a = actions[i]
+            key = (a.microbatch, a.chunk)
+            # The transfers between the previous compute and this one: its sends, this one's receives.
+            for t in actions[previous + 1 : i]:
+                if t.kind in (SEND_F, SEND_B):
+                    ops.append(self._send_op(t, outputs, inputs))
+                    op_recv.append(None)
+            # Receives are posted `lookahead` computes ahead, so transfers overlap compute.
+            ahead = k + self.lookahead
+            post_receives(max(i, computes[ahead] if ahead < len(computes) else len(actions)))
             flush()
+            for j in range(previous + 1, i):
+                t = actions[j]
+                if t.kind in (RECV_F, RECV_B):
+                    work = recv_works.pop(j, None)
+                    if work is not None:
+                        work.wait()
+                    store = inputs if t.kind == RECV_F else grads_in
+                    store[(t.microbatch, t.chunk)] = recv_bufs.pop(j)
+            previous = i
             start = time.perf_counter()
             chunk = chunks[a.chunk]
             if a.kind == "F":
@@ -241,6 +310,10 @@ class PipelineExecutor:
                         "end": time.perf_counter(),
                     }
                 )
+        for t in actions[previous + 1 :]:
+            if t.kind in (SEND_F, SEND_B):
+                ops.append(self._send_op(t, outputs, inputs))
+                op_recv.append(None)
         flush()
         for work in pending_sends:
             work.wait()
@@ -266,7 +339,7 @@ class PipelineExecutor:
         try:
             if chunk.is_last:
                 # The step's loss is the mean over micro-batches, as on one process.
-                torch.autograd.backward(out / m)
+                torch.autograd.backward(out * (self._loss_scale / m))
             else:
                 torch.autograd.backward(out, grads_in.pop(key))
         finally:
@@ -286,3 +359,38 @@ class PipelineExecutor:
             last = self._global(self.topo.pp - 1)
             dist.broadcast(value, src=last, group=self.topo.pp_group)
         return value.cpu()
+
+
+class PipelineStepRunner:
+    """The trainer's StepRunner for pipeline-parallel jobs: one global-batch slice per executor step."""
+
+    def __init__(self, executor: PipelineExecutor, optimizer: Any, micro_batch_size: int) -> None:
+        self.executor = executor
+        self.optimizer = optimizer
+        self.micro_batch_size = micro_batch_size
+
+    def train_step(self, batch: torch.Tensor) -> torch.Tensor:
+        """Accumulate gradients over the micro-batches of ``batch``; the mean loss (0-d)."""
+        self.executor.stages.train()
+        scale = getattr(self.optimizer, "loss_scale", None) or 1.0
+        return self.executor.run(list(batch.split(self.micro_batch_size)), loss_scale=scale)
+
+    def eval_step(self, batch: torch.Tensor) -> torch.Tensor:
+        """Mean loss of ``batch`` without gradients."""
+        self.executor.stages.eval()
+        return self.executor.evaluate(list(batch.split(self.micro_batch_size)))
+
+
+def build_pipeline(
+    model: nn.Module, topo: Topology, job: JobConfig
+) -> tuple[PipelineStages, PipelineExecutor]:
+    """This rank's chunks of a (tensor-parallel) model and the executor of ``job.parallel.schedule``; hand
+    the stages to build_optimizer and both to PipelineStepRunner."""
+    p, t = job.parallel, job.train
+    stages = build_stages(model, topo, p.virtual_stages, sequence_parallel=p.sequence_parallel)
+    per_rank = t.global_batch_size // topo.dp
+    schedule = build_schedule(p.schedule, topo.pp, per_rank // t.micro_batch_size, p.virtual_stages)
+    shape = activation_shape(t.micro_batch_size, job.model.seq_length, job.model.hidden_size, topo.tp,
+                             p.sequence_parallel)  # fmt: skip
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[t.precision]
+    return stages, PipelineExecutor(stages, schedule, topo, shape, dtype)

@@ -204,6 +204,24 @@ def _zb_h1(pp: int, m: int, v: int) -> list[list[tuple[str, int, int]]]:
     return order
 
 
+def transfers_in_order(schedule: Schedule) -> bool:
+    """True when every rank posts its sends to a peer in the order that peer posts the matching receives
+    (what NCCL needs: it matches point-to-point transfers between two ranks by order, not by tag)."""
+    sent: dict[tuple[int, int], list[tuple[str, int, int]]] = {}
+    received: dict[tuple[int, int], list[tuple[str, int, int]]] = {}
+    for rank, acts in enumerate(schedule.actions):
+        for a in acts:
+            if a.peer is None:
+                continue
+            stage = schedule.stage(rank, a.chunk)
+            if a.kind in (SEND_F, SEND_B):
+                dst = stage + 1 if a.kind == SEND_F else stage - 1
+                sent.setdefault((rank, a.peer), []).append((a.kind[-1], a.microbatch, dst))
+            else:
+                received.setdefault((a.peer, rank), []).append((a.kind[-1], a.microbatch, stage))
+    return sent == received
+
+
 _GENERATORS: dict[str, Callable[[int, int, int], list[list[tuple[str, int, int]]]]] = {
     "gpipe": _gpipe,
     "1f1b": _one_f_one_b,

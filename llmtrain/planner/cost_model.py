@@ -24,7 +24,7 @@ rank times the in-flight micro-batches of the schedule; communication buffers; t
 from __future__ import annotations
 
 import functools
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 
 from llmtrain.config.schema import JobConfig, ModelConfig
 from llmtrain.planner import flops as F
@@ -135,7 +135,6 @@ class Estimate:
     mfu: float
     """Model FLOPs (no recomputation) per second over the GPUs' dense peak."""
     simulated: bool = False
-    notes: list[str] = field(default_factory=list)
 
     @property
     def memory_gb(self) -> float:

@@ -13,9 +13,10 @@ p ranks, m micro-batches, v chunks per rank:
     gpipe             (m + p - 1)(f + b) + 2(p - 1) c
     1f1b              (m + p - 1)(f + b) + (2(p - 1) + 2(k - floor(k / p))) c,  k = max(m - 2, 0)
     interleaved_1f1b  (m v + p - 1)(f + b) + 2(p v - 1) c                     (m >= p)
-    zb_h1             m (f + b) + (p - 1)(f + I - W) + 4(p - 1) c               (m > p, c <= f / 5)
-interleaved_1f1b needs m to be a multiple of p (Megatron's rule, which the planner enforces); zb_h1 shapes
-outside its range are replayed with the slowest rank's costs (normalised, so similar layouts share a replay).
+    zb_h1             m (f + b) + (p - 1)(f + I - W) + 4(p - 1) c        (m > p, W <= I, c <= f / 5)
+interleaved_1f1b needs m to be a multiple of p (Megatron's rule, which the planner enforces). zb_h1 shapes
+outside that range are replayed with the slowest rank's costs (normalised and rounded, so similar layouts
+share a replay) while p * m <= SIMULATE_MAX_ACTIONS; beyond it the closed form is an approximation.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from llmtrain.config import dump, validate
 from llmtrain.config.schema import JobConfig
-from llmtrain.planner.cost_model import GIB, Estimate, with_layout
+from llmtrain.planner.cost_model import GIB, Estimate, Layout, with_layout
 from llmtrain.planner.search import PlanResult
 
 COLUMNS = (
@@ -96,6 +96,17 @@ def write_config(
     return best
 
 
+def _label(lay: Layout) -> str:
+    """Three short lines naming a layout under its bar."""
+    sched = {"interleaved_1f1b": f"int/v{lay.virtual_stages}", "zb_h1": "zb-h1"}.get(
+        lay.schedule, lay.schedule
+    )
+    return (
+        f"{lay.tp}/{lay.pp}/{lay.dp} mb{lay.micro_batch}\n{sched}\n"
+        f"rc={lay.recompute[:4]}{' sp' if lay.sequence_parallel else ''} z{lay.zero_stage}"
+    )
+
+
 def plot(result: PlanResult, path: str | Path, top: int = 10) -> None:
     """Bar charts of the top layouts' step-time and memory breakdowns, written to `path` (png/pdf/svg)."""
     import matplotlib
@@ -104,11 +115,8 @@ def plot(result: PlanResult, path: str | Path, top: int = 10) -> None:
     import matplotlib.pyplot as plt
 
     ests = result.ranked[:top]
-    labels = [
-        f"#{i + 1}\n{e.layout.tp}/{e.layout.pp}/{e.layout.dp}\nmb{e.layout.micro_batch}"
-        for i, e in enumerate(ests)
-    ]
-    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(max(8, 1.4 * len(ests) + 4), 5))
+    labels = [f"#{i + 1}\n{_label(e.layout)}" for i, e in enumerate(ests)]
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(ests) + 4), 5.5))
     parts = {
         "compute": [e.compute for e in ests],
         "TP comm": [e.tp_comm for e in ests],
@@ -133,6 +141,8 @@ def plot(result: PlanResult, path: str | Path, top: int = 10) -> None:
     ax_m.set_ylabel("GiB per GPU")
     ax_m.set_title("memory on the fullest rank")
     ax_m.legend(fontsize=8)
+    for ax in (ax_t, ax_m):
+        ax.tick_params(axis="x", labelsize=7)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

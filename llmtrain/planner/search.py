@@ -89,6 +89,7 @@ class Space:
                 layout = Layout(tp, pp, dp, mb, v, sched, rc, sp, zero)
                 why = model.invalid_reason(layout)
                 if why:
+                    self.pruned[why] += 1
                     continue
                 yield layout
 
@@ -141,8 +142,8 @@ def build_space(model: CostModel, fixed: dict[str, object] | None = None) -> Spa
             else:
                 dp = gpus // (tp * pp)
                 if "dp" in fixed and fixed["dp"] != dp:
-                    continue
-                if w.global_batch % dp:
+                    reason = f"dp fixed to {fixed['dp']} but {gpus} GPUs / (tp={tp} * pp={pp}) = {dp}"
+                elif w.global_batch % dp:
                     reason = f"dp={dp} does not divide global batch {w.global_batch}"
             if reason:
                 pruned[reason] += 1
@@ -226,10 +227,8 @@ class Searcher:
     def eval(self, layout: Layout) -> Estimate | None:
         if layout in self.cache:
             return self.cache[layout]
-        why = self.model.invalid_reason(layout)
-        if why:
-            self.space.pruned[why] += 1
-            return None
+        if self.model.invalid_reason(layout):
+            return None  # descent proposes combinations freely; the enumeration counts the rules
         est = self.model.evaluate(layout)
         self.cache[layout] = est
         return est

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from llmtrain.config import ConfigError, JobConfig, dump
+from llmtrain.config import ConfigError, JobConfig, dump, with_overrides
 from llmtrain.parallel.topology import Topology
 from llmtrain.parallel.watchdog import Watchdog, install_excepthook
 from llmtrain.training.trainer import LocalStepRunner, Trainer, TrainResult
@@ -65,12 +66,25 @@ def build_trainer(job: JobConfig, topo: Topology, watchdog: Watchdog | None = No
     )
 
 
+def plan_layout(job: JobConfig, world_size: int) -> JobConfig:
+    """With parallel.auto, the planner's best layout for this world size (re-planned on every launch,
+    so an elastic restart on another number of workers gets a layout for that number)."""
+    from llmtrain.planner import plan_for_world
+
+    overrides, explanation = plan_for_world(job, world_size)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"parallel.auto for {world_size} processes:\n{explanation}", flush=True)
+    return with_overrides(job, overrides)
+
+
 def run(job: JobConfig) -> TrainResult:
     """Train `job` on the processes torchrun (or a plain `python`) started."""
     from llmtrain.parallel import init_distributed
 
     if job.train.num_threads:
         torch.set_num_threads(job.train.num_threads)
+    if job.parallel.auto:
+        job = plan_layout(job, int(os.environ.get("WORLD_SIZE", "1")))
     topo = init_distributed(job)
     install_excepthook(topo.rank)
     watchdog = Watchdog(job.parallel.timeout_s, topo.rank, topo.world_size).start()

@@ -174,7 +174,7 @@ def _crash_and_disk_full(out: str) -> None:
     import resource
     import signal
 
-    import llmtrain.checkpoint.manager as manager
+    import llmtrain.checkpoint.storage as storage
 
     job = tiny_job(out)
     model, opt = build(job, SINGLE)
@@ -191,8 +191,14 @@ def _crash_and_disk_full(out: str) -> None:
         message = str(err)
     resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     Path(out, "disk_full_error.txt").write_text(message)
-    # Crash once every tensor file of step 3 is written, before the manifest and the rename.
-    manager.file_checksum = lambda path: os._exit(3)
+    # Die in the middle of writing the tensor file of step 3.
+    write = storage._RecordingStream.write
+
+    def dying_write(self: object, data: bytes) -> int:
+        write(self, data)
+        os._exit(3)
+
+    storage._RecordingStream.write = dying_write
     ck.save(3, model, opt, {"step": 3})
 
 

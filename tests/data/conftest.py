@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sysconfig
 import warnings
 from pathlib import Path
@@ -59,3 +60,20 @@ def mcore_indexed():
                 f"megatron-core cannot be imported ({type(e).__name__}: {e}); pip install megatron-core"
             )
     return indexed_dataset
+
+
+@pytest.fixture(scope="session")
+def hf_dir(tmp_path_factory, docs) -> Path:
+    """A Hugging Face byte-level BPE tokenizer directory (400 tokens, eos <|endoftext|>) trained on `docs`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<pad>", "<|endoftext|>"])
+    tok.train_from_iterator(docs, trainer)
+    folder = tmp_path_factory.mktemp("hf")
+    tok.save(str(folder / "tokenizer.json"))
+    cfg = {"eos_token": "<|endoftext|>", "pad_token": "<pad>", "tokenizer_class": "PreTrainedTokenizerFast"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return folder

@@ -121,6 +121,23 @@ def test_vocabulary_errors(tmp_path, dataset_prefix, sp_model):
         build_data(_job(tmp_path, [dataset_prefix], sp_model), 0, 3)
 
 
+def test_default_corpus_with_a_hugging_face_tokenizer(tmp_path, hf_dir, monkeypatch):
+    monkeypatch.setattr(corpus_mod, "MAX_CORPUS_BYTES", 100_000)
+    job = _job(tmp_path, [], str(hf_dir), vocab_size=300)
+    with pytest.raises(DataError, match=r"model.vocab_size=300 is smaller .*400 tokens"):
+        build_data(job)
+    assert not (tmp_path / "cache" / "corpus").exists()  # failed before preparing anything
+    job.model.vocab_size = 400
+    dm = build_data(job)
+    assert dm.vocab_size == 400 and dm.tokenizer.eod_id == dm.tokenizer.encode("<|endoftext|>")[0]
+    row = next(dm.train_batches())[0].tolist()
+    corpus = IndexedDataset(next((tmp_path / "cache" / "corpus").glob("*/corpus.idx")).with_suffix(""))
+    text = "".join(dm.tokenizer.decode(corpus[i].tolist()) for i in range(len(corpus)))
+    cuts = [-1] + [i for i, t in enumerate(row) if t == dm.tokenizer.eod_id] + [len(row)]
+    for lo, hi in zip(cuts, cuts[1:], strict=False):  # the window crosses documents at end-of-document tokens
+        assert dm.tokenizer.decode(row[lo + 1 : hi]) in text
+
+
 def test_empty_valid_split_with_eval_enabled(tmp_path, dataset_prefix, sp_model):
     with pytest.raises(DataError, match="valid split without tokens.*train.eval_interval"):
         build_data(_job(tmp_path, [dataset_prefix], sp_model, split="100,0,0"))

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import sentencepiece as spm
 
@@ -41,22 +39,6 @@ def test_unigram_and_user_symbols(tmp_path, docs):
 def test_vocab_too_small_is_explained(tmp_path, docs):
     with pytest.raises(DataError, match="vocab_size=100.*use >= 512"):
         train_sentencepiece(docs[:3], tmp_path / "t.model", 100)
-
-
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory, docs):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<pad>", "<|endoftext|>"])
-    tok.train_from_iterator(docs, trainer)
-    folder = tmp_path_factory.mktemp("hf")
-    tok.save(str(folder / "tokenizer.json"))
-    cfg = {"eos_token": "<|endoftext|>", "pad_token": "<pad>", "tokenizer_class": "PreTrainedTokenizerFast"}
-    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
-    return folder
 
 
 def test_hf_directory_agrees_with_transformers(hf_dir, docs):

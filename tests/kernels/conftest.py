@@ -27,16 +27,22 @@ TOLERANCES = {
 }
 
 
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, scale: float = 1.0, what: str = ""):
-    """Compare to a float64 reference with the tolerance of `dtype`, widened by `scale` where a test says why."""
+def assert_close(
+    actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, scale: float = 1.0, what: str = ""
+):
+    """Check against float64 with the tolerance of `dtype`, widened by `scale` where a test says why."""
     tol = TOLERANCES[dtype]
     torch.testing.assert_close(
-        actual.double(), expected.double(), atol=tol["atol"] * scale, rtol=tol["rtol"] * scale, msg=lambda m: f"{what}: {m}"
+        actual.double(),
+        expected.double(),
+        atol=tol["atol"] * scale,
+        rtol=tol["rtol"] * scale,
+        msg=lambda m: f"{what}: {m}",
     )
 
 
 def forward_backward(fn, inputs, cotangent_seed: int = 1):
-    """Outputs of fn(*inputs) and gradients of <outputs, random cotangents> w.r.t. the tensors that require grad.
+    """Outputs of fn(*inputs) and the gradients of <outputs, random cotangents> w.r.t. inputs needing grad.
 
     The cotangents come from a fixed seed and are rounded through fp16, so a kernel run (any dtype) and its
     float64 reference run receive exactly the same upstream gradients.
@@ -56,7 +62,9 @@ def forward_backward(fn, inputs, cotangent_seed: int = 1):
 def as_float64_leaves(*tensors):
     """float64 copies of the inputs, keeping requires_grad where the original had it."""
     return [
-        t.detach().double().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+        t.detach().double().requires_grad_(t.requires_grad)
+        if isinstance(t, torch.Tensor) and t.is_floating_point()
+        else t
         for t in tensors
     ]
 

@@ -40,12 +40,13 @@ def test_flash_attention_matches_sdpa(batch, hq, hkv, seq, dim, causal, dtype):
         lambda q, k, v: kernels.flash_attention(q, k, v, causal=causal, impl="triton"), [q, k, v]
     )
     exp, exp_g = forward_backward(
-        lambda q, k, v: _sdpa64(q, k, v, causal, scale), [t.detach().double().requires_grad_() for t in (q, k, v)]
+        lambda q, k, v: _sdpa64(q, k, v, causal, scale),
+        [t.detach().double().requires_grad_() for t in (q, k, v)],
     )
     assert got[0].dtype == dtype
     assert_close(got[0], exp[0], dtype, what="output")
     # Gradients sum products over the sequence (and over a GQA group for dk/dv): allow 2x.
-    for name, a, e in zip("qkv", got_g, exp_g):
+    for name, a, e in zip("qkv", got_g, exp_g, strict=True):
         assert_close(a, e, dtype, scale=2.0, what=f"grad {name}")
 
 
@@ -61,7 +62,7 @@ def test_flash_attention_custom_scale_and_noncontiguous():
         lambda q, k, v: _sdpa64(q, k, v, True, 0.3), [t.detach().double().requires_grad_() for t in (q, k, v)]
     )
     assert_close(got[0], exp[0], torch.float32)
-    for a, e in zip(got_g, exp_g):
+    for a, e in zip(got_g, exp_g, strict=True):
         assert_close(a, e, torch.float32, scale=2.0)
 
 

@@ -38,7 +38,7 @@ def test_glu_matches_torch(name, shape, dtype, fused_projection):
     exp, exp_g = forward_backward(ref, [t.detach().double().requires_grad_() for t in inputs])
     assert got[0].dtype == dtype
     assert_close(got[0], exp[0], dtype, what="output")
-    for a, e in zip(got_g, exp_g):
+    for a, e in zip(got_g, exp_g, strict=True):
         assert_close(a, e, dtype, what="grad")
 
 

@@ -1,4 +1,4 @@
-"""Rotary Triton kernel vs transformers' own rotary code (LLaMA half-rotated, ERNIE-4.5 interleaved), float64."""
+"""Rotary Triton kernel vs transformers' rotary (LLaMA half-rotated, ERNIE-4.5 interleaved) in float64."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def _hf_reference(x: torch.Tensor, positions: slice, interleaved: bool) -> torch
     if not interleaved:
         out, _ = hf_llama.apply_rotary_pos_emb(x, x, cos, sin, unsqueeze_dim=2)
         return out
-    # ERNIE's apply_rotary_pos_emb upcasts to fp32; reuse its rotate_half and its cos/sin re-layout in float64.
+    # ERNIE's apply_rotary_pos_emb upcasts to fp32: reuse its rotate_half and cos/sin re-layout in float64.
     half = cos.shape[-1] // 2
     cos_i = cos[..., :half].repeat_interleave(2, -1).unsqueeze(2)
     sin_i = sin[..., :half].repeat_interleave(2, -1).unsqueeze(2)
@@ -52,11 +52,15 @@ def test_rotary_matches_transformers(batch, seq, q_heads, kv_heads, dim, offset,
     for heads in (q_heads, kv_heads):  # q and k carry different head counts
         x = torch.randn(batch, seq, heads, dim, dtype=torch.float64).to(dtype).requires_grad_()
         got, got_g = forward_backward(
-            lambda x: kernels.apply_rotary(x, cos.float(), sin.float(), interleaved, "triton", position_offset=offset),
+            lambda x: kernels.apply_rotary(
+                x, cos.float(), sin.float(), interleaved, "triton", position_offset=offset
+            ),
             [x],
         )
         x64 = x.detach().double().requires_grad_()
-        exp, exp_g = forward_backward(lambda x: _hf_reference(x, slice(offset, offset + seq), interleaved), [x64])
+        exp, exp_g = forward_backward(
+            lambda x: _hf_reference(x, slice(offset, offset + seq), interleaved), [x64]
+        )
         assert got[0].dtype == dtype
         assert_close(got[0], exp[0], dtype, what="output")
         assert_close(got_g[0], exp_g[0], dtype, what="grad x")
@@ -74,4 +78,6 @@ def test_rotary_torch_impl_matches_triton_with_offset(interleaved):
 def test_rotary_rejects_short_table():
     cos, sin = _tables(8, 16, False)
     with pytest.raises(ValueError, match="position_offset"):
-        kernels.apply_rotary(torch.randn(1, 6, 2, 16), cos.float(), sin.float(), impl="torch", position_offset=4)
+        kernels.apply_rotary(
+            torch.randn(1, 6, 2, 16), cos.float(), sin.float(), impl="torch", position_offset=4
+        )

@@ -49,12 +49,15 @@ def tiny_job(arch: str, **overrides: Any) -> JobConfig:
     return job
 
 
-def batches(job: JobConfig, steps: int, seed: int = 99) -> list[torch.Tensor]:
-    """The global batches of a run: (global_batch, seq + 1) token ids."""
+def batches(job: JobConfig, steps: int, seed: int = 99, learnable: bool = False) -> list[torch.Tensor]:
+    """The global batches of a run: (global_batch, seq + 1) token ids, uniform noise or counting sequences."""
     g = torch.Generator().manual_seed(seed)
-    m = job.model
-    return [torch.randint(0, m.vocab_size, (job.train.global_batch_size, m.seq_length + 1), generator=g)
-            for _ in range(steps)]
+    shape = (job.train.global_batch_size, job.model.seq_length + 1)
+    vocab = job.model.vocab_size
+    if learnable:  # each row counts up from a random start: a model can drive the loss towards 0
+        starts = torch.randint(0, vocab, (steps, shape[0], 1), generator=g)
+        return list((starts + torch.arange(shape[1])) % vocab)
+    return [torch.randint(0, vocab, shape, generator=g) for _ in range(steps)]
 
 
 def reference_run(job: JobConfig, steps: int, lr: float = 1e-3) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -79,7 +82,9 @@ def reference_run(job: JobConfig, steps: int, lr: float = 1e-3) -> tuple[list[fl
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def parallel_run(job: JobConfig, topo: Topology, steps: int, lr: float = 1e-3) -> dict[str, Any]:
+def parallel_run(
+    job: JobConfig, topo: Topology, steps: int, lr: float = 1e-3, learnable: bool = False
+) -> dict[str, Any]:
     """Our stack on `topo`: this DP rank's slice of each global batch, accumulation over micro-batches."""
     torch.manual_seed(job.train.seed)
     model = models.build(job.model)
@@ -89,7 +94,7 @@ def parallel_run(job: JobConfig, topo: Topology, steps: int, lr: float = 1e-3) -
     per_rank = t.global_batch_size // topo.dp
     micro = per_rank // t.micro_batch_size
     losses, stats = [], []
-    for batch in batches(job, steps):
+    for batch in batches(job, steps, learnable=learnable):
         mine = batch[topo.dp_rank * per_rank : (topo.dp_rank + 1) * per_rank]
         opt.zero_grad()
         total = 0.0

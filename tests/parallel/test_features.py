@@ -19,8 +19,9 @@ from llmtrain.parallel.memory import korthikanti_bytes, measure_layer_bytes
 from tests.parallel._dist import batches, parallel_run, spawn, tiny_job
 
 BF16_STEPS = 20
-# bf16 keeps 8 mantissa bits: the tp=2 and tp=1 curves start equal and drift by rounding only.
-BF16_TOLERANCE = 2e-2
+# bf16 keeps 8 mantissa bits: the tp=2 and tp=1 curves start equal (1e-4) and drift apart by rounding
+# only; at lr 1e-2 over 20 steps the per-step gap stays under 4% (measured), we allow 5%.
+BF16_TOLERANCE = 5e-2
 
 
 def _gather(x: torch.Tensor) -> list[torch.Tensor]:
@@ -32,7 +33,7 @@ def _gather(x: torch.Tensor) -> list[torch.Tensor]:
 def _bf16(rank: int, world: int) -> dict:
     job = tiny_job("llama", tp=2, sequence_parallel=True, precision="bf16")
     job.train.global_batch_size = 4
-    run = parallel_run(job, Topology(job.parallel, world, rank), BF16_STEPS)
+    run = parallel_run(job, Topology(job.parallel, world, rank), BF16_STEPS, lr=1e-2, learnable=True)
     model, opt = run["model"], run["opt"]
     dtypes = {
         "param": next(model.parameters()).dtype,
@@ -43,7 +44,7 @@ def _bf16(rank: int, world: int) -> dict:
     if rank == 0:
         job1 = tiny_job("llama", precision="bf16")
         job1.train.global_batch_size = 4
-        single = parallel_run(job1, Topology.single(), BF16_STEPS)["losses"]
+        single = parallel_run(job1, Topology.single(), BF16_STEPS, lr=1e-2, learnable=True)["losses"]
     return {"tp2": run["losses"], "tp1": single, "dtypes": dtypes}
 
 
@@ -164,7 +165,8 @@ def test_bf16_tp2_follows_tp1(results: list[dict]) -> None:
     assert r["dtypes"] == {"param": torch.bfloat16, "main_grad": torch.float32, "master": torch.float32}
     rel = [abs(a - b) / b for a, b in zip(r["tp2"], r["tp1"], strict=True)]
     assert max(rel) < BF16_TOLERANCE, (r["tp2"], r["tp1"])
-    assert r["tp2"][-1] < r["tp2"][0] - 0.05  # and it trains
+    assert abs(r["tp2"][0] - r["tp1"][0]) / r["tp1"][0] < 1e-3
+    assert r["tp2"][-1] < r["tp2"][0] - 1.0  # a curve that moves, not a flat line
 
 
 @pytest.mark.slow

@@ -16,9 +16,9 @@ import torch.multiprocessing as mp
 from llmtrain.config import JobConfig, ModelConfig, ParallelConfig, TrainConfig
 from llmtrain.models import build
 from llmtrain.parallel import Topology, apply_tp, build_optimizer, gather_full_state_dict, grad_sync
-from llmtrain.pipeline.executor import PipelineExecutor
+from llmtrain.pipeline.executor import PipelineStepRunner, build_pipeline
 from llmtrain.pipeline.schedules import build_schedule
-from llmtrain.pipeline.stages import activation_shape, build_stages, partition_layers
+from llmtrain.pipeline.stages import partition_layers
 
 STEPS = 3
 MICRO = 2  # samples per micro-batch
@@ -48,7 +48,8 @@ def data(job: JobConfig, step: int) -> torch.Tensor:
 
 
 def reference(job: JobConfig) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """One process: accumulate over all micro-batches of the global batch, then the optimizer step."""
+    """One process: accumulate over all micro-batches of the global batch, then the optimizer step; returns
+    the loss of every step plus the held-out loss after the last, and the final weights."""
     torch.manual_seed(job.train.seed)
     model = build(job.model)
     opt = build_optimizer(model, Topology.single(), job)
@@ -64,31 +65,40 @@ def reference(job: JobConfig) -> tuple[list[float], dict[str, torch.Tensor]]:
         opt.step(job.train.lr)
         opt.zero_grad()
         losses.append(total / len(micro))
+    with torch.no_grad():
+        held_out = data(job, STEPS)
+        losses.append(
+            torch.stack([model(mb[:, :-1], labels=mb[:, 1:]) for mb in held_out.split(MICRO)]).mean().item()
+        )
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def pipelined(job: JobConfig, topo: Topology, trace: bool = False) -> tuple:
-    """The same run with this rank's pipeline chunks: (losses, full weights of its chunks[, last trace])."""
+    """The same run with this rank's pipeline chunks: (losses as in reference(), full weights of its
+    chunks[, the last step's trace])."""
     torch.manual_seed(job.train.seed)
     model = build(job.model)
     apply_tp(model, topo, job.parallel.sequence_parallel, job.train.seed)
-    stages = build_stages(model, topo, job.parallel.virtual_stages)
+    stages, executor = build_pipeline(model, topo, job)
     del model
     opt = build_optimizer(stages, topo, job)
-    m = job.train.global_batch_size // (MICRO * topo.dp)
-    schedule = build_schedule(job.parallel.schedule, topo.pp, m, job.parallel.virtual_stages)
-    shape = activation_shape(MICRO, job.model.seq_length, job.model.hidden_size, topo.tp)
-    executor = PipelineExecutor(stages, schedule, topo, shape)
+    runner = PipelineStepRunner(executor, opt, MICRO)
     losses = []
-    for step in range(STEPS):
-        local = data(job, step).chunk(topo.dp)[topo.dp_rank]
-        loss = executor.run(list(local.split(MICRO)), trace=trace)
+
+    def dp_mean(loss: torch.Tensor) -> float:
         if topo.dp > 1:
             dist.all_reduce(loss, group=topo.dp_group)
             loss /= topo.dp
+        return loss.item()
+
+    for step in range(STEPS):
+        local = data(job, step).chunk(topo.dp)[topo.dp_rank]
+        loss = executor.run(list(local.split(MICRO)), trace=trace) if trace else runner.train_step(local)
+        losses.append(dp_mean(loss))
         opt.step(job.train.lr)
         opt.zero_grad()
-        losses.append(loss.item())
+    # The held-out loss of the trained model, forwards only (the last entry, as in reference()).
+    losses.append(dp_mean(runner.eval_step(data(job, STEPS).chunk(topo.dp)[topo.dp_rank])))
     weights: dict[str, torch.Tensor] = {}
     for chunk in stages.chunks:
         weights.update(gather_full_state_dict(chunk, topo))

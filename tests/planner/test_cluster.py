@@ -3,7 +3,7 @@
 import pytest
 
 from llmtrain.config.errors import ConfigError
-from llmtrain.planner.cluster import cluster_from_dict, load_cluster
+from llmtrain.planner.cluster import cluster_from_dict, cluster_to_dict, load_cluster
 
 
 def tiny(**links):
@@ -85,3 +85,8 @@ def test_bad_cluster_files_name_the_field(mutate, needle):
 def test_too_many_gpus_is_a_clear_error():
     with pytest.raises(ConfigError, match="--gpus"):
         cluster_from_dict(tiny()).view(100)
+
+
+def test_cluster_dict_round_trip():
+    for cl in (load_cluster("a100-80gb"), cluster_from_dict(tiny())):
+        assert cluster_from_dict(cluster_to_dict(cl)) == cl

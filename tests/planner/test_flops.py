@@ -112,6 +112,7 @@ def test_parameter_counts_match_published_models(cfg, published):
     assert num_parameters(ModelConfig(**cfg)) == published
 
 
+@pytest.mark.slow  # imports torch and the model zoo
 @pytest.mark.parametrize("arch", ["gpt", "llama", "ernie"])
 def test_parameter_count_matches_built_model(arch):
     torch = pytest.importorskip("torch")

@@ -1,0 +1,215 @@
+"""Data-parallel step time and optimizer memory: ours (zero_stage 0 and 1) against torch DDP and DeepSpeed ZeRO-1.
+
+Every variant trains the same model (same weights, fp32) on the same per-rank batch with AdamW and
+global-norm clipping at 1.0, on the same gloo process group, in the same run. Variants take turns
+(round-robin over several rounds, the median round counts) so load from other processes hits them alike.
+A step is zero_grad + forward + backward (with the DP reduction) + clip + AdamW; its time is the slowest
+rank's. Optimizer bytes are what each rank holds beyond the model: Adam states plus any separate fp32 copy.
+
+  python benchmarks/bench_dp.py                          # 2 processes, gpt 4x256, seq 128, batch 4 per rank
+  DS_ACCELERATOR=cpu python benchmarks/bench_dp.py --nproc 4 --hidden 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import os
+import socket
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+from torch import nn  # noqa: E402
+
+from llmtrain import models  # noqa: E402
+from llmtrain.config import JobConfig, ModelConfig  # noqa: E402
+from llmtrain.parallel import Topology, build_optimizer, parallelize  # noqa: E402
+from llmtrain.parallel.optimizer import no_weight_decay  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line flags: process count, model size, batch and measurement counts."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--arch", default="gpt")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--batch", type=int, default=4, help="micro-batch per rank")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per variant per round")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per variant before measuring")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    p.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeed even when it is installed")
+    return p.parse_args(argv)
+
+
+def _job(args: argparse.Namespace, zero: int, world: int) -> JobConfig:
+    job = JobConfig(
+        model=ModelConfig(arch=args.arch, num_layers=args.layers, hidden_size=args.hidden,
+                          num_attention_heads=args.heads, vocab_size=args.vocab, seq_length=args.seq,
+                          kernels="torch")
+    )
+    job.parallel.zero_stage = zero
+    job.train.micro_batch_size = args.batch
+    job.train.global_batch_size = args.batch * world
+    return job
+
+
+def _fresh_model(job: JobConfig) -> nn.Module:
+    torch.manual_seed(job.train.seed)
+    return models.build(job.model)
+
+
+def _adamw_groups(model: nn.Module, wd: float) -> list[dict[str, Any]]:
+    named = list(model.named_parameters())
+    return [
+        {"params": [p for n, p in named if not no_weight_decay(n, p)], "weight_decay": wd},
+        {"params": [p for n, p in named if no_weight_decay(n, p)], "weight_decay": 0.0},
+    ]
+
+
+def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    return sum(
+        v.numel() * v.element_size()
+        for state in optimizer.state.values()
+        for v in state.values()
+        if torch.is_tensor(v) and v.ndim
+    )
+
+
+def _ours(job: JobConfig, topo: Topology) -> tuple[Callable[[torch.Tensor], None], Callable[[], int]]:
+    model = _fresh_model(job)
+    parallelize(model, topo, job)
+    opt = build_optimizer(model, topo, job)
+
+    def step(batch: torch.Tensor) -> None:
+        opt.zero_grad()
+        opt.backward(model(batch[:, :-1], batch[:, 1:]))
+        opt.step(job.train.lr)
+
+    return step, lambda: opt.state_bytes()
+
+
+def _ddp(job: JobConfig, topo: Topology) -> tuple[Callable[[torch.Tensor], None], Callable[[], int]]:
+    model = _fresh_model(job)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    t = job.train
+    opt = torch.optim.AdamW(_adamw_groups(model, t.weight_decay), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2),
+                            eps=t.adam_eps, fused=True)
+
+    def step(batch: torch.Tensor) -> None:
+        opt.zero_grad()
+        ddp(batch[:, :-1], batch[:, 1:]).backward()
+        nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+        opt.step()
+
+    return step, lambda: _state_bytes(opt)
+
+
+def _deepspeed(job: JobConfig, topo: Topology) -> tuple[Callable[[torch.Tensor], None], Callable[[], int]]:
+    import deepspeed
+
+    model = _fresh_model(job)
+    t = job.train
+    opt = torch.optim.AdamW(_adamw_groups(model, t.weight_decay), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2),
+                            eps=t.adam_eps, fused=True)
+    config = {
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": t.grad_clip,
+        "zero_optimization": {"stage": 1},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+    }
+    engine, ds_opt, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+
+    def step(batch: torch.Tensor) -> None:
+        loss = engine(batch[:, :-1], batch[:, 1:])
+        engine.backward(loss)
+        engine.step()
+
+    def state_bytes() -> int:
+        fp32_partitions = sum(p.numel() * p.element_size() for p in ds_opt.single_partition_of_fp32_groups)
+        return _state_bytes(ds_opt.optimizer) + fp32_partitions
+
+    return step, state_bytes
+
+
+def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
+    variants: dict[str, Any] = {}
+    for zero in (0, 1):
+        job = _job(args, zero, world)
+        variants[f"ours zero{zero}"] = _ours(job, Topology(job.parallel, world, rank))
+    job = _job(args, 0, world)
+    variants["torch DDP"] = _ddp(job, None)
+    if not args.no_deepspeed and importlib.util.find_spec("deepspeed") is not None:
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo")
+        variants["DeepSpeed ZeRO-1"] = _deepspeed(_job(args, 1, world), None)
+    g = torch.Generator().manual_seed(1000 + rank)
+    batch = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for name, (step, _) in variants.items():
+        for _ in range(args.warmup):
+            step(batch)
+    for _ in range(args.rounds):
+        for name, (step, _) in variants.items():
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                step(batch)
+            elapsed = torch.tensor([(time.perf_counter() - start) / args.steps])
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            times[name].append(elapsed.item())
+    memory = {name: torch.tensor([float(state())]) for name, (_, state) in variants.items()}
+    for v in memory.values():
+        dist.all_reduce(v, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        out.update({name: (statistics.median(times[name]), int(memory[name].item())) for name in variants})
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> dict[str, tuple[float, int]]:
+    """Run the benchmark and print step times, ratios and optimizer bytes per rank."""
+    args = parse_args(argv)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_worker, args=(args.nproc, port, args, out), nprocs=args.nproc, join=True)
+        result = dict(out)
+    params = models.num_parameters(_job(args, 0, 1).model) if hasattr(models, "num_parameters") else None
+    print(f"{args.nproc} processes (gloo, {args.threads} thread each), {args.arch} {args.layers}x{args.hidden} "
+          f"vocab {args.vocab}, seq {args.seq}, batch {args.batch}/rank, fp32"
+          + (f", {params / 1e6:.1f}M params" if params else ""))
+    print(f"{'variant':<18} {'step ms':>9} {'opt MiB/rank':>13}")
+    for name, (seconds, nbytes) in result.items():
+        print(f"{name:<18} {seconds * 1e3:>9.1f} {nbytes / 2**20:>13.2f}")
+    for ours in ("ours zero0", "ours zero1"):
+        for other in ("torch DDP", "DeepSpeed ZeRO-1"):
+            if other in result:
+                print(f"step-time ratio {ours} / {other}: {result[ours][0] / result[other][0]:.3f}")
+    if "DeepSpeed ZeRO-1" not in result:
+        print("DeepSpeed ZeRO-1: not measured (not installed or --no-deepspeed)")
+    return result
+
+
+if __name__ == "__main__":
+    main()

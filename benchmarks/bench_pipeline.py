@@ -1,0 +1,192 @@
+"""Pipeline schedules on gloo: our executor against torch.distributed.pipelining, same stages, same data.
+
+For v = 1 and v = 2 every rank builds the same model and cuts the same chunks; our PipelineExecutor (1F1B /
+interleaved 1F1B, plus GPipe and ZB-H1) and torch's Schedule1F1B / ScheduleInterleaved1F1B then run the
+same micro-batches on those very modules, alternating step by step so both see the same machine load.
+Prints median step times and our/torch ratios, and for our schedules the bubble fraction measured from a
+per-action trace beside the one the simulator predicts from the measured per-chunk costs.
+
+    python benchmarks/bench_pipeline.py --pp 2 --microbatches 8 --timeline bench_interleaved.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from llmtrain.config import ModelConfig, ParallelConfig
+from llmtrain.models import build
+from llmtrain.parallel import Topology
+from llmtrain.pipeline.executor import PipelineExecutor
+from llmtrain.pipeline.schedules import build_schedule
+from llmtrain.pipeline.simulator import simulate
+from llmtrain.pipeline.stages import activation_shape, build_stages
+from llmtrain.pipeline.timeline import Span, bubble_fraction, render_png
+
+
+def _loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
+
+
+def _timed(fn) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - start
+
+
+def _simulated_bubble(schedule, spans: list[Span]) -> float:
+    """The simulator's bubble for this schedule with the mean measured cost of each (rank, chunk, kind)."""
+    pp, v = schedule.pp, schedule.virtual_stages
+    cost: dict[str, dict[tuple[int, int], float]] = {}
+    for kind in ("F", "B", "I", "W"):
+        durations: dict[tuple[int, int], list[float]] = {}
+        for s in spans:
+            if s.kind == kind:
+                durations.setdefault((s.rank, s.chunk), []).append(s.end - s.start)
+        cost[kind] = {k: statistics.mean(d) for k, d in durations.items()}
+    if schedule.split_backward:
+        full = {k: cost["I"][k] + cost["W"][k] for k in cost["I"]}
+        return simulate(schedule, cost["F"], full, weight_grad=cost["W"]).bubble_fraction
+    assert len(cost["F"]) == pp * v
+    return simulate(schedule, cost["F"], cost["B"]).bubble_fraction
+
+
+def _worker(rank: int, world: int, store: str, args: argparse.Namespace, results: dict) -> None:
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+
+    topo = Topology(ParallelConfig(pp=world), world, rank)
+    cfg = ModelConfig(
+        arch="llama",
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        num_attention_heads=args.hidden // 64,
+        vocab_size=args.vocab,
+        seq_length=args.seq,
+        kernels="torch",
+    )
+    m, b = args.microbatches, args.micro_batch_size
+    gen = torch.Generator().manual_seed(0)
+    batch = torch.randint(0, cfg.vocab_size, (m * b, cfg.seq_length + 1), generator=gen)
+    micro = list(batch.split(b))
+    shape = activation_shape(b, cfg.seq_length, cfg.hidden_size)
+    out: dict[str, object] = {}
+    for v in (1, 2):
+        torch.manual_seed(1234)
+        stages = build_stages(build(cfg), topo, v)
+        torch_stages = [
+            PipelineStage(chunk, chunk.stage, world * v, torch.device("cpu"), group=topo.pp_group)
+            for chunk in stages.chunks
+        ]
+        if v == 1:
+            theirs = Schedule1F1B(torch_stages[0], m, loss_fn=_loss)
+            ours_names = ["1f1b", "gpipe", "zb_h1"]
+        else:
+            theirs = ScheduleInterleaved1F1B(torch_stages, m, loss_fn=_loss)
+            ours_names = ["interleaved_1f1b"]
+
+        def torch_step() -> None:
+            kwargs = {"target": batch[:, 1:]} if topo.is_last_stage else {}
+            if topo.is_first_stage:
+                theirs.step(batch[:, :-1], **kwargs)
+            else:
+                theirs.step(**kwargs)
+
+        executors = {
+            name: PipelineExecutor(stages, build_schedule(name, world, m, v), topo, shape)
+            for name in ours_names
+        }
+        times: dict[str, list[float]] = {name: [] for name in ours_names}
+        times["torch"] = []
+        for step in range(args.warmup + args.steps):
+            for name, ex in executors.items():
+                stages.zero_grad(set_to_none=True)
+                t = _timed(lambda ex=ex: ex.run(micro))
+                if step >= args.warmup:
+                    times[name].append(t)
+            stages.zero_grad(set_to_none=True)
+            t = _timed(torch_step)
+            if step >= args.warmup:
+                times["torch"].append(t)
+        for name, ex in executors.items():
+            stages.zero_grad(set_to_none=True)
+            ex.run(micro, trace=True)
+            gathered: list = [None] * world
+            dist.all_gather_object(gathered, ex.trace)
+            spans = [Span(**e) for trace in gathered for e in trace]
+            out[name] = {
+                "time": statistics.median(times[name]),
+                "measured_bubble": bubble_fraction(spans),
+                "simulated_bubble": _simulated_bubble(ex.schedule, spans),
+                "spans": spans,
+            }
+        out[f"torch_v{v}"] = statistics.median(times["torch"])
+    if rank == 0:
+        results.update(out)
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse arguments, run the comparison on `--pp` gloo processes and print the table."""
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--pp", type=int, default=2)
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--micro-batch-size", type=int, default=4)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    parser.add_argument("--timeline", help="PNG of the traced interleaved run")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(
+            _worker, args=(args.pp, os.path.join(tmp, "store"), args, results), nprocs=args.pp, join=True
+        )
+        r = dict(results)
+    print(
+        f"pp={args.pp} microbatches={args.microbatches} micro_batch_size={args.micro_batch_size} "
+        f"layers={args.layers} hidden={args.hidden} seq={args.seq} threads/rank={args.threads} (gloo, CPU)"
+    )
+    print(f"{'schedule':<18}{'step s':>9}{'torch s':>9}{'ratio':>7}{'bubble meas.':>14}{'bubble sim.':>13}")
+    for name, torch_key in (
+        ("1f1b", "torch_v1"),
+        ("interleaved_1f1b", "torch_v2"),
+        ("gpipe", None),
+        ("zb_h1", None),
+    ):
+        row = r[name]
+        ref = r[torch_key] if torch_key else None
+        ratio = f"{row['time'] / ref:7.3f}" if ref else f"{'':>7}"
+        ref_s = f"{ref:9.4f}" if ref else f"{'':>9}"
+        print(
+            f"{name:<18}{row['time']:9.4f}{ref_s}{ratio}{row['measured_bubble']:14.3f}{row['simulated_bubble']:13.3f}"
+        )
+    if args.timeline:
+        spans = r["interleaved_1f1b"]["spans"]
+        title = (
+            f"interleaved_1f1b pp={args.pp} m={args.microbatches} v=2 (traced, gloo)  bubble "
+            f"{r['interleaved_1f1b']['measured_bubble']:.1%}, simulated {r['interleaved_1f1b']['simulated_bubble']:.1%}"
+        )
+        render_png(spans, args.timeline, title, "seconds")
+        print(f"wrote {args.timeline}")
+
+
+if __name__ == "__main__":
+    main()
