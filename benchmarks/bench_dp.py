@@ -1,4 +1,4 @@
-"""Data-parallel step time and optimizer memory: ours (zero_stage 0 and 1) against torch DDP and DeepSpeed ZeRO-1.
+"""Data-parallel step time and optimizer memory: ours (zero_stage 0, 1) vs torch DDP and DeepSpeed ZeRO-1.
 
 Every variant trains the same model (same weights, fp32) on the same per-rank batch with AdamW and
 global-norm clipping at 1.0, on the same gloo process group, in the same run. Variants take turns
@@ -56,9 +56,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _job(args: argparse.Namespace, zero: int, world: int) -> JobConfig:
     job = JobConfig(
-        model=ModelConfig(arch=args.arch, num_layers=args.layers, hidden_size=args.hidden,
-                          num_attention_heads=args.heads, vocab_size=args.vocab, seq_length=args.seq,
-                          kernels="torch")
+        model=ModelConfig(
+            arch=args.arch,
+            num_layers=args.layers,
+            hidden_size=args.hidden,
+            num_attention_heads=args.heads,
+            vocab_size=args.vocab,
+            seq_length=args.seq,
+            kernels="torch",
+        )
     )
     job.parallel.zero_stage = zero
     job.train.micro_batch_size = args.batch
@@ -105,8 +111,13 @@ def _ddp(job: JobConfig, topo: Topology) -> tuple[Callable[[torch.Tensor], None]
     model = _fresh_model(job)
     ddp = nn.parallel.DistributedDataParallel(model)
     t = job.train
-    opt = torch.optim.AdamW(_adamw_groups(model, t.weight_decay), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2),
-                            eps=t.adam_eps, fused=True)
+    opt = torch.optim.AdamW(
+        _adamw_groups(model, t.weight_decay),
+        lr=t.lr,
+        betas=(t.adam_beta1, t.adam_beta2),
+        eps=t.adam_eps,
+        fused=True,
+    )
 
     def step(batch: torch.Tensor) -> None:
         opt.zero_grad()
@@ -122,8 +133,13 @@ def _deepspeed(job: JobConfig, topo: Topology) -> tuple[Callable[[torch.Tensor],
 
     model = _fresh_model(job)
     t = job.train
-    opt = torch.optim.AdamW(_adamw_groups(model, t.weight_decay), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2),
-                            eps=t.adam_eps, fused=True)
+    opt = torch.optim.AdamW(
+        _adamw_groups(model, t.weight_decay),
+        lr=t.lr,
+        betas=(t.adam_beta1, t.adam_beta2),
+        eps=t.adam_eps,
+        fused=True,
+    )
     config = {
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
         "gradient_accumulation_steps": 1,
@@ -147,8 +163,13 @@ def _deepspeed(job: JobConfig, topo: Topology) -> tuple[Callable[[torch.Tensor],
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+    )
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
     variants: dict[str, Any] = {}
@@ -165,7 +186,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: dic
     g = torch.Generator().manual_seed(1000 + rank)
     batch = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)
     times: dict[str, list[float]] = {name: [] for name in variants}
-    for name, (step, _) in variants.items():
+    for step, _ in variants.values():
         for _ in range(args.warmup):
             step(batch)
     for _ in range(args.rounds):
@@ -196,9 +217,11 @@ def main(argv: list[str] | None = None) -> dict[str, tuple[float, int]]:
         mp.spawn(_worker, args=(args.nproc, port, args, out), nprocs=args.nproc, join=True)
         result = dict(out)
     params = models.num_parameters(_job(args, 0, 1).model) if hasattr(models, "num_parameters") else None
-    print(f"{args.nproc} processes (gloo, {args.threads} thread each), {args.arch} {args.layers}x{args.hidden} "
-          f"vocab {args.vocab}, seq {args.seq}, batch {args.batch}/rank, fp32"
-          + (f", {params / 1e6:.1f}M params" if params else ""))
+    print(
+        f"{args.nproc} processes (gloo, {args.threads} thread each), {args.arch} {args.layers}x{args.hidden} "
+        f"vocab {args.vocab}, seq {args.seq}, batch {args.batch}/rank, fp32"
+        + (f", {params / 1e6:.1f}M params" if params else "")
+    )
     print(f"{'variant':<18} {'step ms':>9} {'opt MiB/rank':>13}")
     for name, (seconds, nbytes) in result.items():
         print(f"{name:<18} {seconds * 1e3:>9.1f} {nbytes / 2**20:>13.2f}")

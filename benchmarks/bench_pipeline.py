@@ -29,7 +29,7 @@ from llmtrain.pipeline.executor import PipelineExecutor
 from llmtrain.pipeline.schedules import build_schedule
 from llmtrain.pipeline.simulator import simulate
 from llmtrain.pipeline.stages import activation_shape, build_stages
-from llmtrain.pipeline.timeline import Span, bubble_fraction, render_png
+from llmtrain.pipeline.timeline import Span, bubble_fraction, render_png, save_trace
 
 
 def _loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -44,9 +44,28 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
+def _transfer_latency(schedule, spans: list[Span]) -> float:
+    """Median delay from the end of a forward to the start of the next stage's forward on another rank,
+    where that rank sat idle waiting for it: the transfer time the simulator should charge."""
+    by_key = {(s.kind, s.microbatch, schedule.stage(s.rank, s.chunk)): s for s in spans}
+    previous_end: dict[tuple[int, float], float] = {}
+    for rank in {s.rank for s in spans}:
+        mine = sorted((s for s in spans if s.rank == rank), key=lambda s: s.start)
+        for before, after in zip(mine, mine[1:], strict=False):
+            previous_end[(rank, after.start)] = before.end
+    delays = []
+    for (kind, mb, stage), s in by_key.items():
+        producer = by_key.get((kind, mb, stage - 1)) if kind == "F" else None
+        if producer is None or producer.rank == s.rank:
+            continue
+        if previous_end.get((s.rank, s.start), 0.0) < producer.end < s.start:
+            delays.append(s.start - producer.end)
+    return statistics.median(delays) if delays else 0.0
+
+
 def _simulated_bubble(schedule, spans: list[Span]) -> float:
-    """The simulator's bubble for this schedule with the mean measured cost of each (rank, chunk, kind)."""
-    pp, v = schedule.pp, schedule.virtual_stages
+    """The simulator's bubble for this schedule with the mean measured cost of each (rank, chunk, kind) and
+    the measured transfer latency."""
     cost: dict[str, dict[tuple[int, int], float]] = {}
     for kind in ("F", "B", "I", "W"):
         durations: dict[tuple[int, int], list[float]] = {}
@@ -54,11 +73,11 @@ def _simulated_bubble(schedule, spans: list[Span]) -> float:
             if s.kind == kind:
                 durations.setdefault((s.rank, s.chunk), []).append(s.end - s.start)
         cost[kind] = {k: statistics.mean(d) for k, d in durations.items()}
+    p2p = _transfer_latency(schedule, spans)
     if schedule.split_backward:
         full = {k: cost["I"][k] + cost["W"][k] for k in cost["I"]}
-        return simulate(schedule, cost["F"], full, weight_grad=cost["W"]).bubble_fraction
-    assert len(cost["F"]) == pp * v
-    return simulate(schedule, cost["F"], cost["B"]).bubble_fraction
+        return simulate(schedule, cost["F"], full, weight_grad=cost["W"], p2p=p2p).bubble_fraction
+    return simulate(schedule, cost["F"], cost["B"], p2p=p2p).bubble_fraction
 
 
 def _worker(rank: int, world: int, store: str, args: argparse.Namespace, results: dict) -> None:
@@ -96,7 +115,7 @@ def _worker(rank: int, world: int, store: str, args: argparse.Namespace, results
             theirs = ScheduleInterleaved1F1B(torch_stages, m, loss_fn=_loss)
             ours_names = ["interleaved_1f1b"]
 
-        def torch_step() -> None:
+        def torch_step(theirs=theirs) -> None:
             kwargs = {"target": batch[:, 1:]} if topo.is_last_stage else {}
             if topo.is_first_stage:
                 theirs.step(batch[:, :-1], **kwargs)
@@ -107,18 +126,17 @@ def _worker(rank: int, world: int, store: str, args: argparse.Namespace, results
             name: PipelineExecutor(stages, build_schedule(name, world, m, v), topo, shape)
             for name in ours_names
         }
-        times: dict[str, list[float]] = {name: [] for name in ours_names}
-        times["torch"] = []
+        runs = {name: (lambda ex=ex: ex.run(micro)) for name, ex in executors.items()}
+        runs["torch"] = torch_step
+        times: dict[str, list[float]] = {name: [] for name in runs}
+        order = list(runs)
         for step in range(args.warmup + args.steps):
-            for name, ex in executors.items():
+            # Rotate who goes first, so drifting machine load favours no one.
+            for name in order[step % len(order) :] + order[: step % len(order)]:
                 stages.zero_grad(set_to_none=True)
-                t = _timed(lambda ex=ex: ex.run(micro))
+                t = _timed(runs[name])
                 if step >= args.warmup:
                     times[name].append(t)
-            stages.zero_grad(set_to_none=True)
-            t = _timed(torch_step)
-            if step >= args.warmup:
-                times["torch"].append(t)
         for name, ex in executors.items():
             stages.zero_grad(set_to_none=True)
             ex.run(micro, trace=True)
@@ -127,11 +145,12 @@ def _worker(rank: int, world: int, store: str, args: argparse.Namespace, results
             spans = [Span(**e) for trace in gathered for e in trace]
             out[name] = {
                 "time": statistics.median(times[name]),
+                "best": min(times[name]),
                 "measured_bubble": bubble_fraction(spans),
                 "simulated_bubble": _simulated_bubble(ex.schedule, spans),
                 "spans": spans,
             }
-        out[f"torch_v{v}"] = statistics.median(times["torch"])
+        out[f"torch_v{v}"] = (statistics.median(times["torch"]), min(times["torch"]))
     if rank == 0:
         results.update(out)
     dist.destroy_process_group()
@@ -153,6 +172,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--timeline", help="PNG of the traced interleaved run")
+    parser.add_argument(
+        "--trace-out", help="trace JSON of the interleaved run (for tools/show_schedule.py --trace)"
+    )
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
         results = manager.dict()
@@ -164,7 +186,10 @@ def main(argv: list[str] | None = None) -> None:
         f"pp={args.pp} microbatches={args.microbatches} micro_batch_size={args.micro_batch_size} "
         f"layers={args.layers} hidden={args.hidden} seq={args.seq} threads/rank={args.threads} (gloo, CPU)"
     )
-    print(f"{'schedule':<18}{'step s':>9}{'torch s':>9}{'ratio':>7}{'bubble meas.':>14}{'bubble sim.':>13}")
+    print(
+        f"{'schedule':<18}{'median s':>10}{'best s':>9}{'torch med':>10}{'torch best':>11}{'ratio med':>10}"
+        f"{'ratio best':>11}{'bubble meas.':>14}{'bubble sim.':>13}"
+    )
     for name, torch_key in (
         ("1f1b", "torch_v1"),
         ("interleaved_1f1b", "torch_v2"),
@@ -172,20 +197,25 @@ def main(argv: list[str] | None = None) -> None:
         ("zb_h1", None),
     ):
         row = r[name]
-        ref = r[torch_key] if torch_key else None
-        ratio = f"{row['time'] / ref:7.3f}" if ref else f"{'':>7}"
-        ref_s = f"{ref:9.4f}" if ref else f"{'':>9}"
-        print(
-            f"{name:<18}{row['time']:9.4f}{ref_s}{ratio}{row['measured_bubble']:14.3f}{row['simulated_bubble']:13.3f}"
-        )
+        line = f"{name:<18}{row['time']:10.4f}{row['best']:9.4f}"
+        if torch_key:
+            med, best = r[torch_key]
+            line += f"{med:10.4f}{best:11.4f}{row['time'] / med:10.3f}{row['best'] / best:11.3f}"
+        else:
+            line += " " * 42
+        print(line + f"{row['measured_bubble']:14.3f}{row['simulated_bubble']:13.3f}")
     if args.timeline:
         spans = r["interleaved_1f1b"]["spans"]
         title = (
             f"interleaved_1f1b pp={args.pp} m={args.microbatches} v=2 (traced, gloo)  bubble "
-            f"{r['interleaved_1f1b']['measured_bubble']:.1%}, simulated {r['interleaved_1f1b']['simulated_bubble']:.1%}"
+            f"{r['interleaved_1f1b']['measured_bubble']:.1%}, "
+            f"simulated {r['interleaved_1f1b']['simulated_bubble']:.1%}"
         )
         render_png(spans, args.timeline, title, "seconds")
         print(f"wrote {args.timeline}")
+    if args.trace_out:
+        save_trace(r["interleaved_1f1b"]["spans"], args.trace_out)
+        print(f"wrote {args.trace_out}")
 
 
 if __name__ == "__main__":

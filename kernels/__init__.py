@@ -84,7 +84,7 @@ def apply_rotary(
 ) -> torch.Tensor:
     """Rotary embedding of x (batch, seq, heads, head_dim); sequence position s uses row s + position_offset
     of cos/sin (positions, head_dim), which are applied element-wise as the PyTorch reference does."""
-    from kernels.rotary import check_rotary_args
+    from kernels.checks import check_rotary_args
 
     check_rotary_args(x, cos, sin, position_offset)
     if resolve_impl(impl, x) == "triton":
@@ -127,7 +127,7 @@ def flash_attention(
         from kernels import attention
 
         return attention.flash_attention(q, k, v, causal, softmax_scale)
-    from kernels.attention import check_attention_args
+    from kernels.checks import check_attention_args
 
     check_attention_args(q, k, v)
     return reference.flash_attention(q, k, v, causal, softmax_scale)
@@ -145,7 +145,7 @@ def cross_entropy(
     With `tp_group`, `logits` is this rank's vocab shard covering global ids [rank*V, (rank+1)*V) (rank in
     the group, V = logits.shape[-1]), `target` holds global ids, and every rank returns the full loss.
     """
-    from kernels.loss import check_ce_args
+    from kernels.checks import check_ce_args
 
     check_ce_args(logits, target)
     if resolve_impl(impl, logits) == "triton":
@@ -171,7 +171,10 @@ def fused_linear_cross_entropy(
     "triton" uses the Triton loss kernels per chunk, "torch" the same chunking with PyTorch ops;
     `chunk_tokens` defaults to a size whose logits are about as large as `hidden`.
     """
-    from kernels import loss
+    if resolve_impl(impl, hidden) == "triton":
+        from kernels import loss
 
-    use_triton = resolve_impl(impl, hidden) == "triton"
-    return loss.fused_linear_cross_entropy(hidden, weight, target, ignore_index, chunk_tokens, use_triton)
+        return loss.fused_linear_cross_entropy(hidden, weight, target, ignore_index, chunk_tokens)
+    from kernels import chunked_ce
+
+    return chunked_ce.fused_linear_cross_entropy(hidden, weight, target, ignore_index, chunk_tokens)

@@ -19,7 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._utils import check_same_device, interpreting, tuned
+from kernels._utils import check_same_device
+from kernels.checks import check_attention_args, interpreting, tuned
 
 LOG2E = 1.4426950408889634
 
@@ -454,21 +455,6 @@ class _FlashAttentionFn(torch.autograd.Function):
             **common,
         )
         return dq, dk, dv, None, None
-
-
-def check_attention_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Validate shapes for flash_attention (shared by both implementations)."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be (batch, heads, seq, head_dim); got shape {tuple(t.shape)}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape; got {tuple(k.shape)} and {tuple(v.shape)}")
-    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
-        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree on batch and head_dim")
-    if q.shape[1] % k.shape[1]:
-        raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of kv heads ({k.shape[1]})")
-    if k.shape[2] == 0:
-        raise ValueError("k and v must hold at least one position")
 
 
 def flash_attention(

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from kernels._utils import check_same_device
+from kernels.checks import check_rotary_args
 
 
 @triton.jit
@@ -120,25 +121,6 @@ class _RotaryFn(torch.autograd.Function):
     def backward(ctx, dy):
         cos, sin = ctx.saved_tensors
         return _launch(dy, cos, sin, ctx.interleaved, ctx.offset, backward=True), None, None, None, None
-
-
-def check_rotary_args(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position_offset: int) -> None:
-    """Validate shapes for apply_rotary (shared by both implementations)."""
-    if x.dim() != 4:
-        raise ValueError(f"x must be (batch, seq, heads, head_dim); got shape {tuple(x.shape)}")
-    seq, dim = x.shape[1], x.shape[3]
-    if dim % 2:
-        raise ValueError(f"rotary needs an even head_dim; got {dim}")
-    for name, t in (("cos", cos), ("sin", sin)):
-        if t.dim() != 2 or t.shape[1] != dim:
-            raise ValueError(f"{name} must be (positions, head_dim={dim}); got shape {tuple(t.shape)}")
-        if t.shape[0] < position_offset + seq:
-            raise ValueError(
-                f"{name} has {t.shape[0]} positions but position_offset={position_offset} + seq={seq} "
-                "rows are needed; build a longer table"
-            )
-    if position_offset < 0:
-        raise ValueError(f"position_offset must be >= 0; got {position_offset}")
 
 
 def apply_rotary(

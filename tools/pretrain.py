@@ -9,6 +9,7 @@ import argparse
 import sys
 
 from llmtrain.config import ConfigError, load
+from llmtrain.data import DataError
 from llmtrain.training import TrainingDiverged, run
 
 
@@ -22,6 +23,9 @@ def main(argv: list[str] | None = None) -> int:
         result = run(job)
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
+        return 2
+    except DataError as err:
+        print(f"data error: {err}", file=sys.stderr)
         return 2
     except TrainingDiverged as err:
         print(f"training stopped: {err}", file=sys.stderr)

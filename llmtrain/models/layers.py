@@ -27,8 +27,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.impl = impl
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.rms_norm(x, self.weight, self.eps, impl=self.impl)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x), or (norm(x + residual), x + residual) with the add fused into the kernel."""
+        return kernels.rms_norm(x, self.weight, self.eps, impl=self.impl, residual=residual)
 
 
 class LayerNorm(nn.Module):
@@ -41,8 +44,11 @@ class LayerNorm(nn.Module):
         self.eps = eps
         self.impl = impl
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.layer_norm(x, self.weight, self.bias, self.eps, impl=self.impl)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x), or (norm(x + residual), x + residual) with the add fused into the kernel."""
+        return kernels.layer_norm(x, self.weight, self.bias, self.eps, impl=self.impl, residual=residual)
 
 
 def make_norm(spec: ArchSpec, cfg: ModelConfig) -> RMSNorm | LayerNorm:
@@ -130,8 +136,9 @@ class TransformerBlock(nn.Module):
         self.dropout = nn.Dropout(cfg.hidden_dropout)
 
     def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
-        x = x + self._drop(self.attn(self.input_norm(x), rope))
-        return x + self._drop(self.mlp(self.post_attn_norm(x)))
+        # post_attn_norm also forms the residual stream x + attn(...), in one pass with the Triton kernel.
+        normed, x = self.post_attn_norm(self._drop(self.attn(self.input_norm(x), rope)), residual=x)
+        return x + self._drop(self.mlp(normed))
 
     def _drop(self, x: torch.Tensor) -> torch.Tensor:
         # Skipping a p=0 dropout saves a full read/write of the activations in training mode.

@@ -10,7 +10,7 @@ from llmtrain.parallel.launch import init_distributed
 from llmtrain.parallel.optimizer import ModelOptimizer, StepStats, build_optimizer
 from llmtrain.parallel.random import RNGTracker
 from llmtrain.parallel.recompute import apply_recompute, saved_activation_bytes
-from llmtrain.parallel.tensor_parallel import apply_tp, gather_full_state_dict, vocab_parallel_cross_entropy
+from llmtrain.parallel.tensor_parallel import apply_tp, gather_full_state_dict
 from llmtrain.parallel.topology import Topology
 
 
@@ -39,5 +39,4 @@ __all__ = [
     "init_distributed",
     "parallelize",
     "saved_activation_bytes",
-    "vocab_parallel_cross_entropy",
 ]

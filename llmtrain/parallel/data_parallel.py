@@ -3,7 +3,8 @@
 Every trainable parameter becomes a view into one flat parameter buffer (model dtype) and gets a `main_grad`
 view into one flat fp32 gradient buffer, in reverse registration order (roughly the order backward produces
 them). A post-accumulate-grad hook per parameter counts the parameters of its bucket; when the last one is in,
-the bucket's reduction (all-reduce for zero_stage 0, reduce-scatter for zero_stage 1) starts asynchronously, so
+the bucket's reduction (all-reduce for zero_stage 0, reduce-scatter for zero_stage 1) starts asynchronously,
+so
 communication overlaps the rest of backward. A parameter shared by two modules (tied embeddings) is one
 tensor with one hook, so it is reduced once.
 """
@@ -45,13 +46,20 @@ class Bucket:
 class GradBuffers:
     """Flat parameter/gradient storage of one model (or pipeline stage) and its bucketed DP reduction."""
 
-    def __init__(self, model: nn.Module, topo: Topology, precision: str, zero_stage: int, bucket_mb: float) -> None:
+    def __init__(
+        self, model: nn.Module, topo: Topology, precision: str, zero_stage: int, bucket_mb: float
+    ) -> None:
         if precision not in _DTYPES:
             raise ValueError(f"train.precision must be one of {', '.join(_DTYPES)}; got {precision!r}")
         self.topo = topo
         self.dp = topo.dp
         self.dp_group = topo.dp_group
         self.zero_stage = zero_stage
+        # gloo's reduce-scatter and all-gather are 4-5x slower than its all-reduce (measured on 17 MB:
+        # 98 / 61 ms vs 15 ms), so on gloo zero_stage 1 all-reduces the gradients (each rank then reads
+        # its shard) and gathers parameters by all-reducing a buffer zeroed outside this rank's shards.
+        # Same results, same sharded optimizer memory; NCCL uses the native collectives.
+        self.native_shard_comm = self.dp > 1 and dist.get_backend(self.dp_group) != "gloo"
         self.dtype = _DTYPES[precision]
         self.sync_enabled = True
         names: dict[int, str] = {}
@@ -127,8 +135,9 @@ class GradBuffers:
         bucket = self.bucket_of[p]
         if bucket.launched:
             raise RuntimeError(
-                f"gradient of {self.names[p]} arrived after its bucket was reduced: wrap gradient-accumulation "
-                "micro-steps except the last in llmtrain.parallel.grad_sync(model, False)"
+                f"gradient of {self.names[p]} arrived after its bucket was reduced: wrap "
+                "gradient-accumulation micro-steps except the last in "
+                "llmtrain.parallel.grad_sync(model, False)"
             )
         bucket.pending -= 1
         if bucket.pending == 0:
@@ -141,11 +150,11 @@ class GradBuffers:
         grad = self.grad_buffer[bucket.start : bucket.end]
         # Pre-divide so the sum is the mean over DP ranks (gloo has no AVG).
         grad.div_(self.dp)
-        if self.zero_stage == 0:
-            bucket.handle = dist.all_reduce(grad, group=self.dp_group, async_op=True)
-        else:
+        if self.zero_stage == 1 and self.native_shard_comm:
             shard = self.shard(grad, bucket)
             bucket.handle = reduce_scatter_single(shard, grad, group=self.dp_group, async_op=True)
+        else:
+            bucket.handle = dist.all_reduce(grad, group=self.dp_group, async_op=True)
 
     def shard(self, flat_bucket: torch.Tensor, bucket: Bucket) -> torch.Tensor:
         """This DP rank's slice of a bucket-sized tensor."""
@@ -168,9 +177,14 @@ class GradBuffers:
         handles = []
         for bucket in self.buckets:
             flat = self.param_buffer[bucket.start : bucket.end]
-            handles.append(
-                all_gather_single(flat, self.shard(flat, bucket), group=self.dp_group, async_op=True)
-            )
+            shard = self.shard(flat, bucket)
+            if self.native_shard_comm:
+                handles.append(all_gather_single(flat, shard, group=self.dp_group, async_op=True))
+                continue
+            lo = self.topo.dp_rank * bucket.shard_size
+            flat[:lo].zero_()
+            flat[lo + bucket.shard_size :].zero_()
+            handles.append(dist.all_reduce(flat, group=self.dp_group, async_op=True))
         for h in handles:
             h.wait()
 
@@ -190,8 +204,9 @@ class GradBuffers:
         return pieces
 
 
-def apply_dp(model: nn.Module, topo: Topology, precision: str = "fp32", zero_stage: int = 0,
-             bucket_mb: float = 25.0) -> nn.Module:
+def apply_dp(
+    model: nn.Module, topo: Topology, precision: str = "fp32", zero_stage: int = 0, bucket_mb: float = 25.0
+) -> nn.Module:
     """Move the parameters into flat buffers (cast to the compute dtype) and install the bucketed DP hooks."""
     if getattr(model, "grad_buffers", None) is not None:
         raise RuntimeError("apply_dp was already applied to this model")
@@ -201,7 +216,7 @@ def apply_dp(model: nn.Module, topo: Topology, precision: str = "fp32", zero_sta
 
 @contextlib.contextmanager
 def grad_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
-    """Inside `grad_sync(model, False)` backward only accumulates: no DP communication (accumulation steps)."""
+    """Inside `grad_sync(model, False)` backward only accumulates: no DP communication (accumulation)."""
     buffers: GradBuffers | None = getattr(model, "grad_buffers", None)
     if buffers is None:
         yield

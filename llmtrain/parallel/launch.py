@@ -21,12 +21,14 @@ def resolve_backend(backend: str) -> str:
     if backend not in ("gloo", "nccl"):
         raise ConfigError(f"parallel.backend must be auto, gloo or nccl; got {backend!r}")
     if backend == "nccl" and not torch.cuda.is_available():
-        raise ConfigError("parallel.backend=nccl needs CUDA devices; use parallel.backend=gloo or auto on CPU")
+        raise ConfigError(
+            "parallel.backend=nccl needs CUDA devices; use parallel.backend=gloo or auto on CPU"
+        )
     return backend
 
 
 def init_distributed(job: JobConfig) -> Topology:
-    """Initialise torch.distributed from torchrun's env vars (RANK, WORLD_SIZE, ...) and build the Topology."""
+    """Initialise torch.distributed from torchrun's env vars (RANK, WORLD_SIZE, ...); build the Topology."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     validate_world(job, world_size)

@@ -1,4 +1,4 @@
-"""Saved-activation bytes of one transformer layer: measured with saved-tensor hooks, and Korthikanti's formula."""
+"""Saved-activation bytes of one transformer layer: measured (saved-tensor hooks) vs Korthikanti."""
 
 from __future__ import annotations
 
@@ -28,13 +28,15 @@ def korthikanti_bytes(
 
 
 def measure_layer_bytes(model: nn.Module, layer: int, batch: int, seq: int) -> int:
-    """Bytes saved for backward by `model.layers[layer]` on a (batch, local seq, hidden) input, parameters excluded.
+    """Bytes saved for backward by `model.layers[layer]` on a (batch, local seq, hidden) input.
 
     `seq` is the local sequence length of the layer's input (seq / tp under sequence parallelism).
     """
     block = model.layers[layer]
     param = next(model.parameters())
-    x = torch.randn(batch, seq, model.config.hidden_size, dtype=param.dtype, device=param.device, requires_grad=True)
+    x = torch.randn(
+        batch, seq, model.config.hidden_size, dtype=param.dtype, device=param.device, requires_grad=True
+    )
     full_seq = model.config.seq_length
     rope = model.rope(full_seq, x.device, x.dtype)
     return saved_activation_bytes(lambda: block(x, rope), exclude=list(model.parameters()))

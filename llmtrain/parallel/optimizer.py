@@ -104,14 +104,16 @@ class ModelOptimizer:
             counted.append(not dup)
             decay.append(not no_weight_decay(buffers.names[p], p))
         buffers.fp32_init = None
-        self._counted = [g for g, c in zip(self.grads, counted) if c]
+        self._counted = [g for g, c in zip(self.grads, counted, strict=True) if c]
         self._tp_reduced = [
-            p for p in buffers.params if getattr(p, "sequence_parallel", False) or getattr(p, "kv_replicas", 1) > 1
+            p
+            for p in buffers.params
+            if getattr(p, "sequence_parallel", False) or getattr(p, "kv_replicas", 1) > 1
         ]
         wd = job.train.weight_decay
         groups = [
-            {"params": [m for m, d in zip(self.masters, decay) if d], "weight_decay": wd},
-            {"params": [m for m, d in zip(self.masters, decay) if not d], "weight_decay": 0.0},
+            {"params": [m for m, d in zip(self.masters, decay, strict=True) if d], "weight_decay": wd},
+            {"params": [m for m, d in zip(self.masters, decay, strict=True) if not d], "weight_decay": 0.0},
         ]
         groups = [g for g in groups if g["params"]]
         device = buffers.param_buffer.device
@@ -175,7 +177,9 @@ class ModelOptimizer:
         total = self.master_flat.numel() * 4 if self.master_flat is not None else 0
         if self.optimizer is not None:
             for state in self.optimizer.state.values():
-                total += sum(v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v) and v.ndim)
+                total += sum(
+                    v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v) and v.ndim
+                )
         return total
 
     def state_dict(self) -> dict[str, Any]:
@@ -193,8 +197,9 @@ class ModelOptimizer:
         """Restore a state saved by state_dict on the same layout."""
         if state["zero_stage"] != self.buffers.zero_stage or state["dp"] != self.topo.dp:
             raise ValueError(
-                f"optimizer state was saved with zero_stage={state['zero_stage']} dp={state['dp']} but this run has "
-                f"zero_stage={self.buffers.zero_stage} dp={self.topo.dp}; resharding needs the checkpoint converter"
+                f"optimizer state was saved with zero_stage={state['zero_stage']} dp={state['dp']} but "
+                f"this run has zero_stage={self.buffers.zero_stage} dp={self.topo.dp}; "
+                "reshard it with the checkpoint converter"
             )
         if self.optimizer is not None:
             self.optimizer.load_state_dict(state["optimizer"])

@@ -59,7 +59,7 @@ def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
 
 
 def saved_activation_bytes(fn: Callable[[], Any], exclude: list[torch.Tensor] | tuple = ()) -> int:
-    """Bytes of distinct storages saved for backward while `fn()` runs (parameters in `exclude` not counted)."""
+    """Bytes of distinct storages saved for backward while `fn()` runs (storages of `exclude` not counted)."""
     skip = {t.untyped_storage().data_ptr() for t in exclude}
     seen: dict[int, int] = {}
 

@@ -15,7 +15,6 @@ Each parameter gets attributes the rest of the package reads:
 
 from __future__ import annotations
 
-import types
 from typing import Any
 
 import torch
@@ -135,50 +134,6 @@ def reduce_scatter_sequence(x: torch.Tensor, group: Any, dim: int = 1) -> torch.
     return _ReduceScatterSequence.apply(x, dim, group)
 
 
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Cross-entropy over vocabulary shards: only (tokens,) statistics cross ranks, never the logits."""
-
-    @staticmethod
-    def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, group: Any, ignore_index: int) -> torch.Tensor:
-        local_vocab = logits.shape[-1]
-        start = (dist.get_rank(group) if _group_size(group) > 1 else 0) * local_vocab
-        logits = logits.float()
-        peak = logits.max(dim=-1).values
-        if _group_size(group) > 1:
-            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
-        shifted = logits - peak[:, None]
-        valid = target != ignore_index
-        local_target = target - start
-        mine = valid & (local_target >= 0) & (local_target < local_vocab)
-        index = local_target.clamp(0, local_vocab - 1)[:, None]
-        exp = shifted.exp()
-        stats = torch.stack([exp.sum(dim=-1), shifted.gather(1, index).squeeze(1) * mine])
-        if _group_size(group) > 1:
-            dist.all_reduce(stats, group=group)
-        sum_exp, target_logit = stats
-        count = valid.sum().clamp(min=1)
-        loss = ((sum_exp.log() - target_logit) * valid).sum() / count
-        ctx.save_for_backward(exp.div_(sum_exp[:, None]), index, mine, valid, count)
-        return loss
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        softmax, index, mine, valid, count = ctx.saved_tensors
-        grad_logits = softmax
-        grad_logits.scatter_add_(1, index, -mine.to(softmax.dtype)[:, None])
-        grad_logits.mul_((valid.to(softmax.dtype) * (grad / count))[:, None])
-        return grad_logits, None, None, None
-
-
-def vocab_parallel_cross_entropy(
-    logits: torch.Tensor, target: torch.Tensor, group: Any, ignore_index: int = -100
-) -> torch.Tensor:
-    """Mean fp32 cross-entropy of (..., vocab/tp) logit shards against full-vocabulary targets (...)."""
-    flat = logits.reshape(-1, logits.shape[-1])
-    out = _VocabParallelCrossEntropy.apply(flat, target.reshape(-1), group, ignore_index)
-    return out
-
-
 class VocabParallelEmbedding(nn.Module):
     """Rows [rank*V/tp, (rank+1)*V/tp) of the token table; lookups outside them give zeros, summed over TP."""
 
@@ -203,7 +158,7 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """Columns [rank*in/tp, ...) of a Linear; partial outputs summed over TP (reduce-scattered with SP), then bias."""
+    """Input-feature slice of a Linear; outputs summed over TP (reduce-scattered with SP), + bias."""
 
     def __init__(self, full: nn.Linear, topo: Topology, sequence_parallel: bool) -> None:
         super().__init__()
@@ -211,7 +166,9 @@ class RowParallelLinear(nn.Module):
         self.sequence_parallel = sequence_parallel
         cols = full.in_features // topo.tp
         self.in_features, self.out_features = cols, full.out_features
-        self.weight = nn.Parameter(full.weight.detach()[:, topo.tp_rank * cols : (topo.tp_rank + 1) * cols].clone())
+        self.weight = nn.Parameter(
+            full.weight.detach()[:, topo.tp_rank * cols : (topo.tp_rank + 1) * cols].clone()
+        )
         self.weight.tp_layout = "cols"
         self.bias = nn.Parameter(full.bias.detach().clone()) if full.bias is not None else None
         if self.bias is not None:
@@ -219,7 +176,11 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.linear(x, self.weight)
-        out = reduce_scatter_sequence(out, self.group) if self.sequence_parallel else reduce_from_region(out, self.group)
+        out = (
+            reduce_scatter_sequence(out, self.group)
+            if self.sequence_parallel
+            else reduce_from_region(out, self.group)
+        )
         return out + self.bias if self.bias is not None else out
 
 
@@ -236,8 +197,14 @@ class _LinearSavingShard(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, shard: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                group: Any) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        shard: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        group: Any,
+    ) -> torch.Tensor:
         ctx.group, ctx.has_bias = group, bias is not None
         ctx.save_for_backward(shard, weight)
         return F.linear(x, weight, bias)
@@ -256,8 +223,14 @@ class _LinearSavingShard(torch.autograd.Function):
 class ColumnParallelLinear(nn.Module):
     """Row blocks (output features) of a Linear; its input is replicated over TP (or SP-gathered)."""
 
-    def __init__(self, full: nn.Linear, blocks: list[tuple[int, int]], layout: Any, group: Any,
-                 weight: nn.Parameter | None = None) -> None:
+    def __init__(
+        self,
+        full: nn.Linear,
+        blocks: list[tuple[int, int]],
+        layout: Any,
+        group: Any,
+        weight: nn.Parameter | None = None,
+    ) -> None:
         super().__init__()
         self.group = group
         if weight is None:
@@ -282,7 +255,7 @@ def check_tp(cfg: Any, tp: int, sequence_parallel: bool) -> None:
     heads, kv = cfg.num_attention_heads, cfg.kv_heads
     if heads % tp:
         raise ConfigError(
-            f"parallel.tp={tp} does not divide model.num_attention_heads={heads}; choose a tp among its divisors"
+            f"parallel.tp={tp} does not divide model.num_attention_heads={heads}; choose a tp that divides it"
         )
     if kv % tp and tp % kv:
         raise ConfigError(
@@ -291,23 +264,33 @@ def check_tp(cfg: Any, tp: int, sequence_parallel: bool) -> None:
         )
     for field, size in (("vocab_size", cfg.vocab_size), ("ffn_hidden_size", cfg.ffn_size)):
         if size % tp:
-            raise ConfigError(f"model.{field}={size} is not divisible by parallel.tp={tp}; make it a multiple")
+            raise ConfigError(
+                f"model.{field}={size} is not divisible by parallel.tp={tp}; make it a multiple"
+            )
     if sequence_parallel and cfg.seq_length % tp:
         raise ConfigError(
-            f"parallel.sequence_parallel needs model.seq_length={cfg.seq_length} divisible by parallel.tp={tp}"
+            f"parallel.sequence_parallel needs model.seq_length={cfg.seq_length} divisible by "
+            f"parallel.tp={tp}; change one of them"
         )
 
 
 def _enter_region(module: nn.Module, group: Any, sequence_parallel: bool) -> None:
-    """After `module` (a norm feeding column-parallel layers): all-gather the sequence (SP) or copy-to-region."""
+    """After `module` (a norm feeding column-parallel layers): SP all-gather, else copy-to-region.
 
-    def enter(_m: nn.Module, _inp: Any, out: torch.Tensor) -> torch.Tensor:
+    A norm called with `residual=` returns (normed, residual sum): only `normed` enters the region,
+    the residual stream stays replicated (or sequence-sharded with SP).
+    """
+
+    def region(normed: torch.Tensor) -> torch.Tensor:
         if not sequence_parallel:
-            return copy_to_region(out, group)
-        gathered = gather_sequence(out, group)
+            return copy_to_region(normed, group)
+        gathered = gather_sequence(normed, group)
         # ColumnParallelLinear saves this shard instead of the gathered tensor (see _LinearSavingShard).
-        gathered.sequence_shard = out
+        gathered.sequence_shard = normed
         return gathered
+
+    def enter(_m: nn.Module, _inp: Any, out: Any) -> Any:
+        return (region(out[0]), *out[1:]) if isinstance(out, tuple) else region(out)
 
     module.register_forward_hook(enter)
 
@@ -318,7 +301,9 @@ def _shard_attention(attn: nn.Module, topo: Topology, sp: bool) -> None:
     heads, kv = attn.num_heads, attn.num_kv_heads
     local_heads = heads // tp
     group = topo.tp_group
-    attn.q_proj = ColumnParallelLinear(attn.q_proj, [(r * local_heads * d, (r + 1) * local_heads * d)], "rows", group)
+    attn.q_proj = ColumnParallelLinear(
+        attn.q_proj, [(r * local_heads * d, (r + 1) * local_heads * d)], "rows", group
+    )
     if kv % tp == 0:
         local_kv = kv // tp
         blocks = [(r * local_kv * d, (r + 1) * local_kv * d)]
@@ -356,13 +341,10 @@ def _shard_mlp(mlp: nn.Module, topo: Topology, sp: bool) -> None:
     mlp.down_proj = RowParallelLinear(mlp.down_proj, topo, sp)
 
 
-def _vocab_parallel_loss(self: nn.Module, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """CausalLM.loss over vocabulary-sharded logits."""
-    return vocab_parallel_cross_entropy(logits, labels, self.loss_tp_group)
-
-
-def apply_tp(model: nn.Module, topo: Topology, sequence_parallel: bool = False, seed: int = 1234) -> nn.Module:
-    """Shard a fully initialised CausalLM over the TP group in place; every rank keeps slices of the same weights.
+def apply_tp(
+    model: nn.Module, topo: Topology, sequence_parallel: bool = False, seed: int = 1234
+) -> nn.Module:
+    """Shard a fully initialised CausalLM over the TP group in place; ranks keep slices of the same weights.
 
     Every rank must have built the same full model (same seed), so the shards are exact slices of the
     single-process weights. `seed` seeds the per-TP-rank dropout stream (attention heads, SP regions).
@@ -409,12 +391,14 @@ def apply_tp(model: nn.Module, topo: Topology, sequence_parallel: bool = False, 
     _enter_region(model.final_norm, group, sp)
     rows = cfg.vocab_size // tp
     model.lm_head = ColumnParallelLinear(
-        model.lm_head, [(topo.tp_rank * rows, (topo.tp_rank + 1) * rows)], "rows", group,
+        model.lm_head,
+        [(topo.tp_rank * rows, (topo.tp_rank + 1) * rows)],
+        "rows",
+        group,
         weight=model.embed_tokens.weight if tied else None,
     )
+    # CausalLM.loss passes it to kernels.cross_entropy: vocab-parallel, the full logits are never gathered.
     model.loss_tp_group = group
-    # kernels.cross_entropy(tp_group=...) is the kernels engineer's; until it lands the loss runs here.
-    model.loss = types.MethodType(_vocab_parallel_loss, model)
     return model
 
 
@@ -429,7 +413,7 @@ def _forked(fn: Any, tracker: RNGTracker) -> Any:
 
 
 def reduce_tp_grads(params: list[nn.Parameter], topo: Topology) -> None:
-    """Sum partial gradients over TP: SP-region replicas over the whole group, kv replicas over their block."""
+    """Sum partial gradients over TP: SP-region replicas over the group, kv replicas over their block."""
     if topo.tp == 1:
         return
     group = topo.tp_group
@@ -437,7 +421,9 @@ def reduce_tp_grads(params: list[nn.Parameter], topo: Topology) -> None:
     if sp:
         flat = torch.cat([g.reshape(-1) for g in sp])
         dist.all_reduce(flat, group=group)
-        torch._foreach_copy_(sp, [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in sp]), sp)])
+        torch._foreach_copy_(
+            sp, [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in sp]), sp, strict=True)]
+        )
     kv = [p for p in params if getattr(p, "kv_replicas", 1) > 1]
     if kv:
         replicas = kv[0].kv_replicas
@@ -448,7 +434,10 @@ def reduce_tp_grads(params: list[nn.Parameter], topo: Topology) -> None:
         every = every.view(topo.tp, flat.numel())
         block = topo.tp_rank // replicas
         summed = every[block * replicas : (block + 1) * replicas].sum(0)
-        torch._foreach_copy_(grads, [f.view_as(g) for f, g in zip(summed.split([g.numel() for g in grads]), grads)])
+        torch._foreach_copy_(
+            grads,
+            [f.view_as(g) for f, g in zip(summed.split([g.numel() for g in grads]), grads, strict=True)],
+        )
 
 
 @torch.no_grad()

@@ -25,8 +25,8 @@ class Topology:
         if parallel.dp is None:
             if world_size % model_parallel:
                 raise ConfigError(
-                    f"world size {world_size} is not divisible by parallel.tp * parallel.pp = {model_parallel}; "
-                    "launch a multiple of that many processes or change the degrees"
+                    f"world size {world_size} is not divisible by parallel.tp * parallel.pp = "
+                    f"{model_parallel}; launch a multiple of that many processes or change the degrees"
                 )
             dp = world_size // model_parallel
         else:
@@ -34,8 +34,8 @@ class Topology:
         if parallel.tp * parallel.pp * dp != world_size:
             raise ConfigError(
                 f"parallel.tp * parallel.pp * parallel.dp = {parallel.tp}*{parallel.pp}*{dp} = "
-                f"{parallel.tp * parallel.pp * dp} but the job runs on {world_size} processes; make the product "
-                "equal the world size (or set parallel.dp=null)"
+                f"{parallel.tp * parallel.pp * dp} but the job runs on {world_size} processes; make the "
+                "product equal the world size (or set parallel.dp=null)"
             )
         named = parallel.order.split("-")
         if sorted(named) != ["dp", "pp", "tp"]:
@@ -73,13 +73,13 @@ class Topology:
         return cls(ParallelConfig(tp=1, pp=1, dp=1), 1, 0)
 
     def _new_groups(self, dims: tuple[str, ...]) -> Any:
-        """Create the groups along `dims` (every rank takes part in every new_group call); return this rank's."""
+        """Create the groups along `dims` (every rank joins every new_group call); return this rank's."""
         others = [d for d in DIMS if d not in dims]
         mine = None
         for fixed in itertools.product(*(range(self.sizes[d]) for d in others)):
-            base = dict(zip(others, fixed))
+            base = dict(zip(others, fixed, strict=True))
             ranks = sorted(
-                self._rank_with(**base, **dict(zip(dims, free)))
+                self._rank_with(**base, **dict(zip(dims, free, strict=True)))
                 for free in itertools.product(*(range(self.sizes[d]) for d in dims))
             )
             group = dist.new_group(ranks)
@@ -136,4 +136,5 @@ class Topology:
 
     def __repr__(self) -> str:
         dims = " ".join(f"{d}={self.sizes[d]}/{self.coords[d]}" for d in DIMS if self.sizes[d] > 1)
-        return f"Topology(rank={self.rank}/{self.world_size} order={'-'.join(self.order[-3:])} {dims or 'single'})"
+        order = "-".join(self.order[-3:])
+        return f"Topology(rank={self.rank}/{self.world_size} order={order} {dims or 'single'})"

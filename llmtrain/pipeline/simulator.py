@@ -65,12 +65,12 @@ class SimulationResult:
     peak_inflight: list[int]
     """Per rank, the most (micro-batch, chunk) pairs with activations held at once."""
     events: list[Event]
+    virtual_stages: int = 1
 
     @property
     def peak_activation(self) -> list[float]:
         """Per rank, peak activations in units of one micro-batch through a whole rank (all v chunks)."""
-        v = max((e.action.chunk for e in self.events), default=0) + 1
-        return [n / v for n in self.peak_inflight]
+        return [n / self.virtual_stages for n in self.peak_inflight]
 
 
 def _cost_lookup(name: str, cost: Cost, pp: int, v: int):
@@ -269,6 +269,7 @@ def simulate(
         busy=busy,
         peak_inflight=peak_inflight(schedule),
         events=events,
+        virtual_stages=v,
     )
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from llmtrain.config import ConfigError, JobConfig, dump, with_overrides
+from llmtrain.config import JobConfig, dump, with_overrides
 from llmtrain.parallel.topology import Topology
 from llmtrain.parallel.watchdog import Watchdog, install_excepthook
 from llmtrain.training.trainer import LocalStepRunner, Trainer, TrainResult
@@ -33,11 +33,6 @@ def build_trainer(job: JobConfig, topo: Topology, watchdog: Watchdog | None = No
 
     seed_everything(job.train.seed)
     data = build_data(job, dp_rank=topo.dp_rank, dp_size=topo.dp)
-    if data.vocab_size > job.model.vocab_size:
-        raise ConfigError(
-            f"the tokenizer has {data.vocab_size} tokens but model.vocab_size={job.model.vocab_size}; "
-            f"set model.vocab_size to at least {data.vocab_size}"
-        )
     if topo.rank == 0:
         Path(job.output_dir).mkdir(parents=True, exist_ok=True)
         dump(job, Path(job.output_dir) / "config.yaml")

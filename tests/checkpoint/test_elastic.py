@@ -5,6 +5,7 @@ for bit); and a 4-worker checkpoint resumed on 2 workers (resharded, loss within
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -36,7 +37,10 @@ def _torchrun(nproc: int, out: Path, *extra: str) -> subprocess.Popen:
         *OVERRIDES, f"output_dir={out}", *extra,
     ]  # fmt: skip
     log = open(out.with_suffix(".log"), "w")  # noqa: SIM115 - closed with the process by the caller
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    # torchrun shares its rendezvous store with the workers by default, and restarted workers then read the
+    # dead workers' gloo addresses from it (pytorch/pytorch#135712): give each attempt its own store.
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
 
 
 def _final_loss(out: Path) -> tuple[int, float]:
@@ -59,8 +63,8 @@ def test_sigkill_restart_resumes_and_matches_uninterrupted_run(tmp_path: Path) -
     deadline = time.time() + 400
     while killed.poll() is None and time.time() < deadline:
         if victim is None and 10 <= _latest_step(tmp_path / "killed") < STEPS:
-            workers = [p for p in psutil.Process(killed.pid).children(recursive=True)
-                       if "pretrain.py" in " ".join(p.cmdline())]  # fmt: skip
+            # torchrun's own children with a LOCAL_RANK are the workers (not helpers they may fork).
+            workers = [p for p in psutil.Process(killed.pid).children() if "LOCAL_RANK" in p.environ()]
             victim = workers[-1].pid
             psutil.Process(victim).send_signal(signal.SIGKILL)
         time.sleep(0.05)

@@ -40,6 +40,7 @@ from llmtrain.pipeline.stages import activation_shape, build_stages
 from tests.checkpoint._util import batch, tiny_job
 
 WORLD = 4
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
 class Run:

@@ -63,3 +63,9 @@ def test_load_errors(tmp_path):
     (tmp_path / "bad.model").write_bytes(b"not a model")
     with pytest.raises(DataError, match="cannot load SentencePiece model"):
         load_tokenizer(tmp_path / "bad.model")
+
+
+def test_training_is_deterministic(tmp_path, docs, sp_model):
+    """Ranks on machines without a shared cache train the same tokenizer, byte for byte."""
+    again = train_sentencepiece(docs, tmp_path / "again.model", 512)
+    assert again.read_bytes() == open(sp_model, "rb").read()

@@ -70,3 +70,22 @@ def test_flash_attention_rejects_bad_gqa():
     q, k = torch.randn(1, 3, 8, 16), torch.randn(1, 2, 8, 16)
     with pytest.raises(ValueError, match="multiple of kv heads"):
         kernels.flash_attention(q, k, k, impl="torch")
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("sq,sk", [(9, 40), (40, 9)])
+def test_flash_attention_different_query_and_key_lengths(sq, sk, causal):
+    # Causal masking is top-left aligned (key j visible to query i when j <= i), as SDPA's is_causal.
+    q = torch.randn(1, 4, sq, 16, requires_grad=True)
+    k = torch.randn(1, 2, sk, 16, requires_grad=True)
+    v = torch.randn(1, 2, sk, 16, requires_grad=True)
+    got, got_g = forward_backward(
+        lambda q, k, v: kernels.flash_attention(q, k, v, causal, impl="triton"), [q, k, v]
+    )
+    exp, exp_g = forward_backward(
+        lambda q, k, v: _sdpa64(q, k, v, causal, 0.25),
+        [t.detach().double().requires_grad_() for t in (q, k, v)],
+    )
+    assert_close(got[0], exp[0], torch.float32)
+    for a, e in zip(got_g, exp_g, strict=True):
+        assert_close(a, e, torch.float32, scale=2.0)

@@ -110,3 +110,15 @@ def test_rope_returns_none_for_gpt_and_position_ids_match_lengths() -> None:
 def test_bad_configs_name_the_field(overrides: dict[str, int], field: str) -> None:
     with pytest.raises(ConfigError, match=field):
         build(_cfg("llama", **overrides))
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_dropout_acts_in_training_only(arch: str) -> None:
+    """Reference: the same weights without dropout (eval mode must equal it; training must not)."""
+    torch.manual_seed(0)
+    plain = build(_cfg(arch))
+    noisy = build(_cfg(arch, hidden_dropout=0.3, attention_dropout=0.3))
+    noisy.load_state_dict(plain.state_dict())
+    ids = torch.randint(0, 101, (2, 10))
+    assert torch.equal(noisy.eval()(ids), plain(ids))
+    assert not torch.allclose(noisy.train()(ids), plain(ids))

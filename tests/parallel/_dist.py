@@ -31,7 +31,12 @@ def tiny_job(arch: str, **overrides: Any) -> JobConfig:
     """2 layers, hidden 64, vocab 128, seq 16: the shapes every multi-process test uses."""
     job = JobConfig(
         model=ModelConfig(
-            num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=128, seq_length=16, kernels="torch",
+            num_layers=2,
+            hidden_size=64,
+            num_attention_heads=4,
+            vocab_size=128,
+            seq_length=16,
+            kernels="torch",
             **ARCH_CONFIGS[arch],
         )
     )
@@ -60,7 +65,9 @@ def batches(job: JobConfig, steps: int, seed: int = 99, learnable: bool = False)
     return [torch.randint(0, vocab, shape, generator=g) for _ in range(steps)]
 
 
-def reference_run(job: JobConfig, steps: int, lr: float = 1e-3) -> tuple[list[float], dict[str, torch.Tensor]]:
+def reference_run(
+    job: JobConfig, steps: int, lr: float = 1e-3
+) -> tuple[list[float], dict[str, torch.Tensor]]:
     """One process, plain model, torch.optim.AdamW and torch's clip_grad_norm_: the reference."""
     torch.manual_seed(job.train.seed)
     model = models.build(job.model)
@@ -69,7 +76,9 @@ def reference_run(job: JobConfig, steps: int, lr: float = 1e-3) -> tuple[list[fl
     t = job.train
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": t.weight_decay}, {"params": rest, "weight_decay": 0.0}],
-        lr=lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
+        lr=lr,
+        betas=(t.adam_beta1, t.adam_beta2),
+        eps=t.adam_eps,
     )
     losses = []
     for batch in batches(job, steps):
@@ -108,8 +117,13 @@ def parallel_run(
         if topo.dp > 1:
             dist.all_reduce(value, group=topo.dp_group)
         losses.append(value.item())
-    return {"losses": losses, "stats": stats, "state": gather_full_state_dict(model, topo), "model": model,
-            "opt": opt}
+    return {
+        "losses": losses,
+        "stats": stats,
+        "state": gather_full_state_dict(model, topo),
+        "model": model,
+        "opt": opt,
+    }
 
 
 def free_port() -> int:

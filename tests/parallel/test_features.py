@@ -67,7 +67,9 @@ def _fp16(rank: int, world: int) -> dict:
         local_finite = bool(torch.isfinite(opt.buffers.grad_buffer).all())
         stats = opt.step(1e-3)
         changed = not torch.equal(before, model.layers[1].attn.q_proj.weight)
-        records.append((stats.skipped, stats.loss_scale, local_finite, changed, math.isfinite(stats.grad_norm)))
+        records.append(
+            (stats.skipped, stats.loss_scale, local_finite, changed, math.isfinite(stats.grad_norm))
+        )
     return {"records": records, "final_scale": opt.loss_scale}
 
 
@@ -143,8 +145,51 @@ def _activation_table(rank: int, world: int) -> list[tuple]:
     return rows
 
 
+def _dp_communication(rank: int, world: int) -> dict:
+    """Collectives per micro-step and when the buckets start, for dp=2 with several buckets."""
+    out = {}
+    for zero in (0, 1):
+        job = tiny_job("gpt", dp=2, zero_stage=zero)
+        topo = Topology(job.parallel, world, rank)
+        torch.manual_seed(0)
+        model = models.build(job.model)
+        parallelize(model, topo, job)
+        buffers = model.grad_buffers
+        calls = []
+        launch = buffers._launch
+
+        def counting_launch(bucket, launch=launch, calls=calls, buffers=buffers):
+            # Parameters whose gradient has not arrived yet, when this bucket's reduction starts.
+            calls.append(sum(b.pending for b in buffers.buckets))
+            launch(bucket)
+
+        buffers._launch = counting_launch
+        opt = build_optimizer(model, topo, job)
+        batch = batches(job, 1)[0][rank * 4 : rank * 4 + 4]
+        opt.zero_grad()
+        with grad_sync(model, False):
+            opt.backward(model(batch[:2, :-1], batch[:2, 1:]))
+        during_accumulation = list(calls)
+        with grad_sync(model, True):
+            opt.backward(model(batch[2:, :-1], batch[2:, 1:]))
+        in_flight = [b.handle is not None for b in buffers.buckets]
+        opt.step(1e-3)
+        tied = model.embed_tokens.weight
+        out[zero] = {
+            "buckets": len(buffers.buckets),
+            "accumulation_calls": during_accumulation,
+            "sync_calls": calls[len(during_accumulation) :],
+            "in_flight_before_step": in_flight,
+            "tied_in_buckets": sum(any(p is tied for p in b.params) for b in buffers.buckets),
+            "params_in_buckets": sum(len(b.params) for b in buffers.buckets),
+            "unique_params": len({id(p) for p in model.parameters()}),
+        }
+    return out
+
+
 def _all(rank: int, world: int) -> dict:
     return {
+        "dp_comm": _dp_communication(rank, world),
         "bf16": _bf16(rank, world),
         "fp16": _fp16(rank, world),
         "zero": _zero_memory(rank, world),
@@ -193,6 +238,20 @@ def test_zero1_shards_optimizer_state(results: list[dict]) -> None:
 
 
 @pytest.mark.slow
+def test_dp_reduces_buckets_during_backward_and_not_on_accumulation(results: list[dict]) -> None:
+    for zero in (0, 1):
+        r = results[0]["dp_comm"][zero]
+        assert r["buckets"] > 2
+        assert r["accumulation_calls"] == []  # no communication on the accumulation micro-step
+        assert len(r["sync_calls"]) == r["buckets"]  # every bucket reduced once
+        # The first reduction starts while gradients are still outstanding: it overlaps backward.
+        assert r["sync_calls"][0] > 0 and r["sync_calls"] == sorted(r["sync_calls"], reverse=True)
+        assert all(r["in_flight_before_step"])
+        # The tied embedding / LM-head weight is one parameter in one bucket: reduced once.
+        assert r["tied_in_buckets"] == 1 and r["params_in_buckets"] == r["unique_params"]
+
+
+@pytest.mark.slow
 def test_dropout_streams_under_tp(results: list[dict]) -> None:
     d = results[0]["dropout"]
     # Replicated activations (no SP): same mask on every TP rank. Sharded ones (SP, head shards): different.
@@ -225,7 +284,9 @@ def test_activation_memory_vs_korthikanti(results: list[dict]) -> None:
         assert 0.95 < ratio[key] < 1.15, key
     # SP divides everything by t: measured TP+SP / no-TP matches 1/t closely.
     measured = {(mode, tp, sp): m for mode, tp, sp, m, _ in rows}
-    assert measured[("selective", 2, True)] / measured[("selective", 1, False)] == pytest.approx(0.5, rel=0.05)
+    assert measured[("selective", 2, True)] / measured[("selective", 1, False)] == pytest.approx(
+        0.5, rel=0.05
+    )
 
 
 def test_impossible_tp_split_is_rejected() -> None:

@@ -159,8 +159,10 @@ def test_interleaved_bubble_and_memory_closed_forms(p, v, data):
     result = uniform(build_schedule("interleaved_1f1b", p, m, v))
     assert result.bubble_fraction == pytest.approx((p - 1) / (v * m))
     if m % p == 0:
-        # Megatron's warm-up plus the one forward of the first steady-state step.
-        assert result.peak_inflight == [min(2 * (p - r - 1) + (v - 1) * p + 1, m * v) for r in range(p)]
+        # Megatron's warm-up plus the one forward of the first steady-state step; a chunk is 1/v of a rank.
+        expected = [min(2 * (p - r - 1) + (v - 1) * p + 1, m * v) for r in range(p)]
+        assert result.peak_inflight == expected
+        assert result.peak_activation == pytest.approx([n / v for n in expected])
 
 
 @settings(max_examples=100, deadline=None)
