@@ -115,8 +115,9 @@ def main() -> None:
         sync_ck = Checkpointer(job, topo)
         async_ck = Checkpointer(_job(args, root / "ours_async", async_save=True), topo)
         nbytes = _state_bytes(model, opt)
-        print(f"state: {nbytes / 2**20:.1f} MiB ({sum(p.numel() for p in model.parameters()) / 1e6:.1f} M params, "
-              f"{args.precision}), {args.repeats} rounds, best of each")  # fmt: skip
+        params = sum(p.numel() for p in model.parameters()) / 1e6
+        rounds = args.repeats
+        print(f"state: {nbytes / 2**20:.1f} MiB ({params:.1f} M params, {args.precision}), best of {rounds}")
 
         torch_file = root / "torch.pt"
         dcp_dir = root / "dcp"

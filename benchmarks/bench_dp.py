@@ -2,7 +2,8 @@
 
 Every variant trains the same model (same weights, fp32) on the same per-rank batch with AdamW and
 global-norm clipping at 1.0, on the same gloo process group, in the same run. Variants take turns
-(round-robin over several rounds, the median round counts) so load from other processes hits them alike.
+(round-robin, one step each per round, over many rounds) so load from other processes hits them alike; a
+variant's time is the median over rounds, and the minimum (its least disturbed step) is shown beside it.
 A step is zero_grad + forward + backward (with the DP reduction) + clip + AdamW; its time is the slowest
 rank's. Optimizer bytes are what each rank holds beyond the model: Adam states plus any separate fp32 copy.
 
@@ -46,9 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=4, help="micro-batch per rank")
-    p.add_argument("--steps", type=int, default=5, help="timed steps per variant per round")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per variant before measuring")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=15, help="timed steps per variant, interleaved")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeed even when it is installed")
     return p.parse_args(argv)
@@ -193,21 +193,25 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: dic
         for name, (step, _) in variants.items():
             dist.barrier()
             start = time.perf_counter()
-            for _ in range(args.steps):
-                step(batch)
-            elapsed = torch.tensor([(time.perf_counter() - start) / args.steps])
+            step(batch)
+            elapsed = torch.tensor([time.perf_counter() - start])
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             times[name].append(elapsed.item())
     memory = {name: torch.tensor([float(state())]) for name, (_, state) in variants.items()}
     for v in memory.values():
         dist.all_reduce(v, op=dist.ReduceOp.MAX)
     if rank == 0:
-        out.update({name: (statistics.median(times[name]), int(memory[name].item())) for name in variants})
+        out.update(
+            {
+                name: (statistics.median(times[name]), min(times[name]), int(memory[name].item()))
+                for name in variants
+            }
+        )
     dist.destroy_process_group()
 
 
-def main(argv: list[str] | None = None) -> dict[str, tuple[float, int]]:
-    """Run the benchmark and print step times, ratios and optimizer bytes per rank."""
+def main(argv: list[str] | None = None) -> dict[str, tuple[float, float, int]]:
+    """Run the benchmark; print median/min step times, ratios and optimizer bytes per rank."""
     args = parse_args(argv)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -216,19 +220,21 @@ def main(argv: list[str] | None = None) -> dict[str, tuple[float, int]]:
         out = manager.dict()
         mp.spawn(_worker, args=(args.nproc, port, args, out), nprocs=args.nproc, join=True)
         result = dict(out)
-    params = models.num_parameters(_job(args, 0, 1).model) if hasattr(models, "num_parameters") else None
+    params = sum(p.numel() for p in _fresh_model(_job(args, 0, 1)).parameters())
     print(
         f"{args.nproc} processes (gloo, {args.threads} thread each), {args.arch} {args.layers}x{args.hidden} "
-        f"vocab {args.vocab}, seq {args.seq}, batch {args.batch}/rank, fp32"
-        + (f", {params / 1e6:.1f}M params" if params else "")
+        f"vocab {args.vocab}, seq {args.seq}, batch {args.batch}/rank, fp32, {params / 1e6:.2f}M params, "
+        f"{args.rounds} interleaved steps each"
     )
-    print(f"{'variant':<18} {'step ms':>9} {'opt MiB/rank':>13}")
-    for name, (seconds, nbytes) in result.items():
-        print(f"{name:<18} {seconds * 1e3:>9.1f} {nbytes / 2**20:>13.2f}")
+    print(f"{'variant':<18} {'median ms':>10} {'min ms':>8} {'opt MiB/rank':>13}")
+    for name, (median, fastest, nbytes) in result.items():
+        print(f"{name:<18} {median * 1e3:>10.1f} {fastest * 1e3:>8.1f} {nbytes / 2**20:>13.2f}")
     for ours in ("ours zero0", "ours zero1"):
         for other in ("torch DDP", "DeepSpeed ZeRO-1"):
             if other in result:
-                print(f"step-time ratio {ours} / {other}: {result[ours][0] / result[other][0]:.3f}")
+                median = result[ours][0] / result[other][0]
+                fastest = result[ours][1] / result[other][1]
+                print(f"step-time ratio {ours} / {other}: {median:.3f} (median), {fastest:.3f} (min)")
     if "DeepSpeed ZeRO-1" not in result:
         print("DeepSpeed ZeRO-1: not measured (not installed or --no-deepspeed)")
     return result

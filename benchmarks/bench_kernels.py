@@ -45,6 +45,7 @@ class Case:
     impls: dict[str, Callable[..., torch.Tensor]]
     bytes_moved: float = 0.0  # forward + backward HBM traffic (read + write), for GB/s
     flops: float = 0.0  # forward + backward FLOPs, for TFLOP/s
+    fwd_flops: float = 0.0  # forward FLOPs alone
 
 
 def _liger() -> object | None:
@@ -155,6 +156,7 @@ def build_cases(shape: dict, device: str, dtype: torch.dtype, compile_ok: bool) 
             lambda: [rand(1, nh, attn_t, d), rand(1, nkv, attn_t, d), rand(1, nkv, attn_t, d)],
             with_compile(impls, attn_math),
             flops=7 * 2 * nh * attn_t * attn_t * d / 2,
+            fwd_flops=2 * 2 * nh * attn_t * attn_t * d / 2,
         )
     )
 
@@ -192,6 +194,7 @@ def build_cases(shape: dict, device: str, dtype: torch.dtype, compile_ok: bool) 
             lambda: [rand(t, h), rand(vocab, h, scale=0.02)],
             impls,
             flops=3 * 2 * t * h * vocab,
+            fwd_flops=3 * 2 * t * h * vocab,  # ours and Liger's compute the gradients in the forward
         )
     )
     return cases
@@ -202,27 +205,8 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def measure(fn: Callable, inputs: list[torch.Tensor], device: str, reps: int) -> tuple[float, float]:
-    """Median forward+backward seconds and peak extra memory (bytes, CUDA only) of fn on inputs."""
-    leaves = [x for x in inputs if x.requires_grad]
-
-    def step():
-        out = fn(*inputs)
-        grad = torch.ones_like(out) if out.dim() else None
-        torch.autograd.backward(out, grad)
-        for x in leaves:
-            x.grad = None
-
-    for _ in range(2):  # warm up: compilation, autotuning, allocator
-        step()
-    _sync(device)
-    peak = float("nan")
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        step()
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - base
+def _timed(step: Callable, device: str, reps: int) -> float:
+    """Median seconds of step() over reps runs (CUDA events on GPU, wall clock on CPU)."""
     times = []
     for _ in range(reps):
         if device == "cuda":
@@ -236,15 +220,57 @@ def measure(fn: Callable, inputs: list[torch.Tensor], device: str, reps: int) ->
             t0 = time.perf_counter()
             step()
             times.append(time.perf_counter() - t0)
-    return statistics.median(times), peak
+    return statistics.median(times)
+
+
+def measure(fn: Callable, inputs: list[torch.Tensor], device: str, reps: int) -> tuple[float, float, float]:
+    """Median forward seconds, forward+backward seconds and peak extra memory (bytes, CUDA only)."""
+    leaves = [x for x in inputs if x.requires_grad]
+
+    def forward():
+        return fn(*inputs)
+
+    def step():
+        out = forward()
+        torch.autograd.backward(out, torch.ones_like(out) if out.dim() else None)
+        for x in leaves:
+            x.grad = None
+
+    for _ in range(2):  # warm up: compilation, autotuning, allocator
+        step()
+    _sync(device)
+    peak = float("nan")
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        step()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+    return _timed(forward, device, reps), _timed(step, device, reps), peak
+
+
+# HBM bandwidth (GB/s) of the GPUs we expect, to print memory-bound kernels as a fraction of peak.
+HBM_GBPS = {"H100": 3350.0, "H200": 4800.0, "A100": 2039.0}
 
 
 def run_benchmarks(shape: dict, device: str, dtype: torch.dtype, reps: int, compile_ok: bool) -> None:
-    """Print one table per kernel: time, throughput, peak memory, and time/memory ratios vs Triton."""
+    """Print one table per kernel: times, throughput, peak memory, and time/memory ratios vs Triton."""
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    hbm = next((bw for key, bw in HBM_GBPS.items() if key in name), None)
+    print(f"device: {name}, dtype: {dtype}, shapes: {shape}")
     for case in build_cases(shape, device, dtype, compile_ok):
         print(f"\n== {case.name} ==")
-        header = ("impl", "fwd+bwd ms", "throughput", "peak MiB", "time/triton", "mem/triton")
-        print("".join(f"{c:<15}" if i == 0 else f"{c:>13}" for i, c in enumerate(header)))
+        header = (
+            "impl",
+            "fwd ms",
+            "fwd+bwd ms",
+            "fwd+bwd rate",
+            "fwd rate",
+            "peak MiB",
+            "t/triton",
+            "mem/triton",
+        )
+        print(f"{header[0]:<15}" + "".join(f"{c:>14}" for c in header[1:]))
         results = {}
         for impl, fn in case.impls.items():
             try:
@@ -253,16 +279,25 @@ def run_benchmarks(shape: dict, device: str, dtype: torch.dtype, reps: int, comp
                 print(f"{impl:<15} failed: {type(exc).__name__}: {str(exc)[:80]}")
             if device == "cuda":
                 torch.cuda.empty_cache()
-        ref_t, ref_m = results.get("triton", (float("nan"), float("nan")))
-        for impl, (sec, peak) in results.items():
+        _, ref_t, ref_m = results.get("triton", (float("nan"),) * 3)
+        for impl, (fwd, sec, peak) in results.items():
             if case.flops:
-                thr = f"{case.flops / sec / 1e12:.1f} TFLOP/s"
+                rate = f"{case.flops / sec / 1e12:.1f} TFLOP/s"
+                fwd_rate = f"{case.fwd_flops / fwd / 1e12:.1f} TFLOP/s"
             else:
-                thr = f"{case.bytes_moved / sec / 1e9:.0f} GB/s"
-            print(
-                f"{impl:<15}{sec * 1e3:>12.3f}{thr:>16}{peak / 2**20:>11.1f}{sec / ref_t:>13.2f}"
-                f"{peak / ref_m if ref_m else float('nan'):>12.2f}"
+                gbps = case.bytes_moved / sec / 1e9
+                rate = f"{gbps:.0f} GB/s" + (f" {gbps / hbm:.0%}" if hbm else "")
+                fwd_rate = "-"
+            cells = (
+                f"{fwd * 1e3:.3f}",
+                f"{sec * 1e3:.3f}",
+                rate,
+                fwd_rate,
+                f"{peak / 2**20:.1f}",
+                f"{sec / ref_t:.2f}",
+                f"{peak / ref_m:.2f}" if ref_m else "nan",
             )
+            print(f"{impl:<15}" + "".join(f"{c:>14}" for c in cells))
 
 
 def _rss_peak_child(mode: str, tokens: int, hidden: int, vocab: int, dtype: str) -> None:

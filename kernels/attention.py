@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._utils import check_same_device
-from kernels.checks import check_attention_args, interpreting, tuned
+from kernels._utils import check_same_device, interpreting, tuned
+from kernels.checks import check_attention_args
 
 LOG2E = 1.4426950408889634
 

@@ -1,7 +1,7 @@
 """Convert model directories between the Hugging Face layout and llmtrain's.
 
-  python tools/convert_checkpoint.py hf-to-llmtrain --input HF_DIR --output OUT_DIR
-  python tools/convert_checkpoint.py llmtrain-to-hf --input LLMTRAIN_DIR --output OUT_DIR
+python tools/convert_checkpoint.py hf-to-llmtrain --input HF_DIR --output OUT_DIR
+python tools/convert_checkpoint.py llmtrain-to-hf --input LLMTRAIN_DIR --output OUT_DIR
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ COMMANDS = {"hf-to-llmtrain": convert_hf_to_llmtrain, "llmtrain-to-hf": convert_
 
 def main(argv: list[str] | None = None) -> int:
     """Parse the command line and run one conversion; errors print one line and exit 1."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     for name, fn in COMMANDS.items():
         cmd = sub.add_parser(name, help=fn.__doc__)

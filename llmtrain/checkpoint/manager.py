@@ -9,6 +9,7 @@ Layout of `<output_dir>/checkpoints/`:
         manifest.json    size and CRC-32 of every file above
     latest               name of the newest complete checkpoint (replaced atomically)
     .tmp_step_<N>/       a save in progress (or one that crashed): never loaded, removed by the next save
+Every rank writes into the same directory, so output_dir must be on a file system all ranks share.
 """
 
 from __future__ import annotations

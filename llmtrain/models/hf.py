@@ -491,14 +491,23 @@ def save_hf(model: CausalLM, path: str | os.PathLike) -> None:
 
 def convert_hf_to_llmtrain(src: str | os.PathLike, dst: str | os.PathLike) -> None:
     """Hugging Face directory -> llmtrain directory (tensors renamed, not cast)."""
+    _expect_format(src, "hf")
     cfg, hf_state = read_hf(src)
     write_llmtrain(cfg, hf_to_llmtrain_state(cfg, hf_state, source=str(src)), dst)
 
 
 def convert_llmtrain_to_hf(src: str | os.PathLike, dst: str | os.PathLike) -> None:
     """llmtrain directory -> Hugging Face directory (tensors renamed, not cast)."""
+    _expect_format(src, "llmtrain")
     cfg, state = read_llmtrain(src)
     write_hf(cfg, llmtrain_to_hf_state(cfg, state, source=str(src)), dst)
+
+
+def _expect_format(path: str | os.PathLike, kind: str) -> None:
+    found = detect_format(path)
+    if found != kind:
+        other = "hf-to-llmtrain" if found == "hf" else "llmtrain-to-hf"
+        raise ValueError(f"{path} is a {found} model directory, not a {kind} one; convert it with {other}")
 
 
 @contextlib.contextmanager

@@ -47,6 +47,7 @@ def init_distributed(job: JobConfig) -> Topology:
             backend,
             rank=rank,
             world_size=world_size,
-            timeout=datetime.timedelta(seconds=job.parallel.timeout_s),
+            # Later than the watchdog (parallel.timeout_s), so each rank reports where it waits first.
+            timeout=datetime.timedelta(seconds=job.parallel.timeout_s * 1.5 + 30),
         )
     return Topology(job.parallel, dist.get_world_size(), dist.get_rank())

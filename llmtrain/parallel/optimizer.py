@@ -98,12 +98,17 @@ class ModelOptimizer:
             self.masters.append(master)
             self.param_views.append(buffers.param_buffer[start:end])
             self.grads.append(master.grad)
-            # A copy another rank also holds (TP-replicated norm weight, replicated kv head, zero_stage 0
-            # replica on dp_rank > 0) adds nothing to the global norm.
-            dup = getattr(p, "duplicate", False) or (buffers.zero_stage == 0 and topo.dp_rank > 0)
-            counted.append(not dup)
+            # A copy another rank also holds (TP-replicated norm weight, replicated kv head, tied
+            # embedding on another stage) adds nothing to the global norm.
+            counted.append(not getattr(p, "duplicate", False))
             decay.append(not no_weight_decay(buffers.names[p], p))
         buffers.fp32_init = None
+        # zero_stage 0: every DP replica holds the same full gradient, so the norm is summed over the
+        # model-parallel ranks only (none at all for pure DP); zero_stage 1: over everyone's shards.
+        if buffers.zero_stage == 1 and topo.dp > 1:
+            self._norm_group, self._norm_ranks = None, topo.world_size
+        else:
+            self._norm_group, self._norm_ranks = topo.mp_group, topo.tp * topo.pp
         self._counted = [g for g, c in zip(self.grads, counted, strict=True) if c]
         self._tp_reduced = [
             p
@@ -135,8 +140,8 @@ class ModelOptimizer:
             sumsq = torch.stack(torch._foreach_norm(self._counted, 2.0)).double().pow(2).sum()
         else:
             sumsq = torch.zeros((), dtype=torch.float64, device=self.buffers.grad_buffer.device)
-        if self.topo.world_size > 1:
-            dist.all_reduce(sumsq)
+        if self._norm_ranks > 1:
+            dist.all_reduce(sumsq, group=self._norm_group)
         return math.sqrt(sumsq.item()) if math.isfinite(sumsq.item()) else float("nan")
 
     def step(self, lr: float) -> StepStats:

@@ -23,6 +23,8 @@ def _recomputed(fn: Callable[..., Any], tracker: RNGTracker | None) -> Callable[
     """
 
     def call(*args: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return fn(*args)  # evaluation: nothing is saved, so there is nothing to recompute
         snapshot = tracker.get_states() if tracker is not None else None
         first = [True]
 

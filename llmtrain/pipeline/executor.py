@@ -48,6 +48,9 @@ from llmtrain.pipeline.stages import PipelineStages, activation_shape, build_sta
 
 # Weight-gradient work deferred by the current I action: None outside of one.
 _deferred: list[tuple[nn.Parameter, nn.Parameter | None, torch.Tensor, torch.Tensor]] | None = None
+# True while a split-backward schedule runs F or I (recomputation included): patched Linears build the
+# deferrable graph only then, so other executors sharing the modules see plain Linears.
+_split_graph = False
 
 
 class _DeferrableLinear(torch.autograd.Function):
@@ -78,6 +81,8 @@ class _DeferrableLinear(torch.autograd.Function):
 
 
 def _deferrable_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if not _split_graph:
+        return F.linear(x, self.weight, self.bias)
     bias = self.bias.detach() if self.bias is not None else None
     return _DeferrableLinear.apply(x, self.weight.detach(), bias, (self.weight, self.bias))
 
@@ -176,7 +181,8 @@ class PipelineExecutor:
             tensor, stage_to = outputs[key].detach(), stage + 1
         else:
             tensor, stage_to = inputs.pop(key).grad, stage - 1
-        return dist.P2POp(dist.isend, tensor, self._global(t.peer), tag=self._tag(t, stage_to))
+        # Sequence-parallel activations are views moved out of a reduce-scatter; gloo sends contiguous memory.
+        return dist.P2POp(dist.isend, tensor.contiguous(), self._global(t.peer), tag=self._tag(t, stage_to))
 
     def run(
         self, micro_batches: Sequence[torch.Tensor], trace: bool = False, loss_scale: float = 1.0
@@ -254,6 +260,7 @@ class PipelineExecutor:
             return s.stage(pp_rank, a.chunk)
 
         previous = -1
+        global _split_graph
         for k, i in enumerate(computes):
             a = actions[i]
             key = (a.microbatch, a.chunk)
@@ -277,26 +284,21 @@ class PipelineExecutor:
             previous = i
             start = time.perf_counter()
             chunk = chunks[a.chunk]
-            if a.kind == "F":
-                micro = micro_batches[a.microbatch].to(self.device)
-                if chunk.is_first:
-                    x = micro[:, :-1]
+            _split_graph = s.split_backward and a.kind in ("F", I)
+            try:
+                if a.kind == "F":
+                    out = self._forward(chunk, micro_batches[a.microbatch], inputs.get(key), forward_only)
+                    if chunk.is_last:
+                        losses.append(out.detach().float())
+                    outputs[key] = out
                 else:
-                    x = inputs[key]
-                    if not forward_only:
-                        x.requires_grad_()
-                out = chunk(x)
-                if chunk.is_last:
-                    loss = chunk.loss(out, micro[:, 1:])
-                    losses.append(loss.detach().float())
-                    out = loss
-                outputs[key] = out
-            else:
-                with self._grad_sync(a):
-                    if a.kind == W:
-                        _run_weight_grads(deferred.pop(key))
-                    else:
-                        self._backward(a, key, chunk, outputs, grads_in, deferred, m)
+                    with self._grad_sync(a):
+                        if a.kind == W:
+                            _run_weight_grads(deferred.pop(key))
+                        else:
+                            self._backward(a, key, chunk, outputs, grads_in, deferred, m)
+            finally:
+                _split_graph = False
             if self.trace is not None:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
@@ -320,6 +322,20 @@ class PipelineExecutor:
         if not forward_only:
             self.stages.sync_tied_grads()
         return self._mean_loss(losses, m)
+
+    def _forward(
+        self, chunk: nn.Module, micro: torch.Tensor, received: torch.Tensor | None, forward_only: bool
+    ) -> torch.Tensor:
+        """One chunk's forward of one micro-batch: its output, or the loss on the last stage."""
+        micro = micro.to(self.device)
+        if chunk.is_first:
+            x = micro[:, :-1]
+        else:
+            x = received
+            if not forward_only:
+                x.requires_grad_()
+        out = chunk(x)
+        return chunk.loss(out, micro[:, 1:]) if chunk.is_last else out
 
     def _backward(
         self,

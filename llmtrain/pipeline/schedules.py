@@ -188,7 +188,7 @@ def _zb_h1(pp: int, m: int, v: int) -> list[list[tuple[str, int, int]]]:
     """ZB-H1 (Qi et al. 2023): 1F1B with the backward split into I and W, rank r running W(i - r) after
     I(i). Deferring W by r micro-batches makes every rank hold at most pp micro-batches (1F1B's peak, on rank
     0) while the deferred W fill the cool-down; bubble (pp-1)(T_F + T_I - T_W), a third of 1F1B's when
-    T_F = T_I = T_W."""
+    T_F = T_I = T_W and there are at least pp micro-batches."""
     order = []
     for rank in range(pp):
         warmup = min(pp - rank - 1, m)

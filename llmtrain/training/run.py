@@ -36,10 +36,8 @@ def build_trainer(job: JobConfig, topo: Topology, watchdog: Watchdog | None = No
     if topo.rank == 0:
         Path(job.output_dir).mkdir(parents=True, exist_ok=True)
         dump(job, Path(job.output_dir) / "config.yaml")
-    model = build(job.model)
-    if job.train.precision != "fp32":
-        model = model.to(torch.bfloat16 if job.train.precision == "bf16" else torch.float16)
-    model = parallelize(model, topo, job)
+    # Built in fp32: parallelize casts to bf16/fp16 through its buffers and keeps the exact fp32 master.
+    model = parallelize(build(job.model), topo, job)
     optimizer = build_optimizer(model, topo, job)
     metrics = MetricsLogger(
         job,

@@ -28,12 +28,13 @@ def _trained(tmp_path: Path, steps: int = 2, **overrides: object) -> tuple[objec
     return job, model, opt
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_exact_resume_is_bitwise(tmp_path: Path, precision: str) -> None:
     job, model, opt = _trained(tmp_path, train__precision=precision)
     ck = Checkpointer(job, SINGLE)
     ck.save(2, model, opt, {"step": 2, "consumed_samples": 8})
-    reference = train(job, SINGLE, model, opt, 2, 5)  # dropout draws from the RNG saved above
+    reference = train(job, SINGLE, model, opt, 2, 4)  # dropout draws from the RNG saved above
 
     fresh, fresh_opt = build(job, SINGLE)
     torch.manual_seed(12345)  # a different RNG state: load must restore the saved one
@@ -41,7 +42,7 @@ def test_exact_resume_is_bitwise(tmp_path: Path, precision: str) -> None:
     assert path == tmp_path / "checkpoints" / "step_2"
     extra = ck.load(path, fresh, fresh_opt)
     assert extra == {"step": 2, "consumed_samples": 8}
-    assert train(job, SINGLE, fresh, fresh_opt, 2, 5) == reference
+    assert train(job, SINGLE, fresh, fresh_opt, 2, 4) == reference
     for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
 

@@ -47,12 +47,21 @@ class Run:
     """One layout's model (or pipeline stages), optimizer and step function, as the trainer builds them."""
 
     def __init__(
-        self, out: Path, rank: int, tp: int, pp: int, dp: int, zero: int, sp: bool = False, model: Any = None
+        self,
+        out: Path,
+        rank: int,
+        tp: int,
+        pp: int,
+        dp: int,
+        zero: int,
+        sp: bool = False,
+        model: Any = None,
+        async_save: bool = False,
     ) -> None:
         self.job = tiny_job(
             out, "ernie", model__hidden_dropout=0.0, model__num_layers=4, parallel__tp=tp, parallel__pp=pp,
             parallel__dp=dp, parallel__zero_stage=zero, parallel__sequence_parallel=sp,
-            train__global_batch_size=8,
+            train__global_batch_size=8, checkpoint__async_save=async_save,
         )  # fmt: skip
         job = self.job
         if model is not None:
@@ -140,12 +149,14 @@ def _reshard(rank: int, tmp: str) -> None:
 
 
 def _exact_resume_and_full_weights(rank: int, tmp: str) -> None:
+    """Async save under TP+SP+ZeRO-1: training (and its collectives) goes on while the save is written."""
     root = Path(tmp)
-    run = Run(root / "r", rank, 2, 1, 2, 1, sp=True)
+    run = Run(root / "r", rank, 2, 1, 2, 1, sp=True, async_save=True)
     run.train(0, 2)
-    run.ck.save(2, run.model, run.opt, {"step": 2})
     saved = run.full_weights()
+    run.ck.save(2, run.model, run.opt, {"step": 2})
     expected = run.train(2, 4)
+    run.ck.close()
     fresh = Run(root / "r", rank, 2, 1, 2, 1, sp=True)
     fresh.ck.load(fresh.ck.resume_path(), fresh.model, fresh.opt)
     for name, value in fresh.full_weights().items():

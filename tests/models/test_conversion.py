@@ -231,3 +231,26 @@ def test_writes_are_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
     (tmp_path / "docs" / "notes.txt").write_text("keep me")
     with pytest.raises(FileExistsError, match="holds no model"):
         save_pretrained(model, tmp_path / "docs")
+
+
+def test_wrong_direction_names_the_right_subcommand(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    torch.manual_seed(0)
+    save_pretrained(
+        build(
+            ModelConfig(
+                arch="ernie",
+                num_layers=1,
+                hidden_size=32,
+                num_attention_heads=2,
+                vocab_size=64,
+                ffn_hidden_size=48,
+            )
+        ),
+        tmp_path / "ours",
+    )
+    args = ["hf-to-llmtrain", "--input", str(tmp_path / "ours"), "--output", str(tmp_path / "out")]
+    assert convert_tool.main(args) == 1
+    assert "convert it with llmtrain-to-hf" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
