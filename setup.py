@@ -30,6 +30,7 @@ setup(
             "hypothesis>=6.100",
             "transformers>=4.54",
             "megatron-core>=0.16",
+            "psutil>=5.9",
             "ruff>=0.5",
         ],
     },

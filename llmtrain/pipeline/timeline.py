@@ -186,7 +186,10 @@ def show_schedule(
     else:
         spans = load_trace(trace)
         bubble = bubble_fraction(spans)
-        title = f"{label}  (traced)  bubble {bubble:.1%}, simulated {sim.bubble_fraction:.1%}"
+        title = (
+            f"{label}  (traced)  bubble {bubble:.1%}; simulated {sim.bubble_fraction:.1%} "
+            f"(F={forward:g}, B={backward:g}, p2p={p2p:g})"
+        )
         unit, scale = "seconds", 1e6
     render_png(spans, output, title, unit)
     if chrome_trace_path is not None:

@@ -185,6 +185,12 @@ def test_pp2_with_tp2_and_with_dp2_matches_one_process():
 
 
 @pytest.mark.slow
+def test_tp2_pp2_dp2_matches_one_process():
+    # All three dimensions at once (8 processes): untied interleaved, and tied zero-bubble with SP.
+    run_world(8, [("llama", 4, 2, 2, 2, "interleaved_1f1b", 2), ("gpt", 4, 2, 2, 2, "zb_h1", 1, True)])
+
+
+@pytest.mark.slow
 def test_pp1_is_the_degenerate_case_of_the_same_executor():
     job = make_job("ernie", 2)
     ref_losses, ref_weights = reference(job)
