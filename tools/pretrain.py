@@ -6,6 +6,7 @@ Runs on one process with `python`, or on many with `torchrun --nproc_per_node N 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from llmtrain.config import ConfigError, load
@@ -30,6 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingDiverged as err:
         print(f"training stopped: {err}", file=sys.stderr)
         return 3
+    if os.environ.get("RANK", "0") != "0":
+        return 0
     eval_text = f", eval loss {result.final_eval_loss:.4f}" if result.final_eval_loss is not None else ""
     print(f"done: {result.steps} steps in {result.elapsed_s:.1f}s, loss {result.final_loss:.4f}{eval_text}")
     return 0

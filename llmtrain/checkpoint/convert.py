@@ -24,6 +24,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from llmtrain.checkpoint.errors import CheckpointError
 from llmtrain.checkpoint.layout import GlobalTensor, ParamLayout, Piece
 from llmtrain.checkpoint.manager import (
+    LATEST,
+    MANIFEST,
     TRAINER_STATE,
     Checkpointer,
     _Snapshot,
@@ -199,6 +201,12 @@ def write_checkpoint(
     topo = types.SimpleNamespace(tp=tp, pp=pp, dp=dp, world_size=tp * pp * dp)
     Checkpointer(job, topo)._commit(_Snapshot(step, entries, extra, None, scalars))
     return Path(output_dir) / "checkpoints" / f"step_{step}"
+
+
+def is_sharded_checkpoint(path: str | Path) -> bool:
+    """A sharded checkpoint (step_<N>, checkpoints/ or an output_dir) rather than a model directory."""
+    path = Path(path)
+    return any((path / p).exists() for p in (MANIFEST, LATEST, Path("checkpoints") / LATEST))
 
 
 def from_hf(hf_dir: str | Path, output_dir: str | Path, tp: int = 1, pp: int = 1, dp: int = 1) -> Path:

@@ -385,11 +385,13 @@ class PipelineStepRunner:
         self.optimizer = optimizer
         self.micro_batch_size = micro_batch_size
 
-    def train_step(self, batch: torch.Tensor) -> torch.Tensor:
+    def train_step(self, batch: torch.Tensor, timer: Any) -> torch.Tensor:
         """Accumulate gradients over the micro-batches of ``batch``; the mean loss (0-d)."""
         self.executor.stages.train()
         scale = getattr(self.optimizer, "loss_scale", None) or 1.0
-        return self.executor.run(list(batch.split(self.micro_batch_size)), loss_scale=scale)
+        # Forward, backward and pipeline waits interleave within a schedule: timed as one section.
+        with timer.section("pipeline"):
+            return self.executor.run(list(batch.split(self.micro_batch_size)), loss_scale=scale)
 
     def eval_step(self, batch: torch.Tensor) -> torch.Tensor:
         """Mean loss of ``batch`` without gradients."""

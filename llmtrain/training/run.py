@@ -28,6 +28,7 @@ def build_trainer(job: JobConfig, topo: Topology, watchdog: Watchdog | None = No
     from llmtrain.data import build_data
     from llmtrain.models import build
     from llmtrain.parallel import build_optimizer, grad_sync, parallelize
+    from llmtrain.pipeline.executor import PipelineStepRunner, build_pipeline
     from llmtrain.planner.flops import model_flops_per_token
     from llmtrain.training.metrics import MetricsLogger
 
@@ -38,7 +39,13 @@ def build_trainer(job: JobConfig, topo: Topology, watchdog: Watchdog | None = No
         dump(job, Path(job.output_dir) / "config.yaml")
     # Built in fp32: parallelize casts to bf16/fp16 through its buffers and keeps the exact fp32 master.
     model = parallelize(build(job.model), topo, job)
-    optimizer = build_optimizer(model, topo, job)
+    if topo.pp > 1:
+        model, executor = build_pipeline(model, topo, job)
+        optimizer = build_optimizer(model, topo, job)
+        runner = PipelineStepRunner(executor, optimizer, job.train.micro_batch_size)
+    else:
+        optimizer = build_optimizer(model, topo, job)
+        runner = LocalStepRunner(model, optimizer, job.train.micro_batch_size, grad_sync)
     metrics = MetricsLogger(
         job,
         is_main=topo.rank == 0,
@@ -48,7 +55,7 @@ def build_trainer(job: JobConfig, topo: Topology, watchdog: Watchdog | None = No
     return Trainer(
         job=job,
         topo=topo,
-        runner=LocalStepRunner(model, optimizer, job.train.micro_batch_size, grad_sync),
+        runner=runner,
         optimizer=optimizer,
         data=data,
         metrics=metrics,

@@ -19,6 +19,7 @@ from llmtrain.parallel import Topology, apply_tp, build_optimizer, gather_full_s
 from llmtrain.pipeline.executor import PipelineStepRunner, build_pipeline
 from llmtrain.pipeline.schedules import build_schedule
 from llmtrain.pipeline.stages import partition_layers
+from llmtrain.training.profiling import StepTimer
 
 STEPS = 3
 MICRO = 2  # samples per micro-batch
@@ -100,7 +101,10 @@ def pipelined(job: JobConfig, topo: Topology, trace: bool = False) -> tuple:
 
     for step in range(STEPS):
         local = data(job, step).chunk(topo.dp)[topo.dp_rank]
-        loss = executor.run(list(local.split(MICRO)), trace=trace) if trace else runner.train_step(local)
+        if trace:
+            loss = executor.run(list(local.split(MICRO)), trace=trace)
+        else:
+            loss = runner.train_step(local, StepTimer(enabled=False))
         losses.append(dp_mean(loss))
         last_trace = executor.trace
         opt.step(job.train.lr)
