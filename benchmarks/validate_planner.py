@@ -9,16 +9,42 @@ relative to the repository root.
 
 With --activations it also compares the predicted saved-activation bytes of one layer with the bytes the
 tensor-parallel issue's saved-tensor hooks measure (llmtrain.parallel.memory) on small CPU models.
+
+With --local it also describes this machine (tools/plan.py --profile-local's measurements, or the cluster
+file given with --local-cluster), trains a small LLaMA for a few steps with torchrun on gloo in several
+(tp, pp, dp) layouts of 1-2 processes (one core each), and prints the predicted against the measured step
+time with the Spearman rank correlation (llmtrain.planner.local_validation; about 3-4 minutes on 2 cores):
+
+    python benchmarks/validate_planner.py --local [--local-cluster local-cluster.yaml] [--local-steps 6]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
+import tempfile
+import time
+from pathlib import Path
 
 from llmtrain.config import ConfigError
+from llmtrain.planner.cost_model import Layout
+from llmtrain.planner.local_validation import (
+    LOCAL_CONFIG,
+    LOCAL_LAYOUTS,
+    LOCAL_MODEL_OVERRIDES,
+    LocalPoint,
+    format_local,
+    local_summary,
+    median_step_time,
+    predict,
+    run_overrides,
+)
 from llmtrain.planner.validation import format_results, summary, validate_megatron
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def activation_check() -> str:
@@ -48,6 +74,58 @@ def activation_check() -> str:
     return "\n".join(lines)
 
 
+def measure_step_time(layout: Layout, steps: int, warmup: int, output_dir: Path) -> float:
+    """Median step time of a short torchrun (gloo) training run of the local job in `layout`."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={layout.gpus}",
+        "tools/pretrain.py", "--config", LOCAL_CONFIG, *LOCAL_MODEL_OVERRIDES,
+        *run_overrides(layout, steps, str(output_dir)),
+    ]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode:
+        raise RuntimeError(
+            f"training run for {layout.short()} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
+        )
+    return median_step_time((output_dir / "metrics.jsonl").read_text().splitlines(), warmup)
+
+
+def local_check(cluster_file: str | None, steps: int, warmup: int) -> list[LocalPoint]:
+    """Predicted and measured step time of every local layout (progress on stderr)."""
+    from llmtrain.config import load
+    from llmtrain.planner import Workload, cluster_from_dict, load_cluster
+
+    job = load(REPO / LOCAL_CONFIG, list(LOCAL_MODEL_OVERRIDES))
+    workload = Workload.from_job(job)
+    if cluster_file:
+        cluster = load_cluster(cluster_file)
+    else:
+        from llmtrain.planner.profile import describe_local
+
+        start = time.perf_counter()
+        desc = describe_local(2)  # 2 processes sharing the machine, as the 2-process layouts run
+        cluster = cluster_from_dict(desc, "describe_local(2)")
+        device = next(iter(desc["devices"].values()))
+        print(
+            f"profiled this machine in {time.perf_counter() - start:.1f} s: {device['peak_tflops']} TFLOP/s, "
+            f"{device['memory_bandwidth_gbs']} GB/s per process; link {desc['links']['intra_node']}",
+            file=sys.stderr,
+        )
+    points = []
+    with tempfile.TemporaryDirectory(prefix="validate-local-") as tmp:
+        for i, layout in enumerate(LOCAL_LAYOUTS):
+            predicted = predict(workload, cluster, layout).step_time
+            start = time.perf_counter()
+            measured = measure_step_time(layout, steps, warmup, Path(tmp) / f"run{i}")
+            print(
+                f"[{i + 1}/{len(LOCAL_LAYOUTS)}] {layout.short()}: predicted {predicted:.4f} s, "
+                f"measured {measured:.4f} s ({time.perf_counter() - start:.0f} s run)",
+                file=sys.stderr,
+            )
+            points.append(LocalPoint(layout, predicted, measured))
+    return points
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the validation and print the table."""
     parser = argparse.ArgumentParser(
@@ -59,7 +137,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--activations", action="store_true", help="also check activation bytes (needs torch)"
     )
+    parser.add_argument(
+        "--local", action="store_true", help="also predict vs measure step time on this machine (gloo)"
+    )
+    parser.add_argument(
+        "--local-cluster", help="cluster file of this machine for --local (default: profile it now)"
+    )
+    parser.add_argument("--local-steps", type=int, default=6, help="training steps per --local run")
+    parser.add_argument("--local-warmup", type=int, default=2, help="steps left out of the --local median")
     args = parser.parse_args(argv)
+    if args.local and args.local_steps <= args.local_warmup:
+        parser.error("--local-steps must exceed --local-warmup")
     try:
         results = validate_megatron(args.cluster, args.reference)
     except ConfigError as err:
@@ -68,6 +156,10 @@ def main(argv: list[str] | None = None) -> int:
     print(format_results(results))
     if args.activations:
         print(activation_check())
+    local = []
+    if args.local:
+        local = local_check(args.local_cluster, args.local_steps, args.local_warmup)
+        print(format_local(local))
     if args.json:
         rows = [
             dict(
@@ -82,7 +174,22 @@ def main(argv: list[str] | None = None) -> int:
             for r in results
         ]
         with open(args.json, "w") as fh:
-            json.dump({"rows": rows, "summary": summary(results)}, fh, indent=1)
+            out = {"rows": rows, "summary": summary(results)}
+            if local:
+                out["local"] = {
+                    "rows": [
+                        dict(
+                            layout=p.layout.short(),
+                            gpus=p.layout.gpus,
+                            predicted_s=p.predicted,
+                            measured_s=p.measured,
+                            ratio=p.ratio,
+                        )
+                        for p in local
+                    ],
+                    "summary": local_summary(local),
+                }
+            json.dump(out, fh, indent=1)
     return 0
 
 

@@ -1,9 +1,8 @@
 """Kernel tests run Triton kernels on CPU tensors through the Triton interpreter.
 
 TRITON_INTERPRET=1 is read when a @triton.jit function is defined, i.e. when a kernels.<module> holding
-kernels is first imported; `kernels/__init__.py` imports them lazily, so setting the variable here, at
-conftest import time, is early enough for the whole session. Outside pytest run with
-`TRITON_INTERPRET=1 python ...`.
+kernels is first imported; tests/conftest.py sets it for the whole session on machines without CUDA.
+Outside pytest run with `TRITON_INTERPRET=1 python ...`.
 
 Every test compares against the PyTorch reference in kernels/reference.py (torch's own ops: F.layer_norm,
 F.scaled_dot_product_attention, F.cross_entropy, ...) evaluated in float64 on the same (rounded) inputs.
@@ -11,12 +10,8 @@ F.scaled_dot_product_attention, F.cross_entropy, ...) evaluated in float64 on th
 
 from __future__ import annotations
 
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 # Tolerances against the float64 reference, per input dtype. fp32 kernels accumulate in fp32, so errors
 # stay within a few ulps of the O(1) values; fp16 / bf16 outputs are rounded once to their dtype (ulp
