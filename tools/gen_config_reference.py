@@ -1,7 +1,7 @@
 """Write docs/configuration.md from the config dataclasses' docstrings, or check that it is current.
 
-    python tools/gen_config_reference.py          # regenerate
-    python tools/gen_config_reference.py --check  # exit 1 if the file is stale (CI)
+python tools/gen_config_reference.py          # regenerate
+python tools/gen_config_reference.py --check  # exit 1 if the file is stale (CI)
 """
 
 from __future__ import annotations

@@ -34,8 +34,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(own)
     try:
         sweep_points = parse_grid(args.grid) if args.grid else load_list(args.list)
-        results = run_sweep(args.config, sweep_points, args.output, extra=extra, launcher=args.launcher,
-                            parallel=args.parallel, script=args.script, timeout_s=args.timeout)
+        results = run_sweep(
+            args.config,
+            sweep_points,
+            args.output,
+            extra=extra,
+            launcher=args.launcher,
+            parallel=args.parallel,
+            script=args.script,
+            timeout_s=args.timeout,
+        )
     except ValueError as err:
         print(f"sweep error: {err}", file=sys.stderr)
         return 2

@@ -7,7 +7,7 @@ number of processes the job runs on. Each message names the field and the fix.
 from __future__ import annotations
 
 from llmtrain.config.errors import ConfigError
-from llmtrain.config.schema import JobConfig
+from llmtrain.config.schema import JobConfig, ParallelConfig
 
 
 def _require(condition: bool, message: str) -> None:
@@ -153,9 +153,8 @@ def _check_pipeline(job: JobConfig) -> None:
         )
 
 
-def resolve_dp(job: JobConfig, world_size: int) -> int:
+def resolve_dp(p: ParallelConfig, world_size: int) -> int:
     """The data-parallel degree for `world_size` processes, checking that the degrees multiply out."""
-    p = job.parallel
     model_parallel = p.tp * p.pp
     if p.dp is None:
         _require(
@@ -175,7 +174,7 @@ def resolve_dp(job: JobConfig, world_size: int) -> int:
 
 def validate_world(job: JobConfig, world_size: int) -> int:
     """Checks that depend on the world size; returns the data-parallel degree."""
-    dp = resolve_dp(job, world_size)
+    dp = resolve_dp(job.parallel, world_size)
     t = job.train
     per_step = t.micro_batch_size * dp
     _require(

@@ -163,11 +163,12 @@ class GradBuffers:
 
     def finish(self, launch: bool = True) -> None:
         """Launch the buckets still waiting (unused parameters) and wait for every reduction."""
-        for bucket in self.buckets:
+        for index, bucket in enumerate(self.buckets):
             if launch and not bucket.launched:
                 self._launch(bucket)
             if bucket.handle is not None:
-                bucket.handle.wait()
+                with self.topo.watchdog.waiting("dp", "gradient reduction", f"bucket {index}"):
+                    bucket.handle.wait()
                 bucket.handle = None
 
     def all_gather_params(self) -> None:
@@ -185,8 +186,9 @@ class GradBuffers:
             flat[:lo].zero_()
             flat[lo + bucket.shard_size :].zero_()
             handles.append(dist.all_reduce(flat, group=self.dp_group, async_op=True))
-        for h in handles:
-            h.wait()
+        with self.topo.watchdog.waiting("dp", "parameter all-gather", f"{len(handles)} buckets"):
+            for h in handles:
+                h.wait()
 
     def local_ranges(self) -> list[tuple[nn.Parameter, int, int]]:
         """(param, buffer start, buffer end) pieces of the parameters this rank updates, in buffer order."""

@@ -9,6 +9,8 @@ import torch.distributed as dist
 
 from llmtrain.config.errors import ConfigError
 from llmtrain.config.schema import ParallelConfig
+from llmtrain.config.validate import resolve_dp
+from llmtrain.parallel.watchdog import Watchdog
 
 # Dimensions the grid knows about. cp (context) and ep (expert) have size 1 until the config grows fields for
 # them; they already take part in the rank arithmetic so adding them later changes no caller.
@@ -21,22 +23,7 @@ class Topology:
     def __init__(self, parallel: ParallelConfig, world_size: int, rank: int) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ConfigError(f"rank {rank} is outside a world of {world_size} processes")
-        model_parallel = parallel.tp * parallel.pp
-        if parallel.dp is None:
-            if world_size % model_parallel:
-                raise ConfigError(
-                    f"world size {world_size} is not divisible by parallel.tp * parallel.pp = "
-                    f"{model_parallel}; launch a multiple of that many processes or change the degrees"
-                )
-            dp = world_size // model_parallel
-        else:
-            dp = parallel.dp
-        if parallel.tp * parallel.pp * dp != world_size:
-            raise ConfigError(
-                f"parallel.tp * parallel.pp * parallel.dp = {parallel.tp}*{parallel.pp}*{dp} = "
-                f"{parallel.tp * parallel.pp * dp} but the job runs on {world_size} processes; make the "
-                "product equal the world size (or set parallel.dp=null)"
-            )
+        dp = resolve_dp(parallel, world_size)
         named = parallel.order.split("-")
         if sorted(named) != ["dp", "pp", "tp"]:
             raise ConfigError(
@@ -46,6 +33,8 @@ class Topology:
         self.parallel = parallel
         self.world_size = world_size
         self.rank = rank
+        # What this rank waits on in collectives of these groups; the launcher starts its hang thread.
+        self.watchdog = Watchdog(parallel.timeout_s, rank, world_size)
         self.sizes: dict[str, int] = {"tp": parallel.tp, "cp": 1, "ep": 1, "dp": dp, "pp": parallel.pp}
         # Unnamed size-1 dimensions go innermost; they do not change the numbering of the named ones.
         self.order: list[str] = [d for d in DIMS if d not in named] + named

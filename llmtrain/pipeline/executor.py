@@ -278,7 +278,9 @@ class PipelineExecutor:
                 if t.kind in (RECV_F, RECV_B):
                     work = recv_works.pop(j, None)
                     if work is not None:
-                        work.wait()
+                        detail = f"{t.kind} mb={t.microbatch} chunk={t.chunk} from pp rank {t.peer}"
+                        with self.topo.watchdog.waiting("pp", "recv", detail):
+                            work.wait()
                     store = inputs if t.kind == RECV_F else grads_in
                     store[(t.microbatch, t.chunk)] = recv_bufs.pop(j)
             previous = i
@@ -317,8 +319,9 @@ class PipelineExecutor:
                 ops.append(self._send_op(t, outputs, inputs))
                 op_recv.append(None)
         flush()
-        for work in pending_sends:
-            work.wait()
+        with self.topo.watchdog.waiting("pp", "send", f"{len(pending_sends)} sends at the end of the step"):
+            for work in pending_sends:
+                work.wait()
         if not forward_only:
             self.stages.sync_tied_grads()
         return self._mean_loss(losses, m)

@@ -79,8 +79,18 @@ def build_command(
 class _Sweep:
     """State shared by the worker threads of one sweep invocation."""
 
-    def __init__(self, config: Path, output: Path, extra: list[str], launcher: str | None, script: Path,
-                 parallel: int, timeout_s: float | None, total: int, stream: TextIO) -> None:
+    def __init__(
+        self,
+        config: Path,
+        output: Path,
+        extra: list[str],
+        launcher: str | None,
+        script: Path,
+        parallel: int,
+        timeout_s: float | None,
+        total: int,
+        stream: TextIO,
+    ) -> None:
         self.config, self.output, self.extra = config, output, extra
         self.launcher, self.script, self.parallel, self.timeout_s = launcher, script, parallel, timeout_s
         self.total, self.stream, self.finished = total, stream, 0
@@ -99,9 +109,15 @@ class _Sweep:
             record = json.loads(record_path.read_text())
             if record.get("status") == "done" and all(record.get(k) == v for k, v in identity.items()):
                 self.say(point, "already finished, skipped")
-                return RunResult(point.name, point.overrides, "done", record.get("returncode"),
-                                 duration_s=record.get("duration_s", 0.0), reused=True,
-                                 metrics=read_metrics(run_dir))
+                return RunResult(
+                    point.name,
+                    point.overrides,
+                    "done",
+                    record.get("returncode"),
+                    duration_s=record.get("duration_s", 0.0),
+                    reused=True,
+                    metrics=read_metrics(run_dir),
+                )
         run_dir.mkdir(parents=True, exist_ok=True)
         command = build_command(self.config, run_dir, point, self.extra, self.launcher, self.script)
         record = {**identity, "command": command, "status": "running"}
@@ -113,8 +129,9 @@ class _Sweep:
         start = time.perf_counter()
         with open(run_dir / "stdout.log", "w") as out, open(run_dir / "stderr.log", "w") as err:
             try:
-                returncode = subprocess.run(command, stdout=out, stderr=err, env=env,
-                                            timeout=self.timeout_s).returncode
+                returncode = subprocess.run(
+                    command, stdout=out, stderr=err, env=env, timeout=self.timeout_s
+                ).returncode
             except subprocess.TimeoutExpired:
                 returncode = None
         duration = time.perf_counter() - start
@@ -129,12 +146,14 @@ class _Sweep:
         elif not any("loss" in entry for entry in metrics):
             error = "exited 0 but wrote no training entries to metrics.jsonl"
         status = "failed" if error else "done"
-        record.update(status=status, returncode=returncode, error=error, stderr_tail=tail,
-                      duration_s=duration)
+        record.update(
+            status=status, returncode=returncode, error=error, stderr_tail=tail, duration_s=duration
+        )
         record_path.write_text(json.dumps(record, indent=1))
         self.say(point, f"{status} in {duration:.1f}s" + (f" ({error})" if error else ""))
-        return RunResult(point.name, point.overrides, status, returncode, error, tail, duration,
-                         metrics=metrics)
+        return RunResult(
+            point.name, point.overrides, status, returncode, error, tail, duration, metrics=metrics
+        )
 
 
 def run_sweep(
@@ -162,8 +181,16 @@ def run_sweep(
     if len(set(names)) != len(names):
         raise ValueError(f"sweep run names must be unique; got {names}")
     output.mkdir(parents=True, exist_ok=True)
-    sweep = _Sweep(config, output, list(extra), launcher, script, parallel, timeout_s, len(points),
-                   stream if stream is not None else sys.stdout)
+    sweep = _Sweep(
+        config,
+        output,
+        list(extra),
+        launcher,
+        script,
+        parallel,
+        timeout_s,
+        len(points),
+        stream if stream is not None else sys.stdout,
+    )
     with ThreadPoolExecutor(max_workers=parallel) as pool:
         return list(pool.map(sweep.run, points))
-

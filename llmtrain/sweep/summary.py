@@ -79,8 +79,14 @@ def _plot(results: list[RunResult], rows: list[dict[str, Any]], output: Path) ->
         bars = ax.barh(names, values, color=colors)
         for bar, row in zip(bars, rows, strict=True):
             label = "failed" if row["status"] != "done" else _cell(row[key], key)
-            ax.annotate(label, (bar.get_width(), bar.get_y() + bar.get_height() / 2), xytext=(3, 0),
-                        textcoords="offset points", va="center", fontsize=8)
+            ax.annotate(
+                label,
+                (bar.get_width(), bar.get_y() + bar.get_height() / 2),
+                xytext=(3, 0),
+                textcoords="offset points",
+                va="center",
+                fontsize=8,
+            )
         ax.invert_yaxis()  # first run on top, as in the table
         ax.set_title(title)
         fig.tight_layout()
@@ -114,7 +120,9 @@ def summarize(results: list[RunResult], output: str | Path) -> str:
     table = markdown_table(rows)
     done = sum(r.status == "done" for r in results)
     plots = _plot(results, rows, output)
-    text = (f"# Sweep summary\n\n{done} of {len(results)} runs finished; failed runs show their error.\n\n"
-            f"{table}\n\nPlots: " + ", ".join(f"[{p.name}]({p.name})" for p in plots) + "\n")
+    text = (
+        f"# Sweep summary\n\n{done} of {len(results)} runs finished; failed runs show their error.\n\n"
+        f"{table}\n\nPlots: " + ", ".join(f"[{p.name}]({p.name})" for p in plots) + "\n"
+    )
     (output / "summary.md").write_text(text)
     return table

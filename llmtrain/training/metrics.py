@@ -181,10 +181,19 @@ class MetricsLogger:
         if not self.is_main:
             return
         ppl = math.exp(eval_loss) if eval_loss < 700 else math.inf  # exp overflows a double past ~709
-        self._emit({"step": step, "eval_loss": eval_loss, "eval_ppl": ppl,
-                    "elapsed_s": time.perf_counter() - self.start_time})
-        print(f"eval step {step}/{self.total_steps} | loss {eval_loss:.4f} | ppl {ppl:.2f}",
-              file=self.stream, flush=True)
+        self._emit(
+            {
+                "step": step,
+                "eval_loss": eval_loss,
+                "eval_ppl": ppl,
+                "elapsed_s": time.perf_counter() - self.start_time,
+            }
+        )
+        print(
+            f"eval step {step}/{self.total_steps} | loss {eval_loss:.4f} | ppl {ppl:.2f}",
+            file=self.stream,
+            flush=True,
+        )
 
     def note(self, message: str) -> None:
         """A one-off line on rank 0's console (resume, checkpoint saved, ...)."""

@@ -11,7 +11,7 @@ import torch
 
 from llmtrain.config import JobConfig, dump, with_overrides
 from llmtrain.parallel.topology import Topology
-from llmtrain.parallel.watchdog import Watchdog, install_excepthook
+from llmtrain.parallel.watchdog import install_excepthook
 from llmtrain.training.trainer import LocalStepRunner, Trainer, TrainResult
 
 
@@ -22,7 +22,7 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def build_trainer(job: JobConfig, topo: Topology, watchdog: Watchdog | None = None) -> Trainer:
+def build_trainer(job: JobConfig, topo: Topology) -> Trainer:
     """Data, model, parallel layout, optimizer, metrics and checkpointer for `job`, assembled."""
     from llmtrain.checkpoint import Checkpointer
     from llmtrain.data import build_data
@@ -62,7 +62,6 @@ def build_trainer(job: JobConfig, topo: Topology, watchdog: Watchdog | None = No
         checkpointer=Checkpointer(job, topo),
         model=model,
         tokens_per_sample=job.model.seq_length,
-        watchdog=watchdog or Watchdog(job.parallel.timeout_s, topo.rank, topo.world_size),
     )
 
 
@@ -87,12 +86,12 @@ def run(job: JobConfig) -> TrainResult:
         job = plan_layout(job, int(os.environ.get("WORLD_SIZE", "1")))
     topo = init_distributed(job)
     install_excepthook(topo.rank)
-    watchdog = Watchdog(job.parallel.timeout_s, topo.rank, topo.world_size).start()
-    trainer = build_trainer(job, topo, watchdog)
+    topo.watchdog.start()
+    trainer = build_trainer(job, topo)
     try:
         return trainer.fit()
     finally:
-        watchdog.stop()
+        topo.watchdog.stop()
         trainer.metrics.close()
         trainer.checkpointer.close()
         if torch.distributed.is_initialized():

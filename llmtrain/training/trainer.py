@@ -12,7 +12,6 @@ import torch
 import torch.distributed as dist
 
 from llmtrain.config import JobConfig, to_dict
-from llmtrain.parallel.watchdog import Watchdog
 from llmtrain.training.lr_schedule import learning_rate
 from llmtrain.training.profiling import ProfilerWindow, StepTimer
 
@@ -88,7 +87,6 @@ class Trainer:
         checkpointer: Any,
         model: torch.nn.Module,
         tokens_per_sample: int,
-        watchdog: Watchdog,
     ) -> None:
         self.job = job
         self.topo = topo
@@ -99,7 +97,6 @@ class Trainer:
         self.checkpointer = checkpointer
         self.model = model
         self.tokens_per_sample = tokens_per_sample
-        self.watchdog = watchdog
         self.timer = StepTimer(job.logging.time_breakdown)
         self.step = 0
         self.consumed_samples = 0
@@ -111,7 +108,7 @@ class Trainer:
         group = self.topo.dp_group
         if group is not None and self.topo.dp > 1:
             value = value.clone()
-            with self.watchdog.waiting("dp", "all_reduce", "loss"), self.timer.section("dp_comm"):
+            with self.topo.watchdog.waiting("dp", "all_reduce", "loss"), self.timer.section("dp_comm"):
                 dist.all_reduce(value, group=group)
             value /= self.topo.dp
         return float(value)
@@ -121,7 +118,7 @@ class Trainer:
         if not dist.is_initialized():
             return flag
         tensor = torch.tensor([1.0 if flag else 0.0])
-        with self.watchdog.waiting("world", "all_reduce", "non-finite loss check"):
+        with self.topo.watchdog.waiting("world", "all_reduce", "non-finite loss check"):
             dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
         return bool(tensor.item())
 

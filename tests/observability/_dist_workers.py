@@ -16,8 +16,9 @@ GROUP_TIMEOUT_S = 60  # far beyond the watchdog's: the watchdog, not gloo, must 
 
 def _init(rank: int, world: int, port: int) -> None:
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S)
+    )
 
 
 def straggler(rank: int, world: int, port: int, timeout_s: float) -> None:

@@ -33,9 +33,16 @@ def main() -> int:
     mbs, steps = job.train.micro_batch_size, job.train.steps
     with open(out / "metrics.jsonl", "w") as metrics:
         for step in range(1, steps + 1):
-            entry = {"step": step, "loss": 10.0 / step + mbs, "lr": 1e-3, "grad_norm": 1.0,
-                     "tokens_per_sec": 1000.0 * mbs * step, "elapsed_s": float(step), "mfu": 0.01 * mbs,
-                     "peak_memory_gb": 0.5 * mbs}
+            entry = {
+                "step": step,
+                "loss": 10.0 / step + mbs,
+                "lr": 1e-3,
+                "grad_norm": 1.0,
+                "tokens_per_sec": 1000.0 * mbs * step,
+                "elapsed_s": float(step),
+                "mfu": 0.01 * mbs,
+                "peak_memory_gb": 0.5 * mbs,
+            }
             metrics.write(json.dumps(entry) + "\n")
         metrics.write(json.dumps({"step": steps, "eval_loss": 1.0 + mbs}) + "\n")
     print(f"done: {steps} steps")

@@ -26,9 +26,17 @@ def job_for(tmp_path, steps: int = 6, interval: int = 2, **model) -> JobConfig:
 
 
 def step_values(step: int, tokens: int = 4096, step_time: float = 0.5, **extra) -> dict:
-    values = {"loss": 5.0 - 0.1 * step, "lr": 1e-3 * step, "grad_norm": 1.0 + step, "loss_scale": None,
-              "skipped_steps": 0, "tokens": tokens, "samples": tokens // 128, "step_time": step_time,
-              "data_time": 0.01}
+    values = {
+        "loss": 5.0 - 0.1 * step,
+        "lr": 1e-3 * step,
+        "grad_norm": 1.0 + step,
+        "loss_scale": None,
+        "skipped_steps": 0,
+        "tokens": tokens,
+        "samples": tokens // 128,
+        "step_time": step_time,
+        "data_time": 0.01,
+    }
     values.update(extra)
     return values
 
@@ -40,13 +48,22 @@ def read_jsonl(job: JobConfig) -> list[dict]:
 
 # --- MFU against hand-computed FLOPs -------------------------------------------------------------
 
+
 def test_mfu_gpt_matches_megatron_closed_form_on_published_row(tmp_path):
     """Megatron-LM SC21 Table 1, 1.7B row (shared/reference/megatron_a100_2021.csv): 32 A100s, batch 512,
     seq 2048, 137 TFLOP/s/GPU counted with full recompute (the 96-factor formula). Our MFU counts no
     recompute, i.e. the 72-factor closed form 72*B*s*l*h^2*(1 + s/(6h) + V/(12*l*h)) over the same time."""
     B, s, L, h, V, gpus = 512, 2048, 24, 2304, 51200, 32  # the paper's symbols
-    job = job_for(tmp_path, steps=1, arch="gpt", num_layers=L, hidden_size=h, num_attention_heads=24,
-                  vocab_size=V, seq_length=s)
+    job = job_for(
+        tmp_path,
+        steps=1,
+        arch="gpt",
+        num_layers=L,
+        hidden_size=h,
+        num_attention_heads=24,
+        vocab_size=V,
+        seq_length=s,
+    )
     job.logging.peak_tflops = 312.0  # A100 dense bf16
     job.logging.tensorboard = False
     with_recompute = 96 * B * s * L * h**2 * (1 + s / (6 * h) + V / (16 * L * h))
@@ -58,8 +75,9 @@ def test_mfu_gpt_matches_megatron_closed_form_on_published_row(tmp_path):
     entry = read_jsonl(job)[0]
     expected_tflops = model_flops / step_time / gpus / 1e12
     assert entry["tflops_per_device"] == pytest.approx(expected_tflops, rel=1e-9)
-    assert entry["tflops_per_device"] == pytest.approx(137 * 72 / 96 * (1 + s / (6 * h) + V / (12 * L * h))
-                                                       / (1 + s / (6 * h) + V / (16 * L * h)), rel=1e-9)
+    assert entry["tflops_per_device"] == pytest.approx(
+        137 * 72 / 96 * (1 + s / (6 * h) + V / (12 * L * h)) / (1 + s / (6 * h) + V / (16 * L * h)), rel=1e-9
+    )
     assert entry["mfu"] == pytest.approx(expected_tflops / 312, rel=1e-9)
     assert entry["tokens_per_sec"] == pytest.approx(B * s / step_time)
 
@@ -67,17 +85,26 @@ def test_mfu_gpt_matches_megatron_closed_form_on_published_row(tmp_path):
 def test_mfu_llama_gqa_counted_by_hand(tmp_path):
     """LLaMA with grouped-query attention and a gated MLP, each matmul counted by hand (2 FLOPs per MAC)."""
     h, heads, kv, d, f, V, s, layers = 256, 8, 2, 32, 704, 1000, 64, 3
-    job = job_for(tmp_path, steps=1, arch="llama", num_layers=layers, hidden_size=h,
-                  num_attention_heads=heads, num_kv_heads=kv, vocab_size=V, seq_length=s)
+    job = job_for(
+        tmp_path,
+        steps=1,
+        arch="llama",
+        num_layers=layers,
+        hidden_size=h,
+        num_attention_heads=heads,
+        num_kv_heads=kv,
+        vocab_size=V,
+        seq_length=s,
+    )
     assert job.model.ffn_size == f  # 8/3 * 256 = 682.7, rounded up to a multiple of 64
     job.logging.peak_tflops = 2.0
     job.logging.tensorboard = False
-    q = 2 * h * heads * d             # 131072
-    k_and_v = 2 * 2 * h * kv * d      # 65536
+    q = 2 * h * heads * d  # 131072
+    k_and_v = 2 * 2 * h * kv * d  # 65536
     scores_and_context = 2 * 2 * s * heads * d  # 65536: full s x s square, as Megatron counts
-    out = 2 * heads * d * h           # 131072
-    mlp = 2 * 3 * h * f               # gate, up, down: 1081344
-    logits = 2 * h * V                # 512000
+    out = 2 * heads * d * h  # 131072
+    mlp = 2 * 3 * h * f  # gate, up, down: 1081344
+    logits = 2 * h * V  # 512000
     per_token = 3 * (layers * (q + k_and_v + scores_and_context + out + mlp) + logits)
     assert per_token == 3 * (3 * 1474560 + 512000)
     flops_per_token = model_flops_per_token(job.model, s)
@@ -91,6 +118,7 @@ def test_mfu_llama_gqa_counted_by_hand(tmp_path):
 
 
 # --- metrics.jsonl, console ------------------------------------------------------------------------
+
 
 def test_jsonl_entries_per_interval_and_last_step(tmp_path):
     job = job_for(tmp_path, steps=5, interval=2)
@@ -114,9 +142,23 @@ def test_jsonl_entries_per_interval_and_last_step(tmp_path):
     assert second["eta_s"] == pytest.approx(0.3 * 1)
     assert second["skipped_steps"] == 1
     assert second["mfu"] == pytest.approx(1e6 * 7000 / 0.6 / 2 / 1e12)
-    required = {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "elapsed_s", "samples_per_sec",
-                "step_time_s", "tflops_per_device", "mfu", "loss_scale", "skipped_steps", "peak_memory_gb",
-                "data_time_s", "eta_s"}
+    required = {
+        "step",
+        "loss",
+        "lr",
+        "grad_norm",
+        "tokens_per_sec",
+        "elapsed_s",
+        "samples_per_sec",
+        "step_time_s",
+        "tflops_per_device",
+        "mfu",
+        "loss_scale",
+        "skipped_steps",
+        "peak_memory_gb",
+        "data_time_s",
+        "eta_s",
+    }
     assert required <= set(entries[0])
     assert entries[2]["eta_s"] == 0.0
     assert entries[3]["eval_loss"] == 2.0 and entries[3]["eval_ppl"] == pytest.approx(math.exp(2.0))
@@ -172,6 +214,7 @@ def test_breakdown_is_averaged_per_step(tmp_path):
 
 # --- TensorBoard -----------------------------------------------------------------------------------
 
+
 def test_tensorboard_event_files_hold_the_scalars(tmp_path):
     job = job_for(tmp_path, steps=4, interval=2)
     logger = MetricsLogger(job, True, 1e6, 1, peak_flops=1e12, stream=io.StringIO())
@@ -182,9 +225,22 @@ def test_tensorboard_event_files_hold_the_scalars(tmp_path):
     accumulator = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
     accumulator.Reload()
     tags = set(accumulator.Tags()["scalars"])
-    expected = {"train/loss", "train/lr", "train/grad_norm", "train/loss_scale", "train/skipped_steps",
-                "perf/tokens_per_sec", "perf/samples_per_sec", "perf/step_time_s", "perf/data_time_s",
-                "perf/tflops_per_device", "perf/mfu", "perf/peak_memory_gb", "eval/loss", "time/forward"}
+    expected = {
+        "train/loss",
+        "train/lr",
+        "train/grad_norm",
+        "train/loss_scale",
+        "train/skipped_steps",
+        "perf/tokens_per_sec",
+        "perf/samples_per_sec",
+        "perf/step_time_s",
+        "perf/data_time_s",
+        "perf/tflops_per_device",
+        "perf/mfu",
+        "perf/peak_memory_gb",
+        "eval/loss",
+        "time/forward",
+    }
     assert expected <= tags
     loss = accumulator.Scalars("train/loss")
     assert [(e.step, round(e.value, 5)) for e in loss] == [(2, 4.8), (4, 4.6)]
@@ -195,6 +251,7 @@ def test_tensorboard_event_files_hold_the_scalars(tmp_path):
 
 
 # --- device peaks ---------------------------------------------------------------------------------
+
 
 def test_known_gpu_peaks_are_dense_datasheet_figures():
     # NVIDIA datasheets list these with sparsity, rounded to 1 TFLOP/s; the dense figures are half.

@@ -46,10 +46,15 @@ def test_parse_grid_keeps_list_values_whole_and_disambiguates_names():
     assert clash[0].name == "train-seed-1_data-seed-2"
 
 
-@pytest.mark.parametrize("grid, message", [
-    ("parallel.tp", "key.path=v1,v2"), ("parallel.tp=1,,2", "empty value"),
-    ("a=1 a=2", "twice"), ("", "empty"),
-])
+@pytest.mark.parametrize(
+    "grid, message",
+    [
+        ("parallel.tp", "key.path=v1,v2"),
+        ("parallel.tp=1,,2", "empty value"),
+        ("a=1 a=2", "twice"),
+        ("", "empty"),
+    ],
+)
 def test_parse_grid_errors_name_the_problem(grid, message):
     with pytest.raises(ValueError, match=message):
         parse_grid(grid)
@@ -57,8 +62,10 @@ def test_parse_grid_errors_name_the_problem(grid, message):
 
 def test_load_list_reads_mappings_as_override_text(tmp_path):
     path = tmp_path / "points.yaml"
-    path.write_text("- {parallel.tp: 2, logging.profile_steps: [3, 4]}\n"
-                    "- {name: big batch, train.global_batch_size: 32}\n")
+    path.write_text(
+        "- {parallel.tp: 2, logging.profile_steps: [3, 4]}\n"
+        "- {name: big batch, train.global_batch_size: 32}\n"
+    )
     points = load_list(path)
     assert points[0].overrides == {"parallel.tp": "2", "logging.profile_steps": "[3, 4]"}
     assert points[1].name == "big_batch" and points[1].overrides == {"train.global_batch_size": "32"}
@@ -69,10 +76,25 @@ def test_load_list_reads_mappings_as_override_text(tmp_path):
 
 def test_launcher_replaces_python(tmp_path):
     point = parse_grid("parallel.tp=2")[0]
-    command = build_command(Path("/c.yaml"), Path("/out/x"), point, ["train.steps=3"],
-                            "torchrun --nproc_per_node 2", Path("/repo/tools/pretrain.py"))
-    assert command == ["torchrun", "--nproc_per_node", "2", "/repo/tools/pretrain.py", "--config", "/c.yaml",
-                       "output_dir=/out/x", "parallel.tp=2", "train.steps=3"]
+    command = build_command(
+        Path("/c.yaml"),
+        Path("/out/x"),
+        point,
+        ["train.steps=3"],
+        "torchrun --nproc_per_node 2",
+        Path("/repo/tools/pretrain.py"),
+    )
+    assert command == [
+        "torchrun",
+        "--nproc_per_node",
+        "2",
+        "/repo/tools/pretrain.py",
+        "--config",
+        "/c.yaml",
+        "output_dir=/out/x",
+        "parallel.tp=2",
+        "train.steps=3",
+    ]
 
 
 def _read_csv(path: Path) -> dict[str, dict[str, str]]:
@@ -88,13 +110,29 @@ def test_sweep_with_one_invalid_point_then_rerun_skips_finished(tmp_path, monkey
     monkeypatch.setenv("FAKE_PRETRAIN_CALLS", str(calls))
     out = tmp_path / "sweep"
     # global batch 6 is not a multiple of micro-batch 4: that one point is invalid.
-    argv = ["--config", str(base), "--grid", "train.global_batch_size=4,6 train.micro_batch_size=2,4",
-            "--output", str(out), "--parallel", "2", "--script", str(FAKE), "--", "train.steps=3"]
+    argv = [
+        "--config",
+        str(base),
+        "--grid",
+        "train.global_batch_size=4,6 train.micro_batch_size=2,4",
+        "--output",
+        str(out),
+        "--parallel",
+        "2",
+        "--script",
+        str(FAKE),
+        "--",
+        "train.steps=3",
+    ]
     assert sweep_main(argv) == 1  # a failed point makes the sweep exit non-zero, after running the rest
     printed = capsys.readouterr().out
     rows = _read_csv(out / "summary.csv")
-    assert list(rows) == ["global_batch_size-4_micro_batch_size-2", "global_batch_size-4_micro_batch_size-4",
-                          "global_batch_size-6_micro_batch_size-2", "global_batch_size-6_micro_batch_size-4"]
+    assert list(rows) == [
+        "global_batch_size-4_micro_batch_size-2",
+        "global_batch_size-4_micro_batch_size-4",
+        "global_batch_size-6_micro_batch_size-2",
+        "global_batch_size-6_micro_batch_size-4",
+    ]
     done = [r for r in rows.values() if r["status"] == "done"]
     failed = [r for r in rows.values() if r["status"] == "failed"]
     assert len(done) == 3 and len(failed) == 1
@@ -133,9 +171,18 @@ def test_real_pretrain_sweep_end_to_end(tmp_path):
         "logging: {interval: 1}\n"
     )
     out = tmp_path / "sweep"
-    command = [sys.executable, str(ROOT / "tools" / "sweep.py"), "--config", str(base),
-               "--grid", "train.global_batch_size=2,3 train.micro_batch_size=1,2",
-               "--output", str(out), "--parallel", "2"]
+    command = [
+        sys.executable,
+        str(ROOT / "tools" / "sweep.py"),
+        "--config",
+        str(base),
+        "--grid",
+        "train.global_batch_size=2,3 train.micro_batch_size=1,2",
+        "--output",
+        str(out),
+        "--parallel",
+        "2",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # two runs at once on two cores
     first = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert first.returncode == 1, first.stdout + first.stderr

@@ -68,12 +68,14 @@ def test_format_failure_tags_every_line_with_the_rank():
 
 @pytest.mark.slow
 def test_excepthook_ends_the_process_with_the_traceback():
-    code = ("from llmtrain.parallel.watchdog import install_excepthook\n"
-            "install_excepthook(2)\n"
-            "import threading\n"
-            "def work(): raise KeyError('missing')\n"
-            "t = threading.Thread(target=work); t.start(); t.join()\n"
-            "import time; time.sleep(30)\n")  # never reached: the thread's exception ends the process
+    code = (
+        "from llmtrain.parallel.watchdog import install_excepthook\n"
+        "install_excepthook(2)\n"
+        "import threading\n"
+        "def work(): raise KeyError('missing')\n"
+        "t = threading.Thread(target=work); t.start(); t.join()\n"
+        "import time; time.sleep(30)\n"
+    )  # never reached: the thread's exception ends the process
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == FAILURE_EXIT_CODE
