@@ -165,33 +165,27 @@ def run_world(world: int, cases: list) -> None:
 SCHEDULES_V = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1)]
 
 
-@pytest.mark.slow
-def test_pp2_every_schedule_and_arch_matches_one_process():
-    # Every schedule on ernie (tied embeddings: a copy on each end stage); gpt adds biases (deferred in W),
-    # learned positions and tied embeddings, llama untied embeddings.
-    cases = [("ernie", 4, 1, 2, 1, s, v) for s, v in SCHEDULES_V]
-    cases += [("gpt", 4, 1, 2, 1, s, v) for s, v in (("1f1b", 1), ("zb_h1", 1))]
-    cases += [("llama", 4, 1, 2, 1, "interleaved_1f1b", 2)]
-    run_world(2, cases)
+ARCHS = ("gpt", "llama", "ernie")
+# (tp, pp, dp) layouts by world size: issue 4's acceptance matrix.
+LAYOUTS = {2: [(1, 2, 1)], 4: [(1, 4, 1), (2, 2, 1), (1, 2, 2)], 8: [(2, 2, 2)]}
 
 
 @pytest.mark.slow
-def test_pp4_every_schedule_matches_one_process():
-    run_world(4, [("ernie", 8, 1, 4, 1, s, v) for s, v in SCHEDULES_V])
-
-
-@pytest.mark.slow
-def test_pp2_with_tp2_and_with_dp2_matches_one_process():
-    cases = [("ernie", 4, 2, 2, 1, s, v) for s, v in SCHEDULES_V[1:]]
-    cases.append(("ernie", 4, 2, 2, 1, "zb_h1", 1, True))  # sequence parallelism
-    cases += [("llama", 4, 1, 2, 2, s, v) for s, v in (("interleaved_1f1b", 2), ("zb_h1", 1))]
-    run_world(4, cases)
-
-
-@pytest.mark.slow
-def test_tp2_pp2_dp2_matches_one_process():
-    # All three dimensions at once (8 processes): untied interleaved, and tied zero-bubble with SP.
-    run_world(8, [("llama", 4, 2, 2, 2, "interleaved_1f1b", 2), ("gpt", 4, 2, 2, 2, "zb_h1", 1, True)])
+@pytest.mark.parametrize("world", sorted(LAYOUTS))
+def test_every_arch_layout_and_schedule_matches_one_process(world):
+    # gpt: biases (deferred in W), learned positions, tied embeddings (a copy on each end stage);
+    # llama: untied head, grouped-query attention; ernie: tied, interleaved rotary. Two layers per chunk of
+    # the interleaved schedule's largest split. Sequence parallelism rides along with zero-bubble under TP.
+    cases = [
+        (arch, 4 * pp // 2, tp, pp, dp, schedule, v)
+        for tp, pp, dp in LAYOUTS[world]
+        for arch in ARCHS
+        for schedule, v in SCHEDULES_V
+    ]
+    cases += [
+        (arch, 4, tp, pp, dp, "zb_h1", 1, True) for tp, pp, dp in LAYOUTS[world] if tp > 1 for arch in ARCHS
+    ]
+    run_world(world, cases)
 
 
 @pytest.mark.slow
