@@ -330,17 +330,7 @@ def hf_to_llmtrain_state(
         del hf_state[key]
     if cfg.tied_embeddings:
         hf_state.pop("lm_head.weight", None)  # a tied head duplicates the embedding
-    out: Tensors = {}
-    for rule in mapping(cfg):
-        missing = [n for n in rule.hf if n not in hf_state]
-        if missing:
-            raise ValueError(f"{source}: missing tensor {missing[0]!r} for a {cfg.arch} model of this config")
-        out.update(zip(rule.ours, rule.to_ours([hf_state.pop(n) for n in rule.hf]), strict=True))
-    if hf_state:
-        raise ValueError(
-            f"{source}: unexpected tensors for a {cfg.arch} model of this config: {sorted(hf_state)[:5]}"
-        )
-    return out
+    return _apply_rules(cfg, hf_state, source, to_hf=False)
 
 
 def llmtrain_to_hf_state(
@@ -350,12 +340,20 @@ def llmtrain_to_hf_state(
     state = dict(state)
     if cfg.tied_embeddings:
         state.pop("lm_head.weight", None)
+    return _apply_rules(cfg, state, source, to_hf=True)
+
+
+def _apply_rules(cfg: ModelConfig, state: Tensors, source: str, to_hf: bool) -> Tensors:
+    """Every mapping rule of `cfg` applied in one direction; consumes `state`, which must then be empty."""
     out: Tensors = {}
     for rule in mapping(cfg):
-        missing = [n for n in rule.ours if n not in state]
+        names, targets, convert = (
+            (rule.ours, rule.hf, rule.to_hf) if to_hf else (rule.hf, rule.ours, rule.to_ours)
+        )
+        missing = [n for n in names if n not in state]
         if missing:
             raise ValueError(f"{source}: missing tensor {missing[0]!r} for a {cfg.arch} model of this config")
-        out.update(zip(rule.hf, rule.to_hf([state.pop(n) for n in rule.ours]), strict=True))
+        out.update(zip(targets, convert([state.pop(n) for n in names]), strict=True))
     if state:
         raise ValueError(
             f"{source}: unexpected tensors for a {cfg.arch} model of this config: {sorted(state)[:5]}"
