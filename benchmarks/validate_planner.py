@@ -10,12 +10,14 @@ relative to the repository root.
 With --activations it also compares the predicted saved-activation bytes of one layer with the bytes the
 tensor-parallel issue's saved-tensor hooks measure (llmtrain.parallel.memory) on small CPU models.
 
-With --local it also describes this machine (tools/plan.py --profile-local's measurements, or the cluster
-file given with --local-cluster), trains a small LLaMA for a few steps with torchrun on gloo in several
-(tp, pp, dp) layouts of 1-2 processes (one core each), and prints the predicted against the measured step
-time with the Spearman rank correlation (llmtrain.planner.local_validation; about 3-4 minutes on 2 cores):
+With --local it also describes this machine (tools/plan.py --profile-local's compute and memory
+measurements with loopback link defaults, or the cluster file given with --local-cluster), trains a small
+LLaMA for a few steps with torchrun on gloo in several (tp, pp, dp) layouts of 1-2 processes (one core
+each), and prints the predicted against the measured step time with the Spearman rank correlation
+(llmtrain.planner.local_validation; about 3 minutes on 2 cores, twice that with --local-repeats 2):
 
     python benchmarks/validate_planner.py --local [--local-cluster local-cluster.yaml] [--local-steps 6]
+        [--local-repeats 2]   # round-robin repeats, fastest median each: steadier on a shared machine
 """
 
 from __future__ import annotations
@@ -90,8 +92,8 @@ def measure_step_time(layout: Layout, steps: int, warmup: int, output_dir: Path)
     return median_step_time((output_dir / "metrics.jsonl").read_text().splitlines(), warmup)
 
 
-def local_check(cluster_file: str | None, steps: int, warmup: int) -> list[LocalPoint]:
-    """Predicted and measured step time of every local layout (progress on stderr)."""
+def local_check(cluster_file: str | None, steps: int, warmup: int, repeats: int = 1) -> list[LocalPoint]:
+    """Predicted and measured step time of every local layout, the fastest of `repeats` runs each."""
     from llmtrain.config import load
     from llmtrain.planner import Workload, cluster_from_dict, load_cluster
 
@@ -103,7 +105,10 @@ def local_check(cluster_file: str | None, steps: int, warmup: int) -> list[Local
         from llmtrain.planner.profile import describe_local
 
         start = time.perf_counter()
-        desc = describe_local(2)  # 2 processes sharing the machine, as the 2-process layouts run
+        # 2 processes sharing the machine, as the 2-process layouts run. Links: profile.py's loopback
+        # defaults, since its gloo measurement times its loops per rank, so the ranks can run different
+        # numbers of all-reduces and abort or hang; a file from a fixed --profile-local can be given instead.
+        desc = describe_local(2, measure_links=False)
         cluster = cluster_from_dict(desc, "describe_local(2)")
         device = next(iter(desc["devices"].values()))
         print(
@@ -111,19 +116,23 @@ def local_check(cluster_file: str | None, steps: int, warmup: int) -> list[Local
             f"{device['memory_bandwidth_gbs']} GB/s per process; link {desc['links']['intra_node']}",
             file=sys.stderr,
         )
-    points = []
+    predicted = [predict(workload, cluster, layout).step_time for layout in LOCAL_LAYOUTS]
+    measured: list[list[float]] = [[] for _ in LOCAL_LAYOUTS]
     with tempfile.TemporaryDirectory(prefix="validate-local-") as tmp:
-        for i, layout in enumerate(LOCAL_LAYOUTS):
-            predicted = predict(workload, cluster, layout).step_time
-            start = time.perf_counter()
-            measured = measure_step_time(layout, steps, warmup, Path(tmp) / f"run{i}")
-            print(
-                f"[{i + 1}/{len(LOCAL_LAYOUTS)}] {layout.short()}: predicted {predicted:.4f} s, "
-                f"measured {measured:.4f} s ({time.perf_counter() - start:.0f} s run)",
-                file=sys.stderr,
-            )
-            points.append(LocalPoint(layout, predicted, measured))
-    return points
+        # Round-robin over the layouts, so a burst of other load on a shared machine hits one repeat of
+        # several layouts rather than every repeat of one.
+        for rep in range(repeats):
+            for i, layout in enumerate(LOCAL_LAYOUTS):
+                start = time.perf_counter()
+                measured[i].append(measure_step_time(layout, steps, warmup, Path(tmp) / f"run{i}-{rep}"))
+                print(
+                    f"[{rep * len(LOCAL_LAYOUTS) + i + 1}/{repeats * len(LOCAL_LAYOUTS)}] {layout.short()}: "
+                    f"predicted {predicted[i]:.4f} s, measured {measured[i][-1]:.4f} s "
+                    f"({time.perf_counter() - start:.0f} s run)",
+                    file=sys.stderr,
+                )
+    # Other load only ever slows a run down: the fastest repeat is the closest to this layout's own time.
+    return [LocalPoint(lay, p, min(m)) for lay, p, m in zip(LOCAL_LAYOUTS, predicted, measured, strict=True)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,9 +154,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--local-steps", type=int, default=6, help="training steps per --local run")
     parser.add_argument("--local-warmup", type=int, default=2, help="steps left out of the --local median")
+    parser.add_argument(
+        "--local-repeats", type=int, default=1, help="--local runs per layout; the fastest median counts"
+    )
     args = parser.parse_args(argv)
     if args.local and args.local_steps <= args.local_warmup:
         parser.error("--local-steps must exceed --local-warmup")
+    if args.local and args.local_repeats < 1:
+        parser.error("--local-repeats must be at least 1")
     try:
         results = validate_megatron(args.cluster, args.reference)
     except ConfigError as err:
@@ -158,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         print(activation_check())
     local = []
     if args.local:
-        local = local_check(args.local_cluster, args.local_steps, args.local_warmup)
+        local = local_check(args.local_cluster, args.local_steps, args.local_warmup, args.local_repeats)
         print(format_local(local))
     if args.json:
         rows = [

@@ -81,7 +81,8 @@ def _gloo_worker(rank: int, world: int, port: int, mbytes: int, out: Any) -> Non
         large = torch.zeros(mbytes * 2**20 // 4)
         reps = 20
         dist.barrier()
-        ar_small = _best_time(lambda: dist.all_reduce(small), 0.3)
+        # A fixed count, not a time limit: every rank must run the same number of collectives.
+        ar_small = min(_timed(lambda: dist.all_reduce(small)) for _ in range(50))
         ar_large = min(_timed(lambda: dist.all_reduce(large)) for _ in range(3))
 
         def ping(t: torch.Tensor) -> None:
