@@ -18,9 +18,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 20
+# Steps heavy enough (~0.2 s on an idle machine) that the kill lands well inside steps 11-20.
 OVERRIDES = [
-    f"train.steps={STEPS}", "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4",
-    "model.num_kv_heads=2", "model.ffn_hidden_size=128", "model.seq_length=32", "model.kernels=torch",
+    f"train.steps={STEPS}", "model.num_layers=2", "model.hidden_size=128", "model.num_attention_heads=4",
+    "model.num_kv_heads=2", "model.ffn_hidden_size=256", "model.seq_length=256", "model.kernels=torch",
     "train.global_batch_size=8", "train.micro_batch_size=2", "train.eval_interval=0", "train.num_threads=1",
     "checkpoint.interval=5", "logging.tensorboard=false", "logging.interval=1", "parallel.tp=2",
 ]  # fmt: skip
