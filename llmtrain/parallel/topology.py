@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from llmtrain.config.errors import ConfigError
@@ -109,6 +110,15 @@ class Topology:
     mp_group = property(lambda self: self._groups.get(("tp", "pp")))
     is_first_stage = property(lambda self: self.coords["pp"] == 0)
     is_last_stage = property(lambda self: self.coords["pp"] == self.sizes["pp"] - 1)
+
+    @property
+    def device(self) -> torch.device:
+        """Where this rank computes: its CUDA device (init_distributed sets it from LOCAL_RANK), else CPU."""
+        return (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
 
     @property
     def next_pp_rank(self) -> int:

@@ -38,14 +38,15 @@ def build_trainer(job: JobConfig, topo: Topology) -> Trainer:
         Path(job.output_dir).mkdir(parents=True, exist_ok=True)
         dump(job, Path(job.output_dir) / "config.yaml")
     # Built in fp32: parallelize casts to bf16/fp16 through its buffers and keeps the exact fp32 master.
-    model = parallelize(build(job.model), topo, job)
+    with torch.device(topo.device):
+        model = parallelize(build(job.model), topo, job)
     if topo.pp > 1:
         model, executor = build_pipeline(model, topo, job)
         optimizer = build_optimizer(model, topo, job)
         runner = PipelineStepRunner(executor, optimizer, job.train.micro_batch_size)
     else:
         optimizer = build_optimizer(model, topo, job)
-        runner = LocalStepRunner(model, optimizer, job.train.micro_batch_size, grad_sync)
+        runner = LocalStepRunner(model, optimizer, job.train.micro_batch_size, grad_sync, topo.device)
     metrics = MetricsLogger(
         job,
         is_main=topo.rank == 0,

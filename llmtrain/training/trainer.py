@@ -29,15 +29,23 @@ class StepRunner(Protocol):
 class LocalStepRunner:
     """Gradient accumulation over micro-batches for a model that lives whole on this pipeline rank."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: Any, micro_batch_size: int, grad_sync: Any) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: Any,
+        micro_batch_size: int,
+        grad_sync: Any,
+        device: torch.device | str = "cpu",
+    ) -> None:
         self.model = model
         self.optimizer = optimizer
         self.micro_batch_size = micro_batch_size
         self.grad_sync = grad_sync
+        self.device = torch.device(device)
 
     def train_step(self, batch: torch.Tensor, timer: StepTimer) -> torch.Tensor:
         self.model.train()
-        micro_batches = batch.split(self.micro_batch_size)
+        micro_batches = batch.to(self.device).split(self.micro_batch_size)
         total = torch.zeros((), dtype=torch.float32)
         for index, micro in enumerate(micro_batches):
             # Data-parallel gradient reduction only runs with the last micro-batch's backward.
@@ -53,7 +61,8 @@ class LocalStepRunner:
     def eval_step(self, batch: torch.Tensor) -> torch.Tensor:
         self.model.eval()
         losses = [
-            self.model(m[:, :-1], labels=m[:, 1:]).float().cpu() for m in batch.split(self.micro_batch_size)
+            self.model(m[:, :-1], labels=m[:, 1:]).float().cpu()
+            for m in batch.to(self.device).split(self.micro_batch_size)
         ]
         return torch.stack(losses).mean()
 
@@ -107,7 +116,7 @@ class Trainer:
         """Average a loss over the data-parallel replicas (each saw a different slice of the batch)."""
         group = self.topo.dp_group
         if group is not None and self.topo.dp > 1:
-            value = value.clone()
+            value = value.to(self.topo.device, copy=True)  # NCCL reduces only device tensors
             with self.topo.watchdog.waiting("dp", "all_reduce", "loss"), self.timer.section("dp_comm"):
                 dist.all_reduce(value, group=group)
             value /= self.topo.dp
@@ -117,7 +126,7 @@ class Trainer:
         """True when `flag` is true on any rank, so every rank takes the same branch."""
         if not dist.is_initialized():
             return flag
-        tensor = torch.tensor([1.0 if flag else 0.0])
+        tensor = torch.tensor([1.0 if flag else 0.0], device=self.topo.device)
         with self.topo.watchdog.waiting("world", "all_reduce", "non-finite loss check"):
             dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
         return bool(tensor.item())
