@@ -75,7 +75,10 @@ def test_sigkill_restart_resumes_and_matches_uninterrupted_run(tmp_path: Path) -
     assert killed.wait(timeout=10) == 0, (tmp_path / "killed.log").read_text()
     log = (tmp_path / "killed.log").read_text()
     assert victim is not None, "training ended before a worker could be killed"
-    assert "SIGKILL" in log or "Signals.SIGKILL" in log or "exitcode: -9" in log, log[-3000:]
+    # Whether torchrun or the survivors' fail-fast handler notices the dead peer first varies, and so does
+    # the log; what must hold is that the victim died and the restarted group resumed from a checkpoint
+    # (the run started in an empty output_dir, so "resumed from" only appears after a restart).
+    assert not psutil.pid_exists(victim), f"worker {victim} survived its SIGKILL"
     assert "resumed from" in log, log[-3000:]
     final_step, final_loss = _final_loss(tmp_path / "reference")
     assert final_step == STEPS
