@@ -48,10 +48,7 @@ def validate(job: JobConfig) -> None:
         _require(getattr(p, name) >= 1, f"parallel.{name} must be at least 1; got {getattr(p, name)}")
     _require(p.dp is None or p.dp >= 1, f"parallel.dp must be at least 1 or null; got {p.dp}")
     _require(p.zero_stage in (0, 1), f"parallel.zero_stage must be 0 or 1; got {p.zero_stage}")
-    _require(
-        sorted(p.order.split("-")) == ["dp", "pp", "tp"],
-        f"parallel.order must name tp, dp and pp once each, innermost first (e.g. tp-dp-pp); got {p.order!r}",
-    )
+    rank_order(p)
     _require(
         p.backend in ("auto", "gloo", "nccl"),
         f"parallel.backend must be auto, gloo or nccl; got {p.backend!r}",
@@ -151,6 +148,16 @@ def _check_pipeline(job: JobConfig) -> None:
             f"parallel.virtual_stages={p.virtual_stages} needs parallel.schedule=interleaved_1f1b "
             f"(got {p.schedule}); set virtual_stages=1 or change the schedule"
         )
+
+
+def rank_order(p: ParallelConfig) -> list[str]:
+    """parallel.order as a list of dimensions, innermost first; it must name tp, dp and pp once each."""
+    named = p.order.split("-")
+    _require(
+        sorted(named) == ["dp", "pp", "tp"],
+        f"parallel.order must name tp, dp and pp once each, innermost first (e.g. tp-dp-pp); got {p.order!r}",
+    )
+    return named
 
 
 def resolve_dp(p: ParallelConfig, world_size: int) -> int:

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from llmtrain.config.errors import ConfigError
 from llmtrain.config.schema import ParallelConfig
-from llmtrain.config.validate import resolve_dp
+from llmtrain.config.validate import rank_order, resolve_dp
 from llmtrain.parallel.watchdog import Watchdog
 
 # Dimensions the grid knows about. cp (context) and ep (expert) have size 1 until the config grows fields for
@@ -25,12 +25,7 @@ class Topology:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ConfigError(f"rank {rank} is outside a world of {world_size} processes")
         dp = resolve_dp(parallel, world_size)
-        named = parallel.order.split("-")
-        if sorted(named) != ["dp", "pp", "tp"]:
-            raise ConfigError(
-                f"parallel.order must name tp, dp and pp once each, innermost first (e.g. tp-dp-pp); "
-                f"got {parallel.order!r}"
-            )
+        named = rank_order(parallel)
         self.parallel = parallel
         self.world_size = world_size
         self.rank = rank
