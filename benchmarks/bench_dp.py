@@ -2,10 +2,13 @@
 
 Every variant trains the same model (same weights, fp32) on the same per-rank batch with AdamW and
 global-norm clipping at 1.0, on the same gloo process group, in the same run. Variants take turns
-(round-robin, one step each per round, over many rounds) so load from other processes hits them alike; a
-variant's time is the median over rounds, and the minimum (its least disturbed step) is shown beside it.
-A step is zero_grad + forward + backward (with the DP reduction) + clip + AdamW; its time is the slowest
-rank's. Optimizer bytes are what each rank holds beyond the model: Adam states plus any separate fp32 copy.
+(round-robin, a few consecutive steps each per round, over many rounds) so load from other processes hits
+them alike; a variant's step time is its turn's time over its step count, median over rounds, and the
+minimum (its least disturbed turn) is shown beside it. A step is zero_grad + forward + backward (with the
+DP reduction) + clip + AdamW; a turn ends once no communication of the variant is in flight (our ZeRO-1
+overlaps its parameter all-gather with the next step's forward, so a turn waits for the last one); its time
+is the slowest rank's. Optimizer bytes are what each rank holds beyond the model: Adam states plus any
+separate fp32 copy.
 
   python benchmarks/bench_dp.py                          # 2 processes, gpt 4x256, seq 128, batch 4 per rank
   DS_ACCELERATOR=cpu python benchmarks/bench_dp.py --nproc 4 --hidden 512
@@ -48,8 +51,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=4, help="micro-batch per rank")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per variant before measuring")
-    p.add_argument("--rounds", type=int, default=15, help="timed steps per variant, interleaved")
+    p.add_argument("--rounds", type=int, default=15, help="timed turns per variant, interleaved")
+    p.add_argument("--steps-per-turn", type=int, default=3, help="consecutive steps in one timed turn")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    p.add_argument(
+        "--bucket-mb", type=float, default=None, help="our parallel.dp_bucket_mb (default: the config's)"
+    )
     p.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeed even when it is installed")
     return p.parse_args(argv)
 
@@ -67,6 +74,8 @@ def _job(args: argparse.Namespace, zero: int, world: int) -> JobConfig:
         )
     )
     job.parallel.zero_stage = zero
+    if args.bucket_mb is not None:
+        job.parallel.dp_bucket_mb = args.bucket_mb
     job.train.micro_batch_size = args.batch
     job.train.global_batch_size = args.batch * world
     return job
@@ -94,7 +103,15 @@ def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
     )
 
 
-def _ours(job: JobConfig, topo: Topology) -> tuple[Callable[[torch.Tensor], None], Callable[[], int]]:
+Variant = tuple[Callable[[torch.Tensor], None], Callable[[], None], Callable[[], int]]
+"""(one training step on a batch, wait for the variant's communication in flight, optimizer bytes)"""
+
+
+def _nothing_in_flight() -> None:
+    """DDP and DeepSpeed finish every collective inside their step."""
+
+
+def _ours(job: JobConfig, topo: Topology) -> Variant:
     model = _fresh_model(job)
     parallelize(model, topo, job)
     opt = build_optimizer(model, topo, job)
@@ -104,10 +121,10 @@ def _ours(job: JobConfig, topo: Topology) -> tuple[Callable[[torch.Tensor], None
         opt.backward(model(batch[:, :-1], batch[:, 1:]))
         opt.step(job.train.lr)
 
-    return step, lambda: opt.state_bytes()
+    return step, model.grad_buffers.wait_params, opt.state_bytes
 
 
-def _ddp(job: JobConfig, topo: Topology) -> tuple[Callable[[torch.Tensor], None], Callable[[], int]]:
+def _ddp(job: JobConfig, topo: Topology) -> Variant:
     model = _fresh_model(job)
     ddp = nn.parallel.DistributedDataParallel(model)
     t = job.train
@@ -125,10 +142,10 @@ def _ddp(job: JobConfig, topo: Topology) -> tuple[Callable[[torch.Tensor], None]
         nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
         opt.step()
 
-    return step, lambda: _state_bytes(opt)
+    return step, _nothing_in_flight, lambda: _state_bytes(opt)
 
 
-def _deepspeed(job: JobConfig, topo: Topology) -> tuple[Callable[[torch.Tensor], None], Callable[[], int]]:
+def _deepspeed(job: JobConfig, topo: Topology) -> Variant:
     import deepspeed
 
     model = _fresh_model(job)
@@ -159,7 +176,7 @@ def _deepspeed(job: JobConfig, topo: Topology) -> tuple[Callable[[torch.Tensor],
         fp32_partitions = sum(p.numel() * p.element_size() for p in ds_opt.single_partition_of_fp32_groups)
         return _state_bytes(ds_opt.optimizer) + fp32_partitions
 
-    return step, state_bytes
+    return step, _nothing_in_flight, state_bytes
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: dict) -> None:
@@ -186,18 +203,21 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: dic
     g = torch.Generator().manual_seed(1000 + rank)
     batch = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)
     times: dict[str, list[float]] = {name: [] for name in variants}
-    for step, _ in variants.values():
+    for step, settle, _ in variants.values():
         for _ in range(args.warmup):
             step(batch)
+        settle()
     for _ in range(args.rounds):
-        for name, (step, _) in variants.items():
+        for name, (step, settle, _) in variants.items():
             dist.barrier()
             start = time.perf_counter()
-            step(batch)
-            elapsed = torch.tensor([time.perf_counter() - start])
+            for _ in range(args.steps_per_turn):
+                step(batch)
+            settle()
+            elapsed = torch.tensor([(time.perf_counter() - start) / args.steps_per_turn])
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             times[name].append(elapsed.item())
-    memory = {name: torch.tensor([float(state())]) for name, (_, state) in variants.items()}
+    memory = {name: torch.tensor([float(state())]) for name, (_, _, state) in variants.items()}
     for v in memory.values():
         dist.all_reduce(v, op=dist.ReduceOp.MAX)
     if rank == 0:
@@ -224,7 +244,7 @@ def main(argv: list[str] | None = None) -> dict[str, tuple[float, float, int]]:
     print(
         f"{args.nproc} processes (gloo, {args.threads} thread each), {args.arch} {args.layers}x{args.hidden} "
         f"vocab {args.vocab}, seq {args.seq}, batch {args.batch}/rank, fp32, {params / 1e6:.2f}M params, "
-        f"{args.rounds} interleaved steps each"
+        f"{args.rounds} interleaved turns of {args.steps_per_turn} steps each"
     )
     print(f"{'variant':<18} {'median ms':>10} {'min ms':>8} {'opt MiB/rank':>13}")
     for name, (median, fastest, nbytes) in result.items():

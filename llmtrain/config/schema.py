@@ -115,6 +115,8 @@ class ParallelConfig:
     """Rank order of the parallel dimensions, innermost first."""
     dp_bucket_mb: float = 25.0
     """Size of a data-parallel gradient-reduction bucket in MiB."""
+    overlap_param_gather: bool = True
+    """zero_stage 1: overlap each bucket's parameter all-gather with the next forward instead of waiting."""
     auto: bool = False
     """Ask the planner for tp/pp/dp/micro-batch/recompute/zero for this world size at launch."""
     cluster: str | None = None

@@ -7,7 +7,7 @@ from torch import nn
 from llmtrain.config.schema import JobConfig
 from llmtrain.parallel.data_parallel import GradBuffers, apply_dp, grad_sync
 from llmtrain.parallel.launch import init_distributed
-from llmtrain.parallel.optimizer import ModelOptimizer, StepStats, build_optimizer
+from llmtrain.parallel.optimizer import ModelOptimizer, StepStats, build_optimizer, dp_options
 from llmtrain.parallel.random import RNGTracker
 from llmtrain.parallel.recompute import apply_recompute, saved_activation_bytes
 from llmtrain.parallel.tensor_parallel import apply_tp, gather_full_state_dict
@@ -20,7 +20,7 @@ def parallelize(model: nn.Module, topo: Topology, job: JobConfig) -> nn.Module:
     apply_tp(model, topo, job.parallel.sequence_parallel, job.train.seed)
     apply_recompute(model, job.model.recompute)
     if topo.pp == 1:
-        apply_dp(model, topo, job.train.precision, job.parallel.zero_stage, job.parallel.dp_bucket_mb)
+        apply_dp(model, topo, *dp_options(job))
     return model
 
 

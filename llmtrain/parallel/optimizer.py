@@ -56,13 +56,19 @@ def _make_adamw(groups: list[dict[str, Any]], job: JobConfig, device: torch.devi
         return torch.optim.AdamW(groups, foreach=True, **kwargs)
 
 
+def dp_options(job: JobConfig) -> tuple[str, int, float, bool]:
+    """apply_dp's arguments after (model, topo) for this job."""
+    p = job.parallel
+    return job.train.precision, p.zero_stage, p.dp_bucket_mb, p.overlap_param_gather
+
+
 class ModelOptimizer:
     """AdamW over this rank's share of the flat buffers; see the module docstring."""
 
     def __init__(self, model: nn.Module, topo: Topology, job: JobConfig) -> None:
         buffers: GradBuffers | None = getattr(model, "grad_buffers", None)
         if buffers is None:
-            apply_dp(model, topo, job.train.precision, job.parallel.zero_stage, job.parallel.dp_bucket_mb)
+            apply_dp(model, topo, *dp_options(job))
             buffers = model.grad_buffers
         self.model = model
         self.buffers = buffers
@@ -147,6 +153,8 @@ class ModelOptimizer:
     def step(self, lr: float) -> StepStats:
         """Finish the gradient reduction, unscale, check, clip, update, and publish the new parameters."""
         self.buffers.finish()
+        # Buckets whose parameters the forward never touched may still be gathering into the buffer.
+        self.buffers.wait_params()
         reduce_tp_grads(self._tp_reduced, self.topo)
         if self.loss_scale is not None and self.grads:
             torch._foreach_mul_(self.grads, 1.0 / self.loss_scale)

@@ -442,9 +442,10 @@ def reduce_tp_grads(params: list[nn.Parameter], topo: Topology) -> None:
 
 @torch.no_grad()
 def gather_full_state_dict(model: nn.Module, topo: Topology) -> dict[str, torch.Tensor]:
-    """Full unsharded parameters under the single-process names (collective over the TP group)."""
+    """Full unsharded parameters and buffers under the single-process names (collective over the TP group).
+    Read through ``state_dict`` so parameter all-gathers still in flight (zero_stage 1) are waited for."""
     out: dict[str, torch.Tensor] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
+    for name, p in model.state_dict(keep_vars=True).items():
         layout = getattr(p, "tp_layout", None)
         t = p.detach()
         if layout is None or topo.tp == 1:
@@ -461,6 +462,4 @@ def gather_full_state_dict(model: nn.Module, topo: Topology) -> dict[str, torch.
         else:
             replicas = layout[1]
             out[name] = torch.cat(parts[::replicas]).clone()
-    for name, b in model.named_buffers():
-        out[name] = b.detach().clone()
     return out

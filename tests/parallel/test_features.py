@@ -174,12 +174,27 @@ def _dp_communication(rank: int, world: int) -> dict:
             opt.backward(model(batch[2:, :-1], batch[2:, 1:]))
         in_flight = [b.handle is not None for b in buffers.buckets]
         opt.step(1e-3)
+        gathering_after_step = [b.gather_handle is not None for b in buffers.buckets]
+        at_first_layer: list[bool] = []
+        model.layers[0].register_forward_pre_hook(
+            lambda *_, seen=at_first_layer, bs=buffers.buckets: seen.extend(
+                b.gather_handle is not None for b in bs
+            )
+        )
+        with torch.no_grad():
+            loss_overlapped = model(batch[:2, :-1], batch[:2, 1:]).item()
+            gathering_after_forward = [b.gather_handle is not None for b in buffers.buckets]
+            loss_again = model(batch[:2, :-1], batch[:2, 1:]).item()
         tied = model.embed_tokens.weight
         out[zero] = {
             "buckets": len(buffers.buckets),
             "accumulation_calls": during_accumulation,
             "sync_calls": calls[len(during_accumulation) :],
             "in_flight_before_step": in_flight,
+            "gathering_after_step": gathering_after_step,
+            "gathering_at_first_layer": at_first_layer,
+            "gathering_after_forward": gathering_after_forward,
+            "loss_overlapped_vs_whole": (loss_overlapped, loss_again),
             "tied_in_buckets": sum(any(p is tied for p in b.params) for b in buffers.buckets),
             "params_in_buckets": sum(len(b.params) for b in buffers.buckets),
             "unique_params": len({id(p) for p in model.parameters()}),
@@ -249,6 +264,20 @@ def test_dp_reduces_buckets_during_backward_and_not_on_accumulation(results: lis
         assert all(r["in_flight_before_step"])
         # The tied embedding / LM-head weight is one parameter in one bucket: reduced once.
         assert r["tied_in_buckets"] == 1 and r["params_in_buckets"] == r["unique_params"]
+        assert not any(r["gathering_after_forward"])
+        assert r["loss_overlapped_vs_whole"][0] == r["loss_overlapped_vs_whole"][1]
+
+
+@pytest.mark.slow
+def test_zero1_parameter_gather_overlaps_the_next_forward(results: list[dict]) -> None:
+    for rank_result in results:
+        z0, z1 = rank_result["dp_comm"][0], rank_result["dp_comm"][1]
+        assert not any(z0["gathering_after_step"])  # zero_stage 0 has nothing to gather
+        assert all(z1["gathering_after_step"])  # every bucket's gather left in flight by the step
+        # When the first layer starts, only the buckets it and the embedding need have been waited for:
+        # the buckets of the later layers (first in the buffer) are still gathering behind its compute.
+        pending = z1["gathering_at_first_layer"]
+        assert pending[0] and not pending[-1], pending
 
 
 @pytest.mark.slow
