@@ -40,9 +40,10 @@ class Bucket:
     params: list[nn.Parameter]
     dp: int
     pending: int = 0
-    handle: Any = None
+    handle: list[Any] | None = None
     launched: bool = False
-    gather_handle: Any = None
+    gather_handle: list[Any] | None = None
+    received: list[torch.Tensor] | None = None
 
     @property
     def shard_size(self) -> int:
@@ -67,11 +68,10 @@ class GradBuffers:
         self.dp = topo.dp
         self.dp_group = topo.dp_group
         self.zero_stage = zero_stage
-        # On gloo (17 MB, dp=2, 2 CPU cores) reduce-scatter takes 23 ms against all-reduce's 16, and
-        # all_gather_into_tensor 17 ms against 6 ms for sending this rank's shard to each peer, so there
-        # zero_stage 1 all-reduces the gradients (each rank then reads its shard) and gathers parameters by
-        # point-to-point shard exchange. Same results, same sharded optimizer memory; NCCL uses the
-        # native collectives.
+        # On gloo (17 MB, dp=2, 2 CPU cores) reduce_scatter_tensor takes 23 ms and all_gather_into_tensor
+        # 17 ms, against 6 ms for sending one shard to each peer, so there zero_stage 1 reduce-scatters
+        # and gathers by point-to-point shard exchange (the same bytes as a ring). NCCL uses the native
+        # collectives.
         self.native_shard_comm = self.dp > 1 and dist.get_backend(self.dp_group) != "gloo"
         self.dtype = _DTYPES[precision]
         self.sync_enabled = True
@@ -88,19 +88,31 @@ class GradBuffers:
         self.names = {p: names[id(p)] for p in params}
         bucket_numel = max(1, int(bucket_mb * 2**20 / 4))
         # Layout: fill buckets in backward order; pad each bucket to a multiple of dp so it splits evenly.
+        # A pipeline's tied embedding gets a bucket of its own, so its DP shards cover the same elements on
+        # the first and the last stage and summing the two copies' reduced shards is exact.
+        alone = getattr(model, "tied_param", None)
         self.offsets: dict[nn.Parameter, int] = {}
         self.buckets: list[Bucket] = []
         offset, current = 0, []
         bucket_start = 0
-        for i, p in enumerate(params):
+
+        def close_bucket() -> None:
+            nonlocal offset, bucket_start, current
+            end = bucket_start + -(-(offset - bucket_start) // self.dp) * self.dp
+            self.buckets.append(Bucket(bucket_start, end, current, self.dp))
+            offset = bucket_start = end
+            current = []
+
+        for p in params:
+            if p is alone and current:
+                close_bucket()
             self.offsets[p] = offset
             offset += p.numel()
             current.append(p)
-            if offset - bucket_start >= bucket_numel or i == len(params) - 1:
-                end = bucket_start + -(-(offset - bucket_start) // self.dp) * self.dp
-                self.buckets.append(Bucket(bucket_start, end, current, self.dp))
-                offset = bucket_start = end
-                current = []
+            if offset - bucket_start >= bucket_numel or p is alone:
+                close_bucket()
+        if current:
+            close_bucket()
         self.numel = offset
         device = params[0].device if params else torch.device("cpu")
         self.param_buffer = torch.zeros(self.numel, dtype=self.dtype, device=device)
@@ -168,13 +180,18 @@ class GradBuffers:
         if self.dp == 1:
             return
         grad = self.grad_buffer[bucket.start : bucket.end]
+        if self.zero_stage == 1 and not self.native_shard_comm:
+            index = self.buckets.index(bucket)
+            bucket.received = [torch.empty_like(self.shard(grad, bucket)) for _ in range(self.dp - 1)]
+            bucket.handle = self._exchange_shards(grad, bucket, 2 * index + 1, bucket.received)
+            return
         # Pre-divide so the sum is the mean over DP ranks (gloo has no AVG).
         grad.div_(self.dp)
-        if self.zero_stage == 1 and self.native_shard_comm:
+        if self.zero_stage == 1:
             shard = self.shard(grad, bucket)
-            bucket.handle = reduce_scatter_single(shard, grad, group=self.dp_group, async_op=True)
+            bucket.handle = [reduce_scatter_single(shard, grad, group=self.dp_group, async_op=True)]
         else:
-            bucket.handle = dist.all_reduce(grad, group=self.dp_group, async_op=True)
+            bucket.handle = [dist.all_reduce(grad, group=self.dp_group, async_op=True)]
 
     def shard(self, flat_bucket: torch.Tensor, bucket: Bucket) -> torch.Tensor:
         """This DP rank's slice of a bucket-sized tensor."""
@@ -188,8 +205,16 @@ class GradBuffers:
                 self._launch(bucket)
             if bucket.handle is not None:
                 with self.topo.watchdog.waiting("dp", "gradient reduction", f"bucket {index}"):
-                    bucket.handle.wait()
+                    for work in bucket.handle:
+                        work.wait()
                 bucket.handle = None
+            if bucket.received is not None:
+                # Reduce-scatter by exchange: the peers' copies of this rank's shard, summed into it.
+                shard = self.shard(self.grad_buffer[bucket.start : bucket.end], bucket)
+                for theirs in bucket.received:
+                    shard.add_(theirs)
+                shard.div_(self.dp)
+                bucket.received = None
 
     def all_gather_params(self) -> None:
         """After a zero_stage-1 update of this rank's shards, give every DP rank the full parameters: the
@@ -204,20 +229,28 @@ class GradBuffers:
             if self.native_shard_comm:
                 bucket.gather_handle = [all_gather_single(flat, shard, group=self.dp_group, async_op=True)]
             else:
-                bucket.gather_handle = self._exchange_shards(flat, bucket, tag=index)
+                bucket.gather_handle = self._exchange_shards(flat, bucket, 2 * index)
         if not self.overlap_param_gather:
             self.wait_params()
 
-    def _exchange_shards(self, flat: torch.Tensor, bucket: Bucket, tag: int) -> list[Any]:
-        """Send this rank's shard of ``flat`` to every other DP rank and receive theirs in place."""
+    def _exchange_shards(
+        self, flat: torch.Tensor, bucket: Bucket, tag: int, into: list[torch.Tensor] | None = None
+    ) -> list[Any]:
+        """Point-to-point over the DP group, one message per peer each way. Gather (``into`` None): send
+        this rank's shard of ``flat`` to every peer and receive each peer's shard into its place.
+        Reduce-scatter: send each peer its shard of ``flat`` and receive the peers' copies of this rank's
+        shard into ``into``."""
         ops = []
-        for dp_rank in range(self.dp):
-            if dp_rank == self.topo.dp_rank:
-                continue
+        peers = [r for r in range(self.dp) if r != self.topo.dp_rank]
+        for i, dp_rank in enumerate(peers):
             peer = self.topo.rank_of(dp_rank=dp_rank)
             theirs = flat[dp_rank * bucket.shard_size : (dp_rank + 1) * bucket.shard_size]
-            ops.append(dist.P2POp(dist.isend, self.shard(flat, bucket), peer, self.dp_group, tag))
-            ops.append(dist.P2POp(dist.irecv, theirs, peer, self.dp_group, tag))
+            if into is None:
+                send, recv = self.shard(flat, bucket), theirs
+            else:
+                send, recv = theirs, into[i]
+            ops.append(dist.P2POp(dist.isend, send, peer, self.dp_group, tag))
+            ops.append(dist.P2POp(dist.irecv, recv, peer, self.dp_group, tag))
         return dist.batch_isend_irecv(ops)
 
     def _wait_bucket_params(self, bucket: Bucket) -> None:

@@ -34,12 +34,16 @@ def make_job(
     schedule: str = "1f1b",
     v: int = 1,
     sp: bool = False,
+    zero: int = 0,
 ) -> JobConfig:
     model = ModelConfig(
         arch=arch, num_layers=layers, hidden_size=32, num_attention_heads=4, num_kv_heads=2, vocab_size=64,
         seq_length=8, ffn_hidden_size=64, kernels="torch",
     )  # fmt: skip
     parallel = ParallelConfig(tp=tp, pp=pp, dp=dp, schedule=schedule, virtual_stages=v, sequence_parallel=sp)
+    if zero:
+        # Sharded optimizer over several small buckets, so shards split parameters.
+        parallel.zero_stage, parallel.dp_bucket_mb = zero, 0.004
     # adam_eps 1e-4: Adam moves an element by ~lr whatever its gradient's size, so one whose true gradient is
     # ~0 (gpt's key bias: softmax ignores it; rarely hit embedding rows) moves by lr * round-off / eps.
     train = TrainConfig(
@@ -184,6 +188,14 @@ def test_every_arch_layout_and_schedule_matches_one_process(world):
     ]
     cases += [
         (arch, 4, tp, pp, dp, "zb_h1", 1, True) for tp, pp, dp in LAYOUTS[world] if tp > 1 for arch in ARCHS
+    ]
+    # ZeRO-1 under the pipeline: the tied embedding's two copies (gpt, ernie) are summed shard by shard.
+    cases += [
+        (arch, 4, tp, pp, dp, schedule, v, False, 1)
+        for tp, pp, dp in LAYOUTS[world]
+        if dp > 1
+        for arch in ("gpt", "ernie")
+        for schedule, v in (("1f1b", 1), ("interleaved_1f1b", 2))
     ]
     run_world(world, cases)
 
