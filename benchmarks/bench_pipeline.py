@@ -4,7 +4,9 @@ For v = 1 and v = 2 every rank builds the same model and cuts the same chunks; o
 interleaved 1F1B, plus GPipe and ZB-H1) and torch's Schedule1F1B / ScheduleInterleaved1F1B then run the
 same micro-batches on those very modules, alternating step by step so both see the same machine load.
 Prints median step times and our/torch ratios, and for our schedules the bubble fraction measured from a
-per-action trace beside the one the simulator predicts from the measured per-chunk costs.
+per-action trace beside the one the simulator predicts from the measured per-chunk costs, dispatch
+overhead and transfer latency; "traced/bound" is the traced step over the schedule's compute bound (the
+simulated step with free transfers and no overhead), which no executor of that schedule can go below.
 
     python benchmarks/bench_pipeline.py --pp 2 --microbatches 8 --timeline bench_interleaved.png
 """
@@ -27,7 +29,7 @@ from llmtrain.models import build
 from llmtrain.parallel import Topology
 from llmtrain.pipeline.executor import PipelineExecutor
 from llmtrain.pipeline.schedules import build_schedule
-from llmtrain.pipeline.simulator import simulate
+from llmtrain.pipeline.simulator import SimulationResult, simulate
 from llmtrain.pipeline.stages import activation_shape, build_stages
 from llmtrain.pipeline.timeline import Span, bubble_fraction, render_png, save_trace
 
@@ -63,9 +65,20 @@ def _transfer_latency(schedule, spans: list[Span]) -> float:
     return statistics.median(delays) if delays else 0.0
 
 
-def _simulated_bubble(schedule, spans: list[Span]) -> float:
-    """The simulator's bubble for this schedule with the mean measured cost of each (rank, chunk, kind) and
-    the measured transfer latency."""
+def _dispatch_overhead(spans: list[Span]) -> float:
+    """Median gap between two consecutive computes of a rank: the executor's own time per action (the
+    longer gaps, where a rank waited for data, are the minority the median ignores)."""
+    gaps = []
+    for rank in {s.rank for s in spans}:
+        mine = sorted((s for s in spans if s.rank == rank), key=lambda s: s.start)
+        gaps += [after.start - before.end for before, after in zip(mine, mine[1:], strict=False)]
+    return statistics.median(gaps) if gaps else 0.0
+
+
+def _simulate(schedule, spans: list[Span], free_transfers: bool = False) -> SimulationResult:
+    """The simulator's replay of this schedule with the mean measured cost of each (rank, chunk, kind), the
+    measured per-action dispatch overhead and the transfer latency beyond it; with ``free_transfers`` both
+    are zero, which gives the compute-bound step time no executor of this schedule can beat."""
     cost: dict[str, dict[tuple[int, int], float]] = {}
     for kind in ("F", "B", "I", "W"):
         durations: dict[tuple[int, int], list[float]] = {}
@@ -73,11 +86,12 @@ def _simulated_bubble(schedule, spans: list[Span]) -> float:
             if s.kind == kind:
                 durations.setdefault((s.rank, s.chunk), []).append(s.end - s.start)
         cost[kind] = {k: statistics.mean(d) for k, d in durations.items()}
-    p2p = _transfer_latency(schedule, spans)
+    overhead = 0.0 if free_transfers else _dispatch_overhead(spans)
+    p2p = 0.0 if free_transfers else max(_transfer_latency(schedule, spans) - overhead, 0.0)
     if schedule.split_backward:
         full = {k: cost["I"][k] + cost["W"][k] for k in cost["I"]}
-        return simulate(schedule, cost["F"], full, weight_grad=cost["W"], p2p=p2p).bubble_fraction
-    return simulate(schedule, cost["F"], cost["B"], p2p=p2p).bubble_fraction
+        return simulate(schedule, cost["F"], full, weight_grad=cost["W"], p2p=p2p, overhead=overhead)
+    return simulate(schedule, cost["F"], cost["B"], p2p=p2p, overhead=overhead)
 
 
 def _worker(rank: int, world: int, store: str, args: argparse.Namespace, results: dict) -> None:
@@ -147,7 +161,10 @@ def _worker(rank: int, world: int, store: str, args: argparse.Namespace, results
                 "time": statistics.median(times[name]),
                 "best": min(times[name]),
                 "measured_bubble": bubble_fraction(spans),
-                "simulated_bubble": _simulated_bubble(ex.schedule, spans),
+                "simulated_bubble": _simulate(ex.schedule, spans).bubble_fraction,
+                # How close the traced step came to the compute bound of its schedule.
+                "bound": _simulate(ex.schedule, spans, free_transfers=True).step_time,
+                "traced": max(s.end for s in spans) - min(s.start for s in spans),
                 "spans": spans,
             }
         out[f"torch_v{v}"] = (statistics.median(times["torch"]), min(times["torch"]))
@@ -188,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(
         f"{'schedule':<18}{'median s':>10}{'best s':>9}{'torch med':>10}{'torch best':>11}{'ratio med':>10}"
-        f"{'ratio best':>11}{'bubble meas.':>14}{'bubble sim.':>13}"
+        f"{'ratio best':>11}{'bubble meas.':>14}{'bubble sim.':>13}{'traced/bound':>14}"
     )
     for name, torch_key in (
         ("1f1b", "torch_v1"),
@@ -203,7 +220,10 @@ def main(argv: list[str] | None = None) -> None:
             line += f"{med:10.4f}{best:11.4f}{row['time'] / med:10.3f}{row['best'] / best:11.3f}"
         else:
             line += " " * 42
-        print(line + f"{row['measured_bubble']:14.3f}{row['simulated_bubble']:13.3f}")
+        print(
+            line + f"{row['measured_bubble']:14.3f}{row['simulated_bubble']:13.3f}"
+            f"{row['traced'] / row['bound']:14.3f}"
+        )
     if args.timeline:
         spans = r["interleaved_1f1b"]["spans"]
         title = (

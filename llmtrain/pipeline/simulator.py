@@ -186,10 +186,13 @@ def simulate(
     backward: Cost,
     weight_grad: Cost | None = None,
     p2p: Cost = 0.0,
+    overhead: float = 0.0,
 ) -> SimulationResult:
     """Replay ``schedule``; ``backward`` is the full backward (I + W), ``weight_grad`` the W part of it
     (default half of backward) used by split-backward schedules, ``p2p`` the latency of a send from (rank,
-    chunk). Costs: a float, a [rank][chunk] table or a {(rank, chunk): cost} map.
+    chunk), ``overhead`` the host time a rank spends between two of its computes (posting transfers,
+    bookkeeping): idle time, so it counts in the bubble. Costs: a float, a [rank][chunk] table or a
+    {(rank, chunk): cost} map.
     Raises ScheduleError on an incomplete schedule, a dependency violation or a deadlock."""
     check_complete(schedule)
     pp, v = schedule.pp, schedule.virtual_stages
@@ -247,7 +250,7 @@ def simulate(
                     events.append(Event(rank, a, clock[rank], clock[rank]))
                 else:
                     _check_inputs(schedule, split, rank, a, stage, last, done, received)
-                    start = clock[rank]
+                    start = clock[rank] + (overhead if busy[rank] else 0.0)
                     clock[rank] = start + duration(rank, a)
                     busy[rank] += clock[rank] - start
                     done[rank].add((a.kind, a.microbatch, a.chunk))

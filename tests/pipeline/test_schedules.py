@@ -187,6 +187,17 @@ def test_latency_of_a_single_microbatch_is_one_transfer_per_hop_each_way():
         assert result.step_time == pytest.approx(walk + 2 * (p - 1) * c)
 
 
+def test_dispatch_overhead_is_idle_time_before_every_compute_but_a_ranks_first():
+    # pp=1: F0 F1 F2 B0 B1 B2 back to back, so the step is the compute plus five gaps, none of them busy.
+    one = simulate(build_schedule("gpipe", 1, 3), 1.0, 2.0, overhead=0.1)
+    assert one.step_time == pytest.approx(9.0 + 5 * 0.1)
+    assert one.busy == [pytest.approx(9.0)]
+    # A single micro-batch through p ranks: a rank's first compute pays none, its second (the backward) one.
+    p = 4
+    walk = simulate(build_schedule("1f1b", p, 1), 1.0, 2.0, overhead=0.1)
+    assert walk.step_time == pytest.approx(p * 3.0 + p * 0.1)
+
+
 def test_orders_match_the_papers_figures():
     # Narayanan et al. 2021, Fig. 3 (1F1B, 4 devices, 8 micro-batches): device 1 and 4.
     s = build_schedule("1f1b", 4, 8)
