@@ -1,8 +1,9 @@
 """Pipeline schedules on gloo: our executor against torch.distributed.pipelining, same stages, same data.
 
-For v = 1 and v = 2 every rank builds the same model and cuts the same chunks; our PipelineExecutor (1F1B /
-interleaved 1F1B, plus GPipe and ZB-H1) and torch's Schedule1F1B / ScheduleInterleaved1F1B then run the
-same micro-batches on those very modules, alternating step by step so both see the same machine load.
+For v = 1 and v = 2 every rank builds the same model and cuts the same chunks (balanced by FLOPs, as
+training does); our PipelineExecutor (1F1B / interleaved 1F1B, plus GPipe and ZB-H1) and torch's
+Schedule1F1B / ScheduleInterleaved1F1B then run the same micro-batches on those very modules, alternating
+step by step so both see the same machine load.
 Prints median step times and our/torch ratios, and for our schedules the bubble fraction measured from a
 per-action trace beside the one the simulator predicts from the measured per-chunk costs, dispatch
 overhead and transfer latency; "traced/bound" is the traced step over the schedule's compute bound (the
@@ -32,6 +33,7 @@ from llmtrain.pipeline.schedules import build_schedule
 from llmtrain.pipeline.simulator import SimulationResult, simulate
 from llmtrain.pipeline.stages import activation_shape, build_stages
 from llmtrain.pipeline.timeline import Span, bubble_fraction, render_png, save_trace
+from llmtrain.planner.flops import head_cost_in_layers
 
 
 def _loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -117,7 +119,8 @@ def _worker(rank: int, world: int, store: str, args: argparse.Namespace, results
     out: dict[str, object] = {}
     for v in (1, 2):
         torch.manual_seed(1234)
-        stages = build_stages(build(cfg), topo, v)
+        # The split training uses: layers balanced against the output layer's FLOPs.
+        stages = build_stages(build(cfg), topo, v, head_cost=head_cost_in_layers(cfg))
         torch_stages = [
             PipelineStage(chunk, chunk.stage, world * v, torch.device("cpu"), group=topo.pp_group)
             for chunk in stages.chunks

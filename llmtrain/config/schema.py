@@ -111,6 +111,8 @@ class ParallelConfig:
     """Pipeline schedule: gpipe, 1f1b, interleaved_1f1b or zb_h1."""
     virtual_stages: int = 1
     """Model chunks per pipeline rank (interleaved_1f1b uses more than one)."""
+    balance_stages: bool = True
+    """Split layers over pipeline stages by FLOPs, the output layer counted on the last (false: evenly)."""
     order: str = "tp-dp-pp"
     """Rank order of the parallel dimensions, innermost first."""
     dp_bucket_mb: float = 25.0

@@ -408,12 +408,15 @@ class PipelineStepRunner:
 
 
 def build_pipeline(
-    model: nn.Module, topo: Topology, job: JobConfig
+    model: nn.Module, topo: Topology, job: JobConfig, head_cost: float = 0.0
 ) -> tuple[PipelineStages, PipelineExecutor]:
     """This rank's chunks of a (tensor-parallel) model and the executor of ``job.parallel.schedule``; hand
-    the stages to build_optimizer and both to PipelineStepRunner."""
+    the stages to build_optimizer and both to PipelineStepRunner. ``head_cost``: the output layer's cost
+    in layers, which the split balances against (0: an even split)."""
     p, t = job.parallel, job.train
-    stages = build_stages(model, topo, p.virtual_stages, sequence_parallel=p.sequence_parallel)
+    stages = build_stages(
+        model, topo, p.virtual_stages, head_cost=head_cost, sequence_parallel=p.sequence_parallel
+    )
     per_rank = t.global_batch_size // topo.dp
     schedule = build_schedule(p.schedule, topo.pp, per_rank // t.micro_batch_size, p.virtual_stages)
     shape = activation_shape(t.micro_batch_size, job.model.seq_length, job.model.hidden_size, topo.tp,

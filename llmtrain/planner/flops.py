@@ -65,6 +65,11 @@ def logits_flops_per_token(model: ModelConfig) -> float:
     return 2.0 * model.hidden_size * model.vocab_size
 
 
+def head_cost_in_layers(model: ModelConfig, seq_length: int | None = None) -> float:
+    """The output layer's FLOPs in units of one layer's: the extra load of the last pipeline stage."""
+    return logits_flops_per_token(model) / layer_flops_per_token(model, seq_length).total
+
+
 def forward_flops_per_token(model: ModelConfig, seq_length: int | None = None) -> float:
     """Forward FLOPs per token of the whole model: all layers plus the logits."""
     return model.num_layers * layer_flops_per_token(model, seq_length).total + logits_flops_per_token(model)

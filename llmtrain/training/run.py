@@ -29,7 +29,7 @@ def build_trainer(job: JobConfig, topo: Topology) -> Trainer:
     from llmtrain.models import build
     from llmtrain.parallel import build_optimizer, grad_sync, parallelize
     from llmtrain.pipeline.executor import PipelineStepRunner, build_pipeline
-    from llmtrain.planner.flops import model_flops_per_token
+    from llmtrain.planner.flops import head_cost_in_layers, model_flops_per_token
     from llmtrain.training.metrics import MetricsLogger
 
     seed_everything(job.train.seed)
@@ -41,7 +41,8 @@ def build_trainer(job: JobConfig, topo: Topology) -> Trainer:
     with torch.device(topo.device):
         model = parallelize(build(job.model), topo, job)
     if topo.pp > 1:
-        model, executor = build_pipeline(model, topo, job)
+        head_cost = head_cost_in_layers(job.model) if job.parallel.balance_stages else 0.0
+        model, executor = build_pipeline(model, topo, job, head_cost)
         optimizer = build_optimizer(model, topo, job)
         runner = PipelineStepRunner(executor, optimizer, job.train.micro_batch_size)
     else:

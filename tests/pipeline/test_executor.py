@@ -19,6 +19,7 @@ from llmtrain.parallel import Topology, apply_tp, build_optimizer, gather_full_s
 from llmtrain.pipeline.executor import PipelineStepRunner, build_pipeline
 from llmtrain.pipeline.schedules import build_schedule
 from llmtrain.pipeline.stages import partition_layers
+from llmtrain.planner.flops import head_cost_in_layers
 from llmtrain.training.profiling import StepTimer
 
 STEPS = 3
@@ -232,3 +233,15 @@ def test_partition_layers_even_and_balanced():
     assert max(sum(costs[r.start : r.stop]) for r in got) == best
     with pytest.raises(ValueError, match="model.num_layers=2"):
         partition_layers(2, 3)
+
+
+def test_training_balances_stages_by_flops():
+    # The benchmark's llama 8 x 256, vocab 4096, seq 64: the head (2hV = 2.10 MFLOP/token) outweighs a
+    # layer (q, k, v, o 0.52 + MLP 1.05 + attention 0.07 = 1.64 MFLOP/token), so the last stage of two
+    # gives one layer up.
+    model = ModelConfig(arch="llama", num_layers=8, hidden_size=256, num_attention_heads=4, vocab_size=4096,
+                        seq_length=64, ffn_hidden_size=683)  # fmt: skip
+    cost = head_cost_in_layers(model)
+    assert cost == pytest.approx(2 * 256 * 4096 / (8 * 256 * 256 + 6 * 256 * 683 + 4 * 64 * 256))
+    assert [len(r) for r in partition_layers(8, 2, head_cost=cost)] == [5, 3]
+    assert [len(r) for r in partition_layers(8, 2)] == [4, 4]
