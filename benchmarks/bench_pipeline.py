@@ -155,20 +155,29 @@ def _worker(rank: int, world: int, store: str, args: argparse.Namespace, results
                 if step >= args.warmup:
                     times[name].append(t)
         for name, ex in executors.items():
-            stages.zero_grad(set_to_none=True)
-            ex.run(micro, trace=True)
-            gathered: list = [None] * world
-            dist.all_gather_object(gathered, ex.trace)
-            spans = [Span(**e) for trace in gathered for e in trace]
+            traced = []
+            for _ in range(args.traced_steps):
+                stages.zero_grad(set_to_none=True)
+                dist.barrier()
+                ex.run(micro, trace=True)
+                gathered: list = [None] * world
+                dist.all_gather_object(gathered, ex.trace)
+                traced.append([Span(**e) for trace in gathered for e in trace])
             out[name] = {
                 "time": statistics.median(times[name]),
                 "best": min(times[name]),
-                "measured_bubble": bubble_fraction(spans),
-                "simulated_bubble": _simulate(ex.schedule, spans).bubble_fraction,
-                # How close the traced step came to the compute bound of its schedule.
-                "bound": _simulate(ex.schedule, spans, free_transfers=True).step_time,
-                "traced": max(s.end for s in spans) - min(s.start for s in spans),
-                "spans": spans,
+                # Each traced step against its own replay, averaged over the traced steps.
+                "measured_bubble": statistics.mean(bubble_fraction(spans) for spans in traced),
+                "simulated_bubble": statistics.mean(
+                    _simulate(ex.schedule, spans).bubble_fraction for spans in traced
+                ),
+                # How close the traced steps came to the compute bound of their schedule.
+                "traced/bound": statistics.mean(
+                    (max(s.end for s in spans) - min(s.start for s in spans))
+                    / _simulate(ex.schedule, spans, free_transfers=True).step_time
+                    for spans in traced
+                ),
+                "spans": traced[-1],
             }
         out[f"torch_v{v}"] = (statistics.median(times["torch"]), min(times["torch"]))
     if rank == 0:
@@ -190,6 +199,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--traced-steps", type=int, default=3, help="traced steps per schedule (bubble)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--timeline", help="PNG of the traced interleaved run")
     parser.add_argument(
@@ -224,8 +234,7 @@ def main(argv: list[str] | None = None) -> None:
         else:
             line += " " * 42
         print(
-            line + f"{row['measured_bubble']:14.3f}{row['simulated_bubble']:13.3f}"
-            f"{row['traced'] / row['bound']:14.3f}"
+            line + f"{row['measured_bubble']:14.3f}{row['simulated_bubble']:13.3f}{row['traced/bound']:14.3f}"
         )
     if args.timeline:
         spans = r["interleaved_1f1b"]["spans"]
