@@ -148,8 +148,8 @@ def _activation_table(rank: int, world: int) -> list[tuple]:
 def _dp_communication(rank: int, world: int) -> dict:
     """Collectives per micro-step and when the buckets start, for dp=2 with several buckets."""
     out = {}
-    for zero in (0, 1):
-        job = tiny_job("gpt", dp=2, zero_stage=zero)
+    for key, zero, overlap in ((0, 0, True), (1, 1, True), ("1 waited", 1, False)):
+        job = tiny_job("gpt", dp=2, zero_stage=zero, overlap_param_gather=overlap)
         topo = Topology(job.parallel, world, rank)
         torch.manual_seed(0)
         model = models.build(job.model)
@@ -186,7 +186,7 @@ def _dp_communication(rank: int, world: int) -> dict:
             gathering_after_forward = [b.gather_handle is not None for b in buffers.buckets]
             loss_again = model(batch[:2, :-1], batch[:2, 1:]).item()
         tied = model.embed_tokens.weight
-        out[zero] = {
+        out[key] = {
             "buckets": len(buffers.buckets),
             "accumulation_calls": during_accumulation,
             "sync_calls": calls[len(during_accumulation) :],
@@ -278,6 +278,10 @@ def test_zero1_parameter_gather_overlaps_the_next_forward(results: list[dict]) -
         # the buckets of the later layers (first in the buffer) are still gathering behind its compute.
         pending = z1["gathering_at_first_layer"]
         assert pending[0] and not pending[-1], pending
+        # Without the overlap the step waits for every gather itself; the parameters come out the same.
+        waited = rank_result["dp_comm"]["1 waited"]
+        assert not any(waited["gathering_after_step"])
+        assert waited["loss_overlapped_vs_whole"] == z1["loss_overlapped_vs_whole"]
 
 
 @pytest.mark.slow
