@@ -5,9 +5,10 @@ training does); our PipelineExecutor (1F1B / interleaved 1F1B, plus GPipe and ZB
 Schedule1F1B / ScheduleInterleaved1F1B then run the same micro-batches on those very modules, alternating
 step by step so both see the same machine load.
 Prints median step times and our/torch ratios, and for our schedules the bubble fraction measured from a
-per-action trace beside the one the simulator predicts from the measured per-chunk costs, dispatch
-overhead and transfer latency; "traced/bound" is the traced step over the schedule's compute bound (the
-simulated step with free transfers and no overhead), which no executor of that schedule can go below.
+per-action trace beside the one the simulator predicts replaying the traced durations with the measured
+dispatch overhead and transfer latency; "traced/bound" is the traced step over the schedule's compute
+bound (the simulated step with free transfers and no overhead), which no executor of that schedule can
+go below.
 
     python benchmarks/bench_pipeline.py --pp 2 --microbatches 8 --timeline bench_interleaved.png
 """
@@ -78,22 +79,14 @@ def _dispatch_overhead(spans: list[Span]) -> float:
 
 
 def _simulate(schedule, spans: list[Span], free_transfers: bool = False) -> SimulationResult:
-    """The simulator's replay of this schedule with the mean measured cost of each (rank, chunk, kind), the
-    measured per-action dispatch overhead and the transfer latency beyond it; with ``free_transfers`` both
-    are zero, which gives the compute-bound step time no executor of this schedule can beat."""
-    cost: dict[str, dict[tuple[int, int], float]] = {}
-    for kind in ("F", "B", "I", "W"):
-        durations: dict[tuple[int, int], list[float]] = {}
-        for s in spans:
-            if s.kind == kind:
-                durations.setdefault((s.rank, s.chunk), []).append(s.end - s.start)
-        cost[kind] = {k: statistics.mean(d) for k, d in durations.items()}
+    """The simulator's replay of this schedule with every action's traced duration, the measured
+    per-action dispatch overhead and the transfer latency beyond it; with ``free_transfers`` both are zero,
+    which gives the compute-bound step time no executor of this schedule can beat on these durations."""
+    durations = {(s.rank, s.kind, s.microbatch, s.chunk): s.end - s.start for s in spans}
     overhead = 0.0 if free_transfers else _dispatch_overhead(spans)
     p2p = 0.0 if free_transfers else max(_transfer_latency(schedule, spans) - overhead, 0.0)
-    if schedule.split_backward:
-        full = {k: cost["I"][k] + cost["W"][k] for k in cost["I"]}
-        return simulate(schedule, cost["F"], full, weight_grad=cost["W"], p2p=p2p, overhead=overhead)
-    return simulate(schedule, cost["F"], cost["B"], p2p=p2p, overhead=overhead)
+    # The tables are unused (every action has its own duration) but must be well-formed.
+    return simulate(schedule, 1.0, 2.0, weight_grad=1.0, p2p=p2p, overhead=overhead, action_costs=durations)
 
 
 def _worker(rank: int, world: int, store: str, args: argparse.Namespace, results: dict) -> None:
@@ -166,13 +159,13 @@ def _worker(rank: int, world: int, store: str, args: argparse.Namespace, results
             out[name] = {
                 "time": statistics.median(times[name]),
                 "best": min(times[name]),
-                # Each traced step against its own replay, averaged over the traced steps.
-                "measured_bubble": statistics.mean(bubble_fraction(spans) for spans in traced),
-                "simulated_bubble": statistics.mean(
+                # Each traced step against its own replay; the median over the traced steps, as for times.
+                "measured_bubble": statistics.median(bubble_fraction(spans) for spans in traced),
+                "simulated_bubble": statistics.median(
                     _simulate(ex.schedule, spans).bubble_fraction for spans in traced
                 ),
                 # How close the traced steps came to the compute bound of their schedule.
-                "traced/bound": statistics.mean(
+                "traced/bound": statistics.median(
                     (max(s.end for s in spans) - min(s.start for s in spans))
                     / _simulate(ex.schedule, spans, free_transfers=True).step_time
                     for spans in traced
@@ -199,7 +192,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--traced-steps", type=int, default=3, help="traced steps per schedule (bubble)")
+    parser.add_argument("--traced-steps", type=int, default=5, help="traced steps per schedule (bubble)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--timeline", help="PNG of the traced interleaved run")
     parser.add_argument(

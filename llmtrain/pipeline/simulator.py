@@ -187,12 +187,14 @@ def simulate(
     weight_grad: Cost | None = None,
     p2p: Cost = 0.0,
     overhead: float = 0.0,
+    action_costs: dict[tuple[int, str, int, int], float] | None = None,
 ) -> SimulationResult:
     """Replay ``schedule``; ``backward`` is the full backward (I + W), ``weight_grad`` the W part of it
     (default half of backward) used by split-backward schedules, ``p2p`` the latency of a send from (rank,
     chunk), ``overhead`` the host time a rank spends between two of its computes (posting transfers,
     bookkeeping): idle time, so it counts in the bubble. Costs: a float, a [rank][chunk] table or a
-    {(rank, chunk): cost} map.
+    {(rank, chunk): cost} map. ``action_costs`` {(rank, kind, micro-batch, chunk): cost} gives single
+    actions their own durations over the tables' (replaying a traced run action by action).
     Raises ScheduleError on an incomplete schedule, a dependency violation or a deadlock."""
     check_complete(schedule)
     pp, v = schedule.pp, schedule.virtual_stages
@@ -203,6 +205,9 @@ def simulate(
     lat = _cost_lookup("p2p", p2p, pp, v)
 
     def duration(rank: int, a: Action) -> float:
+        own = action_costs.get((rank, a.kind, a.microbatch, a.chunk)) if action_costs else None
+        if own is not None:
+            return own
         if a.kind == F:
             return fwd(rank, a.chunk)
         if a.kind == B:

@@ -198,6 +198,15 @@ def test_dispatch_overhead_is_idle_time_before_every_compute_but_a_ranks_first()
     assert walk.step_time == pytest.approx(p * 3.0 + p * 0.1)
 
 
+def test_action_costs_replay_single_actions():
+    # One slow forward (micro-batch 1 on the first rank) delays everything downstream of it by its excess.
+    sched = build_schedule("gpipe", 2, 2)
+    base = simulate(sched, 1.0, 2.0)
+    slow = simulate(sched, 1.0, 2.0, action_costs={(0, "F", 1, 0): 4.0})
+    assert slow.step_time == pytest.approx(base.step_time + 3.0)
+    assert slow.busy == [pytest.approx(base.busy[0] + 3.0), pytest.approx(base.busy[1])]
+
+
 def test_orders_match_the_papers_figures():
     # Narayanan et al. 2021, Fig. 3 (1F1B, 4 devices, 8 micro-batches): device 1 and 4.
     s = build_schedule("1f1b", 4, 8)
