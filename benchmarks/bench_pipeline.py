@@ -49,15 +49,20 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
+def _consecutive(spans: list[Span]) -> list[tuple[Span, Span]]:
+    """Every pair of computes that follow each other on one rank."""
+    pairs = []
+    for rank in {s.rank for s in spans}:
+        mine = sorted((s for s in spans if s.rank == rank), key=lambda s: s.start)
+        pairs += list(zip(mine, mine[1:], strict=False))
+    return pairs
+
+
 def _transfer_latency(schedule, spans: list[Span]) -> float:
     """Median delay from the end of a forward to the start of the next stage's forward on another rank,
     where that rank sat idle waiting for it: the transfer time the simulator should charge."""
     by_key = {(s.kind, s.microbatch, schedule.stage(s.rank, s.chunk)): s for s in spans}
-    previous_end: dict[tuple[int, float], float] = {}
-    for rank in {s.rank for s in spans}:
-        mine = sorted((s for s in spans if s.rank == rank), key=lambda s: s.start)
-        for before, after in zip(mine, mine[1:], strict=False):
-            previous_end[(rank, after.start)] = before.end
+    previous_end = {(after.rank, after.start): before.end for before, after in _consecutive(spans)}
     delays = []
     for (kind, mb, stage), s in by_key.items():
         producer = by_key.get((kind, mb, stage - 1)) if kind == "F" else None
@@ -71,10 +76,7 @@ def _transfer_latency(schedule, spans: list[Span]) -> float:
 def _dispatch_overhead(spans: list[Span]) -> float:
     """Median gap between two consecutive computes of a rank: the executor's own time per action (the
     longer gaps, where a rank waited for data, are the minority the median ignores)."""
-    gaps = []
-    for rank in {s.rank for s in spans}:
-        mine = sorted((s for s in spans if s.rank == rank), key=lambda s: s.start)
-        gaps += [after.start - before.end for before, after in zip(mine, mine[1:], strict=False)]
+    gaps = [after.start - before.end for before, after in _consecutive(spans)]
     return statistics.median(gaps) if gaps else 0.0
 
 

@@ -20,7 +20,7 @@ def parallelize(model: nn.Module, topo: Topology, job: JobConfig) -> nn.Module:
     apply_tp(model, topo, job.parallel.sequence_parallel, job.train.seed)
     apply_recompute(model, job.model.recompute)
     if topo.pp == 1:
-        apply_dp(model, topo, *dp_options(job))
+        apply_dp(model, topo, **dp_options(job))
     return model
 
 

@@ -31,10 +31,11 @@ from llmtrain.parallel.topology import Topology
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-@dataclass
+@dataclass(eq=False)
 class Bucket:
     """A contiguous range [start, end) of the flat buffers whose reduction is launched as one collective."""
 
+    index: int
     start: int
     end: int
     params: list[nn.Parameter]
@@ -99,7 +100,7 @@ class GradBuffers:
         def close_bucket() -> None:
             nonlocal offset, bucket_start, current
             end = bucket_start + -(-(offset - bucket_start) // self.dp) * self.dp
-            self.buckets.append(Bucket(bucket_start, end, current, self.dp))
+            self.buckets.append(Bucket(len(self.buckets), bucket_start, end, current, self.dp))
             offset = bucket_start = end
             current = []
 
@@ -133,13 +134,18 @@ class GradBuffers:
                 p.main_grad = self._view(self.grad_buffer, p)
                 p.register_post_accumulate_grad_hook(self._on_grad)
         self.params = params
-        self.overlap_param_gather = overlap_param_gather and zero_stage == 1 and self.dp > 1
-        if zero_stage == 1 and self.dp > 1:
+        sharded = zero_stage == 1 and self.dp > 1
+        self.overlap_param_gather = overlap_param_gather and sharded
+        if sharded:
             for module in model.modules():
-                if any(p in self.bucket_of for p in module.parameters(recurse=False)):
+                own: list[Bucket] = []  # the buckets holding this module's own parameters
+                for p in module.parameters(recurse=False):
+                    if p in self.bucket_of and self.bucket_of[p] not in own:
+                        own.append(self.bucket_of[p])
+                if own:
                     if self.overlap_param_gather:
-                        module.register_forward_pre_hook(self._wait_own_params)
-                    module.register_state_dict_pre_hook(self._wait_own_params)
+                        module.register_forward_pre_hook(lambda *_, own=own: self._wait_gathers(own))
+                    module.register_state_dict_pre_hook(lambda *_, own=own: self._wait_gathers(own))
         self.zero_grad()
 
     def _view(self, flat: torch.Tensor, p: nn.Parameter) -> torch.Tensor:
@@ -181,9 +187,8 @@ class GradBuffers:
             return
         grad = self.grad_buffer[bucket.start : bucket.end]
         if self.zero_stage == 1 and not self.native_shard_comm:
-            index = self.buckets.index(bucket)
             bucket.received = [torch.empty_like(self.shard(grad, bucket)) for _ in range(self.dp - 1)]
-            bucket.handle = self._exchange_shards(grad, bucket, 2 * index + 1, bucket.received)
+            bucket.handle = self._exchange_shards(grad, bucket, 2 * bucket.index + 1, bucket.received)
             return
         # Pre-divide so the sum is the mean over DP ranks (gloo has no AVG).
         grad.div_(self.dp)
@@ -200,11 +205,11 @@ class GradBuffers:
 
     def finish(self, launch: bool = True) -> None:
         """Launch the buckets still waiting (unused parameters) and wait for every reduction."""
-        for index, bucket in enumerate(self.buckets):
+        for bucket in self.buckets:
             if launch and not bucket.launched:
                 self._launch(bucket)
             if bucket.handle is not None:
-                with self.topo.watchdog.waiting("dp", "gradient reduction", f"bucket {index}"):
+                with self.topo.watchdog.waiting("dp", "gradient reduction", f"bucket {bucket.index}"):
                     for work in bucket.handle:
                         work.wait()
                 bucket.handle = None
@@ -222,14 +227,13 @@ class GradBuffers:
         modules that use them, or right away without ``overlap_param_gather``."""
         if self.dp == 1:
             return
-        for index in reversed(range(len(self.buckets))):
-            bucket = self.buckets[index]
+        for bucket in reversed(self.buckets):
             flat = self.param_buffer[bucket.start : bucket.end]
             shard = self.shard(flat, bucket)
             if self.native_shard_comm:
                 bucket.gather_handle = [all_gather_single(flat, shard, group=self.dp_group, async_op=True)]
             else:
-                bucket.gather_handle = self._exchange_shards(flat, bucket, 2 * index)
+                bucket.gather_handle = self._exchange_shards(flat, bucket, 2 * bucket.index)
         if not self.overlap_param_gather:
             self.wait_params()
 
@@ -253,23 +257,17 @@ class GradBuffers:
             ops.append(dist.P2POp(dist.irecv, recv, peer, self.dp_group, tag))
         return dist.batch_isend_irecv(ops)
 
-    def _wait_bucket_params(self, bucket: Bucket) -> None:
-        with self.topo.watchdog.waiting("dp", "parameter all-gather", f"bucket {self.buckets.index(bucket)}"):
-            for work in bucket.gather_handle:
-                work.wait()
-        bucket.gather_handle = None
-
-    def _wait_own_params(self, module: nn.Module, *args: Any) -> None:
-        for p in module.parameters(recurse=False):
-            bucket = self.bucket_of.get(p)
-            if bucket is not None and bucket.gather_handle is not None:
-                self._wait_bucket_params(bucket)
+    def _wait_gathers(self, buckets: list[Bucket]) -> None:
+        for bucket in buckets:
+            if bucket.gather_handle is not None:
+                with self.topo.watchdog.waiting("dp", "parameter all-gather", f"bucket {bucket.index}"):
+                    for work in bucket.gather_handle:
+                        work.wait()
+                bucket.gather_handle = None
 
     def wait_params(self) -> None:
         """Wait for every parameter all-gather still in flight (zero_stage 1): the parameters are whole."""
-        for bucket in reversed(self.buckets):
-            if bucket.gather_handle is not None:
-                self._wait_bucket_params(bucket)
+        self._wait_gathers(self.buckets[::-1])
 
     def local_ranges(self) -> list[tuple[nn.Parameter, int, int]]:
         """(param, buffer start, buffer end) pieces of the parameters this rank updates, in buffer order."""

@@ -56,10 +56,15 @@ def _make_adamw(groups: list[dict[str, Any]], job: JobConfig, device: torch.devi
         return torch.optim.AdamW(groups, foreach=True, **kwargs)
 
 
-def dp_options(job: JobConfig) -> tuple[str, int, float, bool]:
-    """apply_dp's arguments after (model, topo) for this job."""
+def dp_options(job: JobConfig) -> dict[str, Any]:
+    """apply_dp's keyword arguments for this job."""
     p = job.parallel
-    return job.train.precision, p.zero_stage, p.dp_bucket_mb, p.overlap_param_gather
+    return {
+        "precision": job.train.precision,
+        "zero_stage": p.zero_stage,
+        "bucket_mb": p.dp_bucket_mb,
+        "overlap_param_gather": p.overlap_param_gather,
+    }
 
 
 class ModelOptimizer:
@@ -68,7 +73,7 @@ class ModelOptimizer:
     def __init__(self, model: nn.Module, topo: Topology, job: JobConfig) -> None:
         buffers: GradBuffers | None = getattr(model, "grad_buffers", None)
         if buffers is None:
-            apply_dp(model, topo, *dp_options(job))
+            apply_dp(model, topo, **dp_options(job))
             buffers = model.grad_buffers
         self.model = model
         self.buffers = buffers

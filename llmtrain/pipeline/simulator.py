@@ -255,7 +255,7 @@ def simulate(
                     events.append(Event(rank, a, clock[rank], clock[rank]))
                 else:
                     _check_inputs(schedule, split, rank, a, stage, last, done, received)
-                    start = clock[rank] + (overhead if busy[rank] else 0.0)
+                    start = clock[rank] + (overhead if done[rank] else 0.0)
                     clock[rank] = start + duration(rank, a)
                     busy[rank] += clock[rank] - start
                     done[rank].add((a.kind, a.microbatch, a.chunk))
