@@ -8,6 +8,8 @@ setup(
     description="Megatron-style LLM pretraining: TP/PP/DP, Triton kernels, an auto-config planner.",
     python_requires=">=3.10",
     packages=find_packages(include=["llmtrain", "llmtrain.*", "kernels", "kernels.*"]),
+    # The planner's cluster presets and the published table its validation reads: data files, not modules.
+    package_data={"llmtrain.planner": ["clusters/*.yaml", "data/*.csv"]},
     # torch is declared with a floor only: GPU users bring their own build; CPU machines pin the CPU wheel.
     install_requires=[
         "torch>=2.4",

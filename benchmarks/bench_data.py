@@ -50,8 +50,8 @@ def bench_preprocess(
 
     def ours() -> None:
         nonlocal tokens
-        stats = preprocess_files(
-            [jsonl], str(tmp / "ours"), tok_path, append_eod=True, workers=workers, log=None
+        stats = preprocess_files(  # each repeat replaces the previous one's output
+            [jsonl], str(tmp / "ours"), tok_path, append_eod=True, workers=workers, log=None, overwrite=True
         )
         tokens = next(iter(stats.values())).tokens
 

@@ -4,8 +4,8 @@
 
 Prints, per published configuration, the measured and predicted TFLOP/s per GPU and the error, the
 median and max |error| (targets 5% and 10%), and the planner's own best layout with its predicted speedup
-over the published one (target >= 1). The reference lives at ../shared/reference/megatron_a100_2021.csv
-relative to the repository root.
+over the published one (target >= 1). The published table ships with the package
+(llmtrain/planner/data/megatron_a100_2021.csv, its header naming the paper); --reference reads another.
 
 With --activations it also compares the predicted saved-activation bytes of one layer with the bytes the
 tensor-parallel issue's saved-tensor hooks measure (llmtrain.parallel.memory) on small CPU models.
@@ -141,7 +141,9 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--cluster", default="a100-80gb", help="cluster YAML or preset (one for every row)")
-    parser.add_argument("--reference", help="published table CSV (default ../shared/reference/...)")
+    parser.add_argument(
+        "--reference", help="published table CSV (default: llmtrain/planner/data/megatron_a100_2021.csv)"
+    )
     parser.add_argument("--json", help="also write the per-row results to this JSON file")
     parser.add_argument(
         "--activations", action="store_true", help="also check activation bytes (needs torch)"

@@ -10,16 +10,19 @@ import argparse
 import sys
 from pathlib import Path
 
-from llmtrain.config.reference import generate, missing_docs
+from llmtrain.cli import add_debug_flag, run_tool
 
 DEFAULT_OUTPUT = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="do not write; exit 1 if the file is stale")
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="default docs/configuration.md")
+    add_debug_flag(parser)
     args = parser.parse_args(argv)
+    from llmtrain.config.reference import generate, missing_docs
+
     problems = missing_docs()
     if problems:
         print("config fields need a one-line docstring:\n  " + "\n  ".join(problems), file=sys.stderr)
@@ -38,4 +41,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_tool(main)

@@ -2,36 +2,34 @@
 
     python tools/plan.py --config configs/ernie.yaml --cluster a100-80gb --gpus 64 --global-batch 512
     python tools/plan.py --config MODEL.yaml --cluster h100-80gb --gpus 3072 --json --top 3
-    python tools/plan.py --config MODEL.yaml --cluster a100-80gb --gpus 512 \
-        --evaluate "parallel.tp=8 parallel.pp=2 model.recompute=full"   # fix some settings, search the rest
+    # fix some settings, search the rest:
+    python tools/plan.py --config MODEL.yaml --gpus 512 --evaluate "parallel.tp=8 model.recompute=full"
     python tools/plan.py --config MODEL.yaml --cluster a100-80gb --gpus 64 --write best.yaml --plot plan.png
-    python tools/plan.py --profile-local --output configs/clusters/local.yaml   # measure this machine
+    python tools/plan.py --profile-local --output my-cluster.yaml   # measure this machine
+    python tools/plan.py --config MODEL.yaml --cluster my-cluster.yaml --gpus 2
+
+--cluster takes a shipped preset by name (a100-80gb, h100-80gb) or the path of a cluster YAML file.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 
-import yaml
+from llmtrain.cli import add_debug_flag, run_tool
 
-from llmtrain.config import ConfigError, load
-from llmtrain.planner import Software, load_cluster, parse_fixed, plan_job
-from llmtrain.planner.report import format_table, plot, to_records, write_config
-
-SOFTWARE = {"llmtrain": Software(), "megatron-2021": Software.megatron_2021()}
+SOFTWARE = ("llmtrain", "megatron-2021")
+"""Framework behaviours the cost model knows (llmtrain.planner.Software and Software.megatron_2021)."""
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Parse arguments, plan, print; returns the exit status."""
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (kept free of library imports so that --help answers at once)."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--config", help="model/job YAML (the model, precision and batch come from it)")
     parser.add_argument("overrides", nargs="*", help="key.path=value overrides of the config")
     parser.add_argument(
-        "--cluster", default="a100-80gb", help="cluster YAML or preset name (a100-80gb, h100-80gb)"
+        "--cluster", default="a100-80gb", help="cluster YAML path or preset name (a100-80gb, h100-80gb)"
     )
     parser.add_argument("--gpus", type=int, help="number of GPUs")
     parser.add_argument(
@@ -44,9 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--write", help="write the best layout as a training config YAML")
     parser.add_argument("--plot", help="draw time and memory breakdowns of the top layouts to this image")
-    parser.add_argument(
-        "--software", choices=sorted(SOFTWARE), default="llmtrain", help="framework behaviour"
-    )
+    parser.add_argument("--software", choices=SOFTWARE, default="llmtrain", help="framework behaviour")
     parser.add_argument(
         "--profile-local", action="store_true", help="measure this machine, write a cluster file"
     )
@@ -56,47 +52,72 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--devices", type=int, default=2, help="processes sharing this machine (--profile-local)"
     )
-    args = parser.parse_args(argv)
-    try:
-        if args.profile_local:
-            from llmtrain.planner.profile import describe_local
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace existing --write/--plot/--output files"
+    )
+    add_debug_flag(parser)
+    return parser
 
-            desc = describe_local(args.devices)
-            with open(args.output, "w") as fh:
-                yaml.safe_dump(desc, fh, sort_keys=False)
-            print(f"wrote {args.output}:\n{yaml.safe_dump(desc, sort_keys=False)}")
-            return 0
-        if not args.config or not args.gpus:
-            parser.error("--config and --gpus are required (or use --profile-local)")
-        job = load(args.config, args.overrides)
-        result = plan_job(
-            job,
-            load_cluster(args.cluster),
-            args.gpus,
-            global_batch=args.global_batch,
-            fixed=parse_fixed(args.evaluate),
-            software=SOFTWARE[args.software],
-            top=args.top,
-        )
-        if args.json:
-            print(json.dumps(to_records(result, args.top), indent=1))
-        else:
-            print(format_table(result, args.top))
-        if args.write:
-            if not result.best.fits:
-                raise ConfigError(
-                    f"no layout fits in memory ({result.best.why}); nothing written to {args.write}"
-                )
-            write_config(job, result.best, args.write, result.workload.global_batch)
-            print(f"wrote {args.write} ({result.best.layout.short()})", file=sys.stderr)
-        if args.plot:
-            plot(result, args.plot, args.top)
-            print(f"wrote {args.plot}", file=sys.stderr)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+
+def profile_local(args: argparse.Namespace) -> int:
+    """--profile-local: measure this machine and write it as a cluster file."""
+    from llmtrain.config.loader import dump_yaml
+    from llmtrain.planner.profile import describe_local
+    from llmtrain.planner.report import check_new_file, write_yaml
+
+    check_new_file(args.output, args.overwrite)  # before minutes of measuring, not after
+    desc = describe_local(args.devices)
+    write_yaml(desc, args.output, args.overwrite)
+    print(f"wrote {args.output}:\n{dump_yaml(desc)}")
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    """Parse arguments, plan, print; returns the exit status (bad input raises a UserError for run_tool)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.profile_local:
+        return profile_local(args)
+    if not args.config or not args.gpus:
+        parser.error("--config and --gpus are required (or use --profile-local)")
+
+    import json
+    import sys
+
+    from llmtrain.config import ConfigError, load
+    from llmtrain.planner import Software, load_cluster, parse_fixed, plan_job
+    from llmtrain.planner.report import check_new_file, format_table, plot, to_records, write_config
+
+    for path in (args.write, args.plot):
+        if path:
+            check_new_file(path, args.overwrite)
+    job = load(args.config, args.overrides)
+    software = Software.megatron_2021() if args.software == "megatron-2021" else Software()
+    result = plan_job(
+        job,
+        load_cluster(args.cluster),
+        args.gpus,
+        global_batch=args.global_batch,
+        fixed=parse_fixed(args.evaluate),
+        software=software,
+        top=args.top,
+    )
+    if args.json:
+        print(json.dumps(to_records(result, args.top), indent=1))
+    else:
+        print(format_table(result, args.top))
+    if args.write:
+        if not result.best.fits:
+            raise ConfigError(
+                f"no layout fits in memory ({result.best.why}); nothing written to {args.write}"
+            )
+        write_config(job, result.best, args.write, result.workload.global_batch, args.overwrite)
+        print(f"wrote {args.write} ({result.best.layout.short()})", file=sys.stderr)
+    if args.plot:
+        plot(result, args.plot, args.top, args.overwrite)
+        print(f"wrote {args.plot}", file=sys.stderr)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_tool(main)

@@ -1,18 +1,21 @@
-"""Tokenize JSONL, text, Parquet or a saved `datasets` dataset into Megatron-format indexed datasets."""
+"""Tokenize JSONL, text, Parquet or a saved `datasets` dataset into Megatron-format indexed datasets.
+
+Empty documents are skipped and counted. A record that cannot be read (invalid JSON or UTF-8, a missing
+key, a value that is not a string) is skipped, counted and the first few named, unless
+--on-bad-document error; an input none of whose first records is readable stops the run (a wrong
+--json-keys or format). The outputs appear only when complete; an existing one is kept unless --overwrite.
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 
-from llmtrain.data.errors import DataError
-from llmtrain.data.preprocess import preprocess_files
+from llmtrain.cli import add_debug_flag, run_tool
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Parse Megatron-style arguments and preprocess; writes PREFIX_{key}_document.{bin,idx} per key."""
-    ap = argparse.ArgumentParser(description=__doc__)
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
         "--input",
         nargs="+",
@@ -34,11 +37,37 @@ def main(argv: list[str] | None = None) -> None:
         "--append-eod", action="store_true", help="append the end-of-document token to every document"
     )
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenizer processes")
-    ap.add_argument("--skip-empty", action="store_true", help="drop empty documents instead of failing")
+    ap.add_argument(
+        "--on-bad-document",
+        choices=("skip", "error"),
+        default="skip",
+        help="an unreadable record: skip and count it (default), or stop naming it",
+    )
+    ap.add_argument("--overwrite", action="store_true", help="replace existing output files")
     ap.add_argument("--log-interval", type=float, default=5.0, help="seconds between progress lines")
+    add_debug_flag(ap)
+    return ap
+
+
+def main(argv: list[str]) -> int:
+    """Preprocess; writes OUTPUT_PREFIX_{key}_document.{bin,idx} per key."""
+    ap = parser()
     args = ap.parse_args(argv)
     if args.workers < 1:
         ap.error(f"--workers must be at least 1; got {args.workers}")
+    import signal
+    import sys
+
+    from llmtrain.data.preprocess import preprocess_files
+
+    stopped_by: list[str] = []
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        stopped_by.append("SIGTERM")
+        raise KeyboardInterrupt
+
+    # SIGTERM (kill, a scheduler's time limit) unwinds like Ctrl-C, so the partial output is removed.
+    signal.signal(signal.SIGTERM, on_sigterm)
     try:
         results = preprocess_files(
             args.input,
@@ -47,14 +76,18 @@ def main(argv: list[str] | None = None) -> None:
             json_keys=args.json_keys,
             append_eod=args.append_eod,
             workers=args.workers,
-            skip_empty=args.skip_empty,
+            on_bad_document=args.on_bad_document,
+            overwrite=args.overwrite,
             log_interval=args.log_interval,
         )
-    except DataError as e:
-        sys.exit(f"error: {e}")
-    for prefix in results:
-        print(f"wrote {prefix}.bin and {prefix}.idx")
+    except KeyboardInterrupt:
+        how = stopped_by[0] if stopped_by else "Ctrl-C"
+        print(f"preprocess_data: stopped by {how}; nothing was written", file=sys.stderr)
+        return 128 + (signal.SIGTERM if stopped_by else signal.SIGINT)
+    for prefix, stats in results.items():
+        print(f"wrote {prefix}.bin and {prefix}.idx: {stats.documents:,} documents, {stats.tokens:,} tokens")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    run_tool(main)

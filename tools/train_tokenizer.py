@@ -1,18 +1,18 @@
-"""Train a byte-fallback SentencePiece tokenizer (BPE or unigram) from text, JSONL, Parquet or datasets."""
+"""Train a byte-fallback SentencePiece tokenizer (BPE or unigram) from text, JSONL, Parquet or datasets.
+
+Unreadable records are skipped and counted unless --on-bad-document error (as in preprocess_data.py);
+an existing PREFIX.model is kept unless --overwrite.
+"""
 
 from __future__ import annotations
 
 import argparse
-import sys
 
-from llmtrain.data.errors import DataError
-from llmtrain.data.sources import iter_documents
-from llmtrain.data.tokenizer import train_sentencepiece
+from llmtrain.cli import add_debug_flag, run_tool
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Parse arguments and train; writes PREFIX.model."""
-    ap = argparse.ArgumentParser(description=__doc__)
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
         "--input",
         nargs="+",
@@ -30,20 +30,40 @@ def main(argv: list[str] | None = None) -> None:
         default=1_000_000,
         help="lines sampled for training (bounds time and memory)",
     )
-    args = ap.parse_args(argv)
-    try:
-        out = train_sentencepiece(
-            iter_documents(args.input, args.json_keys),
-            args.model_prefix + ".model",
-            args.vocab_size,
-            model_type=args.model_type,
-            user_defined_symbols=args.user_defined_symbols,
-            input_sentence_size=args.input_sentence_size,
-        )
-    except DataError as e:
-        sys.exit(f"error: {e}")
+    ap.add_argument(
+        "--on-bad-document",
+        choices=("skip", "error"),
+        default="skip",
+        help="an unreadable record: skip and count it (default), or stop naming it",
+    )
+    ap.add_argument("--overwrite", action="store_true", help="replace an existing PREFIX.model")
+    ap.add_argument("--verbose", action="store_true", help="show SentencePiece's own training log")
+    ap.add_argument("--log-interval", type=float, default=5.0, help="seconds between progress lines")
+    add_debug_flag(ap)
+    return ap
+
+
+def main(argv: list[str]) -> int:
+    """Train; writes PREFIX.model."""
+    args = parser().parse_args(argv)
+    from llmtrain.data.tokenizer_training import train_tokenizer_files
+
+    out = train_tokenizer_files(
+        args.input,
+        args.model_prefix,
+        args.vocab_size,
+        json_keys=args.json_keys,
+        model_type=args.model_type,
+        user_defined_symbols=args.user_defined_symbols,
+        input_sentence_size=args.input_sentence_size,
+        on_bad_document=args.on_bad_document,
+        overwrite=args.overwrite,
+        verbose=args.verbose,
+        interval=args.log_interval,
+    )
     print(f"wrote {out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    run_tool(main)

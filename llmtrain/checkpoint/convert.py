@@ -1,50 +1,63 @@
 """Offline work on checkpoints, in one process: read full tensors, describe, re-chunk, convert to and from
-Hugging Face.
+Hugging Face, load as one model.
 
 Functions reading a checkpoint take a step directory, a `checkpoints/` directory or an output_dir (via
 `latest`). Checkpoints are layout-independent (any layout loads any checkpoint); re-chunking for a target
 (tp, pp, dp) only cuts each tensor into the rectangles that layout's ranks read, so each rank reads its own
 bytes instead of whole tensors.
+
+Tokenizers travel with the weights: a checkpoint keeps its run's tokenizer files in `tokenizer/`, a model
+directory (Hugging Face or llmtrain) beside its weights; every conversion carries them over, and the
+Hugging Face export writes them as Hugging Face tokenizer files (llmtrain.data.tokenizer_export). This room
+imports llmtrain.data for that alone (data imports nothing of checkpoint, so no cycle).
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import shutil
+import shlex
 import types
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from llmtrain.checkpoint.errors import CheckpointError
 from llmtrain.checkpoint.layout import GlobalTensor, ParamLayout, Piece
 from llmtrain.checkpoint.manager import (
-    LATEST,
-    MANIFEST,
+    EXPECTED,
+    TOKENIZER_DIR,
     TRAINER_STATE,
     Checkpointer,
     _Snapshot,
+    is_checkpoint,
+    model_directory_kind,
     read_meta,
     resolve,
+    saved_model_config,
     verify,
 )
 from llmtrain.checkpoint.state import MODEL, OPTIM, describe_model
 from llmtrain.checkpoint.storage import read_metadata, read_tensors
 from llmtrain.config import ConfigError, JobConfig, ModelConfig, ParallelConfig
-from llmtrain.models import empty_model
+from llmtrain.data.tokenizer import HF_TOKENIZER_FILE, SENTENCEPIECE_FILE, Tokenizer, load_tokenizer
+from llmtrain.data.tokenizer_export import export_hf_tokenizer
+from llmtrain.models import CausalLM, empty_model
 from llmtrain.models.hf import (
-    HF_CONFIG,
-    HF_INDEX,
+    DEFAULT_MAX_SHARD_BYTES,
+    LLMTRAIN_CONFIG,
     WEIGHTS,
-    hf_to_llmtrain_state,
+    ModelFormatError,
+    detect_format,
+    llmtrain_to_hf_state,
     mapping,
-    read_hf,
-    to_hf_config,
+    model_from_state,
+    read_any,
+    read_llmtrain,
+    write_hf,
+    write_llmtrain,
 )
 from llmtrain.parallel.tensor_parallel import apply_tp, check_tp
 from llmtrain.pipeline.stages import partition_layers
@@ -81,8 +94,19 @@ def _read(path: Path, metadata: Any, keys: list[str]) -> dict[str, torch.Tensor]
     return out
 
 
+def load_model(
+    path: str | Path, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+) -> CausalLM:
+    """The model of a training checkpoint (any layout that wrote it) as one CausalLM in eval mode; dtype
+    defaults to the stored one. Reads the model tensors only, never the optimizer state."""
+    step = resolve(Path(path))
+    cfg = saved_model_config(step, read_meta(step))
+    return model_from_state(cfg, read_full(step, prefix=MODEL), device, dtype).eval()
+
+
 def info(path: str | Path) -> dict[str, Any]:
-    """What a checkpoint holds: step, layout that wrote it, model config, and every tensor's shape/dtype."""
+    """What a checkpoint holds: step, layout that wrote it, model config, every tensor's shape/dtype, and
+    the tokenizer files it carries."""
     path = resolve(Path(path))
     meta = read_meta(path)
     metadata = read_metadata(path)
@@ -104,6 +128,7 @@ def info(path: str | Path) -> dict[str, Any]:
         "layout": meta["layout"],
         "model": meta["model"],
         "tensors": tensors,
+        "tokenizer": sorted(p.name for p in (path / TOKENIZER_DIR).glob("*")),
         "files": len(files),
         "file_bytes": sum(p.stat().st_size for p in files),
     }
@@ -120,6 +145,7 @@ def describe(path: str | Path) -> str:
         f"model: {m['arch']} layers={m['num_layers']} hidden={m['hidden_size']} "
         f"heads={m['num_attention_heads']} vocab={m['vocab_size']}; {model_bytes / 2**20:.1f} MiB of weights",
         f"{len(d['tensors'])} tensors in {d['files']} files, {d['file_bytes'] / 2**20:.1f} MiB on disk",
+        f"tokenizer: {', '.join(d['tokenizer']) if d['tokenizer'] else 'none'}",
     ]
     width = max(len(k) for k in d["tensors"]) if d["tensors"] else 0
     for key, t in d["tensors"].items():
@@ -181,9 +207,10 @@ def write_checkpoint(
     tp: int = 1,
     pp: int = 1,
     dp: int = 1,
+    tokenizer: Tokenizer | None = None,
 ) -> Path:
     """Write full tensors (`model.<name>`, `optim.<name>.<state>`) as `<output_dir>/checkpoints/step_<step>`,
-    chunked for the (tp, pp, dp) layout; returns the step directory."""
+    chunked for the (tp, pp, dp) layout, with `tokenizer`'s files; returns the step directory."""
     _check_layout(cfg, tp, pp, dp)
     layouts = tp_layouts(cfg, tp)
     entries = {}
@@ -199,92 +226,156 @@ def write_checkpoint(
         )
     job = JobConfig(model=cfg, parallel=ParallelConfig(tp=tp, pp=pp, dp=dp), output_dir=str(output_dir))
     topo = types.SimpleNamespace(tp=tp, pp=pp, dp=dp, world_size=tp * pp * dp)
-    Checkpointer(job, topo)._commit(_Snapshot(step, entries, extra, None, scalars))
+    Checkpointer(job, topo, tokenizer=tokenizer)._commit(_Snapshot(step, entries, extra, None, scalars))
     return Path(output_dir) / "checkpoints" / f"step_{step}"
 
 
-def is_sharded_checkpoint(path: str | Path) -> bool:
-    """A sharded checkpoint (step_<N>, checkpoints/ or an output_dir) rather than a model directory."""
-    path = Path(path)
-    return any((path / p).exists() for p in (MANIFEST, LATEST, Path("checkpoints") / LATEST))
+def tokenizer_source(path: Path) -> Path | None:
+    """The directory holding the tokenizer of a checkpoint step (its tokenizer/) or of a model directory
+    (beside the weights); None when it carries none."""
+    for folder in (path / TOKENIZER_DIR, path):
+        if (folder / HF_TOKENIZER_FILE).is_file() or (folder / SENTENCEPIECE_FILE).is_file():
+            return folder
+    return None
 
 
-def from_hf(hf_dir: str | Path, output_dir: str | Path, tp: int = 1, pp: int = 1, dp: int = 1) -> Path:
-    """Hugging Face model directory -> llmtrain checkpoint at step 0, chunked for (tp, pp, dp).
+def _stored_tokenizer(path: Path) -> Tokenizer | None:
+    source = tokenizer_source(path)
+    return load_tokenizer(source) if source is not None else None
+
+
+def _refuse_checkpoint(path: Path) -> None:
+    if is_checkpoint(path):
+        raise CheckpointError(
+            f"{path} is a training checkpoint, not a model directory; export it with python "
+            f"tools/convert_checkpoint.py llmtrain-to-hf --input {shlex.quote(str(path))} --output OUT_DIR, "
+            "or re-lay it out with the reshard subcommand"
+        )
+
+
+def from_hf(model_dir: str | Path, output_dir: str | Path, tp: int = 1, pp: int = 1, dp: int = 1) -> Path:
+    """Hugging Face (or llmtrain) model directory -> llmtrain checkpoint at step 0, chunked for (tp, pp, dp),
+    carrying the directory's tokenizer.
 
     The run that loads it (checkpoint.load=<output_dir>) starts at step 0 with a fresh optimizer.
     """
-    cfg, hf_state = read_hf(hf_dir)
-    state = hf_to_llmtrain_state(cfg, hf_state, source=str(hf_dir))
-    del hf_state
+    model_dir = Path(model_dir)
+    _refuse_checkpoint(model_dir)
+    cfg, state = read_any(model_dir)
     tensors = {MODEL + k: v for k, v in state.items()}
-    return write_checkpoint(output_dir, cfg, tensors, 0, {"step": 0, "consumed_samples": 0}, {}, tp, pp, dp)
+    del state
+    extra = {"step": 0, "consumed_samples": 0}
+    return write_checkpoint(output_dir, cfg, tensors, 0, extra, {}, tp, pp, dp, _stored_tokenizer(model_dir))
+
+
+def import_model(
+    src: str | Path, dst: str | Path, tp: int | None = None, pp: int | None = None, dp: int | None = None
+) -> Path:
+    """`convert_checkpoint.py hf-to-llmtrain`: a Hugging Face model directory -> an llmtrain model directory,
+    or, given any of tp/pp/dp, a checkpoint chunked for that layout (from an llmtrain model directory too).
+    The tokenizer comes along. Returns what was written."""
+    src = Path(src)
+    if tp is None and pp is None and dp is None:
+        _refuse_checkpoint(src)
+        if detect_format(src) != "hf":
+            raise ModelFormatError(
+                f"{src} is an llmtrain model directory, not a Hugging Face one; convert it with "
+                "llmtrain-to-hf, or give --tp/--pp to write a training checkpoint from it"
+            )
+        cfg, state = read_any(src)
+        tokenizer = _stored_tokenizer(src)
+        write_llmtrain(cfg, state, dst, tokenizer.files() if tokenizer is not None else None)
+        return Path(dst)
+    return from_hf(src, dst, tp or 1, pp or 1, dp or 1)
 
 
 def reshard(src: str | Path, output_dir: str | Path, tp: int = 1, pp: int = 1, dp: int = 1) -> Path:
-    """Copy a checkpoint (model, optimizer, trainer state) chunked for the (tp, pp, dp) layout.
+    """Copy a checkpoint (model, optimizer, trainer state, tokenizer) chunked for the (tp, pp, dp) layout.
 
     Not needed for correctness (every layout loads every checkpoint); it makes each rank of the target
     layout read only its own bytes. Holds the full checkpoint in memory.
     """
     path = resolve(Path(src))
     meta = read_meta(path)
-    cfg = ModelConfig(**meta["model"])
+    cfg = saved_model_config(path, meta)
     tensors = read_full(path)
     trainer = torch.load(path / TRAINER_STATE, weights_only=True)
     return write_checkpoint(
-        output_dir, cfg, tensors, meta["step"], trainer["extra"], trainer["optimizer"], tp, pp, dp
+        output_dir,
+        cfg,
+        tensors,
+        meta["step"],
+        trainer["extra"],
+        trainer["optimizer"],
+        tp,
+        pp,
+        dp,
+        _stored_tokenizer(path),
     )
 
 
-def to_hf(src: str | Path, hf_dir: str | Path, max_shard_bytes: int = 5 * 2**30) -> Path:
-    """llmtrain checkpoint (any layout) -> Hugging Face directory, tensors converted one mapping rule at a
-    time (the optimizer state is never read), split into safetensors files of at most `max_shard_bytes`
-    with a `model.safetensors.index.json` when there is more than one."""
-    path = resolve(Path(src))
-    cfg = ModelConfig(**read_meta(path)["model"])
-    verify(path)
-    metadata = read_metadata(path)
-    out = Path(hf_dir)
-    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    part: dict[str, torch.Tensor] = {}
-    files: list[tuple[Path, list[str]]] = []
-    size = total = 0
-    dtype = None
+def to_hf(
+    src: str | Path,
+    hf_dir: str | Path,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    tokenizer: str | Path | None = None,
+    include_tokenizer: bool = True,
+) -> Path | None:
+    """llmtrain checkpoint (any layout) or llmtrain model directory -> Hugging Face directory that
+    transformers' AutoModelForCausalLM and AutoTokenizer load.
 
-    def flush() -> None:
-        nonlocal part, size
-        if part:
-            file = tmp / f"part-{len(files) + 1}.safetensors"
-            save_file(part, file, metadata={"format": "pt"})
-            files.append((file, list(part)))
-            part, size = {}, 0
+    Checkpoint tensors are converted one mapping rule at a time (the optimizer state is never read) and
+    split into safetensors files of at most `max_shard_bytes`. The tokenizer is `tokenizer` (a SentencePiece
+    model or Hugging Face tokenizer directory) if given, else the one `src` carries; its files and bos/eos/pad
+    ids are written unless `include_tokenizer` is False. Returns the tokenizer exported, None if none was.
+    """
+    src = Path(src)
+    if is_checkpoint(src) or not src.exists():
+        path = resolve(src)
+        cfg = saved_model_config(path, read_meta(path))
+        verify(path)
+        tensors: Any = _hf_tensors(path, read_metadata(path), cfg)
+    else:
+        if model_directory_kind(src) is None:
+            raise CheckpointError(
+                f"{src} is neither a training checkpoint nor an llmtrain model directory ({LLMTRAIN_CONFIG} "
+                f"+ {WEIGHTS}); {EXPECTED}, or an llmtrain model directory"
+            )
+        if detect_format(src) != "llmtrain":
+            raise ModelFormatError(
+                f"{src} is a Hugging Face model directory already; to train from it, convert it with "
+                "hf-to-llmtrain"
+            )
+        path = src
+        cfg, state = read_llmtrain(src)
+        tensors = llmtrain_to_hf_state(cfg, state, source=str(src))
+    source = None
+    if include_tokenizer:
+        source = Path(tokenizer) if tokenizer is not None else tokenizer_source(path)
+    if source is not None and not source.exists():
+        raise ModelFormatError(
+            f"tokenizer {source} does not exist; give --tokenizer a SentencePiece .model file or a Hugging "
+            "Face tokenizer directory"
+        )
+    exported = export_hf_tokenizer(source, cfg.max_positions) if source is not None else None
+    if exported is not None and exported.vocab_size > cfg.vocab_size:
+        raise ModelFormatError(
+            f"tokenizer {source} has {exported.vocab_size} tokens, more than the model's vocab_size="
+            f"{cfg.vocab_size}: it is not this model's tokenizer; give the right one with --tokenizer"
+        )
+    write_hf(
+        cfg,
+        tensors,
+        hf_dir,
+        max_shard_bytes,
+        exported.files if exported is not None else None,
+        exported.token_ids() if exported is not None else None,
+    )
+    return source
 
+
+def _hf_tensors(path: Path, metadata: Any, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """The Hugging Face tensors of a verified checkpoint, read and converted one mapping rule at a time."""
     for rule in mapping(cfg):
         ours = _read(path, metadata, [MODEL + n for n in rule.ours])
-        for hf_name, tensor in zip(rule.hf, rule.to_hf([ours[MODEL + n] for n in rule.ours]), strict=True):
-            nbytes = tensor.numel() * tensor.element_size()
-            if size and size + nbytes > max_shard_bytes:
-                flush()
-            part[hf_name] = tensor.contiguous()
-            dtype = dtype or tensor.dtype
-            size += nbytes
-            total += nbytes
-    flush()
-    (tmp / HF_CONFIG).write_text(json.dumps(to_hf_config(cfg, dtype or torch.float32), indent=2) + "\n")
-    if len(files) == 1:
-        files[0][0].rename(tmp / WEIGHTS)
-    else:
-        weight_map = {}
-        for i, (file, names) in enumerate(files):
-            name = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
-            file.rename(tmp / name)
-            weight_map.update(dict.fromkeys(names, name))
-        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        (tmp / HF_INDEX).write_text(json.dumps(index, indent=2) + "\n")
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
-    return out
+        yield from zip(rule.hf, rule.to_hf([ours[MODEL + n] for n in rule.ours]), strict=True)

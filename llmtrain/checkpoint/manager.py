@@ -5,6 +5,7 @@ Layout of `<output_dir>/checkpoints/`:
         .metadata, __<rank>_<i>.distcp   DCP index and each rank's tensor pieces
         rng/rank_<r>.pt  RNG states of rank r
         trainer_state.pt the trainer's `extra` (LR schedule, loss scaler, consumed samples, ...)
+        tokenizer/       the run's tokenizer files (tokenizer.model, or a Hugging Face tokenizer's files)
         meta.json        step, model config, job config, layout that wrote it
         manifest.json    size and CRC-32 of every file above
     latest               name of the newest complete checkpoint (replaced atomically)
@@ -19,6 +20,7 @@ import dataclasses
 import errno
 import io
 import json
+import shlex
 import shutil
 import time
 import warnings
@@ -55,11 +57,13 @@ from llmtrain.checkpoint.storage import (
     write_tensors,
 )
 from llmtrain.config import JobConfig, ModelConfig, to_dict
+from llmtrain.models.hf import HF_CONFIG, LLMTRAIN_CONFIG
 
 FORMAT = "llmtrain-dcp-1"
 MANIFEST = "manifest.json"
 META = "meta.json"
 TRAINER_STATE = "trainer_state.pt"
+TOKENIZER_DIR = "tokenizer"
 LATEST = "latest"
 DISK_FULL = "disk full (or quota / file-size limit reached)"
 
@@ -107,15 +111,19 @@ class _Snapshot:
 class Checkpointer:
     """Saves and loads sharded checkpoints of one job; every rank constructs one (collective)."""
 
-    def __init__(self, job: JobConfig, topo: Any = None) -> None:
+    def __init__(self, job: JobConfig, topo: Any = None, tokenizer: Any = None) -> None:
         if job.checkpoint.keep < 1:
             raise CheckpointError(f"checkpoint.keep must be at least 1; got {job.checkpoint.keep}")
         self.job = job
         self.topo = topo
+        self.tokenizer = tokenizer
         self.root = Path(job.output_dir) / "checkpoints"
         distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self.rank = dist.get_rank() if distributed else 0
         self.world_size = dist.get_world_size() if distributed else 1
+        # Every checkpoint carries the tokenizer's files (rank 0 writes them), read once here: the tokenizer
+        # this run started with, even if its file is replaced while the run goes on.
+        self._tokenizer_files = tokenizer.files() if tokenizer is not None and self.rank == 0 else {}
         # A gloo group of our own: checkpoint collectives run on a background thread (async save)
         # and must not interleave with the trainer's collectives, which may be NCCL.
         self.group = dist.new_group(backend="gloo") if distributed else None
@@ -126,11 +134,15 @@ class Checkpointer:
 
     # ---------------------------------------------------------------- paths
     def resume_path(self) -> Path | None:
-        """checkpoint.load if given, else output_dir's latest if checkpoint.resume; None if there is none."""
-        if self.job.checkpoint.load:
-            return resolve(Path(self.job.checkpoint.load))
+        """output_dir's latest if checkpoint.resume, else checkpoint.load; None if there is neither.
+
+        The run's own checkpoint wins, so rerunning an interrupted fine-tune continues it; a training launch
+        decides through llmtrain.training.output_dir, which adds the refusals and archiving.
+        """
         if self.job.checkpoint.resume and (self.root / LATEST).exists():
             return resolve(self.root)
+        if self.job.checkpoint.load:
+            return resolve(Path(self.job.checkpoint.load))
         return None
 
     def is_due(self, step: int, final: bool = False) -> bool:
@@ -139,19 +151,37 @@ class Checkpointer:
         return final or (interval > 0 and step % interval == 0)
 
     # ---------------------------------------------------------------- save
-    def save(self, step: int, model: nn.Module, optimizer: Any, extra: dict[str, Any]) -> None:
-        """Checkpoint model, optimizer, RNG states and `extra` as step_<step> (returns early if async)."""
+    def save(
+        self,
+        step: int,
+        model: nn.Module,
+        optimizer: Any,
+        extra: dict[str, Any],
+        on_saved: Callable[[Path, float], None] | None = None,
+    ) -> None:
+        """Checkpoint model, optimizer, RNG states and `extra` as step_<step> (returns early if async).
+
+        `on_saved(path, seconds)` runs once the checkpoint is published (on the background thread when
+        async), with the seconds from this call until then.
+        """
         self.wait()
+        start = time.perf_counter()
         params = describe_model(model, self.topo, self.job.model.tied_embeddings)
         entries = model_entries(params, self.topo)
         if optimizer is not None:
             entries.update(optimizer_entries(optimizer, params, self.topo))
         scalars = optimizer_scalars(optimizer) if optimizer is not None else {}
         snap = _Snapshot(step, entries, extra, capture_rng(model), scalars)
-        if self._pool is None:
+
+        def commit(snap: _Snapshot) -> None:
             self._commit(snap)
+            if on_saved is not None:
+                on_saved(self.root / f"step_{step}", time.perf_counter() - start)
+
+        if self._pool is None:
+            commit(snap)
         else:
-            self._pending = self._pool.submit(self._commit, snap.staged())
+            self._pending = self._pool.submit(commit, snap.staged())
 
     def wait(self) -> None:
         """Block until the async save in flight (if any) is published; re-raise its error."""
@@ -191,6 +221,9 @@ class Checkpointer:
         if self.rank == 0:
             files[TRAINER_STATE] = _torch_bytes({"extra": snap.extra, "optimizer": snap.scalars})
             files[META] = json.dumps(self._meta(snap.step), indent=1).encode()
+            if self._tokenizer_files:
+                (tmp / TOKENIZER_DIR).mkdir()
+                files.update({f"{TOKENIZER_DIR}/{n}": data for n, data in self._tokenizer_files.items()})
         for name, data in files.items():
             write_atomic(tmp / name, data)
         return {
@@ -330,8 +363,15 @@ def _describe(err: BaseException) -> str:
 
 
 # -------------------------------------------------------------------- checkpoint-level helpers
+EXPECTED = "give a step_<N> directory, a checkpoints/ directory or an output_dir that holds one"
+
+
 def resolve(path: Path) -> Path:
-    """A complete step directory from a step dir, a checkpoints dir or an output_dir (via `latest`)."""
+    """A complete step directory from a step dir, a checkpoints dir or an output_dir (via `latest`).
+
+    Anything else raises a CheckpointError naming what `path` is instead (nothing, an incomplete save, a
+    Hugging Face or llmtrain model directory, which it says how to convert) and what to give.
+    """
     for candidate in (path, path / "checkpoints"):
         pointer = candidate / LATEST
         if pointer.is_file():
@@ -345,13 +385,41 @@ def resolve(path: Path) -> Path:
     if (path / MANIFEST).is_file():
         return path
     if not path.exists():
-        raise CheckpointError(f"checkpoint {path} does not exist; check checkpoint.load")
+        raise CheckpointError(f"checkpoint {path} does not exist; {EXPECTED}")
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is a file, not a checkpoint directory; {EXPECTED}")
+    kind = model_directory_kind(path)
+    if kind is not None:
+        out = path.with_name(f"{path.name}-checkpoint")
+        raise CheckpointError(
+            f"{path} is {kind}, not a training checkpoint; convert it first: python "
+            f"tools/convert_checkpoint.py hf-to-llmtrain --input {shlex.quote(str(path))} --output "
+            f"{shlex.quote(str(out))} --tp N --pp N (your training layout), then load {shlex.quote(str(out))}"
+        )
     if (path / ".metadata").exists() or any(path.glob("*.distcp")):
         raise CheckpointError(
             f"{path} is an incomplete checkpoint ({MANIFEST} missing: its save was interrupted); "
             "load an earlier step_<N>"
         )
-    raise CheckpointError(f"{path} is not a checkpoint (no {MANIFEST} and no {LATEST} pointer)")
+    raise CheckpointError(f"{path} is not a checkpoint (no {MANIFEST} and no {LATEST} pointer); {EXPECTED}")
+
+
+def model_directory_kind(path: Path) -> str | None:
+    """'a Hugging Face model directory' or 'an llmtrain model directory' by the config file in `path`."""
+    if (path / HF_CONFIG).is_file():
+        return "a Hugging Face model directory"
+    if (path / LLMTRAIN_CONFIG).is_file():
+        return "an llmtrain model directory"
+    return None
+
+
+def is_checkpoint(path: str | Path) -> bool:
+    """Whether `path` is meant as a training checkpoint (complete or not) rather than a model directory:
+    a step directory, a checkpoints/ directory or an output_dir with one."""
+    path = Path(path)
+    return (path / "checkpoints").is_dir() or any(
+        (path / p).exists() for p in (MANIFEST, LATEST, ".metadata")
+    )
 
 
 def verify(
@@ -361,8 +429,13 @@ def verify(
     try:
         manifest = json.loads((path / MANIFEST).read_text())
         files = manifest["files"]
-    except (OSError, ValueError, KeyError) as err:
-        raise CheckpointError(f"{path / MANIFEST} is unreadable or corrupt: {err}") from err
+        if not isinstance(files, dict):
+            raise ValueError("its 'files' is not a mapping")
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(
+            f"{path / MANIFEST} is unreadable or corrupt ({err}); copy the checkpoint again or load an "
+            "earlier step_<N>"
+        ) from err
     problems = []
     for name in sorted(files)[rank::world_size]:
         f, want = path / name, files[name]
@@ -379,24 +452,46 @@ def verify(
         dist.all_gather_object(gathered, problems, group=group)
         problems = [p for part in gathered for p in part]
     if problems:
-        raise CheckpointError("checkpoint failed verification: " + "; ".join(problems))
+        raise CheckpointError(
+            f"checkpoint {path} failed verification: {'; '.join(problems)}; copy the checkpoint again from "
+            "its source or load an earlier step_<N>"
+        )
     return manifest
 
 
 def read_meta(path: Path) -> dict[str, Any]:
     """The checkpoint's meta.json (format, step, model and job config, layout)."""
-    meta = json.loads((path / META).read_text())
+    try:
+        meta = json.loads((path / META).read_text())
+        if not isinstance(meta, dict) or not isinstance(meta.get("model"), dict):
+            raise ValueError("no model section")
+    except (OSError, ValueError) as err:
+        raise CheckpointError(
+            f"{path / META} is missing or corrupt ({err}); copy the checkpoint again or load an earlier "
+            "step_<N>"
+        ) from err
     if meta.get("format") != FORMAT:
         raise CheckpointError(
-            f"{path / META}: format {meta.get('format')!r} is not {FORMAT!r}; "
-            "this checkpoint was written by another tool or version"
+            f"{path / META}: format {meta.get('format')!r} is not {FORMAT!r}; this checkpoint was written by "
+            "another tool or version: load it with the version that wrote it"
         )
     return meta
 
 
+def saved_model_config(path: Path, meta: dict[str, Any]) -> ModelConfig:
+    """The ModelConfig a checkpoint's meta.json records."""
+    try:
+        return ModelConfig(**meta["model"])
+    except TypeError as err:
+        raise CheckpointError(
+            f"{path / META} records a model config this version does not know ({err}); load it with the "
+            "llmtrain version that wrote it"
+        ) from None
+
+
 def check_model_config(path: Path, meta: dict[str, Any], model: ModelConfig) -> None:
     """Raise naming the first model field whose saved value gives other tensors than this job's."""
-    saved = ModelConfig(**meta["model"])
+    saved = saved_model_config(path, meta)
     for field, prop in SHAPE_FIELDS:
         a, b = getattr(saved, prop), getattr(model, prop)
         if a != b:

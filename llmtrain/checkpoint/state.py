@@ -224,7 +224,7 @@ def optimizer_entries(optimizer: Any, params: dict[str, ModelTensor], topo: Any)
 def optimizer_scalars(optimizer: Any) -> dict[str, Any]:
     """Optimizer state outside tensors: param-group hyperparameters, fp16 loss scale."""
     if isinstance(optimizer, ModelOptimizer):
-        return {"loss_scale": optimizer.loss_scale, "good_steps": optimizer._good_steps}
+        return optimizer.scalar_state()
     return {"param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]}
 
 
@@ -277,8 +277,7 @@ def optimizer_targets(
         if isinstance(optimizer, ModelOptimizer):
             if optimizer.master_flat is not None and optimizer.masters:
                 torch._foreach_copy_(optimizer.param_views, optimizer.masters)
-            optimizer.loss_scale = scalars.get("loss_scale", optimizer.loss_scale)
-            optimizer._good_steps = scalars.get("good_steps", 0)
+            optimizer.load_scalar_state(scalars)
         if opt is None:
             return
         groups = opt.state_dict()["param_groups"]

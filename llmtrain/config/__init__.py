@@ -1,7 +1,16 @@
 """Typed job configuration: dataclasses, YAML loading with overrides, validation in one place."""
 
 from llmtrain.config.errors import ConfigError
-from llmtrain.config.loader import dump, from_dict, load, parse_override, to_dict, with_overrides
+from llmtrain.config.loader import (
+    dump,
+    dump_yaml,
+    from_dict,
+    load,
+    load_yaml,
+    parse_override,
+    to_dict,
+    with_overrides,
+)
 from llmtrain.config.schema import (
     CheckpointConfig,
     DataConfig,
@@ -23,8 +32,10 @@ __all__ = [
     "ParallelConfig",
     "TrainConfig",
     "dump",
+    "dump_yaml",
     "from_dict",
     "load",
+    "load_yaml",
     "parse_override",
     "resolve_dp",
     "to_dict",

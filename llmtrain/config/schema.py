@@ -197,16 +197,20 @@ class DataConfig:
 class CheckpointConfig:
     """Saving and resuming."""
 
-    interval: int = 0
-    """Save every this many steps; 0 saves only at the end."""
+    interval: int = 100
+    """Save every this many steps (and at the end, and on SIGINT/SIGTERM); 0 disables step-based saves."""
+    interval_minutes: float = 30.0
+    """Also save when this many minutes of wall-clock time passed since the last save; 0 disables."""
     keep: int = 2
     """Number of most recent checkpoints kept."""
     async_save: bool = False
     """Write checkpoints in the background while training continues."""
     load: str | None = None
-    """Start from this checkpoint directory (its step, optimizer and data position)."""
+    """Where a fresh run starts from (step, optimizer, data position); output_dir's own checkpoint wins."""
     resume: bool = True
-    """Resume from output_dir's latest checkpoint when there is one."""
+    """Resume from output_dir's latest checkpoint; false refuses to start in an output_dir holding a run."""
+    archive_existing: bool = False
+    """Move a run found in output_dir to <output_dir>/archive/<timestamp>/ and start this one afresh."""
 
 
 @dataclass
@@ -222,7 +226,7 @@ class LoggingConfig:
     profile_steps: list[int] = field(default_factory=list)
     """[first, last] steps to trace with torch.profiler; empty disables."""
     peak_tflops: float | None = None
-    """Dense peak TFLOP/s of one device for MFU; null means the known peak (GPU) or a measured one (CPU)."""
+    """Dense peak TFLOP/s of one device for MFU; null: a GPU's datasheet or measured figure, none on CPU."""
 
 
 @dataclass

@@ -7,7 +7,7 @@ number of processes the job runs on. Each message names the field and the fix.
 from __future__ import annotations
 
 from llmtrain.config.errors import ConfigError
-from llmtrain.config.schema import JobConfig, ParallelConfig
+from llmtrain.config.schema import JobConfig, ModelConfig, ParallelConfig
 
 
 def _require(condition: bool, message: str) -> None:
@@ -44,8 +44,6 @@ def validate(job: JobConfig) -> None:
         value = getattr(m, name)
         _require(0.0 <= value < 1.0, f"model.{name} must be in [0, 1); got {value}")
 
-    for name in ("tp", "pp", "virtual_stages"):
-        _require(getattr(p, name) >= 1, f"parallel.{name} must be at least 1; got {getattr(p, name)}")
     _require(p.dp is None or p.dp >= 1, f"parallel.dp must be at least 1 or null; got {p.dp}")
     _require(p.zero_stage in (0, 1), f"parallel.zero_stage must be 0 or 1; got {p.zero_stage}")
     rank_order(p)
@@ -53,8 +51,8 @@ def validate(job: JobConfig) -> None:
         p.backend in ("auto", "gloo", "nccl"),
         f"parallel.backend must be auto, gloo or nccl; got {p.backend!r}",
     )
-    _check_tensor_parallel(job)
-    _check_pipeline(job)
+    raise_if_problem(tensor_parallel_problem(m, p.tp, p.sequence_parallel))
+    raise_if_problem(pipeline_problem(m.num_layers, p.pp, p.virtual_stages, p.schedule))
 
     _require(t.steps >= 1, f"train.steps must be at least 1; got {t.steps}")
     _require(t.lr > 0, f"train.lr must be positive; got {t.lr}")
@@ -90,7 +88,11 @@ def validate(job: JobConfig) -> None:
     )
 
     c = job.checkpoint
-    _require(c.interval >= 0, f"checkpoint.interval must be >= 0 (0: only at the end); got {c.interval}")
+    _require(c.interval >= 0, f"checkpoint.interval must be >= 0 (0: no step-based saves); got {c.interval}")
+    _require(
+        c.interval_minutes >= 0,
+        f"checkpoint.interval_minutes must be >= 0 (0: no time-based saves); got {c.interval_minutes}",
+    )
     _require(c.keep >= 1, f"checkpoint.keep must be at least 1; got {c.keep}")
 
     lg = job.logging
@@ -105,49 +107,78 @@ def validate(job: JobConfig) -> None:
     )
 
 
-def _check_tensor_parallel(job: JobConfig) -> None:
-    m, tp = job.model, job.parallel.tp
-    _require(
-        m.num_attention_heads % tp == 0,
-        f"parallel.tp={tp} does not divide model.num_attention_heads={m.num_attention_heads}; "
-        "choose a tp among its divisors",
-    )
-    _require(
-        m.kv_heads % tp == 0 or tp % m.kv_heads == 0,
-        f"parallel.tp={tp} and model.num_kv_heads={m.kv_heads}: one must divide the other "
-        "(kv heads are split, or replicated when tp exceeds them)",
-    )
-    _require(
-        m.vocab_size % tp == 0,
-        f"model.vocab_size={m.vocab_size} is not divisible by parallel.tp={tp}; "
-        "pad the vocabulary to a multiple of tp",
-    )
-    _require(
-        m.ffn_size % tp == 0,
-        f"model.ffn_hidden_size={m.ffn_size} is not divisible by parallel.tp={tp}",
-    )
-    if job.parallel.sequence_parallel:
-        _require(
-            m.seq_length % tp == 0,
-            f"parallel.sequence_parallel needs model.seq_length={m.seq_length} divisible by parallel.tp={tp}",
-        )
+def raise_if_problem(problem: str) -> None:
+    """Raise ConfigError(problem) unless `problem` is empty: how callers enforce a *_problem verdict."""
+    if problem:
+        raise ConfigError(problem)
 
 
-def _check_pipeline(job: JobConfig) -> None:
-    p, layers = job.parallel, job.model.num_layers
-    chunks = p.pp * p.virtual_stages
-    _require(
-        chunks <= layers,
-        f"parallel.pp * parallel.virtual_stages = {chunks} exceeds model.num_layers={layers}; "
-        "every model chunk needs at least one layer",
-    )
-    if p.schedule == "interleaved_1f1b":
-        _require(p.pp > 1, "parallel.schedule=interleaved_1f1b needs parallel.pp > 1")
-    elif p.virtual_stages > 1:
-        raise ConfigError(
-            f"parallel.virtual_stages={p.virtual_stages} needs parallel.schedule=interleaved_1f1b "
-            f"(got {p.schedule}); set virtual_stages=1 or change the schedule"
+def tensor_parallel_problem(model: ModelConfig, tp: int, sequence_parallel: bool = False) -> str:
+    """Why `model` cannot be split over `tp` tensor-parallel ranks, naming the field and the fix ("" if it
+    can).
+
+    The one statement of these rules: config validation, apply_tp, checkpoint conversion and the planner's
+    search and cost model all ask here.
+    """
+    if tp < 1:
+        return f"parallel.tp must be at least 1; got {tp}"
+    heads, kv = model.num_attention_heads, model.kv_heads
+    if heads % tp:
+        return (
+            f"parallel.tp={tp} does not divide model.num_attention_heads={heads}; "
+            "choose a tp among its divisors"
         )
+    if kv % tp and tp % kv:
+        return (
+            f"parallel.tp={tp} and model.num_kv_heads={kv}: one must divide the other (kv heads are split, "
+            "or replicated when tp exceeds them); change tp or num_kv_heads"
+        )
+    if model.vocab_size % tp:
+        return (
+            f"model.vocab_size={model.vocab_size} is not divisible by parallel.tp={tp}; "
+            "pad the vocabulary to a multiple of tp"
+        )
+    if model.ffn_size % tp:
+        return (
+            f"model.ffn_hidden_size={model.ffn_size} is not divisible by parallel.tp={tp}; "
+            "make it a multiple of tp"
+        )
+    return sequence_parallel_problem(model.seq_length, tp) if sequence_parallel else ""
+
+
+def sequence_parallel_problem(seq_length: int, tp: int) -> str:
+    """Why a sequence of `seq_length` tokens cannot be sharded over `tp` ranks ("" if it can)."""
+    if seq_length % tp:
+        return (
+            f"parallel.sequence_parallel needs model.seq_length={seq_length} divisible by parallel.tp={tp}; "
+            "change one of them or set parallel.sequence_parallel=false"
+        )
+    return ""
+
+
+def pipeline_problem(num_layers: int, pp: int, virtual_stages: int = 1, schedule: str | None = None) -> str:
+    """Why `num_layers` layers cannot run as `pp` stages of `virtual_stages` chunks each under `schedule`
+    (None: the layer split alone), naming the field and the fix; "" if they can.
+
+    The one statement of these rules: config validation, pipeline stage splitting and the planner ask here.
+    """
+    for name, value in (("pp", pp), ("virtual_stages", virtual_stages)):
+        if value < 1:
+            return f"parallel.{name} must be at least 1; got {value}"
+    chunks = pp * virtual_stages
+    if chunks > num_layers:
+        return (
+            f"parallel.pp * parallel.virtual_stages = {chunks} exceeds model.num_layers={num_layers}; "
+            "every model chunk needs at least one layer"
+        )
+    if schedule == "interleaved_1f1b" and pp == 1:
+        return "parallel.schedule=interleaved_1f1b needs parallel.pp > 1"
+    if schedule not in (None, "interleaved_1f1b") and virtual_stages > 1:
+        return (
+            f"parallel.virtual_stages={virtual_stages} needs parallel.schedule=interleaved_1f1b "
+            f"(got {schedule}); set virtual_stages=1 or change the schedule"
+        )
+    return ""
 
 
 def rank_order(p: ParallelConfig) -> list[str]:

@@ -19,7 +19,8 @@ from pathlib import Path
 from llmtrain.data.cache import build_dir_once, file_identity, fingerprint
 from llmtrain.data.errors import DataError
 from llmtrain.data.preprocess import preprocess_documents
-from llmtrain.data.tokenizer import train_sentencepiece
+from llmtrain.data.progress import INTERVAL_S, Log, Progress, duration, say, size, tag
+from llmtrain.data.tokenizer_training import train_sentencepiece_reported
 
 CORPORA = ("stdlib",)
 _CORPUS_VERSION = 1  # bump when file selection or tokenizer options change
@@ -56,10 +57,13 @@ def stdlib_files() -> list[tuple[str, Path]]:
     return files
 
 
-def _read_documents(files: list[tuple[str, Path]]) -> list[str]:
+def _read_documents(files: list[tuple[str, Path]], progress: Progress | None = None) -> list[str]:
     docs, total = [], 0
     for _, path in files:
         text = path.read_text(encoding="utf-8", errors="replace")
+        if progress is not None:
+            progress.advance(path.stat().st_size, files=1)
+            progress.tick()
         if text.strip():
             docs.append(text)
             total += len(text)
@@ -77,9 +81,18 @@ def _tokenizer_identity(path: str) -> list:
 
 
 def prepare_corpus(
-    name: str, cache_dir: str | os.PathLike, vocab_size: int, tokenizer: str | None = None
+    name: str,
+    cache_dir: str | os.PathLike,
+    vocab_size: int,
+    tokenizer: str | None = None,
+    log: Log | None = say,
+    interval: float = INTERVAL_S,
 ) -> Corpus:
-    """Prepare (or find cached) the built-in corpus `name` for a model vocabulary of vocab_size."""
+    """Prepare (or find cached) the built-in corpus `name` for a model vocabulary of vocab_size.
+
+    The process that builds it reports each step (reading, tokenizer training, tokenizing) with progress
+    lines every `interval` seconds; other processes wait for it, and one of them per machine says so.
+    """
     if name not in CORPORA:
         raise DataError(
             f"data.corpus={name!r} is not a built-in corpus ({', '.join(CORPORA)}); or set data.prefixes"
@@ -100,17 +113,30 @@ def prepare_corpus(
     )
     root = Path(os.path.expanduser(os.fspath(cache_dir))) / "corpus"
     root.mkdir(parents=True, exist_ok=True)
+    prefix = tag("data")
+    what = f"the {name} corpus"
 
     def build(tmp: Path) -> None:
-        print(
-            f"[data] first use of the {name} corpus: preparing it in {root} (cached for later runs)",
-            flush=True,
-        )
+        steps = "tokenizing" if tokenizer else "training a tokenizer on it and tokenizing"
+        if log:
+            log(f"{prefix} first use of {what}: {steps} it in {root} (cached for later runs)")
         start = time.perf_counter()
-        docs = _read_documents(files)
-        tok_path = tokenizer or str(train_sentencepiece(docs, tmp / "tokenizer.model", trained_vocab))
+        reading = Progress(
+            f"{prefix} reading {len(files):,} files of {sysconfig.get_paths()['stdlib']}",
+            sum(p.stat().st_size for _, p in files),
+            log,
+            interval,
+        )
+        docs = _read_documents(files, reading)
+        tok_path = tokenizer or str(
+            train_sentencepiece_reported(
+                docs, tmp / "tokenizer.model", trained_vocab, log_tag=prefix, log=log, interval=interval
+            )
+        )
         tok_seconds = time.perf_counter() - start
-        stats = preprocess_documents(docs, str(tmp / "corpus"), tok_path, workers=1, name=f"{name} corpus")
+        stats = preprocess_documents(
+            docs, str(tmp / "corpus"), tok_path, workers=1, log=log, log_interval=interval, name=what
+        )
         meta = {
             "corpus": name,
             "documents": stats.documents,
@@ -120,12 +146,12 @@ def prepare_corpus(
             "prepare_seconds": round(time.perf_counter() - start, 2),
         }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-        print(
-            f"[data] {name} corpus: {stats.documents} documents, {stats.tokens:,} tokens, "
-            f"prepared in {meta['prepare_seconds']} s",
-            flush=True,
-        )
+        if log:
+            log(
+                f"{prefix} {what} ready: {stats.documents:,} documents, {size(meta['bytes'])}, "
+                f"{stats.tokens:,} tokens, prepared in {duration(meta['prepare_seconds'])}"
+            )
 
-    folder = build_dir_once(root / f"{name}-{key}", build)
+    folder = build_dir_once(root / f"{name}-{key}", build, what)
     tok = tokenizer or str(folder / "tokenizer.model")
     return Corpus(str(folder / "corpus"), tok, json.loads((folder / "meta.json").read_text()))

@@ -54,7 +54,7 @@ class GPTDataset:
     ) -> None:
         self.indexed, self.seq_length, self.seed = indexed, seq_length, seed
         self.first, self.last = doc_range
-        self.cache_dir = cache_dir
+        self.cache_dir, self.split_name = cache_dir, split_name
         self.lengths = indexed.sequence_lengths[self.first : self.last].astype(np.int64)
         self.tokens_per_epoch = int(self.lengths.sum())
         if self.tokens_per_epoch == 0:
@@ -87,7 +87,9 @@ class GPTDataset:
             arrays = self._build(blocks)
         else:
             folder = build_dir_once(
-                self.cache_dir / f"gpt-{key}", lambda tmp: self._save(tmp, self._build(blocks))
+                self.cache_dir / f"gpt-{key}",
+                lambda tmp: self._save(tmp, self._build(blocks)),
+                f"the {self.split_name} sample index of {self.indexed.prefix}",
             )
             # Plain ndarray views of the mapped files: np.memmap's own indexing is several times slower.
             arrays = tuple(

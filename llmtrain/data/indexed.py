@@ -11,8 +11,12 @@ The `.bin` file is the token ids of all sequences back to back in the index's dt
 
 from __future__ import annotations
 
+import glob
+import io
 import mmap
 import os
+import re
+import secrets
 import struct
 from pathlib import Path
 
@@ -58,6 +62,31 @@ def dtype_for_vocab(vocab_size: int) -> np.dtype:
     raise DataError(f"vocabulary of {vocab_size} tokens does not fit any token dtype of the indexed format")
 
 
+def _missing(prefix: str) -> str:
+    """Why there is no dataset at `prefix`, and the likely fix."""
+    ipath, bpath = idx_path(prefix), bin_path(prefix)
+    if os.path.isfile(ipath) or os.path.isfile(bpath):
+        there, missing = (ipath, bpath) if os.path.isfile(ipath) else (bpath, ipath)
+        return (
+            f"{missing} does not exist beside {there}: the preprocessing was interrupted or the copy is "
+            f"incomplete; copy it too or {REGENERATE}"
+        )
+    stem, ext = os.path.splitext(prefix)
+    if ext in (".bin", ".idx") and os.path.isfile(prefix):
+        return f"{prefix} is a file; a dataset prefix names it without .bin/.idx: use {stem}"
+    near = sorted(glob.glob(glob.escape(prefix) + "_*_document.idx"))
+    if near:
+        return (
+            f"no dataset {ipath}; did you mean {near[0][: -len('.idx')]}? (preprocess_data names it by key)"
+        )
+    made = re.fullmatch(r"(.+)_([^_/]+)_document", prefix)
+    how = f"--output-prefix {made[1]} --json-keys {made[2]}" if made else f"--output-prefix {prefix}"
+    return (
+        f"{ipath} does not exist; check the path or build the dataset with tools/preprocess_data.py {how} "
+        "(it writes PREFIX_KEY_document.bin/.idx)"
+    )
+
+
 def _map(path: str) -> memoryview | bytes:
     """The file's bytes, memory-mapped read-only (plain ndarray views of it slice faster than np.memmap)."""
     with open(path, "rb") as f:
@@ -79,12 +108,8 @@ class IndexedDataset:
 
     def _open(self) -> None:
         ipath, bpath = idx_path(self.prefix), bin_path(self.prefix)
-        for path in (ipath, bpath):
-            if not os.path.isfile(path):
-                raise DataError(
-                    f"{path} does not exist; build the dataset with tools/preprocess_data.py "
-                    f"--output-prefix {self.prefix} (a prefix names the path without .bin/.idx)"
-                )
+        if not (os.path.isfile(ipath) and os.path.isfile(bpath)):
+            raise DataError(_missing(self.prefix))
         size = os.path.getsize(ipath)
         with open(ipath, "rb") as f:
             head = f.read(_HEADER.size)
@@ -180,26 +205,55 @@ class IndexedDataset:
         return int(self.sequence_lengths.sum(dtype=np.int64))
 
 
+def check_new_output(prefix: str | os.PathLike, overwrite: bool = False) -> None:
+    """Refuse to write over an existing dataset unless `overwrite`: a user's data is never lost silently."""
+    for path in (bin_path(prefix), idx_path(prefix)):
+        if os.path.exists(path) and not overwrite:
+            raise DataError(
+                f"{path} already exists and is kept; write to another prefix, move it away, or replace it "
+                "with --overwrite"
+            )
+
+
+def _temporary(path: str) -> tuple[io.BufferedWriter, str]:
+    """A new file beside `path` with a unique name (two writers of one prefix never share a temporary).
+
+    Created with the umask's permissions, as the published file should have (mkstemp would make it 0600).
+    """
+    tmp = f"{path}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    return os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb"), tmp
+
+
+def _sync(f: io.BufferedWriter) -> None:
+    f.flush()
+    os.fsync(f.fileno())  # the bytes are on disk before the rename makes them visible
+
+
 class IndexedDatasetWriter:
     """Appends documents to a new `.bin`/`.idx` pair; files appear under their names only on `finalize`.
 
-    Use as a context manager: an exception discards the partial files, so an interrupted run never
-    leaves a pair that looks complete.
+    The data goes to uniquely named temporary files beside the outputs. `finalize` is `seal` (write and
+    sync the index) then `publish` (rename both into place); a caller writing several datasets seals them
+    all before publishing any. Use as a context manager: an exception discards the partial files, so an
+    interrupted run never leaves a pair that looks complete. An existing pair is replaced only with
+    `overwrite=True`.
     """
 
-    def __init__(self, prefix: str | os.PathLike, dtype: np.dtype | type) -> None:
+    def __init__(self, prefix: str | os.PathLike, dtype: np.dtype | type, overwrite: bool = False) -> None:
         self.prefix = os.fspath(prefix)
         self.dtype = np.dtype(dtype)
+        self.overwrite = overwrite
         if self.dtype not in _CODE_OF:
             raise DataError(
                 f"token dtype {self.dtype} is not one of the format's {sorted(map(str, _CODE_OF))}"
             )
+        check_new_output(self.prefix, overwrite)
         Path(self.prefix).parent.mkdir(parents=True, exist_ok=True)
-        self._tmp_bin = bin_path(self.prefix) + ".tmp"
-        self._bin = open(self._tmp_bin, "wb")  # noqa: SIM115 - closed in finalize/abort
+        self._bin, self._tmp_bin = _temporary(bin_path(self.prefix))
+        self._tmp_idx: str | None = None
         self._lengths: list[np.ndarray] = []
         self._max = np.iinfo(self.dtype).max if self.dtype.kind in "iu" else None
-        self._finished = False
+        self._sealed = self._finished = False
 
     def add_document(self, tokens: np.ndarray | list[int]) -> None:
         """Append one document made of one sequence."""
@@ -217,12 +271,13 @@ class IndexedDatasetWriter:
         self._bin.write(np.ascontiguousarray(tokens, dtype=self.dtype).tobytes())
         self._lengths.append(np.asarray(lengths, dtype=np.int64))
 
-    def finalize(self) -> None:
-        """Write the index and publish both files (the `.bin` first, so a visible `.idx` means complete)."""
-        if self._finished:
+    def seal(self) -> None:
+        """Finish the `.bin` and write the `.idx`, both still under their temporary names, synced to disk."""
+        if self._sealed:
             return
-        self._finished = True
-        self._bin.close()
+        self._sealed = True
+        with self._bin:
+            _sync(self._bin)
         lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, np.int64)
         if len(lengths) and lengths.max() > np.iinfo(np.int32).max:
             raise DataError(
@@ -231,21 +286,43 @@ class IndexedDatasetWriter:
         pointers = np.zeros(len(lengths), dtype=np.int64)
         np.cumsum(lengths[:-1] * self.dtype.itemsize, out=pointers[1:])
         docs = np.arange(len(lengths) + 1, dtype=np.int64)
-        tmp_idx = idx_path(self.prefix) + ".tmp"
-        with open(tmp_idx, "wb") as f:
+        f, self._tmp_idx = _temporary(idx_path(self.prefix))
+        with f:
             f.write(_HEADER.pack(MAGIC, VERSION, _CODE_OF[self.dtype], len(lengths), len(docs)))
             f.write(lengths.astype(np.int32).tobytes())
             f.write(pointers.tobytes())
             f.write(docs.tobytes())
+            _sync(f)
+
+    def publish(self) -> None:
+        """Rename the sealed pair into place: the `.bin` first, so a visible `.idx` means complete.
+
+        When replacing a dataset (overwrite=True) the old `.idx` goes first, so that no moment shows the
+        new `.bin` beside the old index.
+        """
+        if self._finished:
+            return
+        self.seal()
+        check_new_output(self.prefix, self.overwrite)  # someone may have written it since we started
+        if self.overwrite and os.path.exists(idx_path(self.prefix)):
+            os.remove(idx_path(self.prefix))
         os.replace(self._tmp_bin, bin_path(self.prefix))
-        os.replace(tmp_idx, idx_path(self.prefix))
+        os.replace(self._tmp_idx, idx_path(self.prefix))
+        self._finished = True
+
+    def finalize(self) -> None:
+        """Seal and publish."""
+        self.seal()
+        self.publish()
 
     def abort(self) -> None:
-        """Discard the partial output."""
+        """Discard what is not yet published."""
+        if self._finished:
+            return
         self._finished = True
         self._bin.close()
-        for path in (self._tmp_bin, idx_path(self.prefix) + ".tmp"):
-            if os.path.exists(path):
+        for path in (self._tmp_bin, self._tmp_idx):
+            if path and os.path.exists(path):
                 os.remove(path)
 
     def __enter__(self) -> IndexedDatasetWriter:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -79,7 +80,17 @@ class DataModule:
                 yield self._batch(self.train, first)
         else:  # worker processes assemble upcoming batches while the trainer computes
             batches = _Batches(self, self.train)
-            yield from DataLoader(batches, batch_size=None, sampler=firsts, num_workers=self.num_workers)
+            yield from DataLoader(
+                batches,
+                batch_size=None,
+                sampler=firsts,
+                num_workers=self.num_workers,
+                # Batches are deterministic, so workers need no seed: a private generator keeps the
+                # DataLoader from drawing its base seed from the global RNG, which would shift dropout
+                # after a resume (the loader is made anew there) and break bitwise-exact resumption.
+                generator=torch.Generator(),
+                worker_init_fn=_ignore_stop_signals,
+            )
 
     def eval_batches(self, num_batches: int) -> Iterator[torch.Tensor]:
         """The first num_batches global batches of the valid split (this rank's slices), same every call."""
@@ -87,6 +98,13 @@ class DataModule:
             raise DataError("the valid split is empty; give it a share in data.split (e.g. 98,2,0)")
         for b in range(num_batches):
             yield self._batch(self.valid, b * self.global_batch_size)
+
+
+def _ignore_stop_signals(_worker_id: int) -> None:
+    """Workers leave SIGINT/SIGTERM to the trainer, which finishes its step and saves: Slurm signals every
+    process of the job, and a worker dying of it would end the run before that save."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 class _Batches(Dataset):
@@ -110,6 +128,15 @@ def _unigram_counts(ds: GPTDataset, vocab_size: int, cache_dir: Path) -> np.ndar
         np.save(tmp, counts)
         os.replace(tmp, path)
     return counts
+
+
+def _open(prefix: str, named: bool) -> IndexedDataset:
+    try:
+        return IndexedDataset(os.path.expanduser(prefix))
+    except DataError as e:
+        if not named:  # the built-in corpus' own files: the message names them already
+            raise
+        raise DataError(f"data.prefixes entry {prefix!r}: {e}") from None
 
 
 def _check_dtype(indexed: IndexedDataset, tokenizer: Tokenizer) -> None:
@@ -160,8 +187,8 @@ def build_data(job: JobConfig, dp_rank: int = 0, dp_size: int = 1) -> DataModule
         )
     index_cache = cache / "index"
     trains, valids, counts = [], [], []
-    for prefix in prefixes:
-        indexed = IndexedDataset(os.path.expanduser(prefix))
+    # Every dataset opened (and checked) before any index is built: a bad last prefix fails in seconds.
+    for indexed in [_open(prefix, named=bool(d.prefixes)) for prefix in prefixes]:
         _check_dtype(indexed, tokenizer)
         tr, va, _ = split_ranges(len(indexed), d.split)
         trains.append(GPTDataset(indexed, tr, m.seq_length, t.seed, index_cache, "train"))

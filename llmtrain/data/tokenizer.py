@@ -13,6 +13,20 @@ from llmtrain.data.errors import DataError
 
 # Newline is a piece of its own: the trainer sees one line per sentence and would otherwise never learn it.
 NEWLINE = "\n"
+SENTENCEPIECE_FILE = "tokenizer.model"
+HF_TOKENIZER_FILE = "tokenizer.json"
+# The files of a Hugging Face tokenizer (what its save_pretrained writes); never a model's weights.
+HF_TOKENIZER_FILES = (
+    HF_TOKENIZER_FILE,
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "vocab.json",
+    "merges.txt",
+    SENTENCEPIECE_FILE,
+)
 
 
 class Tokenizer(Protocol):
@@ -26,6 +40,10 @@ class Tokenizer(Protocol):
     def encode_batch(self, texts: list[str]) -> list[list[int]]: ...
 
     def decode(self, ids: list[int]) -> str: ...
+
+    def files(self) -> dict[str, bytes]:
+        """The files that define this tokenizer, by their name in a tokenizer directory."""
+        ...
 
 
 class SentencePieceTokenizer:
@@ -62,6 +80,10 @@ class SentencePieceTokenizer:
         """Text of token ids."""
         return self._sp.decode([int(i) for i in ids])
 
+    def files(self) -> dict[str, bytes]:
+        """The model file, as `tokenizer.model` (which load_tokenizer finds in a directory)."""
+        return {SENTENCEPIECE_FILE: Path(self.path).read_bytes()}
+
     def __getstate__(self) -> dict:
         return {"path": self.path}
 
@@ -81,25 +103,33 @@ class HFTokenizer:
         except ImportError as e:
             raise DataError("data.tokenizer names a Hugging Face tokenizer; pip install tokenizers") from e
         p = Path(path)
-        file = p / "tokenizer.json" if p.is_dir() else p
+        file = p / HF_TOKENIZER_FILE if p.is_dir() else p
         if not file.is_file():
             raise DataError(f"{file} not found; data.tokenizer must be a directory holding tokenizer.json")
         self.path = os.fspath(path)
+        self._file = file
         self._tok = _HFTok.from_file(str(file))
         self.vocab_size: int = self._tok.get_vocab_size(with_added_tokens=True)
-        self.eod_id: int = self._find_eos(file.parent)
+        self.eod_id: int = self._find_eos()
 
-    def _find_eos(self, folder: Path) -> int:
-        names: list[str] = []
+    def special_token_id(self, key: str) -> int | None:
+        """The id of the token configured as `key` ("bos_token", "pad_token", ...) in tokenizer_config.json
+        or special_tokens_map.json; None when neither names one in the vocabulary."""
         for cfg_name in ("tokenizer_config.json", "special_tokens_map.json"):
-            cfg = folder / cfg_name
+            cfg = self._file.parent / cfg_name
             if cfg.is_file():
-                eos = json.loads(cfg.read_text()).get("eos_token")
-                if isinstance(eos, dict):
-                    eos = eos.get("content")
-                if isinstance(eos, str):
-                    names.append(eos)
-        for name in [*names, *_EOS_CANDIDATES]:
+                token = json.loads(cfg.read_text()).get(key)
+                if isinstance(token, dict):
+                    token = token.get("content")
+                if isinstance(token, str) and (token_id := self._tok.token_to_id(token)) is not None:
+                    return token_id
+        return None
+
+    def _find_eos(self) -> int:
+        configured = self.special_token_id("eos_token")
+        if configured is not None:
+            return configured
+        for name in _EOS_CANDIDATES:
             token_id = self._tok.token_to_id(name)
             if token_id is not None:
                 return token_id
@@ -121,6 +151,14 @@ class HFTokenizer:
         """Text of token ids."""
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
+    def files(self) -> dict[str, bytes]:
+        """tokenizer.json and the tokenizer files beside it (configs, chat template, vocab files)."""
+        out = {HF_TOKENIZER_FILE: self._file.read_bytes()}
+        for name in HF_TOKENIZER_FILES[1:]:
+            if (self._file.parent / name).is_file():
+                out[name] = (self._file.parent / name).read_bytes()
+        return out
+
     def __getstate__(self) -> dict:
         return {"path": self.path}
 
@@ -132,10 +170,10 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     """Load a SentencePiece `.model` file or a Hugging Face directory (or its tokenizer.json)."""
     p = Path(os.path.expanduser(os.fspath(path)))
     if p.is_dir():
-        if (p / "tokenizer.json").is_file():
+        if (p / HF_TOKENIZER_FILE).is_file():
             return HFTokenizer(p)
-        if (p / "tokenizer.model").is_file():
-            return SentencePieceTokenizer(p / "tokenizer.model")
+        if (p / SENTENCEPIECE_FILE).is_file():
+            return SentencePieceTokenizer(p / SENTENCEPIECE_FILE)
         raise DataError(f"{p} holds neither tokenizer.json nor tokenizer.model; point data.tokenizer at one")
     if not p.is_file():
         raise DataError(
@@ -161,11 +199,13 @@ def train_sentencepiece(
     user_defined_symbols: Iterable[str] = (),
     input_sentence_size: int = 1_000_000,
     num_threads: int = 2,
+    verbose: bool = False,
 ) -> Path:
     """Train a byte-fallback SentencePiece model on the lines of `documents`; write it to `output` (.model).
 
     Normalisation is the identity and whitespace is kept as is (runs of spaces become pieces), so code
-    and text round-trip exactly through encode/decode.
+    and text round-trip exactly through encode/decode. SentencePiece's own log (its options and every
+    merge, on stderr) is shown only when `verbose`.
     """
     import sentencepiece as spm
 
@@ -191,7 +231,7 @@ def train_sentencepiece(
             shuffle_input_sentence=True,
             max_sentence_length=8192,
             num_threads=num_threads,
-            minloglevel=2,
+            minloglevel=0 if verbose else 2,
         )
     except RuntimeError as e:
         raise DataError(

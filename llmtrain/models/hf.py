@@ -16,24 +16,29 @@ import dataclasses
 import json
 import os
 import re
+import secrets
 import shutil
-import tempfile
-from collections.abc import Callable, Iterator, Mapping
+import stat
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 import yaml
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from llmtrain.config import ConfigError, ModelConfig
 from llmtrain.config.loader import from_dict
+from llmtrain.errors import UserError
 from llmtrain.models.causal_lm import CausalLM, check_config, empty_model
 
 LLMTRAIN_CONFIG = "llmtrain_config.yaml"
 HF_CONFIG = "config.json"
+GENERATION_CONFIG = "generation_config.json"
 WEIGHTS = "model.safetensors"
 HF_INDEX = "model.safetensors.index.json"
+DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 
 MODEL_TYPE_TO_ARCH = {"gpt2": "gpt", "llama": "llama", "ernie4_5": "ernie"}
 ARCH_TO_MODEL_TYPE = {v: k for k, v in MODEL_TYPE_TO_ARCH.items()}
@@ -46,6 +51,11 @@ IGNORED_HF_KEYS = re.compile(r"(\.attn\.(masked_)?bias|\.rotary_emb\.inv_freq)$"
 Tensors = dict[str, torch.Tensor]
 
 
+class ModelFormatError(UserError, ValueError):
+    """A model directory or config cannot be read, written or converted; the message names the file or
+    field and the fix."""
+
+
 # ---------------------------------------------------------------- configs
 
 
@@ -54,7 +64,7 @@ def from_hf_config(hf_config: Mapping[str, Any] | Any) -> ModelConfig:
     hf = dict(hf_config) if isinstance(hf_config, Mapping) else hf_config.to_dict()
     model_type = hf.get("model_type")
     if model_type not in MODEL_TYPE_TO_ARCH:
-        raise ValueError(
+        raise ModelFormatError(
             f"model_type={model_type!r} is not supported; supported Hugging Face model types: "
             f"{', '.join(MODEL_TYPE_TO_ARCH)}"
         )
@@ -77,7 +87,7 @@ def from_hf_config(hf_config: Mapping[str, Any] | Any) -> ModelConfig:
 def _gpt2_fields(hf: dict[str, Any]) -> dict[str, Any]:
     act = hf.get("activation_function", "gelu_new")
     if act not in GELU_TANH:
-        raise ValueError(
+        raise ModelFormatError(
             f"gpt2 activation_function={act!r} is not supported; llmtrain's GPT uses gelu_new (tanh)"
         )
     for key, want in (
@@ -86,7 +96,9 @@ def _gpt2_fields(hf: dict[str, Any]) -> dict[str, Any]:
         ("add_cross_attention", False),
     ):
         if hf.get(key, want) != want:
-            raise ValueError(f"gpt2 {key}={hf[key]!r} is not supported; llmtrain's GPT needs {key}={want}")
+            raise ModelFormatError(
+                f"gpt2 {key}={hf[key]!r} is not supported; llmtrain's GPT needs {key}={want}"
+            )
     return {
         "num_layers": hf.get("n_layer", 12),
         "hidden_size": hf.get("n_embd", 768),
@@ -107,20 +119,20 @@ def _llama_like_fields(hf: dict[str, Any], arch: str) -> dict[str, Any]:
     model_type = hf["model_type"]
     act = hf.get("hidden_act", "silu")
     if act != "silu":
-        raise ValueError(
+        raise ModelFormatError(
             f"{model_type} hidden_act={act!r} is not supported; llmtrain's {arch} uses silu (SwiGLU)"
         )
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default" or rope.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError(
+        raise ModelFormatError(
             f"{model_type} rope {rope!r} is not supported; llmtrain implements the default full-width "
             "rotary only"
         )
     if arch == "llama":
         bias = hf.get("attention_bias", False)
         if hf.get("mlp_bias", False) != bias:
-            raise ValueError(
+            raise ModelFormatError(
                 f"llama attention_bias={bias} with mlp_bias={hf.get('mlp_bias')} is not supported; "
                 "llmtrain's use_bias covers both"
             )
@@ -167,12 +179,12 @@ def to_hf_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[s
             cfg.kv_heads != cfg.num_attention_heads
             or cfg.head_size * cfg.num_attention_heads != cfg.hidden_size
         ):
-            raise ValueError(
+            raise ModelFormatError(
                 "GPT-2 in transformers has no grouped-query attention or free head_dim; "
                 "set model.num_kv_heads and model.head_dim to null to convert this gpt model"
             )
         if not cfg.bias:
-            raise ValueError(
+            raise ModelFormatError(
                 "GPT-2 in transformers always has biases; set model.use_bias to true to convert it"
             )
         return common | {
@@ -352,30 +364,33 @@ def _apply_rules(cfg: ModelConfig, state: Tensors, source: str, to_hf: bool) -> 
         )
         missing = [n for n in names if n not in state]
         if missing:
-            raise ValueError(f"{source}: missing tensor {missing[0]!r} for a {cfg.arch} model of this config")
+            raise ModelFormatError(
+                f"{source}: missing tensor {missing[0]!r} for a {cfg.arch} model of this config"
+            )
         out.update(zip(targets, convert([state.pop(n) for n in names]), strict=True))
     if state:
-        raise ValueError(
+        raise ModelFormatError(
             f"{source}: unexpected tensors for a {cfg.arch} model of this config: {sorted(state)[:5]}"
         )
     return out
 
 
 # ---------------------------------------------------------------- directories
-
-
 def read_llmtrain(path: str | os.PathLike) -> tuple[ModelConfig, Tensors]:
     """(config, tensors) of an llmtrain model directory."""
     path = Path(path)
     cfg_file = path / LLMTRAIN_CONFIG
-    raw = yaml.safe_load(cfg_file.read_text())
+    try:
+        raw = yaml.safe_load(cfg_file.read_text())
+    except (OSError, yaml.YAMLError) as err:
+        raise ModelFormatError(f"{cfg_file} is unreadable ({err}); copy the model directory again") from None
     if not isinstance(raw, dict) or not isinstance(raw.get("model"), dict):
-        raise ValueError(f"{cfg_file}: expected a mapping with a 'model' section (a ModelConfig)")
+        raise ModelFormatError(f"{cfg_file}: expected a mapping with a 'model' section (a ModelConfig)")
     try:
         cfg = from_dict(ModelConfig, raw["model"], "model.")
         check_config(cfg)
     except ConfigError as err:
-        raise ValueError(f"{cfg_file}: {err}") from None
+        raise ModelFormatError(f"{cfg_file}: {err}") from None
     return cfg, _read_weights(path / WEIGHTS)
 
 
@@ -385,11 +400,16 @@ def read_hf(path: str | os.PathLike) -> tuple[ModelConfig, Tensors]:
     cfg_file = path / HF_CONFIG
     try:
         cfg = from_hf_config(json.loads(cfg_file.read_text()))
-    except (ValueError, ConfigError) as err:
-        raise ValueError(f"{cfg_file}: {err}") from None
+    except (OSError, ValueError, ConfigError) as err:
+        raise ModelFormatError(f"{cfg_file}: {err}") from None
     index = path / HF_INDEX
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, AttributeError) as err:
+            raise ModelFormatError(
+                f"{index} is unreadable or has no weight_map ({err}); copy the model directory again"
+            ) from None
         state: Tensors = {}
         for shard in shards:
             state.update(_read_weights(path / shard))
@@ -399,22 +419,28 @@ def read_hf(path: str | os.PathLike) -> tuple[ModelConfig, Tensors]:
 
 def _read_weights(file: Path) -> Tensors:
     if not file.is_file():
-        raise FileNotFoundError(f"{file} does not exist; a model directory needs its safetensors weights")
-    return load_file(file)
+        raise ModelFormatError(f"{file} does not exist; a model directory needs its safetensors weights")
+    try:
+        return load_file(file)
+    except (OSError, SafetensorError) as err:
+        raise ModelFormatError(
+            f"{file} is not a readable safetensors file ({err}); copy the model directory again"
+        ) from None
 
 
 def detect_format(path: str | os.PathLike) -> str:
     """'llmtrain' or 'hf' by the config file present, or an error naming the files looked for."""
     path = Path(path)
     if not path.is_dir():
-        raise FileNotFoundError(f"model directory {path} does not exist")
+        raise ModelFormatError(f"model directory {path} does not exist; check the path")
     if (path / LLMTRAIN_CONFIG).is_file():
         return "llmtrain"
     if (path / HF_CONFIG).is_file():
         return "hf"
-    raise ValueError(
+    raise ModelFormatError(
         f"{path} is neither an llmtrain model directory ({LLMTRAIN_CONFIG} + {WEIGHTS}) "
-        f"nor a Hugging Face one ({HF_CONFIG} + {WEIGHTS})"
+        f"nor a Hugging Face one ({HF_CONFIG} + {WEIGHTS}); a training checkpoint loads with "
+        "llmtrain.from_pretrained"
     )
 
 
@@ -458,23 +484,91 @@ def model_state(model: CausalLM) -> Tensors:
     return state
 
 
-def write_llmtrain(cfg: ModelConfig, state: Mapping[str, torch.Tensor], path: str | os.PathLike) -> None:
-    """Write an llmtrain model directory atomically."""
+def write_llmtrain(
+    cfg: ModelConfig,
+    state: Mapping[str, torch.Tensor],
+    path: str | os.PathLike,
+    tokenizer_files: Mapping[str, bytes] | None = None,
+) -> None:
+    """Write an llmtrain model directory atomically, with the tokenizer's files beside the weights."""
     check_config(cfg)
     with _atomic_dir(path) as tmp:
         (tmp / LLMTRAIN_CONFIG).write_text(
             yaml.safe_dump({"model": dataclasses.asdict(cfg)}, sort_keys=False)
         )
-        save_file(dict(state), tmp / WEIGHTS, metadata={"format": "pt"})
+        save_safetensors(dict(state), tmp / WEIGHTS)
+        _write_files(tmp, tokenizer_files or {})
 
 
-def write_hf(cfg: ModelConfig, hf_state: Mapping[str, torch.Tensor], path: str | os.PathLike) -> None:
-    """Write a Hugging Face model directory (config.json + model.safetensors) atomically."""
-    dtype = next(iter(hf_state.values())).dtype
-    hf_config = to_hf_config(cfg, dtype)
+def write_hf(
+    cfg: ModelConfig,
+    hf_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+    path: str | os.PathLike,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    tokenizer_files: Mapping[str, bytes] | None = None,
+    token_ids: Mapping[str, int | None] | None = None,
+) -> None:
+    """Write a Hugging Face model directory atomically, as transformers' save_pretrained lays it out.
+
+    `hf_tensors` (Hugging Face names) may be a generator: tensors are written as they come, in safetensors
+    files of at most `max_shard_bytes` with a `model.safetensors.index.json` when there is more than one.
+    `tokenizer_files` are written beside them, and `token_ids` (bos/eos/pad_token_id) go into config.json
+    and generation_config.json.
+    """
+    items = hf_tensors.items() if isinstance(hf_tensors, Mapping) else hf_tensors
     with _atomic_dir(path) as tmp:
+        files: list[tuple[Path, list[str]]] = []
+        part: Tensors = {}
+        size = total = 0
+        dtype = None
+        for name, tensor in items:
+            nbytes = tensor.numel() * tensor.element_size()
+            if part and size + nbytes > max_shard_bytes:
+                files.append(_write_part(part, tmp, len(files)))
+                part, size = {}, 0
+            part[name] = tensor.contiguous()
+            dtype = dtype or tensor.dtype
+            size += nbytes
+            total += nbytes
+        if part or not files:
+            files.append(_write_part(part, tmp, len(files)))
+        if len(files) == 1:
+            files[0][0].rename(tmp / WEIGHTS)
+        else:
+            weight_map = {}
+            for i, (file, names) in enumerate(files):
+                name = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+                file.rename(tmp / name)
+                weight_map.update(dict.fromkeys(names, name))
+            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+            (tmp / HF_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        hf_config = to_hf_config(cfg, dtype or torch.float32) | dict(token_ids or {})
         (tmp / HF_CONFIG).write_text(json.dumps(hf_config, indent=2) + "\n")
-        save_file(dict(hf_state), tmp / WEIGHTS, metadata={"format": "pt"})
+        if token_ids:
+            (tmp / GENERATION_CONFIG).write_text(json.dumps(dict(token_ids), indent=2) + "\n")
+        _write_files(tmp, tokenizer_files or {})
+
+
+def _write_part(part: Tensors, folder: Path, index: int) -> tuple[Path, list[str]]:
+    file = folder / f"part-{index + 1}.safetensors"
+    save_safetensors(part, file)
+    return file, list(part)
+
+
+def _write_files(folder: Path, files: Mapping[str, bytes]) -> None:
+    for name, data in files.items():
+        if (folder / name).exists():
+            raise ModelFormatError(f"tokenizer file {name} would overwrite the model's own {name}")
+        (folder / name).write_bytes(data)
+
+
+def save_safetensors(tensors: Mapping[str, torch.Tensor], file: Path) -> None:
+    """safetensors' save_file, leaving the file with the permissions any new file gets (0666 less the
+    umask) instead of safetensors' private 0600: a model directory is for sharing."""
+    file.touch()
+    mode = stat.S_IMODE(file.stat().st_mode)
+    save_file(dict(tensors), file, metadata={"format": "pt"})
+    file.chmod(mode)
 
 
 def save_pretrained(model: CausalLM, path: str | os.PathLike) -> None:
@@ -487,47 +581,30 @@ def save_hf(model: CausalLM, path: str | os.PathLike) -> None:
     write_hf(model.config, llmtrain_to_hf_state(model.config, model_state(model)), path)
 
 
-def convert_hf_to_llmtrain(src: str | os.PathLike, dst: str | os.PathLike) -> None:
-    """Hugging Face directory -> llmtrain directory (tensors renamed, not cast)."""
-    _expect_format(src, "hf")
-    cfg, hf_state = read_hf(src)
-    write_llmtrain(cfg, hf_to_llmtrain_state(cfg, hf_state, source=str(src)), dst)
-
-
-def convert_llmtrain_to_hf(src: str | os.PathLike, dst: str | os.PathLike) -> None:
-    """llmtrain directory -> Hugging Face directory (tensors renamed, not cast)."""
-    _expect_format(src, "llmtrain")
-    cfg, state = read_llmtrain(src)
-    write_hf(cfg, llmtrain_to_hf_state(cfg, state, source=str(src)), dst)
-
-
-def _expect_format(path: str | os.PathLike, kind: str) -> None:
-    found = detect_format(path)
-    if found != kind:
-        other = "hf-to-llmtrain" if found == "hf" else "llmtrain-to-hf"
-        raise ValueError(f"{path} is a {found} model directory, not a {kind} one; convert it with {other}")
-
-
 @contextlib.contextmanager
 def _atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary sibling directory to write into; on success it is renamed to `path`.
 
-    An existing `path` is replaced only when it is empty or holds a model written before.
+    An existing `path` is replaced only when it is empty or holds a model written before. The directory
+    is made as any other (0777 less the umask), not private as tempfile makes it.
     """
     path = Path(path)
     if path.exists():
         if not path.is_dir():
-            raise FileExistsError(f"output {path} exists and is not a directory")
+            raise ModelFormatError(f"output {path} exists and is not a directory; choose a new path")
         names = {p.name for p in path.iterdir()}
         if names and not names & {LLMTRAIN_CONFIG, HF_CONFIG}:
-            raise FileExistsError(
+            raise ModelFormatError(
                 f"output {path} is a non-empty directory that holds no model; choose a new path"
             )
+    blocking = next((p for p in path.parents if p.exists()), None)
+    if blocking is not None and not blocking.is_dir():
+        raise ModelFormatError(f"output {path}: {blocking} is a file, not a directory; choose another path")
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp.mkdir()
     try:
         yield tmp
-        tmp.chmod(0o755)  # mkdtemp makes it private; a model directory is an ordinary one
         old = None
         if path.exists():
             old = path.parent / f".{path.name}.old-{os.getpid()}"

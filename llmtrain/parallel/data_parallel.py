@@ -27,8 +27,7 @@ from torch import nn
 
 from llmtrain.parallel.comm import all_gather_single, reduce_scatter_single
 from llmtrain.parallel.topology import Topology
-
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from llmtrain.precision import torch_dtype
 
 
 @dataclass(eq=False)
@@ -63,8 +62,7 @@ class GradBuffers:
         bucket_mb: float,
         overlap_param_gather: bool = True,
     ) -> None:
-        if precision not in _DTYPES:
-            raise ValueError(f"train.precision must be one of {', '.join(_DTYPES)}; got {precision!r}")
+        self.dtype = torch_dtype(precision)
         self.topo = topo
         self.dp = topo.dp
         self.dp_group = topo.dp_group
@@ -74,7 +72,6 @@ class GradBuffers:
         # and gathers by point-to-point shard exchange (the same bytes as a ring). NCCL uses the native
         # collectives.
         self.native_shard_comm = self.dp > 1 and dist.get_backend(self.dp_group) != "gloo"
-        self.dtype = _DTYPES[precision]
         self.sync_enabled = True
         names: dict[int, str] = {}
         for name, p in model.named_parameters():

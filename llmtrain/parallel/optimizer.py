@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,8 @@ from llmtrain.parallel.topology import Topology
 # Dynamic loss scaling (fp16): halve on overflow, double after this many clean steps.
 _GROWTH_INTERVAL = 1000
 _MIN_LOSS_SCALE = 1.0
+
+MakeOptimizer = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
 
 
 @dataclass
@@ -68,9 +71,12 @@ def dp_options(job: JobConfig) -> dict[str, Any]:
 
 
 class ModelOptimizer:
-    """AdamW over this rank's share of the flat buffers; see the module docstring."""
+    """AdamW over this rank's share of the flat buffers; see the module docstring. ``make_optimizer``
+    builds the update rule over the param groups of fp32 master pieces instead (tests use plain SGD)."""
 
-    def __init__(self, model: nn.Module, topo: Topology, job: JobConfig) -> None:
+    def __init__(
+        self, model: nn.Module, topo: Topology, job: JobConfig, make_optimizer: MakeOptimizer | None = None
+    ) -> None:
         buffers: GradBuffers | None = getattr(model, "grad_buffers", None)
         if buffers is None:
             apply_dp(model, topo, **dp_options(job))
@@ -133,7 +139,8 @@ class ModelOptimizer:
         ]
         groups = [g for g in groups if g["params"]]
         device = buffers.param_buffer.device
-        self.optimizer = _make_adamw(groups, job, device) if groups else None
+        make = make_optimizer or (lambda g: _make_adamw(g, job, device))
+        self.optimizer = make(groups) if groups else None
 
     def zero_grad(self) -> None:
         """Zero the fp32 gradient buffer (the trainer calls it before the first micro-batch of a step)."""
@@ -200,13 +207,34 @@ class ModelOptimizer:
                 )
         return total
 
+    def scalar_state(self) -> dict[str, Any]:
+        """The state a checkpoint keeps besides the per-parameter tensors: the fp16 loss scale and, for an
+        optimizer that counts Adam's steps per param group rather than per parameter (Apex's FusedAdam
+        keeps ``group["step"]``; torch's AdamW a ``step`` tensor beside each parameter's moments), that
+        count, without which bias correction would restart on resume. Every group steps together."""
+        groups = self.optimizer.param_groups if self.optimizer is not None else []
+        return {
+            "loss_scale": self.loss_scale,
+            "good_steps": self._good_steps,
+            "group_step": groups[0].get("step") if groups else None,
+        }
+
+    def load_scalar_state(self, state: dict[str, Any]) -> None:
+        """Restore what scalar_state returned (a checkpoint without an entry keeps the current value)."""
+        self.loss_scale = state.get("loss_scale", self.loss_scale)
+        self._good_steps = state.get("good_steps", 0)
+        step = state.get("group_step")
+        if step is not None and self.optimizer is not None:
+            for group in self.optimizer.param_groups:
+                # A tensor count (a capturable optimizer's) is advanced in place: one per group.
+                group["step"] = step.clone() if torch.is_tensor(step) else step
+
     def state_dict(self) -> dict[str, Any]:
         """This rank's optimizer state (its shard under zero_stage 1)."""
         return {
+            **self.scalar_state(),
             "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
             "master": self.master_flat.clone() if self.master_flat is not None else None,
-            "loss_scale": self.loss_scale,
-            "good_steps": self._good_steps,
             "zero_stage": self.buffers.zero_stage,
             "dp": self.topo.dp,
         }
@@ -223,10 +251,11 @@ class ModelOptimizer:
             self.optimizer.load_state_dict(state["optimizer"])
         if self.master_flat is not None:
             self.master_flat.copy_(state["master"])
-        self.loss_scale = state["loss_scale"]
-        self._good_steps = state["good_steps"]
+        self.load_scalar_state(state)
 
 
-def build_optimizer(model: nn.Module, topo: Topology, job: JobConfig) -> ModelOptimizer:
+def build_optimizer(
+    model: nn.Module, topo: Topology, job: JobConfig, make_optimizer: MakeOptimizer | None = None
+) -> ModelOptimizer:
     """The ModelOptimizer of a (parallelized) model; installs the flat buffers if parallelize did not."""
-    return ModelOptimizer(model, topo, job)
+    return ModelOptimizer(model, topo, job, make_optimizer)

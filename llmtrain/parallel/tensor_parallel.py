@@ -22,7 +22,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from llmtrain.config.errors import ConfigError
+from llmtrain.config.schema import ModelConfig
+from llmtrain.config.validate import raise_if_problem, tensor_parallel_problem
 from llmtrain.parallel.comm import all_gather_single, reduce_scatter_single
 from llmtrain.parallel.random import RNGTracker
 from llmtrain.parallel.topology import Topology
@@ -175,13 +176,18 @@ class RowParallelLinear(nn.Module):
             _mark_replicated(self.bias, topo, sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight)
+        out = self.linear(x, self.weight, None)
         out = (
             reduce_scatter_sequence(out, self.group)
             if self.sequence_parallel
             else reduce_from_region(out, self.group)
         )
         return out + self.bias if self.bias is not None else out
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """This rank's product, before the sum over TP. A zero-bubble pipeline replaces it per instance to
+        defer the weight gradient (llmtrain/pipeline/executor.py)."""
+        return F.linear(x, weight, bias)
 
 
 def _mark_replicated(p: nn.Parameter, topo: Topology, sequence_parallel: bool) -> None:
@@ -244,34 +250,21 @@ class ColumnParallelLinear(nn.Module):
         self.in_features, self.out_features = full.in_features, self.weight.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x, self.weight, self.bias)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """This rank's product; an SP all-gathered x keeps only its ``sequence_shard`` for backward. A
+        zero-bubble pipeline replaces it per instance to defer the weight gradient (pipeline/executor.py)."""
         shard = getattr(x, "sequence_shard", None)
         if shard is None:
-            return F.linear(x, self.weight, self.bias)
-        return _LinearSavingShard.apply(x, shard, self.weight, self.bias, self.group)
+            return F.linear(x, weight, bias)
+        return _LinearSavingShard.apply(x, shard, weight, bias, self.group)
 
 
-def check_tp(cfg: Any, tp: int, sequence_parallel: bool) -> None:
-    """Raise ConfigError when the model cannot be split over `tp` ranks (names the field and the fix)."""
-    heads, kv = cfg.num_attention_heads, cfg.kv_heads
-    if heads % tp:
-        raise ConfigError(
-            f"parallel.tp={tp} does not divide model.num_attention_heads={heads}; choose a tp that divides it"
-        )
-    if kv % tp and tp % kv:
-        raise ConfigError(
-            f"parallel.tp={tp} and model.num_kv_heads={kv}: one must divide the other (kv heads are split, "
-            "or replicated when tp exceeds them); change tp or num_kv_heads"
-        )
-    for field, size in (("vocab_size", cfg.vocab_size), ("ffn_hidden_size", cfg.ffn_size)):
-        if size % tp:
-            raise ConfigError(
-                f"model.{field}={size} is not divisible by parallel.tp={tp}; make it a multiple"
-            )
-    if sequence_parallel and cfg.seq_length % tp:
-        raise ConfigError(
-            f"parallel.sequence_parallel needs model.seq_length={cfg.seq_length} divisible by "
-            f"parallel.tp={tp}; change one of them"
-        )
+def check_tp(cfg: ModelConfig, tp: int, sequence_parallel: bool) -> None:
+    """Raise ConfigError when the model cannot be split over `tp` ranks (the rule and its message:
+    llmtrain.config.validate.tensor_parallel_problem)."""
+    raise_if_problem(tensor_parallel_problem(cfg, tp, sequence_parallel))
 
 
 def _enter_region(module: nn.Module, group: Any, sequence_parallel: bool) -> None:

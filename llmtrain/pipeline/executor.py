@@ -11,16 +11,17 @@ executor checks ``transfers_in_order`` and posts nothing early. Shapes are fixed
 
 Gradients accumulate over the micro-batches; the loss is the mean over micro-batches of each micro-batch's
 mean loss, exactly as ``LocalStepRunner`` on one process. With a split backward (zero-bubble schedules) the
-``I`` action computes input gradients and keeps each Linear's (input, output-gradient) pair; ``W`` turns
-them into weight gradients later.
+``I`` action computes input gradients and keeps each linear layer's (input, output-gradient) pair -- plain
+``nn.Linear`` and the tensor-parallel column/row layers alike; ``W`` turns them into weight gradients later.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
-import types
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,6 +31,7 @@ from torch import nn
 
 from llmtrain.config.schema import JobConfig
 from llmtrain.parallel.data_parallel import grad_sync
+from llmtrain.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, gather_sequence
 from llmtrain.parallel.topology import Topology
 from llmtrain.pipeline.schedules import (
     RECV_B,
@@ -45,63 +47,110 @@ from llmtrain.pipeline.schedules import (
     transfers_in_order,
 )
 from llmtrain.pipeline.stages import PipelineStages, activation_shape, build_stages
+from llmtrain.precision import torch_dtype
 
-# Weight-gradient work deferred by the current I action: None outside of one.
-_deferred: list[tuple[nn.Parameter, nn.Parameter | None, torch.Tensor, torch.Tensor]] | None = None
-# True while a split-backward schedule runs F or I (recomputation included): patched Linears build the
-# deferrable graph only then, so other executors sharing the modules see plain Linears.
-_split_graph = False
+_LinearFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
+@dataclass
+class _WeightGrad:
+    """The weight (and bias) gradient of one linear layer for one micro-batch, waiting for its W action.
+    ``x`` is the layer's input, or under sequence parallelism this rank's shard of it, all-gathered over
+    ``group`` when the W runs (every TP rank runs the same actions, so the gathers line up)."""
+
+    weight: nn.Parameter
+    bias: nn.Parameter | None
+    x: torch.Tensor
+    grad: torch.Tensor
+    group: Any = None
+
+    def compute(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """(parameter, gradient) pairs: x^T grad for the weight, the sum of grad for the bias."""
+        x = self.x
+        if self.group is not None:
+            with torch.no_grad():
+                x = gather_sequence(x, self.group)
+        g2, x2 = self.grad.reshape(-1, self.grad.shape[-1]), x.reshape(-1, x.shape[-1])
+        out = [(self.weight, g2.t().matmul(x2))]
+        if self.bias is not None:
+            out.append((self.bias, g2.sum(0)))
+        return out
+
+
+def _accumulate(work: list[_WeightGrad]) -> None:
+    """Accumulate weight/bias gradients through autograd, so gradient hooks (DP buckets) run."""
+    pairs = [pair for item in work for pair in item.compute()]
+    if pairs:
+        params, grads = zip(*pairs, strict=True)
+        torch.autograd.backward(list(params), list(grads))
+
+
+class _SplitBackward:
+    """One executor's zero-bubble state. While ``building`` (a split-backward schedule's F or I,
+    recomputation included) the patched linear layers build the deferrable graph; other executors
+    sharing the modules see plain layers. While an I action runs, ``queue`` collects the weight-gradient
+    work of its micro-batch for the matching W; outside of one the work is done at once."""
+
+    def __init__(self) -> None:
+        self.building = False
+        self.queue: list[_WeightGrad] | None = None
+
+    def take(self, work: _WeightGrad) -> None:
+        if self.queue is not None:
+            self.queue.append(work)
+        else:
+            _accumulate([work])
 
 
 class _DeferrableLinear(torch.autograd.Function):
-    """F.linear whose weight/bias gradients are queued while an I action runs (computed at once otherwise).
-
-    The parameters enter detached, so autograd's own graph has no edge to them (their gradient hooks must
-    run once, when the gradient really arrives); ``params`` are the real leaves.
-    """
+    """F.linear whose backward returns the input gradient only and hands the weight/bias gradient to
+    ``split``. The parameters enter detached, so autograd's own graph has no edge to them (their gradient
+    hooks must run once, when the gradient really arrives); ``params`` are the real leaves. With ``shard``
+    (x is its sequence-parallel all-gather over ``group``) only the shard is kept, as the TP layer does."""
 
     @staticmethod
     def forward(
-        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, params: tuple
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        shard: torch.Tensor | None,
+        group: Any,
+        params: tuple[nn.Parameter, nn.Parameter | None],
+        split: _SplitBackward,
     ) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
-        ctx.params = params
+        ctx.save_for_backward(x if shard is None else shard, weight)
+        ctx.group = None if shard is None else group
+        ctx.params, ctx.split = params, split
         return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight = ctx.saved_tensors
         grad_x = grad.matmul(weight) if ctx.needs_input_grad[0] else None
-        work = (ctx.params[0], ctx.params[1], x, grad)
-        if _deferred is not None:
-            _deferred.append(work)
-        else:
-            _run_weight_grads([work])
-        return grad_x, None, None, None
+        ctx.split.take(_WeightGrad(ctx.params[0], ctx.params[1], x, grad, ctx.group))
+        return grad_x, None, None, None, None, None, None
 
 
-def _deferrable_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    if not _split_graph:
-        return F.linear(x, self.weight, self.bias)
-    bias = self.bias.detach() if self.bias is not None else None
-    return _DeferrableLinear.apply(x, self.weight.detach(), bias, (self.weight, self.bias))
+def _split_linear(
+    split: _SplitBackward,
+    plain: _LinearFn,
+    group: Any,
+    x: torch.Tensor,
+    weight: nn.Parameter,
+    bias: nn.Parameter | None,
+) -> torch.Tensor:
+    """``plain(x, weight, bias)``, or while ``split.building`` the same product with a deferrable weight
+    gradient. ``group``: the TP group a sequence-parallel input is gathered over (None for nn.Linear)."""
+    if not split.building:
+        return plain(x, weight, bias)
+    shard = getattr(x, "sequence_shard", None) if group is not None else None
+    detached_bias = bias.detach() if bias is not None else None
+    return _DeferrableLinear.apply(x, weight.detach(), detached_bias, shard, group, (weight, bias), split)
 
 
-def _run_weight_grads(
-    work: list[tuple[nn.Parameter, nn.Parameter | None, torch.Tensor, torch.Tensor]],
-) -> None:
-    """Accumulate queued Linear weight/bias gradients through autograd, so gradient hooks (DP buckets) run."""
-    params: list[torch.Tensor] = []
-    grads: list[torch.Tensor] = []
-    for weight, bias, x, grad in work:
-        g2, x2 = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
-        params.append(weight)
-        grads.append(g2.t().matmul(x2))
-        if bias is not None:
-            params.append(bias)
-            grads.append(g2.sum(0))
-    if params:
-        torch.autograd.backward(params, grads)
+def _split_linear_forward(split: _SplitBackward, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return _split_linear(split, F.linear, None, x, module.weight, module.bias)
 
 
 class PipelineExecutor:
@@ -153,18 +202,26 @@ class PipelineExecutor:
             raise ValueError(
                 "parallel.virtual_stages > 1 needs parallel.pp > 1 (chunks hand activations to the next rank)"
             )
+        self._split = _SplitBackward()
         if schedule.split_backward:
-            # Defer the weight gradients of plain Linear layers; a weight shared with another module (a
-            # tied head) keeps its gradient in I so each parameter gets it from one kind of action only.
-            uses: dict[int, int] = {}
-            for chunk in stages.chunks:
-                for module in chunk.modules():
-                    for p in module.parameters(recurse=False):
-                        uses[id(p)] = uses.get(id(p), 0) + 1
-            for chunk in stages.chunks:
-                for module in chunk.modules():
-                    if type(module) is nn.Linear and uses[id(module.weight)] == 1:
-                        module.forward = types.MethodType(_deferrable_forward, module)
+            self._defer_weight_grads()
+
+    def _defer_weight_grads(self) -> None:
+        """Route the linear layers (``nn.Linear``, TP column/row parallel) through ``_split_linear``; a
+        weight shared with another module (a tied head) keeps its gradient in I, so each parameter gets
+        it from one kind of action only."""
+        modules = [module for chunk in self.stages.chunks for module in chunk.modules()]
+        uses: dict[int, int] = {}
+        for module in modules:
+            for p in module.parameters(recurse=False):
+                uses[id(p)] = uses.get(id(p), 0) + 1
+        for module in modules:
+            if uses.get(id(getattr(module, "weight", None)), 0) != 1:
+                continue
+            if type(module) is nn.Linear:
+                module.forward = functools.partial(_split_linear_forward, self._split, module)
+            elif isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+                module.linear = functools.partial(_split_linear, self._split, module.linear, module.group)
 
     def _global(self, pp_rank: int) -> int:
         return self.topo.rank_of(pp_rank=pp_rank)
@@ -266,7 +323,6 @@ class PipelineExecutor:
             return s.stage(pp_rank, a.chunk)
 
         previous = -1
-        global _split_graph
         for k, i in enumerate(computes):
             a = actions[i]
             key = (a.microbatch, a.chunk)
@@ -292,7 +348,7 @@ class PipelineExecutor:
             previous = i
             start = time.perf_counter()
             chunk = chunks[a.chunk]
-            _split_graph = s.split_backward and a.kind in ("F", I)
+            self._split.building = s.split_backward and a.kind in ("F", I)
             try:
                 if a.kind == "F":
                     out = self._forward(chunk, micro_batches[a.microbatch], inputs.get(key), forward_only)
@@ -302,11 +358,11 @@ class PipelineExecutor:
                 else:
                     with self._grad_sync(a):
                         if a.kind == W:
-                            _run_weight_grads(deferred.pop(key))
+                            _accumulate(deferred.pop(key))
                         else:
                             self._backward(a, key, chunk, outputs, grads_in, deferred, m)
             finally:
-                _split_graph = False
+                self._split.building = False
             if self.trace is not None:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
@@ -357,10 +413,9 @@ class PipelineExecutor:
         m: int,
     ) -> None:
         """Full backward (B) or input-gradient part (I) of one chunk for one micro-batch."""
-        global _deferred
         out = outputs.pop(key)
         if a.kind == I:
-            _deferred = deferred.setdefault(key, [])
+            self._split.queue = deferred.setdefault(key, [])
         try:
             if chunk.is_last:
                 # The step's loss is the mean over micro-batches, as on one process.
@@ -368,7 +423,7 @@ class PipelineExecutor:
             else:
                 torch.autograd.backward(out, grads_in.pop(key))
         finally:
-            _deferred = None
+            self._split.queue = None
 
     @contextlib.contextmanager
     def _grad_sync(self, a: Action) -> Iterator[None]:
@@ -422,5 +477,4 @@ def build_pipeline(
     schedule = build_schedule(p.schedule, topo.pp, per_rank // t.micro_batch_size, p.virtual_stages)
     shape = activation_shape(t.micro_batch_size, job.model.seq_length, job.model.hidden_size, topo.tp,
                              p.sequence_parallel)  # fmt: skip
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[t.precision]
-    return stages, PipelineExecutor(stages, schedule, topo, shape, dtype)
+    return stages, PipelineExecutor(stages, schedule, topo, shape, torch_dtype(t.precision))

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from llmtrain.config.errors import ConfigError
+from llmtrain.config.validate import pipeline_problem, raise_if_problem, sequence_parallel_problem
 from llmtrain.models import CausalLM
 from llmtrain.parallel.topology import Topology
 
@@ -34,11 +34,7 @@ def partition_layers(
     Without costs every layer costs 1 (an even split; earlier stages take the remainder). ``embed_cost``
     and ``head_cost`` are added to the first and last stage, so a heavy head pushes layers forward.
     """
-    if num_stages < 1 or num_stages > num_layers:
-        raise ConfigError(
-            f"parallel.pp * parallel.virtual_stages = {num_stages} must be between 1 and model.num_layers="
-            f"{num_layers}; every model chunk needs at least one layer"
-        )
+    raise_if_problem(pipeline_problem(num_layers, num_stages))
     if layer_costs is None:
         if embed_cost == head_cost == 0.0:
             base, extra = divmod(num_layers, num_stages)
@@ -233,8 +229,6 @@ def activation_shape(
     micro_batch_size: int, seq_length: int, hidden_size: int, tp: int = 1, sequence_parallel: bool = False
 ) -> tuple[int, int, int]:
     """Shape of the hidden states passed between stages: (b, s, h), s / tp with sequence parallelism."""
-    if sequence_parallel and seq_length % tp:
-        raise ConfigError(
-            f"parallel.sequence_parallel needs model.seq_length={seq_length} divisible by parallel.tp={tp}"
-        )
+    if sequence_parallel:
+        raise_if_problem(sequence_parallel_problem(seq_length, tp))
     return (micro_batch_size, seq_length // tp if sequence_parallel else seq_length, hidden_size)

@@ -15,14 +15,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from llmtrain.config.errors import ConfigError
+from llmtrain.config.loader import load_yaml
 
-PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "clusters"
+PRESETS = resources.files("llmtrain.planner") / "clusters"
+"""The shipped cluster files (package data): `--cluster NAME` reads PRESETS / NAME.yaml."""
 
 
 @dataclass(frozen=True)
@@ -243,14 +246,12 @@ def _positive(value: Any, where: str) -> None:
 
 
 def cluster_from_dict(raw: dict[str, Any], source: str = "<dict>") -> Cluster:
-    """Build and check a Cluster from the YAML structure (see configs/clusters/*.yaml)."""
+    """Build and check a Cluster from the YAML structure (see llmtrain/planner/clusters/*.yaml)."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: a cluster file must be a mapping with devices, nodes and links")
     for key in ("devices", "nodes", "links"):
         if key not in raw:
-            raise ConfigError(
-                f"{source}: missing top-level key {key!r} (see configs/clusters/a100-80gb.yaml)"
-            )
+            raise ConfigError(f"{source}: missing top-level key {key!r} (see {PRESETS / 'a100-80gb.yaml'})")
     unknown = sorted(set(raw) - {"name", "devices", "nodes", "links", "cross_node_tp", "description"})
     if unknown:
         raise ConfigError(f"{source}: unknown top-level key {unknown[0]!r}")
@@ -312,17 +313,31 @@ def cluster_from_dict(raw: dict[str, Any], source: str = "<dict>") -> Cluster:
     )
 
 
+def preset_names() -> list[str]:
+    """Names of the shipped cluster presets (a100-80gb, h100-80gb, ...)."""
+    return sorted(
+        entry.name.removesuffix(".yaml") for entry in PRESETS.iterdir() if entry.name.endswith(".yaml")
+    )
+
+
 def load_cluster(path: str | Path) -> Cluster:
-    """Load a cluster YAML; a bare preset name (a100-80gb, h100-80gb) is looked up in configs/clusters/."""
-    p = Path(path)
-    if not p.is_file():
-        preset = PRESET_DIR / f"{path}.yaml"
-        if preset.is_file():
-            p = preset
-        else:
-            names = ", ".join(sorted(x.stem for x in PRESET_DIR.glob("*.yaml")))
-            raise ConfigError(f"cluster file {path} does not exist; pass a YAML path or a preset ({names})")
-    return cluster_from_dict(yaml.safe_load(p.read_text()), str(p))
+    """Load a cluster YAML file, or a shipped preset by name (a100-80gb, h100-80gb)."""
+    source = Path(path)
+    if not source.is_file():
+        source = PRESETS / f"{path}.yaml"
+        if not source.is_file():
+            presets = ", ".join(preset_names())
+            raise ConfigError(f"cluster file {path} does not exist; pass a YAML path or a preset ({presets})")
+    try:
+        raw = load_yaml(source.read_text())
+    except (UnicodeDecodeError, yaml.YAMLError) as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or err
+        raise ConfigError(
+            f"cluster file {source} is not valid YAML{where}: {problem}; fix the file"
+        ) from None
+    return cluster_from_dict(raw, str(source))
 
 
 def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:

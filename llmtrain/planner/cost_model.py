@@ -27,6 +27,7 @@ import functools
 from dataclasses import asdict, dataclass, replace
 
 from llmtrain.config.schema import JobConfig, ModelConfig
+from llmtrain.config.validate import pipeline_problem, tensor_parallel_problem
 from llmtrain.planner import flops as F
 from llmtrain.planner.cluster import ClusterView
 from llmtrain.planner.pipeline_time import PipelineTime, pipeline_time
@@ -354,21 +355,22 @@ class CostModel:
     # ------------------------------------------------------------------------------------ evaluate
 
     def invalid_reason(self, layout: Layout) -> str:
-        """Why a layout cannot run (empty if it can): divisibility and batch rules."""
+        """Why a layout cannot run or is not worth evaluating (empty if neither): the model's TP and pipeline
+        rules (llmtrain.config.validate, as a training run checks them), then the batch and the planner's
+        own restrictions."""
         m, w = self.w.model, self.w
         if layout.gpus != self.c.devices:
             return f"tp*pp*dp={layout.gpus} != {self.c.devices} GPUs"
-        if m.num_attention_heads % layout.tp:
-            return f"tp={layout.tp} does not divide {m.num_attention_heads} heads"
+        model_rule = tensor_parallel_problem(m, layout.tp, layout.sequence_parallel) or pipeline_problem(
+            m.num_layers, layout.pp, layout.virtual_stages, layout.schedule
+        )
+        if model_rule:
+            return model_rule
         if w.global_batch % (layout.dp * layout.micro_batch):
             mbdp = layout.micro_batch * layout.dp
             return f"global batch {w.global_batch} not a multiple of micro_batch*dp={mbdp}"
-        if layout.pp * layout.virtual_stages > m.num_layers:
-            return f"pp*v={layout.pp * layout.virtual_stages} exceeds {m.num_layers} layers"
-        if layout.virtual_stages > 1 and layout.schedule != "interleaved_1f1b":
-            return "virtual stages need the interleaved_1f1b schedule"
-        if layout.sequence_parallel and (layout.tp == 1 or w.seq % layout.tp):
-            return "sequence parallelism needs tp > 1 dividing the sequence length"
+        if layout.sequence_parallel and layout.tp == 1:
+            return "sequence parallelism without tp > 1 changes nothing (use sequence_parallel=false)"
         if layout.zero_stage and layout.dp == 1:
             return "ZeRO needs dp > 1"
         if layout.pp == 1 and layout.schedule != "1f1b":

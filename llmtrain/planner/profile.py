@@ -34,7 +34,9 @@ def measure_matmul_tflops(precision: str = "fp32", device: str = "cpu", seconds:
     """Best achieved TFLOP/s of square matmuls (several sizes) at `precision`."""
     import torch
 
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    from llmtrain.precision import torch_dtype
+
+    dtype = torch_dtype(precision)
     sizes = (1024, 2048, 4096) if device != "cpu" else (256, 512, 1024)
     best = 0.0
     for n in sizes:

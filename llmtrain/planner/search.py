@@ -1,9 +1,9 @@
 """Search over parallel layouts for a fixed model, global batch and GPU count.
 
 Dimensions: tp, pp (dp follows), micro-batch size, schedule with its virtual stages, recompute mode,
-sequence parallelism and ZeRO stage. Impossible values are pruned up front with a reason each (tp must
-divide the heads, kv heads, vocabulary and MLP width and stay inside a node unless the cluster allows
-otherwise; dp must divide the global batch; pp * v must not exceed the layers; ...). The remaining space is
+sequence parallelism and ZeRO stage. Impossible values are pruned up front with a reason each: the model's
+tensor- and pipeline-parallel rules as config validation states them (llmtrain.config.validate), tp staying
+inside a node unless the cluster allows otherwise, dp dividing the global batch, ... The remaining space is
 enumerated exhaustively when small and searched by coordinate descent with restarts when large (AutoDDL
 style): a coarse screen of every (tp, pp) picks the seeds, then each seed improves one dimension at a time
 (tp/pp jointly, since dp follows) until no single change helps. Layouts that do not fit in memory score worse
@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from llmtrain.config.errors import ConfigError
 from llmtrain.config.loader import parse_override
 from llmtrain.config.schema import JobConfig
+from llmtrain.config.validate import pipeline_problem, tensor_parallel_problem
 from llmtrain.planner.cluster import Cluster, ClusterView
 from llmtrain.planner.cost_model import CostModel, Estimate, Layout, Software, Workload
 
@@ -114,18 +115,9 @@ def build_space(model: CostModel, fixed: dict[str, object] | None = None) -> Spa
 
     tps = []
     for tp in pick("tp", _divisors(gpus)):
-        reason = ""
-        if gpus % tp:
-            reason = f"tp={tp} does not divide {gpus} GPUs"
-        elif m.num_attention_heads % tp:
-            reason = f"tp={tp} does not divide num_attention_heads={m.num_attention_heads}"
-        elif m.kv_heads % tp and tp % m.kv_heads:
-            reason = f"tp={tp} and num_kv_heads={m.kv_heads} do not divide one another"
-        elif m.vocab_size % tp:
-            reason = f"tp={tp} does not divide vocab_size={m.vocab_size}"
-        elif m.ffn_size % tp:
-            reason = f"tp={tp} does not divide ffn_size={m.ffn_size}"
-        elif tp > view.devices_per_node and not view.cross_node_tp and "tp" not in fixed:
+        # Sequence parallelism is a dimension of its own; its rule is checked per layout (invalid_reason).
+        reason = f"tp={tp} does not divide {gpus} GPUs" if gpus % tp else tensor_parallel_problem(m, tp)
+        if not reason and tp > view.devices_per_node and not view.cross_node_tp and "tp" not in fixed:
             reason = f"tp={tp} would span nodes of {view.devices_per_node} devices (cross_node_tp: false)"
         if reason:
             pruned[reason] += 1
@@ -137,8 +129,8 @@ def build_space(model: CostModel, fixed: dict[str, object] | None = None) -> Spa
             reason = ""
             if (gpus // tp) % pp:
                 reason = f"tp*pp={tp * pp} does not divide {gpus} GPUs"
-            elif pp > m.num_layers:
-                reason = f"pp={pp} exceeds num_layers={m.num_layers}"
+            elif split := pipeline_problem(m.num_layers, pp):
+                reason = split
             else:
                 dp = gpus // (tp * pp)
                 if "dp" in fixed and fixed["dp"] != dp:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import csv
 import statistics
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 
 from llmtrain.config.errors import ConfigError
@@ -23,27 +24,32 @@ from llmtrain.planner.cost_model import Estimate, Software, Workload
 from llmtrain.planner.flops import megatron_flops_per_iteration
 from llmtrain.planner.search import plan
 
-REPO = Path(__file__).resolve().parents[2]
-REFERENCE = "megatron_a100_2021.csv"
-
-
-def reference_path() -> Path:
-    """The published table: ../shared/reference/ relative to the repository root."""
-    path = REPO.parent / "shared" / "reference" / REFERENCE
-    if not path.is_file():
-        raise ConfigError(
-            f"reference table {path} is missing; it ships next to the repository as "
-            f"../shared/reference/{REFERENCE} "
-            "(Narayanan et al. 2021, Table 1)"
-        )
-    return path
+REFERENCE = resources.files("llmtrain.planner") / "data" / "megatron_a100_2021.csv"
+"""The published table, shipped as package data (its header names the source)."""
+COLUMNS = ("params_b", "heads", "hidden", "layers", "tp", "pp", "gpus", "global_batch", "tflops_per_gpu")
+"""What a table needs: the model, the published layout and its measured throughput."""
 
 
 def load_reference(path: str | Path | None = None) -> list[dict[str, float]]:
-    """Rows of the published table as dicts of numbers (comment lines skipped)."""
-    path = Path(path) if path else reference_path()
-    lines = [line for line in path.read_text().splitlines() if line.strip() and not line.startswith("#")]
-    return [{k: float(v) for k, v in row.items()} for row in csv.DictReader(lines)]
+    """Rows of a published table (default: the packaged one) as dicts of numbers, comment lines skipped."""
+    table = Path(path) if path else REFERENCE
+    if not table.is_file():
+        raise ConfigError(
+            f"reference table {table} does not exist; pass a CSV with the columns of {REFERENCE} "
+            "or leave --reference out to use that one"
+        )
+    lines = [line for line in table.read_text().splitlines() if line.strip() and not line.startswith("#")]
+    reader = csv.DictReader(lines)
+    missing = sorted(set(COLUMNS) - set(reader.fieldnames or ()))
+    if missing:
+        raise ConfigError(f"reference table {table} lacks the column(s) {', '.join(missing)}")
+    rows = []
+    for number, row in enumerate(reader, start=1):
+        try:
+            rows.append({k: float(v) for k, v in row.items()})
+        except (TypeError, ValueError):
+            raise ConfigError(f"reference table {table}: data row {number} is not all numbers") from None
+    return rows
 
 
 def gpt_model(row: dict[str, float]) -> ModelConfig:

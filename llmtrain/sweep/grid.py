@@ -12,6 +12,9 @@ from typing import Any
 
 import yaml
 
+from llmtrain.config.loader import load_yaml, spelling, yaml_problem
+from llmtrain.sweep.errors import SweepError
+
 
 @dataclass(frozen=True)
 class SweepPoint:
@@ -47,34 +50,51 @@ def parse_grid(grid: str) -> list[SweepPoint]:
     for item in grid.split():
         key, sep, text = item.partition("=")
         if not sep or not key or not text:
-            raise ValueError(f"--grid item {item!r} is not of the form key.path=v1,v2 (e.g. parallel.tp=1,2)")
+            raise SweepError(f"--grid item {item!r} is not of the form key.path=v1,v2 (e.g. parallel.tp=1,2)")
         if key in axes:
-            raise ValueError(f"--grid names {key} twice; give all its values in one item ({key}=a,b)")
+            raise SweepError(f"--grid names {key} twice; give all its values in one item ({key}=a,b)")
         values = _split_values(text)
         if "" in values:
-            raise ValueError(f"--grid item {item!r} has an empty value; separate values by single commas")
+            raise SweepError(f"--grid item {item!r} has an empty value; separate values by single commas")
         axes[key] = values
     if not axes:
-        raise ValueError("--grid is empty; give at least one key.path=v1,v2 axis")
+        raise SweepError("--grid is empty; give at least one key.path=v1,v2 axis")
     combos = [dict(zip(axes, values, strict=True)) for values in itertools.product(*axes.values())]
     return name_points(combos)
 
 
 def _as_text(value: Any) -> str:
-    """A YAML value as the override text tools/pretrain.py reads back to the same value."""
+    """A YAML value as the override text tools/pretrain.py reads back to the same value.
+
+    A number goes as it was written (`1e-3` stays `1e-3`, so a string field such as a run name gets the text
+    the user wrote); inside a list, strings are quoted so they stay strings.
+    """
     if isinstance(value, str):
         return value
-    return json.dumps(value)  # true/false/null, numbers and flow lists are valid YAML too
+    return _as_flow_text(value)
+
+
+def _as_flow_text(value: Any) -> str:
+    if spelling(value) is not None:
+        return spelling(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_as_flow_text(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_as_flow_text(k)}: {_as_flow_text(v)}" for k, v in value.items()) + "}"
+    return json.dumps(value)  # true/false/null, quoted strings: valid YAML too
 
 
 def load_list(path: str | Path) -> list[SweepPoint]:
     """Points from a YAML list of mappings `{key.path: value, ...}`; an optional `name` key names the run."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"--list file {path} does not exist")
-    items = yaml.safe_load(path.read_text())
+        raise SweepError(f"--list file {path} does not exist; pass a YAML list of override mappings")
+    try:
+        items = load_yaml(path.read_text(), keep_spelling=True)
+    except yaml.YAMLError as err:
+        raise SweepError(f"--list file {path} is not valid YAML {yaml_problem(err)}") from None
     if not isinstance(items, list) or not items or not all(isinstance(i, dict) for i in items):
-        raise ValueError(f"{path}: expected a non-empty YAML list of mappings like '- {{parallel.tp: 2}}'")
+        raise SweepError(f"{path}: expected a non-empty YAML list of mappings like '- {{parallel.tp: 2}}'")
     names = [str(item["name"]) if "name" in item else None for item in items]
     combos = [{str(k): _as_text(v) for k, v in item.items() if k != "name"} for item in items]
     points = name_points(combos)

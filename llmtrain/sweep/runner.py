@@ -1,7 +1,9 @@
 """Run the points of a sweep as subprocesses, each in its own directory, resumable and failure-tolerant.
 
 Each run directory holds stdout.log, stderr.log, the run's own outputs (metrics.jsonl, ...) and
-sweep_run.json, whose status "done" is the marker that lets a re-run of the sweep skip it.
+sweep_run.json, whose status "done" is the marker that lets a re-run of the sweep skip it. A point run
+again (it failed, or the sweep was stopped) appends to its logs under a header naming the attempt, so
+earlier attempts' output is kept; the record says which attempt it describes and keeps the earlier ones.
 """
 
 from __future__ import annotations
@@ -14,14 +16,19 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from llmtrain.config import ConfigError, load, parse_override
+from llmtrain.sweep.errors import SweepError
 from llmtrain.sweep.grid import SweepPoint
+from llmtrain.training.metrics_file import METRICS_FILE, latest_per_step, read_rows, row_kind
 
 RECORD = "sweep_run.json"
+STDOUT_LOG, STDERR_LOG = "stdout.log", "stderr.log"
 DEFAULT_SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "pretrain.py"
 
 
@@ -38,25 +45,67 @@ class RunResult:
     duration_s: float = 0.0
     reused: bool = False  # finished by an earlier invocation of the sweep, not run again
     metrics: list[dict[str, Any]] = field(default_factory=list)
+    """The run's metrics.jsonl rows, the latest per step and kind (a resumed run may have redone steps)."""
+    attempt: int = 1
 
 
-def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    """The entries of a run's metrics.jsonl (an unfinished last line is ignored)."""
-    path = run_dir / "metrics.jsonl"
-    entries = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                entries.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return entries
+def run_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """A run's metrics as its readers must take them: the row written last for each step and kind."""
+    return latest_per_step(read_rows(run_dir / METRICS_FILE))
 
 
-def _tail(path: Path, lines: int = 20) -> str:
+def replace_atomically(path: Path, write: Callable[[Path], object]) -> None:
+    """Let `write` fill a temporary file beside `path`, then move it over `path` in one step: a reader (or a
+    crash) never sees half a file."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Replace `path` by `text` in one step."""
+    replace_atomically(path, lambda tmp: tmp.write_text(text))
+
+
+def _read_record(path: Path) -> dict[str, Any]:
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def _tail(path: Path, start: int = 0, lines: int = 20) -> str:
+    """The last lines of `path` from byte offset `start` (this attempt's part of an appended log)."""
     if not path.exists():
         return ""
-    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    with open(path, "rb") as handle:
+        handle.seek(start)
+        text = handle.read().decode(errors="replace")
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def final_step(config: Path, point: SweepPoint, extra: list[str]) -> int | None:
+    """train.steps of the point's job, or None when its config does not load (the run itself says why)."""
+    try:
+        return load(config, [*point.args, *extra]).train.steps
+    except ConfigError:
+        return None
+
+
+def check_finished(metrics: list[dict[str, Any]], expected_step: int | None) -> str | None:
+    """Why a run that exited 0 does not count as done (its metrics do not end at train.steps); else None.
+
+    A run can exit 0 without training: the run tool says "nothing to do" when its output_dir already
+    reached train.steps; then the rows of the earlier launch are the run's own and count. Rows that stop
+    short of train.steps, or run past it, belong to some other run and would show stale numbers.
+    """
+    steps = [int(row["step"]) for row in metrics if row_kind(row) == "train"]
+    if not steps:
+        return f"exited 0 but wrote no training rows to {METRICS_FILE}"
+    if expected_step is not None and steps[-1] != expected_step:
+        return f"exited 0 but {METRICS_FILE} ends at step {steps[-1]}, not at train.steps={expected_step}"
+    return None
 
 
 def _free_port() -> int:
@@ -105,29 +154,44 @@ class _Sweep:
         run_dir = self.output / point.name
         record_path = run_dir / RECORD
         identity = {"config": str(self.config), "overrides": point.overrides, "extra": self.extra}
-        if record_path.exists():
-            record = json.loads(record_path.read_text())
-            if record.get("status") == "done" and all(record.get(k) == v for k, v in identity.items()):
-                self.say(point, "already finished, skipped")
-                return RunResult(
-                    point.name,
-                    point.overrides,
-                    "done",
-                    record.get("returncode"),
-                    duration_s=record.get("duration_s", 0.0),
-                    reused=True,
-                    metrics=read_metrics(run_dir),
-                )
+        earlier = _read_record(record_path)
+        if earlier.get("status") == "done" and all(earlier.get(k) == v for k, v in identity.items()):
+            self.say(point, "already finished, skipped")
+            return RunResult(
+                point.name,
+                point.overrides,
+                "done",
+                earlier.get("returncode"),
+                duration_s=earlier.get("duration_s", 0.0),
+                reused=True,
+                metrics=run_metrics(run_dir),
+                attempt=earlier.get("attempt", 1),
+            )
         run_dir.mkdir(parents=True, exist_ok=True)
+        # A record without an attempt number comes from before attempts were counted: that was attempt 1.
+        attempt = earlier.get("attempt", 1 if earlier or (run_dir / STDERR_LOG).exists() else 0) + 1
         command = build_command(self.config, run_dir, point, self.extra, self.launcher, self.script)
-        record = {**identity, "command": command, "status": "running"}
-        record_path.write_text(json.dumps(record, indent=1))
+        record = {
+            **identity,
+            "command": command,
+            "status": "running",
+            "attempt": attempt,
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "earlier_attempts": _earlier_attempts(earlier),
+        }
+        write_atomic(record_path, json.dumps(record, indent=1))
         env = dict(os.environ)
         if self.launcher and self.parallel > 1:
             # Concurrent torchrun jobs would all rendezvous on the default port 29500.
             env["PET_MASTER_PORT"] = env["MASTER_PORT"] = str(_free_port())
+        expected_step = final_step(self.config, point, self.extra)
+        header = f"===== sweep attempt {attempt}, {record['started']}: {shlex.join(command)}\n"
         start = time.perf_counter()
-        with open(run_dir / "stdout.log", "w") as out, open(run_dir / "stderr.log", "w") as err:
+        with open(run_dir / STDOUT_LOG, "a") as out, open(run_dir / STDERR_LOG, "a") as err:
+            for log in (out, err):  # appended, never truncated: earlier attempts' output stays above
+                log.write(header)
+                log.flush()
+            stderr_start = os.fstat(err.fileno()).st_size  # where this attempt's stderr begins
             try:
                 returncode = subprocess.run(
                     command, stdout=out, stderr=err, env=env, timeout=self.timeout_s
@@ -135,25 +199,60 @@ class _Sweep:
             except subprocess.TimeoutExpired:
                 returncode = None
         duration = time.perf_counter() - start
-        metrics = read_metrics(run_dir)
-        tail = _tail(run_dir / "stderr.log")
-        error = None
+        metrics = run_metrics(run_dir)
+        tail = _tail(run_dir / STDERR_LOG, stderr_start)
         if returncode is None:
             error = f"timed out after {self.timeout_s:g}s"
         elif returncode != 0:
             last = next((line for line in reversed(tail.splitlines()) if line.strip()), "no output on stderr")
             error = f"exit {returncode}: {last.strip()}"
-        elif not any("loss" in entry for entry in metrics):
-            error = "exited 0 but wrote no training entries to metrics.jsonl"
+        else:
+            error = check_finished(metrics, expected_step)
         status = "failed" if error else "done"
         record.update(
             status=status, returncode=returncode, error=error, stderr_tail=tail, duration_s=duration
         )
-        record_path.write_text(json.dumps(record, indent=1))
-        self.say(point, f"{status} in {duration:.1f}s" + (f" ({error})" if error else ""))
-        return RunResult(
-            point.name, point.overrides, status, returncode, error, tail, duration, metrics=metrics
+        write_atomic(record_path, json.dumps(record, indent=1))
+        note = f" ({error})" if error else ""
+        self.say(
+            point, f"{status} in {duration:.1f}s" + (f", attempt {attempt}" if attempt > 1 else "") + note
         )
+        return RunResult(
+            point.name,
+            point.overrides,
+            status,
+            returncode,
+            error,
+            tail,
+            duration,
+            metrics=metrics,
+            attempt=attempt,
+        )
+
+
+def _earlier_attempts(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """The attempts before the one `record` describes, then that one in brief (what ran, how it ended)."""
+    if not record:
+        return []
+    keys = ("attempt", "started", "overrides", "extra", "status", "returncode", "error", "duration_s")
+    return [*record.get("earlier_attempts", []), {k: record[k] for k in keys if k in record}]
+
+
+def check_fixed_overrides(points: list[SweepPoint], extra: list[str]) -> None:
+    """The fixed overrides given beside the grid: key=value each, no key also a grid axis, no output_dir."""
+    fixed = []
+    for item in extra:
+        try:
+            fixed.append(parse_override(item)[0])
+        except ConfigError as err:
+            raise SweepError(f"fixed override: {err}") from None
+    swept = {key for point in points for key in point.overrides}
+    for key in [*fixed, *swept]:
+        if key == "output_dir":
+            raise SweepError("output_dir is set by the sweep (OUTPUT/<run name>); use --output instead")
+    both = sorted(swept.intersection(fixed))
+    if both:
+        raise SweepError(f"{both[0]} is both swept and fixed; drop the fixed {both[0]}=... or the axis")
 
 
 def run_sweep(
@@ -169,17 +268,19 @@ def run_sweep(
     stream: TextIO | None = None,
 ) -> list[RunResult]:
     """Run every point (up to `parallel` at once), skipping those an earlier sweep finished; never raises
-    for a failed run. Results come back in the order of `points`."""
+    for a failed run. `extra` are the fixed `key.path=value` overrides given to every run. Results come
+    back in the order of `points`."""
     config, script, output = Path(config).resolve(), Path(script).resolve(), Path(output).resolve()
     if not config.is_file():
-        raise ValueError(f"--config {config} does not exist")
+        raise SweepError(f"--config {config} does not exist; pass the base YAML job config")
     if not script.is_file():
-        raise ValueError(f"training script {script} does not exist")
+        raise SweepError(f"training script {script} does not exist; pass an existing file to --script")
     if parallel < 1:
-        raise ValueError(f"--parallel must be at least 1; got {parallel}")
+        raise SweepError(f"--parallel must be at least 1; got {parallel}")
     names = [p.name for p in points]
     if len(set(names)) != len(names):
-        raise ValueError(f"sweep run names must be unique; got {names}")
+        raise SweepError(f"sweep run names must be unique; got {names}")
+    check_fixed_overrides(points, list(extra))
     output.mkdir(parents=True, exist_ok=True)
     sweep = _Sweep(
         config,

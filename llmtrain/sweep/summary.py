@@ -3,25 +3,41 @@
 from __future__ import annotations
 
 import csv
+import io
 import math
 import statistics
 from pathlib import Path
 from typing import Any
 
-from llmtrain.sweep.runner import RunResult
+from llmtrain.sweep.runner import RunResult, replace_atomically, write_atomic
+from llmtrain.training.metrics_file import row_kind
 
 PLOTS = ("final_loss.png", "tokens_per_sec.png", "loss_curves.png")
 
 
-def result_row(result: RunResult) -> dict[str, Any]:
-    """Headline figures of one run from its metrics.jsonl entries.
+def _train_rows(result: RunResult) -> list[dict[str, Any]]:
+    """The run's training rows in step order, one per step (result.metrics is already latest-per-step)."""
+    return [row for row in result.metrics if row_kind(row) == "train"]
 
-    tokens/s and MFU are the median over the logged intervals after the first, which carries the
-    warm-up (allocation, first-call kernel selection); with a single interval that one is used.
+
+def loss_curve(result: RunResult) -> list[tuple[int, float]]:
+    """(step, training loss) as plotted: one point per step, from the row written last for it."""
+    return [(row["step"], row["loss"]) for row in _train_rows(result) if row.get("loss") is not None]
+
+
+def result_row(result: RunResult) -> dict[str, Any]:
+    """Headline figures of one run from its metrics.jsonl rows (the latest row per step).
+
+    tokens/s, TFLOP/s per device and MFU are the median over the logged intervals after the first of each
+    launch (segment), which carries the warm-up (allocation, first-call kernel selection); with no others,
+    those are used.
     """
-    train = [e for e in result.metrics if e.get("loss") is not None or "tokens_per_sec" in e]
+    train = _train_rows(result)
     evals = [e for e in result.metrics if e.get("eval_loss") is not None]
-    steady = train[1:] or train
+    first_of_segment: dict[int, int] = {}
+    for row in train:
+        first_of_segment.setdefault(row.get("segment", 0), row["step"])
+    steady = [row for row in train if row["step"] != first_of_segment[row.get("segment", 0)]] or train
     last = train[-1] if train else {}
 
     def median(key: str) -> float | None:
@@ -36,6 +52,7 @@ def result_row(result: RunResult) -> dict[str, Any]:
         "final_loss": last.get("loss"),
         "eval_loss": evals[-1]["eval_loss"] if evals else None,
         "tokens_per_sec": median("tokens_per_sec"),
+        "tflops_per_device": median("tflops_per_device"),
         "mfu": median("mfu"),
         "peak_memory_gb": last.get("peak_memory_gb"),
         "duration_s": round(result.duration_s, 1),
@@ -90,22 +107,26 @@ def _plot(results: list[RunResult], rows: list[dict[str, Any]], output: Path) ->
         ax.invert_yaxis()  # first run on top, as in the table
         ax.set_title(title)
         fig.tight_layout()
-        paths.append(output / filename)
-        fig.savefig(paths[-1], dpi=100)
+        paths.append(_save_png(fig, output / filename))
         plt.close(fig)
     fig, ax = plt.subplots(figsize=(7, 4))
     for result in results:
-        curve = [(e["step"], e["loss"]) for e in result.metrics if e.get("loss") is not None]
+        curve = loss_curve(result)
         if curve:
             ax.plot(*zip(*curve, strict=True), marker=".", label=result.name)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    paths.append(output / PLOTS[2])
-    fig.savefig(paths[-1], dpi=100)
+    paths.append(_save_png(fig, output / PLOTS[2]))
     plt.close(fig)
     return paths
+
+
+def _save_png(fig: Any, path: Path) -> Path:
+    """Save a figure as PNG, never leaving `path` half-written."""
+    replace_atomically(path, lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
+    return path
 
 
 def summarize(results: list[RunResult], output: str | Path) -> str:
@@ -113,10 +134,11 @@ def summarize(results: list[RunResult], output: str | Path) -> str:
     output = Path(output)
     rows = [result_row(r) for r in results]
     columns = list(dict.fromkeys(k for row in rows for k in row))
-    with open(output / "summary.csv", "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=columns)
-        writer.writeheader()
-        writer.writerows(rows)
+    buffer = io.StringIO(newline="")
+    writer = csv.DictWriter(buffer, fieldnames=columns)
+    writer.writeheader()
+    writer.writerows(rows)
+    write_atomic(output / "summary.csv", buffer.getvalue())
     table = markdown_table(rows)
     done = sum(r.status == "done" for r in results)
     plots = _plot(results, rows, output)
@@ -124,5 +146,5 @@ def summarize(results: list[RunResult], output: str | Path) -> str:
         f"# Sweep summary\n\n{done} of {len(results)} runs finished; failed runs show their error.\n\n"
         f"{table}\n\nPlots: " + ", ".join(f"[{p.name}]({p.name})" for p in plots) + "\n"
     )
-    (output / "summary.md").write_text(text)
+    write_atomic(output / "summary.md", text)
     return table

@@ -1,9 +1,11 @@
 """Step metrics of a run: one compact console line, `metrics.jsonl` and TensorBoard, all from rank 0.
 
 The trainer calls `log_step` after every optimizer step; the logger aggregates the steps of each
-logging interval (throughput is total tokens over total step time) and writes an entry at every
-`logging.interval`-th step and at the last one. Other ranks construct it with is_main=False and
-it writes nothing.
+logging interval (the loss is their mean, throughput total tokens over total step time) and writes an
+entry at every `logging.interval`-th step, at the last one, and at a step where training stops early.
+metrics.jsonl is only appended to, each row tagged with this launch's `segment` (see
+llmtrain.training.metrics_file); nothing is created before the first entry. Other ranks construct the
+logger with is_main=False and it writes nothing.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from typing import Any, TextIO
 import torch
 
 from llmtrain.config import JobConfig
-from llmtrain.training.peak import device_peak_flops
+from llmtrain.training.metrics_file import METRICS_FILE
+from llmtrain.training.peak import Peak, device_peak
 
 # JSONL key -> TensorBoard tag; keys absent from an entry (or None) are not written.
 _TB_TAGS = {
@@ -69,7 +72,8 @@ class MetricsLogger:
     """Rank-0 metrics: console line per logging interval, metrics.jsonl, TensorBoard scalars.
 
     MFU = flops_per_token x tokens/s / (world_size x dense peak FLOP/s of one device at
-    train.precision); `tokens` passed to log_step are the whole job's tokens of that step.
+    train.precision), shown only when the peak is known (see llmtrain.training.peak); `tokens` passed
+    to log_step are the whole job's tokens of that step.
     """
 
     def __init__(
@@ -79,8 +83,9 @@ class MetricsLogger:
         flops_per_token: float,
         world_size: int,
         *,
+        segment: int = 0,
         device: torch.device | str | None = None,
-        peak_flops: float | None = None,
+        peak: Peak | None = None,
         stream: TextIO | None = None,
     ) -> None:
         if flops_per_token <= 0:
@@ -90,6 +95,7 @@ class MetricsLogger:
         self.is_main = is_main
         self.flops_per_token = flops_per_token
         self.world_size = world_size
+        self.segment = segment
         self.total_steps = job.train.steps
         self.interval = job.logging.interval
         if device is None:
@@ -97,31 +103,26 @@ class MetricsLogger:
         self.device = torch.device(device)
         self.stream = stream if stream is not None else sys.stdout
         self.start_time = time.perf_counter()
+        self.output_dir = Path(job.output_dir)
+        self.tensorboard = job.logging.tensorboard
+        self.last_loss_avg: float | None = None
+        """Mean finite loss of the last logged interval (None before the first, or if all were skipped)."""
         self._window: list[dict[str, Any]] = []
         self._skipped_total = 0
         self._jsonl: TextIO | None = None
         self._tb: Any = None
-        self.peak_flops = 0.0
-        if not is_main:
-            return
-        # A measured (CPU) peak is taken here, before training, so the benchmark never competes
-        # with this job's own compute.
-        self.peak_flops = peak_flops or device_peak_flops(
-            job.train.precision, self.device, job.logging.peak_tflops
-        )
-        self.output_dir = Path(job.output_dir)
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        if job.logging.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(log_dir=str(self.output_dir / "tensorboard"))
+        self.peak: Peak | None = None
+        if is_main:
+            # A measured (GPU) peak is taken here, before training, so the benchmark never competes
+            # with this job's own compute.
+            self.peak = peak or device_peak(job.train.precision, self.device, job.logging.peak_tflops)
 
     def should_log(self, step: int) -> bool:
         """Whether `step` (1-based, counted after the optimizer step) gets an entry."""
         return step % self.interval == 0 or step == self.total_steps
 
-    def log_step(self, step: int, values: dict[str, Any]) -> None:
-        """Record one finished step; writes an entry on logging steps.
+    def log_step(self, step: int, values: dict[str, Any], *, last: bool = False) -> None:
+        """Record one finished step; writes an entry on logging steps and when `last` (training stops here).
 
         values: loss, lr, grad_norm, loss_scale (None without fp16), skipped (bool, this step) or
         skipped_steps (running count), tokens and samples (whole job, this step), step_time and
@@ -137,7 +138,7 @@ class MetricsLogger:
         else:
             self._skipped_total += int(bool(values.get("skipped", False)))
         self._window.append(values)
-        if self.should_log(step):
+        if last or self.should_log(step):
             self._write_train(step, values)
             self._window = []
 
@@ -149,10 +150,12 @@ class MetricsLogger:
         achieved = self.flops_per_token * tokens_per_sec / self.world_size
         mean_step = step_time / len(window)
         finite_losses = [v["loss"] for v in window if v.get("loss") is not None and math.isfinite(v["loss"])]
+        self.last_loss_avg = sum(finite_losses) / len(finite_losses) if finite_losses else None
         entry: dict[str, Any] = {
             "step": step,
+            "segment": self.segment,
             "loss": current.get("loss"),
-            "loss_avg": sum(finite_losses) / len(finite_losses) if finite_losses else None,
+            "loss_avg": self.last_loss_avg,
             "lr": current.get("lr"),
             "grad_norm": current.get("grad_norm"),
             "loss_scale": current.get("loss_scale"),
@@ -162,7 +165,8 @@ class MetricsLogger:
             "step_time_s": mean_step,
             "data_time_s": sum(v.get("data_time", 0.0) for v in window) / len(window),
             "tflops_per_device": achieved / 1e12,
-            "mfu": achieved / self.peak_flops,
+            "mfu": achieved / self.peak.flops if self.peak is not None else None,
+            "mfu_peak": self.peak.source if self.peak is not None else None,
             "peak_memory_gb": peak_memory_gb(self.device),
             "elapsed_s": time.perf_counter() - self.start_time,
             "eta_s": mean_step * max(self.total_steps - step, 0),
@@ -184,21 +188,19 @@ class MetricsLogger:
         self._emit(
             {
                 "step": step,
+                "segment": self.segment,
                 "eval_loss": eval_loss,
                 "eval_ppl": ppl,
                 "elapsed_s": time.perf_counter() - self.start_time,
             }
         )
-        print(
-            f"eval step {step}/{self.total_steps} | loss {eval_loss:.4f} | ppl {ppl:.2f}",
-            file=self.stream,
-            flush=True,
-        )
+        self.note(f"eval step {step}/{self.total_steps} | loss {eval_loss:.4f} | ppl {ppl:.2f}")
 
     def note(self, message: str) -> None:
-        """A one-off line on rank 0's console (resume, checkpoint saved, ...)."""
+        """A line on rank 0's console (progress, checkpoint saved, ...); safe from a background thread."""
         if self.is_main:
-            print(message, file=self.stream, flush=True)
+            self.stream.write(message + "\n")  # one write: lines from two threads never interleave
+            self.stream.flush()
 
     def close(self) -> None:
         """Flush and close the files (safe to call twice)."""
@@ -210,9 +212,14 @@ class MetricsLogger:
             self._tb = None
 
     def _emit(self, entry: dict[str, Any]) -> None:
-        """Append an entry to metrics.jsonl and TensorBoard."""
+        """Append an entry to metrics.jsonl and TensorBoard (opened at the first entry)."""
         if self._jsonl is None:
-            self._jsonl = self._open_jsonl(entry["step"])
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            self._jsonl = (self.output_dir / METRICS_FILE).open("a")
+            if self.tensorboard:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(log_dir=str(self.output_dir / "tensorboard"))
         self._jsonl.write(json.dumps({k: _finite_or_none(v) for k, v in entry.items()}) + "\n")
         self._jsonl.flush()
         if self._tb is not None:
@@ -222,22 +229,10 @@ class MetricsLogger:
                     self._tb.add_scalar(tag, value, entry["step"])
             self._tb.flush()
 
-    def _open_jsonl(self, first_step: int) -> TextIO:
-        """Open metrics.jsonl for appending, dropping entries at or after `first_step`.
-
-        A resumed run redoes the steps after its checkpoint; a fresh run in an old directory redoes
-        all of them. Either way the stale entries of those steps go, and earlier history stays.
-        """
-        path = self.output_dir / "metrics.jsonl"
-        if path.exists():
-            kept = [line for line in path.read_text().splitlines() if _entry_step(line) < first_step]
-            path.write_text("".join(line + "\n" for line in kept))
-        return path.open("a")
-
     def _print_line(self, e: dict[str, Any]) -> None:
         width = len(str(self.total_steps))
         parts = [f"step {e['step']:>{width}}/{self.total_steps}"]
-        parts.append("loss " + (f"{e['loss']:.4f}" if _is_number(e["loss"]) else "nan"))
+        parts.append("loss " + (f"{e['loss_avg']:.4f}" if _is_number(e["loss_avg"]) else "-"))
         if e["lr"] is not None:
             parts.append(f"lr {e['lr']:.2e}")
         if _is_number(e["grad_norm"]):
@@ -248,10 +243,12 @@ class MetricsLogger:
             parts.append(f"skipped {e['skipped_steps']}")
         parts.append(f"{_si(e['tokens_per_sec'])} tok/s")
         parts.append(f"{e['tflops_per_device']:.3g} TFLOP/s/dev")
-        parts.append(f"MFU {100 * e['mfu']:.1f}%")
+        if e["mfu"] is not None:
+            measured = " of measured peak" if self.peak is not None and self.peak.measured else ""
+            parts.append(f"MFU {100 * e['mfu']:.1f}%{measured}")
         parts.append(f"mem {e['peak_memory_gb']:.2f} GiB")
         parts.append(f"ETA {format_duration(e['eta_s'])}")
-        print(" | ".join(parts), file=self.stream, flush=True)
+        self.note(" | ".join(parts))
 
 
 def _is_number(value: Any) -> bool:
@@ -264,11 +261,3 @@ def _si(value: float) -> str:
         if value >= scale:
             return f"{value / scale:.1f}{unit}"
     return f"{value:.1f}"
-
-
-def _entry_step(line: str) -> float:
-    """Step of a metrics.jsonl line; unreadable lines (a crash mid-write) sort last and are dropped."""
-    try:
-        return float(json.loads(line)["step"])
-    except (ValueError, KeyError, TypeError):
-        return math.inf

@@ -1,16 +1,23 @@
-"""Peak dense FLOP/s of one device for the dtype in use: the denominator of MFU.
+"""The peak dense FLOP/s of one device at the training precision: the denominator of MFU, with its source.
 
-GPUs: the vendor's dense (not 2:4-sparse) tensor-core figures by device name. CPUs have no datasheet
-figure we can trust (core count, clocks, AVX width and neighbours all vary), so there the peak is a
-short matmul benchmark at the training dtype, cached per process, or `logging.peak_tflops`.
+MFU is only shown against a peak we can stand behind:
+- `logging.peak_tflops` when set (the user's figure, labelled as such);
+- a known GPU's dense (not 2:4-sparse) datasheet figure, found by device name;
+- on another CUDA device, the best rate of large matmuls at the training dtype measured at start-up,
+  labelled "measured": an achievable peak, so MFU against it reads higher than against a datasheet.
+A CPU has none: its peak depends on core count, vector units, clocks and neighbours, and a short benchmark
+on a shared machine can be far off either way (a bf16 matmul on a CPU without bf16 units is emulated and
+slow, which once made a 150 tokens/s run read 75% MFU). There MFU is not shown unless peak_tflops is set.
 """
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import time
 
 import torch
+
+from llmtrain.precision import torch_dtype
 
 # Dense TFLOP/s from NVIDIA's datasheets (the sparse figures are exactly twice these).
 # Keys are matched as substrings of torch.cuda.get_device_name(), most specific first.
@@ -23,7 +30,22 @@ _GPU_PEAKS_TFLOPS: list[tuple[str, dict[str, float]]] = [
     ("A100", {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5}),
 ]
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Square matmul sizes for the measured peak: large enough that a GPU's tensor cores reach their best rate.
+_MEASURE_SIZES = (4096, 8192)
+_MEASURE_SECONDS = 0.2
+
+
+@dataclasses.dataclass(frozen=True)
+class Peak:
+    """Peak dense FLOP/s of one device and where the figure comes from."""
+
+    flops: float
+    source: str
+    """'logging.peak_tflops', 'datasheet <device name>' or 'measured <device name>'."""
+
+    @property
+    def measured(self) -> bool:
+        return self.source.startswith("measured")
 
 
 def gpu_peak_tflops(device_name: str, precision: str, allow_tf32: bool = False) -> float | None:
@@ -36,64 +58,45 @@ def gpu_peak_tflops(device_name: str, precision: str, allow_tf32: bool = False) 
     return None
 
 
-def _best_matmul_tflops(dtype: torch.dtype, device: str, sizes: tuple[int, ...], seconds: float) -> float:
-    """Fastest square matmul seen, in TFLOP/s, over `seconds` per size."""
-    on_cuda = torch.device(device).type == "cuda"
-    best = 0.0
+def measured_matmul_tflops(precision: str, device: torch.device | str) -> float:
+    """Best rate in TFLOP/s of large square matmuls at `precision` on a CUDA `device` (each timed alone)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"a measured peak needs a CUDA device; got {device}")
+    dtype = torch_dtype(precision)
     # A private generator: measuring must not shift the training RNG stream (dropout, init) of the run.
     generator = torch.Generator(device=device).manual_seed(0)
-    for n in sizes:
+    best = 0.0
+    for n in _MEASURE_SIZES:
         a = torch.randn(n, n, dtype=dtype, device=device, generator=generator)
         b = torch.randn(n, n, dtype=dtype, device=device, generator=generator)
         torch.mm(a, b)  # warm-up: the first call pays for allocation and kernel selection
-        deadline = time.perf_counter() + seconds
+        deadline = time.perf_counter() + _MEASURE_SECONDS
         while time.perf_counter() < deadline:
-            if on_cuda:
-                torch.cuda.synchronize()
+            torch.cuda.synchronize(device)
             start = time.perf_counter()
             torch.mm(a, b)
-            if on_cuda:
-                torch.cuda.synchronize()
+            torch.cuda.synchronize(device)
             best = max(best, 2 * n**3 / (time.perf_counter() - start) / 1e12)
+        del a, b
     return best
 
 
-@functools.cache
-def measured_matmul_tflops(precision: str, device: str = "cpu", threads: int = 1) -> float:
-    """Peak TFLOP/s of `device` at `precision` from a ~0.3 s matmul benchmark (cached per process).
-
-    On CPU it is the best single-thread rate times `threads` (torch's intra-op thread count): a
-    short multi-threaded benchmark on a shared machine reads far too low whenever one thread is
-    descheduled, while one thread's best of many short trials catches an uncontended moment. Perfect
-    scaling over threads (and single-core turbo) make this an upper bound, so MFU stays <= 100%.
-    """
-    dtype = _DTYPES[precision]
-    if torch.device(device).type == "cuda":
-        return _best_matmul_tflops(dtype, device, (2048, 4096, 8192), 0.1)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        per_thread = _best_matmul_tflops(dtype, device, (128, 256, 512), 0.1)
-    finally:
-        torch.set_num_threads(previous)
-    return per_thread * threads
-
-
-def device_peak_flops(
+def device_peak(
     precision: str, device: torch.device | str, configured_tflops: float | None = None
-) -> float:
-    """Dense peak FLOP/s of one device: configured, else the known GPU figure, else measured."""
-    if precision not in _DTYPES:
-        raise ValueError(f"precision must be one of {', '.join(_DTYPES)}; got {precision!r}")
+) -> Peak | None:
+    """Peak dense FLOP/s of one device: configured, else a known GPU's datasheet, else measured on CUDA;
+    None on a CPU without a configured figure (no MFU then)."""
+    torch_dtype(precision)  # names a bad precision
     if configured_tflops is not None:
         if configured_tflops <= 0:
             raise ValueError(f"logging.peak_tflops must be positive; got {configured_tflops}")
-        return configured_tflops * 1e12
+        return Peak(configured_tflops * 1e12, "logging.peak_tflops")
     device = torch.device(device)
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        known = gpu_peak_tflops(name, precision, torch.backends.cuda.matmul.allow_tf32)
-        if known is not None:
-            return known * 1e12
-        return measured_matmul_tflops(precision, str(device)) * 1e12
-    return measured_matmul_tflops(precision, device.type, torch.get_num_threads()) * 1e12
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    known = gpu_peak_tflops(name, precision, torch.backends.cuda.matmul.allow_tf32)
+    if known is not None:
+        return Peak(known * 1e12, f"datasheet {name}")
+    return Peak(measured_matmul_tflops(precision, device) * 1e12, f"measured {name}")

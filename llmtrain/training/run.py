@@ -1,18 +1,30 @@
-"""One training job from a config: the flow sketched in DESIGN.md, wired in one place."""
+"""One training job from a config: the flow sketched in DESIGN.md, wired in one place.
+
+A launch writes nothing before every check has passed: the config (on load), the world size (on joining
+the processes), the output directory's state (`plan_launch`: refuse, resume, archive or start fresh),
+the data, the model and the checkpoint it starts from. Only then does rank 0 commit the launch to
+output_dir and print the startup block.
+"""
 
 from __future__ import annotations
 
 import os
 import random
-from pathlib import Path
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
-from llmtrain.config import JobConfig, dump, with_overrides
+from llmtrain.config import ConfigError, JobConfig, with_overrides
+from llmtrain.errors import UserError
 from llmtrain.parallel.topology import Topology
 from llmtrain.parallel.watchdog import install_excepthook
+from llmtrain.training.output_dir import Launch, commit, plan_launch
 from llmtrain.training.trainer import LocalStepRunner, Trainer, TrainResult
+
+T = TypeVar("T")
 
 
 def seed_everything(seed: int) -> None:
@@ -22,8 +34,11 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def build_trainer(job: JobConfig, topo: Topology) -> Trainer:
-    """Data, model, parallel layout, optimizer, metrics and checkpointer for `job`, assembled."""
+def build_trainer(job: JobConfig, topo: Topology, segment: int = 0) -> Trainer:
+    """Data, model, parallel layout, optimizer, metrics and checkpointer for `job`, assembled.
+
+    Writes nothing to output_dir (metrics.jsonl opens at the first logged step); `segment` tags its rows.
+    """
     from llmtrain.checkpoint import Checkpointer
     from llmtrain.data import build_data
     from llmtrain.models import build
@@ -34,9 +49,6 @@ def build_trainer(job: JobConfig, topo: Topology) -> Trainer:
 
     seed_everything(job.train.seed)
     data = build_data(job, dp_rank=topo.dp_rank, dp_size=topo.dp)
-    if topo.rank == 0:
-        Path(job.output_dir).mkdir(parents=True, exist_ok=True)
-        dump(job, Path(job.output_dir) / "config.yaml")
     # Built in fp32: parallelize casts to bf16/fp16 through its buffers and keeps the exact fp32 master.
     with torch.device(topo.device):
         model = parallelize(build(job.model), topo, job)
@@ -53,6 +65,7 @@ def build_trainer(job: JobConfig, topo: Topology) -> Trainer:
         is_main=topo.rank == 0,
         flops_per_token=model_flops_per_token(job.model, job.model.seq_length),
         world_size=topo.world_size,
+        segment=segment,
     )
     return Trainer(
         job=job,
@@ -61,7 +74,7 @@ def build_trainer(job: JobConfig, topo: Topology) -> Trainer:
         optimizer=optimizer,
         data=data,
         metrics=metrics,
-        checkpointer=Checkpointer(job, topo),
+        checkpointer=Checkpointer(job, topo, tokenizer=data.tokenizer),
         model=model,
         tokens_per_sample=job.model.seq_length,
     )
@@ -78,6 +91,78 @@ def plan_layout(job: JobConfig, world_size: int) -> JobConfig:
     return with_overrides(job, overrides)
 
 
+def on_rank0(topo: Topology, fn: Callable[[], T]) -> T:
+    """Run `fn` on rank 0 and give every rank its result, or raise its user error on every rank."""
+    outcome: tuple[Any, UserError | None] = (None, None)
+    if topo.rank == 0:
+        try:
+            outcome = (fn(), None)
+        except UserError as err:
+            outcome = (None, err)
+    if topo.world_size > 1:
+        box = [outcome]
+        dist.broadcast_object_list(box, src=0)
+        outcome = box[0]
+    result, error = outcome
+    if error is not None:
+        raise error
+    return result
+
+
+def _commit(launch: Launch, job: JobConfig, world_size: int) -> None:
+    try:
+        commit(launch, job, world_size)
+    except OSError as err:
+        raise ConfigError(
+            f"output_dir={launch.output_dir} cannot be written ({err.strerror}: {err.filename}); "
+            "choose a writable output_dir"
+        ) from err
+
+
+def startup_block(job: JobConfig, topo: Topology, launch: Launch) -> str:
+    """What rank 0 prints before the first step: the model, layout, batch, precision, output and start."""
+    import kernels
+    from llmtrain.planner.flops import num_parameters
+
+    m, p, t, c = job.model, job.parallel, job.train, job.checkpoint
+    accumulation = t.global_batch_size // (t.micro_batch_size * topo.dp)
+    pipeline = (
+        f"pipeline schedule {p.schedule}, {p.virtual_stages} virtual stage(s) per rank" if topo.pp > 1 else ""
+    )
+    saves = [f"every {c.interval} steps"] if c.interval else []
+    saves += [f"every {c.interval_minutes:g} min"] if c.interval_minutes else []
+    saves += ["at the end and on SIGINT/SIGTERM"]
+    kernel = kernels.resolve_impl(m.kernels, torch.empty(0, device=topo.device))
+    rows = [
+        (
+            "model",
+            f"{m.arch}: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads "
+            f"({m.kv_heads} kv), ffn {m.ffn_size}, vocab {m.vocab_size}; "
+            f"{num_parameters(m) / 1e6:.2f}M parameters",
+        ),
+        (
+            "layout",
+            f"tp {topo.tp} x pp {topo.pp} x dp {topo.dp} = {topo.world_size} "
+            f"{'process' if topo.world_size == 1 else 'processes'}, "
+            f"zero stage {p.zero_stage}" + (f", {pipeline}" if pipeline else ""),
+        ),
+        (
+            "batch",
+            f"micro {t.micro_batch_size} x {accumulation} accumulation x dp {topo.dp} = global "
+            f"{t.global_batch_size} samples x {m.seq_length} tokens = "
+            f"{t.global_batch_size * m.seq_length:,} tokens per step",
+        ),
+        ("precision", f"{t.precision}, kernels {kernel} (model.kernels={m.kernels})"),
+        (
+            "output",
+            f"{launch.output_dir} (segment {launch.segment}, config {os.path.basename(launch.config_file)}); "
+            f"checkpoints {', '.join(saves)}, the last {c.keep} kept",
+        ),
+        ("start", f"{launch.start_text()}; training to step {t.steps}"),
+    ]
+    return "\n".join(f"{name:<10} {text}" for name, text in rows)
+
+
 def run(job: JobConfig) -> TrainResult:
     """Train `job` on the processes torchrun (or a plain `python`) started."""
     from llmtrain.parallel import init_distributed
@@ -89,12 +174,31 @@ def run(job: JobConfig) -> TrainResult:
     topo = init_distributed(job)
     install_excepthook(topo.rank)
     topo.watchdog.start()
-    trainer = build_trainer(job, topo)
+    trainer = None
     try:
+        launch = on_rank0(topo, lambda: plan_launch(job))
+        if launch.nothing_to_do:
+            return TrainResult(
+                steps=launch.start_step,
+                total_steps=job.train.steps,
+                steps_run=0,
+                final_loss=None,
+                final_eval_loss=None,
+                elapsed_s=0.0,
+                skipped_steps=0,
+                output_dir=job.output_dir,
+                nothing_to_do=launch.nothing_to_do_text(),
+            )
+        trainer = build_trainer(job, topo, launch.segment)
+        trainer.restore(launch.resume_from)
+        on_rank0(topo, lambda: _commit(launch, job, topo.world_size))
+        if topo.rank == 0:
+            print(startup_block(job, topo, launch), flush=True)
         return trainer.fit()
     finally:
         topo.watchdog.stop()
-        trainer.metrics.close()
-        trainer.checkpointer.close()
+        if trainer is not None:
+            trainer.metrics.close()
+            trainer.checkpointer.close()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()

@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import math
+import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from llmtrain.config import JobConfig, to_dict
+from llmtrain.errors import UserError
+from llmtrain.training.interrupt import StopRequest, exit_code
 from llmtrain.training.lr_schedule import learning_rate
+from llmtrain.training.metrics import format_duration
 from llmtrain.training.profiling import ProfilerWindow, StepTimer
 
 
@@ -69,17 +74,57 @@ class LocalStepRunner:
 
 @dataclass
 class TrainResult:
-    """What a finished run reports."""
+    """What one launch of a run did."""
 
     steps: int
-    final_loss: float
+    """The step the run is at when this launch ends."""
+    total_steps: int
+    steps_run: int
+    """Optimizer steps this launch ran (0 when there was nothing to do)."""
+    final_loss: float | None
+    """Mean training loss over the last logging interval (rank 0); None when no finite loss was seen."""
     final_eval_loss: float | None
     elapsed_s: float
     skipped_steps: int
+    output_dir: str
+    stopped_by: int | None = None
+    """The signal (SIGINT, SIGTERM) that stopped training before train.steps."""
+    checkpoint: str | None = None
+    """The last checkpoint this launch saved."""
+    nothing_to_do: str | None = None
+    """Why this launch ran no step (the run was already at train.steps)."""
+
+    @property
+    def exit_code(self) -> int:
+        """0, or 128 + the signal that stopped the run (130 for SIGINT, 143 for SIGTERM)."""
+        return exit_code(self.stopped_by) if self.stopped_by else 0
+
+    def summary(self) -> str:
+        """The launch's last line on the console; it never shows a loss for steps it did not run."""
+        if self.nothing_to_do is not None:
+            return self.nothing_to_do
+        took = f"{self.elapsed_s:.1f}s" if self.elapsed_s < 60 else format_duration(self.elapsed_s)
+        figures = f"{self.steps_run} steps in {took}"
+        if self.final_loss is not None:
+            figures += f", loss {self.final_loss:.4f}"
+        if self.final_eval_loss is not None:
+            figures += f", eval loss {self.final_eval_loss:.4f}"
+        if self.skipped_steps:
+            figures += f", {self.skipped_steps} skipped"
+        if self.stopped_by:
+            return (
+                f"stopped by {signal.Signals(self.stopped_by).name} at step {self.steps}/{self.total_steps} "
+                f"({figures}); checkpoint {self.checkpoint}; rerun the same command to resume at step "
+                f"{self.steps + 1}"
+            )
+        saved = f"; checkpoint {self.checkpoint}" if self.checkpoint else ""
+        return f"done: step {self.steps}/{self.total_steps} ({figures}); output in {self.output_dir}{saved}"
 
 
-class TrainingDiverged(RuntimeError):
+class TrainingDiverged(UserError, RuntimeError):
     """Too many consecutive steps had a non-finite loss."""
+
+    exit_code = 3
 
 
 class Trainer:
@@ -111,6 +156,11 @@ class Trainer:
         self.consumed_samples = 0
         self.skipped_steps = 0
         self.bad_steps_in_a_row = 0
+        self.stop = StopRequest(announce=topo.rank == 0)
+        self.stop_signal = 0  # agreed by all ranks at the last step boundary
+        self.save_clock_due = False  # rank 0's clock said checkpoint.interval_minutes passed (agreed)
+        self._last_save_time = time.monotonic()
+        self.last_checkpoint: str | None = None
 
     def _mean_over_dp(self, value: torch.Tensor) -> float:
         """Average a loss over the data-parallel replicas (each saw a different slice of the batch)."""
@@ -122,25 +172,32 @@ class Trainer:
             value /= self.topo.dp
         return float(value)
 
-    def _any_rank(self, flag: bool) -> bool:
-        """True when `flag` is true on any rank, so every rank takes the same branch."""
-        if not dist.is_initialized():
-            return flag
-        tensor = torch.tensor([1.0 if flag else 0.0], device=self.topo.device)
-        with self.topo.watchdog.waiting("world", "all_reduce", "non-finite loss check"):
-            dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-        return bool(tensor.item())
+    def _agree(self, flags: list[float]) -> list[float]:
+        """Each flag's maximum over all ranks, so every rank takes the same branch.
 
-    def restore(self) -> None:
-        """Resume from the latest checkpoint (or checkpoint.load) when there is one."""
-        path = self.checkpointer.resume_path()
+        The step's one world-wide collective: it carries the non-finite-loss check, the stop signal and
+        rank 0's checkpoint clock together, so agreeing on them costs no extra collective.
+        """
+        if not dist.is_initialized():
+            return flags
+        tensor = torch.tensor(flags, dtype=torch.float32, device=self.topo.device)
+        with self.topo.watchdog.waiting("world", "all_reduce", "non-finite loss / stop / checkpoint check"):
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return tensor.tolist()
+
+    def _clock_says_save(self) -> bool:
+        """On rank 0 only: checkpoint.interval_minutes of wall-clock time passed since the last save."""
+        minutes = self.job.checkpoint.interval_minutes
+        return self.topo.rank == 0 and minutes > 0 and time.monotonic() - self._last_save_time >= 60 * minutes
+
+    def restore(self, path: str | Path | None) -> None:
+        """Load the checkpoint this launch starts from (None: start at step 0)."""
         if path is None:
             return
         extra = self.checkpointer.load(path, self.model, self.optimizer)
         self.step = int(extra["step"])
         self.consumed_samples = int(extra["consumed_samples"])
         self.skipped_steps = int(extra.get("skipped_steps", 0))
-        self.metrics.note(f"resumed from {path} at step {self.step}")
 
     def _checkpoint_extra(self) -> dict[str, Any]:
         return {
@@ -149,6 +206,18 @@ class Trainer:
             "skipped_steps": self.skipped_steps,
             "config": to_dict(self.job),
         }
+
+    def _saved(self, path: Path, seconds: float) -> None:
+        where = " (written in the background)" if self.job.checkpoint.async_save else ""
+        self.metrics.note(f"checkpoint saved: {path} in {seconds:.1f}s{where}")
+
+    def save(self) -> None:
+        """Checkpoint the current step (returns while an async save is still writing)."""
+        self.checkpointer.save(
+            self.step, self.model, self.optimizer, self._checkpoint_extra(), on_saved=self._saved
+        )
+        self.last_checkpoint = str(self.checkpointer.root / f"step_{self.step}")
+        self._last_save_time = time.monotonic()
 
     def evaluate(self) -> float:
         losses = [
@@ -164,8 +233,12 @@ class Trainer:
         data_time = time.perf_counter() - start
         lr = learning_rate(train, self.step)
         loss = self._mean_over_dp(self.runner.train_step(batch, self.timer))
+        not_finite, stop_signal, clock = self._agree(
+            [float(not math.isfinite(loss)), float(self.stop.signum), float(self._clock_says_save())]
+        )
+        self.stop_signal, self.save_clock_due = int(stop_signal), bool(clock)
         grad_norm, loss_scale = float("nan"), None
-        if self._any_rank(not math.isfinite(loss)):
+        if not_finite:
             self.optimizer.zero_grad()
             self.skipped_steps += 1
             self.bad_steps_in_a_row += 1
@@ -198,34 +271,46 @@ class Trainer:
         }
 
     def fit(self) -> TrainResult:
-        """Train until train.steps, evaluating and checkpointing on schedule."""
+        """Train from the current step until train.steps, evaluating and checkpointing on schedule.
+
+        A SIGINT or SIGTERM ends training after the step it arrived in, with a checkpoint of that step.
+        """
         train = self.job.train
-        self.restore()
+        first_step = self.step
         start = time.perf_counter()
+        self._last_save_time = time.monotonic()
         batches = self.data.train_batches(self.consumed_samples)
         profiler = ProfilerWindow(self.job.logging.profile_steps, self.job.output_dir, self.topo.rank)
-        last_loss = float("nan")
         eval_loss = None
         try:
-            while self.step < train.steps:
-                with profiler.step(self.step + 1):
-                    values = self._train_step(batches)
-                if math.isfinite(values["loss"]):
-                    last_loss = values["loss"]
-                self.metrics.log_step(self.step, values)
-                last = self.step == train.steps
-                if train.eval_interval and (self.step % train.eval_interval == 0 or last):
-                    eval_loss = self.evaluate()
-                    self.metrics.log_eval(self.step, eval_loss)
-                if self.checkpointer.is_due(self.step, final=last):
-                    self.checkpointer.save(self.step, self.model, self.optimizer, self._checkpoint_extra())
-            self.checkpointer.wait()
+            with self.stop:
+                while self.step < train.steps:
+                    with profiler.step(self.step + 1):
+                        values = self._train_step(batches)
+                    stopping = self.stop_signal != 0
+                    last = self.step == train.steps
+                    self.metrics.log_step(self.step, values, last=stopping)
+                    eval_due = train.eval_interval and (self.step % train.eval_interval == 0 or last)
+                    # Evaluation is skipped when stopping: preemption leaves seconds for the checkpoint.
+                    if eval_due and not stopping:
+                        eval_loss = self.evaluate()
+                        self.metrics.log_eval(self.step, eval_loss)
+                    if stopping or self.save_clock_due or self.checkpointer.is_due(self.step, final=last):
+                        self.save()
+                    if stopping:
+                        break
+                self.checkpointer.wait()  # an async save is complete before the launch reports its end
         finally:
             profiler.close()
         return TrainResult(
             steps=self.step,
-            final_loss=last_loss,
+            total_steps=train.steps,
+            steps_run=self.step - first_step,
+            final_loss=self.metrics.last_loss_avg,
             final_eval_loss=eval_loss,
             elapsed_s=time.perf_counter() - start,
             skipped_steps=self.skipped_steps,
+            output_dir=self.job.output_dir,
+            stopped_by=self.stop_signal if self.stop_signal and self.step < train.steps else None,
+            checkpoint=self.last_checkpoint,
         )

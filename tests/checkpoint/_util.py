@@ -1,7 +1,8 @@
-"""Shared pieces of the checkpoint tests: a tiny job, a training loop, a gloo spawner."""
+"""Shared pieces of the checkpoint tests: a tiny job, a training loop, a trained tokenizer."""
 
 from __future__ import annotations
 
+import sysconfig
 from pathlib import Path
 from typing import Any
 
@@ -9,6 +10,7 @@ import torch
 
 from llmtrain import models
 from llmtrain.config import JobConfig, ModelConfig
+from llmtrain.data.tokenizer import train_sentencepiece
 from llmtrain.parallel import Topology, build_optimizer, grad_sync, parallelize
 
 
@@ -74,3 +76,16 @@ def train(
         opt.step(1e-2)
         losses.append(total)
     return losses
+
+
+def stdlib_texts(first: int, count: int) -> list[str]:
+    """`count` whole modules of the standard library from the `first`-th in sorted order: real code and
+    prose (docstrings, comments) for training and checking tokenizers."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.glob("*.py") if p.stat().st_size < 60_000)
+    return [p.read_text(encoding="utf-8", errors="replace") for p in files[first : first + count]]
+
+
+def train_tokenizer(path: Path, vocab_size: int = 512) -> Path:
+    """A byte-fallback BPE SentencePiece model as tools/train_tokenizer.py trains it, on 40 stdlib modules."""
+    return train_sentencepiece(stdlib_texts(0, 40), path, vocab_size)

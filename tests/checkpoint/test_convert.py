@@ -65,6 +65,6 @@ def test_reshard_inspect_and_errors(tmp_path: Path) -> None:
     )
     with pytest.raises(CheckpointError, match="parallel.tp=3 does not divide model.num_attention_heads=4"):
         reshard(tmp_path / "run", tmp_path / "bad", tp=3)
-    with pytest.raises(CheckpointError, match="is not a checkpoint"):
+    with pytest.raises(CheckpointError, match="is neither a training checkpoint nor an llmtrain model"):
         to_hf(tmp_path, tmp_path / "hf")
     assert load_file  # imported for the HF test above

@@ -2,8 +2,9 @@
 
 References: training continued on the layout that saved (losses within 1e-5 relative, fp32), the saved
 tensors themselves (a checkpoint re-saved on another layout holds bitwise the same model and optimizer
-state), the parallel package's gather_full_state_dict (full weights), the uninterrupted run (exact resume
-on the same layout), and transformers' logits and loss (a converted checkpoint loaded tp=2 and tp=2 pp=2).
+state), the parallel package's gather_full_state_dict (full weights, also those llmtrain.from_pretrained
+reads from the checkpoint), the uninterrupted run (exact resume on the same layout), and transformers'
+logits and loss (a converted checkpoint loaded tp=2 and tp=2 pp=2).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import llmtrain
 from llmtrain import models
 from llmtrain.checkpoint import Checkpointer
 from llmtrain.checkpoint.convert import from_hf, read_full
@@ -167,6 +169,11 @@ def _exact_resume_and_full_weights(rank: int, tmp: str) -> None:
         for name, value in saved.items():
             if name != "lm_head.weight":  # tied: stored once, as embed_tokens.weight
                 assert torch.equal(on_disk[name], value), name
+        # The checkpoint of this 4-rank TP+SP+ZeRO-1 layout loads as one model holding the gathered weights.
+        loaded = llmtrain.from_pretrained(root / "r").state_dict()
+        assert loaded.keys() == saved.keys()
+        for name, value in saved.items():
+            assert torch.equal(loaded[name], value), name
 
 
 def _worker(rank: int, port: int, fn: Any, tmp: str) -> None:

@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import math
 import multiprocessing as mp
+import os
+import re
+import sys
 import sysconfig
 import time
 from collections import Counter
@@ -138,13 +141,76 @@ def test_default_corpus_with_a_hugging_face_tokenizer(tmp_path, hf_dir, monkeypa
         assert dm.tokenizer.decode(row[lo + 1 : hi]) in text
 
 
+def test_missing_dataset_files_are_named_with_the_fix(tmp_path, dataset_prefix, sp_model):
+    def error(prefixes):
+        with pytest.raises(DataError) as e:
+            build_data(_job(tmp_path, prefixes, sp_model))
+        return str(e.value)
+
+    missing = str(tmp_path / "data" / "corpus_text_document")
+    assert error([dataset_prefix, missing]) == (
+        f"data.prefixes entry {missing!r}: {missing}.idx does not exist; check the path or build the dataset "
+        f"with tools/preprocess_data.py --output-prefix {tmp_path / 'data' / 'corpus'} --json-keys text "
+        "(it writes PREFIX_KEY_document.bin/.idx)"
+    )
+    assert not (tmp_path / "cache" / "index").exists()  # found before any index was built for the first
+    assert error([dataset_prefix + ".bin"]).endswith(
+        f"{dataset_prefix}.bin is a file; a dataset prefix names it without .bin/.idx: use {dataset_prefix}"
+    )
+    near = tmp_path / "near"
+    preprocess_documents(["some text"], str(near) + "_text_document", sp_model)
+    assert f"did you mean {near}_text_document?" in error([str(near)])
+    half = tmp_path / "half"
+    (tmp_path / "half.bin").write_bytes(b"\0" * 8)
+    assert f"{half}.idx does not exist beside {half}.bin: the preprocessing was interrupted" in error(
+        [str(half)]
+    )
+    with pytest.raises(DataError, match=r"^tokenizer .*nothing\.model does not exist; set data.tokenizer"):
+        build_data(_job(tmp_path, [dataset_prefix], str(tmp_path / "nothing.model")))
+
+
+def test_first_use_of_the_corpus_reports_each_step(tmp_path, monkeypatch):
+    monkeypatch.setattr(corpus_mod, "MAX_CORPUS_BYTES", 100_000)
+    monkeypatch.delenv("RANK", raising=False)
+    lines = []
+    corpus = corpus_mod.prepare_corpus("stdlib", tmp_path, 512, log=lines.append, interval=0.0)
+    root = tmp_path / "corpus"
+    assert lines[0] == (
+        f"[data] first use of the stdlib corpus: training a tokenizer on it and tokenizing it in {root} "
+        "(cached for later runs)"
+    )
+
+    def index(pattern):
+        return next(i for i, line in enumerate(lines) if re.match(pattern, line))
+
+    steps = [
+        index(r"\[data\] reading [\d,]+ files of .*: .* \(\d+%\), 1 files"),
+        index(rf"\[data\] read {corpus.meta['documents']} documents \(.*\); SentencePiece now trains a 512-"),
+        index(r"\[data\] tokenizer trained in [\d.]+ s$"),
+        index(r"\[data\] tokenizing the stdlib corpus: .* \(\d+%\), \d+ documents, [\d,]+ tokens, .* ETA"),
+        index(r"\[data\] tokenizing the stdlib corpus done in"),
+        len(lines) - 1,
+    ]
+    assert steps == sorted(steps)  # each step reported, in order
+    assert "(100%)" in lines[steps[4] - 1]  # the last progress line before the summary saw every document
+    assert (
+        lines[-1].startswith(f"[data] the stdlib corpus ready: {corpus.meta['documents']:,} documents, ")
+        and f"{corpus.meta['tokens']:,} tokens, prepared in" in lines[-1]
+    )
+    lines.clear()
+    assert corpus_mod.prepare_corpus("stdlib", tmp_path, 512, log=lines.append) == corpus
+    assert lines == []  # cached: nothing to report
+
+
 def test_empty_valid_split_with_eval_enabled(tmp_path, dataset_prefix, sp_model):
     with pytest.raises(DataError, match="valid split without tokens.*train.eval_interval"):
         build_data(_job(tmp_path, [dataset_prefix], sp_model, split="100,0,0"))
 
 
-def _build_small_corpus(cache_dir):
+def _build_small_corpus(cache_dir, rank=0):
     corpus_mod.MAX_CORPUS_BYTES = 200_000  # forked children inherit this; the cache key includes it
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))  # as torchrun sets them
+    sys.stdout = open(f"{cache_dir}.rank{rank}.log", "w")  # noqa: SIM115 - this process's whole output
     job = JobConfig()
     job.model.vocab_size, job.model.seq_length = 1024, 64
     job.train.steps = 5
@@ -157,8 +223,31 @@ def _build_small_corpus(cache_dir):
 def test_default_corpus_built_once_by_concurrent_ranks(tmp_path, monkeypatch):
     monkeypatch.setattr(corpus_mod, "MAX_CORPUS_BYTES", 200_000)
     with mp.get_context("fork").Pool(3) as pool:
-        results = pool.map(_build_small_corpus, [str(tmp_path / "cache")] * 3)
+        results = pool.starmap(_build_small_corpus, [(str(tmp_path / "cache"), rank) for rank in range(3)])
     assert len(set(results)) == 1
+    # One builder (any rank) reports the work; of the others only rank 0 (local rank 0) may say it waits.
+    logs = {rank: (tmp_path / f"cache.rank{rank}.log").read_text().splitlines() for rank in range(3)}
+    builders = [
+        rank for rank, lines in logs.items() if any("first use of the stdlib corpus" in x for x in lines)
+    ]
+    assert len(builders) == 1
+    builder = builders[0]
+    label = "[data]" if builder == 0 else f"[data rank {builder}]"
+    assert all(line.startswith(label) for line in logs[builder])
+    assert any(line.startswith(f"{label} the stdlib corpus ready: ") for line in logs[builder])
+    for rank in set(range(3)) - {builder}:
+        if rank == 0:  # a line per cache it waited on for over a second: the corpus, maybe an index
+            corpus_wait = (
+                rf"\[data\] waiting for pid \d+ on .*, rank {builder} to finish preparing the stdlib c.*"
+            )
+            assert sum(bool(re.fullmatch(corpus_wait, x)) for x in logs[0]) <= 1, logs[0]
+            assert all(
+                re.fullmatch(r"\[data\] waiting for pid \d+ on .*, rank \d to finish preparing .*", x)
+                for x in logs[0]
+            )
+            assert len(set(logs[0])) == len(logs[0]), logs[0]
+        else:
+            assert logs[rank] == []
     folders = [p for p in (tmp_path / "cache" / "corpus").iterdir() if p.is_dir()]
     assert len(folders) == 1 and not list((tmp_path / "cache" / "corpus").glob("*.tmp-*"))
     # The corpus is the stdlib's real source text: decoding a document gives back a source file.

@@ -130,3 +130,41 @@ def test_pickle_reopens(small):
 
     ds = pickle.loads(pickle.dumps(IndexedDataset(small)))
     np.testing.assert_array_equal(ds[1], np.arange(7))
+
+
+def test_writer_keeps_an_existing_dataset_unless_overwrite(tmp_path):
+    prefix = tmp_path / "d"
+    with IndexedDatasetWriter(prefix, np.uint16) as w:
+        w.add_document([1, 2, 3])
+    with pytest.raises(DataError, match=r"d\.bin already exists and is kept"):
+        IndexedDatasetWriter(prefix, np.uint16)
+    late = IndexedDatasetWriter(tmp_path / "e", np.uint16)  # another writer publishes e first
+    late.add_document([4])
+    with IndexedDatasetWriter(tmp_path / "e", np.uint16) as w:
+        w.add_document([5, 6])
+    with pytest.raises(DataError, match=r"e\.bin already exists and is kept"):
+        late.finalize()
+    late.abort()
+    np.testing.assert_array_equal(IndexedDataset(tmp_path / "e")[0], [5, 6])
+    with IndexedDatasetWriter(prefix, np.uint16, overwrite=True) as w:
+        w.add_document([7])
+    np.testing.assert_array_equal(IndexedDataset(prefix)[0], [7])
+    assert sorted(os.listdir(tmp_path)) == ["d.bin", "d.idx", "e.bin", "e.idx"]  # no temporary left
+
+
+def test_published_files_have_the_permissions_of_a_plain_file(tmp_path):
+    """Temporaries are renamed into place: they must not keep a private mode (mkstemp's 0600)."""
+    with IndexedDatasetWriter(tmp_path / "p", np.uint8) as w:
+        w.add_document([1])
+    (tmp_path / "plain").write_bytes(b"")
+    mode = os.stat(tmp_path / "plain").st_mode & 0o777
+    assert {os.stat(tmp_path / n).st_mode & 0o777 for n in ("p.bin", "p.idx")} == {mode}
+
+
+def test_two_writers_of_one_prefix_do_not_share_temporaries(tmp_path):
+    a, b = IndexedDatasetWriter(tmp_path / "x", np.uint8), IndexedDatasetWriter(tmp_path / "x", np.uint8)
+    a.add_document([1, 2])
+    b.add_document([3])
+    a.finalize()
+    b.abort()  # b's abort must not remove what a wrote
+    np.testing.assert_array_equal(IndexedDataset(tmp_path / "x")[0], [1, 2])

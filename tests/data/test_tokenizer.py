@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import sentencepiece as spm
 
 from llmtrain.data import DataError, HFTokenizer, SentencePieceTokenizer, load_tokenizer
 from llmtrain.data.tokenizer import train_sentencepiece
+from llmtrain.data.tokenizer_training import train_tokenizer_files
 
 
 def test_sentencepiece_matches_library_and_round_trips(sp_model, tokenizer, docs):
@@ -69,3 +72,28 @@ def test_training_is_deterministic(tmp_path, docs, sp_model):
     """Ranks on machines without a shared cache train the same tokenizer, byte for byte."""
     again = train_sentencepiece(docs, tmp_path / "again.model", 512)
     assert again.read_bytes() == open(sp_model, "rb").read()
+
+
+def test_train_tokenizer_files_skips_unreadable_records_and_keeps_existing_models(tmp_path, docs):
+    path = tmp_path / "in.jsonl"
+    good = docs[:6]
+    lines = [json.dumps({"text": d}) for d in good]
+    lines.insert(2, '{"text": ')  # a damaged line among good ones
+    path.write_text("\n".join(lines) + "\n")
+    log = []
+    out = train_tokenizer_files([str(path)], str(tmp_path / "tok"), 512, log=log.append)
+    # Exactly the model SentencePiece trains on the readable documents (training is deterministic).
+    assert out.read_bytes() == train_sentencepiece(good, tmp_path / "ref.model", 512).read_bytes()
+    assert any(
+        line.startswith("[train_tokenizer] skipping ") and "in.jsonl:3: invalid JSON" in line for line in log
+    )
+    assert log[-1].startswith("[train_tokenizer] 1 unreadable record skipped (first: ")
+    with pytest.raises(DataError, match=r"tok\.model already exists; choose another --model-prefix"):
+        train_tokenizer_files([str(path)], str(tmp_path / "tok"), 512, log=None)
+    with pytest.raises(DataError, match=r"in\.jsonl:3: invalid JSON .*--on-bad-document skip"):
+        train_tokenizer_files([str(path)], str(tmp_path / "t2"), 512, on_bad_document="error", log=None)
+    assert not (tmp_path / "t2.model").exists()
+    with pytest.raises(DataError, match=r"--input .*missing\.txt does not exist"):
+        train_tokenizer_files([str(path), str(tmp_path / "missing.txt")], str(tmp_path / "t3"), 512, log=None)
+    out = train_tokenizer_files([str(path)], str(tmp_path / "tok"), 600, overwrite=True, log=None)
+    assert SentencePieceTokenizer(out).vocab_size == 600

@@ -1,7 +1,10 @@
-"""Reference: transformers' own save_pretrained / AutoModelForCausalLM.from_pretrained directory layout.
+"""Reference: transformers' own save_pretrained / AutoModelForCausalLM.from_pretrained directory layout,
+its generate(), and the sentencepiece library's ids.
 
 Conversions HF -> llmtrain -> HF are bitwise, converted directories load in transformers with the
-same logits, and bad directories fail with errors that name the offending file.
+same logits, an exported checkpoint generates transformers' tokens from text its AutoTokenizer encodes,
+checkpoints of any layout load as one model, and bad directories fail with errors that name the
+offending file.
 """
 
 from __future__ import annotations
@@ -11,15 +14,24 @@ import json
 from pathlib import Path
 
 import pytest
+import sentencepiece as spm
 import torch
 import yaml
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import llmtrain
+from llmtrain.checkpoint import Checkpointer
+from llmtrain.checkpoint.convert import from_hf, info
 from llmtrain.config import ModelConfig
+from llmtrain.data import SentencePieceTokenizer
 from llmtrain.models import build, from_hf_config, from_pretrained, save_hf, save_pretrained, to_hf_config
 from llmtrain.models import hf as hf_io
+from llmtrain.models.generate import greedy_generate
+from llmtrain.models.hf import ModelFormatError
+from llmtrain.parallel import Topology
+from tests.checkpoint._util import build as build_for_training
+from tests.checkpoint._util import tiny_job, train_tokenizer
 from tests.models.hf_models import CONFIGS, hf_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,9 +39,21 @@ _spec = importlib.util.spec_from_file_location("convert_checkpoint", ROOT / "too
 convert_tool = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(convert_tool)
 
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
 # Tied and untied heads, with and without biases (test_equivalence covers the mapping of every config).
 CASES = [("gpt", 0), ("llama", 0), ("ernie", 0), ("ernie", 1)]
 TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+def _tool_error(args: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """The one line convert_checkpoint.py prints for a user error (run as the tool runs, through run_tool)."""
+    with pytest.raises(SystemExit) as exit_info:
+        convert_tool.run_tool(convert_tool.main, args)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "error: " in err, err
+    return err
 
 
 def _ids(vocab: int) -> torch.Tensor:
@@ -172,9 +196,9 @@ def test_unconvertible_configs_name_the_problem() -> None:
 
 def test_bad_directories_give_clear_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ValueError, match="neither an llmtrain model directory"):
+    with pytest.raises(ModelFormatError, match="neither an llmtrain model directory"):
         from_pretrained(tmp_path / "empty")
-    with pytest.raises(FileNotFoundError, match="does not exist"):
+    with pytest.raises(ModelFormatError, match="does not exist"):
         from_pretrained(tmp_path / "nowhere")
 
     (tmp_path / "bad_arch").mkdir()
@@ -184,13 +208,9 @@ def test_bad_directories_give_clear_errors(tmp_path: Path, capsys: pytest.Captur
 
     (tmp_path / "bad_hf").mkdir()
     (tmp_path / "bad_hf" / "config.json").write_text(json.dumps({"model_type": "bert"}))
-    assert (
-        convert_tool.main(
-            ["hf-to-llmtrain", "--input", str(tmp_path / "bad_hf"), "--output", str(tmp_path / "o")]
-        )
-        == 1
+    err = _tool_error(
+        ["hf-to-llmtrain", "--input", str(tmp_path / "bad_hf"), "--output", str(tmp_path / "o")], capsys
     )
-    err = capsys.readouterr().err
     assert "bad_hf/config.json" in err and "bert" in err
     with pytest.raises(ValueError, match=r"config\.json: model_type='bert'"):
         from_pretrained(tmp_path / "bad_hf")
@@ -198,7 +218,12 @@ def test_bad_directories_give_clear_errors(tmp_path: Path, capsys: pytest.Captur
 
     (tmp_path / "no_weights").mkdir()
     (tmp_path / "no_weights" / "config.json").write_text(json.dumps(to_hf_config(ModelConfig(arch="ernie"))))
-    with pytest.raises(FileNotFoundError, match=r"no_weights/model\.safetensors"):
+    with pytest.raises(ModelFormatError, match=r"no_weights/model\.safetensors does not exist"):
+        from_pretrained(tmp_path / "no_weights")
+    (tmp_path / "no_weights" / "model.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(
+        ModelFormatError, match=r"no_weights/model\.safetensors is not a readable safetensors"
+    ):
         from_pretrained(tmp_path / "no_weights")
 
 
@@ -229,7 +254,7 @@ def test_writes_are_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
     )
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "notes.txt").write_text("keep me")
-    with pytest.raises(FileExistsError, match="holds no model"):
+    with pytest.raises(ModelFormatError, match="holds no model"):
         save_pretrained(model, tmp_path / "docs")
 
 
@@ -251,6 +276,107 @@ def test_wrong_direction_names_the_right_subcommand(
         tmp_path / "ours",
     )
     args = ["hf-to-llmtrain", "--input", str(tmp_path / "ours"), "--output", str(tmp_path / "out")]
-    assert convert_tool.main(args) == 1
-    assert "convert it with llmtrain-to-hf" in capsys.readouterr().err
+    assert "convert it with llmtrain-to-hf" in _tool_error(args, capsys)
     assert not (tmp_path / "out").exists()
+    save_hf(from_pretrained(tmp_path / "ours"), tmp_path / "hf")
+    args = ["llmtrain-to-hf", "--input", str(tmp_path / "hf"), "--output", str(tmp_path / "out")]
+    assert "is a Hugging Face model directory already" in _tool_error(args, capsys)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture(scope="module")
+def sp_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return train_tokenizer(tmp_path_factory.mktemp("tok") / "tok.model", vocab_size=512)
+
+
+PROMPTS = ["def fibonacci(n):\n    if n < 2:\n        return n\n", "# Übersicht — 日本語 ✓\nimport os\n\n"]
+NEW_TOKENS = 24
+# Our logits and transformers' agree within 1e-5 (fp32); a top-2 gap this much larger means both must take
+# the same argmax, so a different token is a conversion bug, never rounding.
+MIN_MARGIN = 1e-3
+
+
+def _assert_decisive(model: torch.nn.Module, out: torch.Tensor, prompt_len: int, eos: int) -> None:
+    with torch.no_grad():
+        top2 = model(out[:, :-1])[:, prompt_len - 1 :].topk(2, dim=-1).values
+    for row, gaps in zip(out[:, prompt_len:], top2[..., 0] - top2[..., 1], strict=True):
+        chosen = int((row == eos).nonzero()[0]) + 1 if (row == eos).any() else len(row)
+        assert gaps[:chosen].min() > MIN_MARGIN, gaps
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["gpt", "llama", "ernie"])
+def test_exported_checkpoint_generates_what_transformers_generates(
+    arch: str, sp_model: Path, tmp_path: Path
+) -> None:
+    """A checkpoint exported with its tokenizer: AutoTokenizer gives sentencepiece's ids, and transformers'
+    greedy generate() continues the prompt with exactly the tokens greedy_generate gives."""
+    job = tiny_job(
+        tmp_path / "run",
+        arch,
+        model__vocab_size=512,
+        model__seq_length=96,
+        model__hidden_dropout=0.0,
+        model__num_kv_heads=None if arch == "gpt" else 2,
+        model__init_std=0.1,
+    )
+    model, opt = build_for_training(job, Topology.single())
+    Checkpointer(job, Topology.single(), tokenizer=SentencePieceTokenizer(sp_model)).save(1, model, opt, {})
+    hf_dir = tmp_path / "hf"
+    assert (
+        convert_tool.main(["llmtrain-to-hf", "--input", str(tmp_path / "run"), "--output", str(hf_dir)]) == 0
+    )
+    theirs = _load_hf(hf_dir)
+    tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
+    assert (
+        theirs.generation_config.eos_token_id
+        == tokenizer.eos_token_id
+        == SentencePieceTokenizer(sp_model).eod_id
+    )
+    ours = llmtrain.from_pretrained(tmp_path / "run")  # the checkpoint itself
+    sp = spm.SentencePieceProcessor(model_file=str(sp_model))
+    eos = tokenizer.eos_token_id
+    for prompt in PROMPTS:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        assert ids[0].tolist() == sp.encode(prompt)
+        expected = theirs.generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW_TOKENS
+        )
+        got = greedy_generate(ours, ids, NEW_TOKENS, eos_token_id=eos)
+        _assert_decisive(ours, got, ids.shape[1], eos)
+        assert got.tolist() == expected.tolist()
+    # A batch where one row stops at its first new token (made the eos) and the other goes on, padded.
+    length = min(len(sp.encode(p)) for p in PROMPTS)
+    batch = torch.tensor([sp.encode(p)[:length] for p in PROMPTS])
+    stop = int(greedy_generate(ours, batch[:1], 1)[0, -1])
+    expected = theirs.generate(
+        batch,
+        attention_mask=torch.ones_like(batch),
+        do_sample=False,
+        max_new_tokens=NEW_TOKENS,
+        eos_token_id=stop,
+        pad_token_id=0,
+    )
+    got = greedy_generate(ours, batch, NEW_TOKENS, eos_token_id=stop, pad_token_id=0)
+    assert got.tolist() == expected.tolist() and got[0, length + 1 :].eq(0).all()
+
+
+@pytest.mark.parametrize(("arch", "index"), [("llama", 0), ("gpt", 0)])
+def test_from_pretrained_reads_checkpoints_of_any_layout(arch: str, index: int, tmp_path: Path) -> None:
+    """A checkpoint chunked as tp=2 pp=2 dp=2 ranks write it loads as one model from its step directory,
+    its checkpoints/ directory or its output_dir, with transformers' logits."""
+    ref = hf_model(arch, index).eval()
+    ref.save_pretrained(tmp_path / "hf")
+    step = from_hf(tmp_path / "hf", tmp_path / "run", tp=2, pp=2, dp=2)
+    assert info(step)["tensors"]["model.layers.0.attn.q_proj.weight"]["chunks"] == 2
+    ids = _ids(ref.config.vocab_size)
+    with torch.no_grad():
+        expected = ref(ids).logits
+        reference = llmtrain.from_pretrained(tmp_path / "hf").state_dict()
+        for path in (step, step.parent, tmp_path / "run"):
+            model = llmtrain.from_pretrained(path)
+            assert not model.training
+            torch.testing.assert_close(model(ids), expected, **TOL)
+            for name, value in model.state_dict().items():
+                assert torch.equal(value, reference[name]), name
+    assert llmtrain.from_pretrained(step, dtype=torch.bfloat16).lm_head.weight.dtype == torch.bfloat16

@@ -1,4 +1,4 @@
-"""Helpers of the parallel tests: spawning a gloo process group and the runs being compared."""
+"""Helpers of the parallel tests: spawning a gloo process group and our stack's runs being compared."""
 
 from __future__ import annotations
 
@@ -17,8 +17,17 @@ import torch.multiprocessing as mp
 
 from llmtrain import models
 from llmtrain.config import JobConfig, ModelConfig
-from llmtrain.parallel import Topology, build_optimizer, gather_full_state_dict, grad_sync, parallelize
-from llmtrain.parallel.optimizer import no_weight_decay
+from llmtrain.parallel import (
+    Topology,
+    apply_recompute,
+    apply_tp,
+    build_optimizer,
+    gather_full_state_dict,
+    grad_sync,
+    parallelize,
+)
+from llmtrain.parallel.optimizer import MakeOptimizer
+from llmtrain.pipeline.executor import build_pipeline
 
 ARCH_CONFIGS = {
     "gpt": dict(arch="gpt"),
@@ -44,8 +53,8 @@ def tiny_job(arch: str, **overrides: Any) -> JobConfig:
     job.train.micro_batch_size = 2
     job.train.grad_clip = 0.5  # below the gradient norms these runs see, so clipping is exercised
     # Adam divides by sqrt(v) + eps: a gradient that is ~0 up to fp32 rounding (1e-10, its sign set by the
-    # summation order, which TP changes) moves a weight by lr * g / eps. eps=1e-6 keeps that rounding-order
-    # effect below 1e-7 so the 1e-5 comparison tests the layout, not the last bit of a cancellation.
+    # summation order, which TP changes) moves a weight by up to lr * g / eps. The float64 bounds allow for
+    # that (tests/parallel/_reference.py); eps=1e-6 keeps it, and so the bounds, small.
     job.train.adam_eps = 1e-6
     job.parallel.dp_bucket_mb = 0.02  # several buckets even for this tiny model
     for key, value in overrides.items():
@@ -65,65 +74,94 @@ def batches(job: JobConfig, steps: int, seed: int = 99, learnable: bool = False)
     return [torch.randint(0, vocab, shape, generator=g) for _ in range(steps)]
 
 
-def reference_run(
-    job: JobConfig, steps: int, lr: float = 1e-3
-) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """One process, plain model, torch.optim.AdamW and torch's clip_grad_norm_: the reference."""
-    torch.manual_seed(job.train.seed)
-    model = models.build(job.model)
-    decay = [p for n, p in model.named_parameters() if not no_weight_decay(n, p)]
-    rest = [p for n, p in model.named_parameters() if no_weight_decay(n, p)]
-    t = job.train
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": t.weight_decay}, {"params": rest, "weight_decay": 0.0}],
-        lr=lr,
-        betas=(t.adam_beta1, t.adam_beta2),
-        eps=t.adam_eps,
-    )
-    losses = []
-    for batch in batches(job, steps):
-        opt.zero_grad()
-        loss = model(batch[:, :-1], batch[:, 1:])
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
-        opt.step()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
 def parallel_run(
-    job: JobConfig, topo: Topology, steps: int, lr: float = 1e-3, learnable: bool = False
+    job: JobConfig,
+    topo: Topology,
+    data: list[torch.Tensor],
+    lr: float = 1e-3,
+    make_optimizer: MakeOptimizer | None = None,
+    held_out: torch.Tensor | None = None,
+    trace: bool = False,
+    through_executor: bool = False,
+    setup: Callable[[torch.nn.Module], None] | None = None,
 ) -> dict[str, Any]:
-    """Our stack on `topo`: this DP rank's slice of each global batch, accumulation over micro-batches."""
+    """Our stack on ``topo`` over the global batches ``data``, assembled as training does: parallelize, and
+    with pp > 1 (or ``through_executor``) this rank's pipeline stages run by the executor of
+    ``job.parallel.schedule``; this DP rank's slice of each batch, accumulated over micro-batches. Returns
+    the losses (mean over DP; then the loss of ``held_out`` after the last step), each step's StepStats and
+    gradient norm, the full weights of every stage (gathered over TP and PP, on every rank), the model (its
+    stages under the executor), the optimizer and, with ``trace``, the executor's trace of the last step.
+    ``setup`` is called with the model (stages) once it is built, before the first step."""
     torch.manual_seed(job.train.seed)
     model = models.build(job.model)
-    parallelize(model, topo, job)
-    opt = build_optimizer(model, topo, job)
-    t = job.train
-    per_rank = t.global_batch_size // topo.dp
-    micro = per_rank // t.micro_batch_size
-    losses, stats = [], []
-    for batch in batches(job, steps, learnable=learnable):
-        mine = batch[topo.dp_rank * per_rank : (topo.dp_rank + 1) * per_rank]
-        opt.zero_grad()
+    pipelined = topo.pp > 1 or through_executor
+    if pipelined:
+        # parallelize without apply_dp, which build_optimizer installs on the stages.
+        apply_tp(model, topo, job.parallel.sequence_parallel, job.train.seed)
+        apply_recompute(model, job.model.recompute)
+        model, executor = build_pipeline(model, topo, job)
+    else:
+        parallelize(model, topo, job)
+    micro = job.train.micro_batch_size
+    opt = build_optimizer(model, topo, job, make_optimizer)
+    if setup is not None:
+        setup(model)
+
+    def train_step(mine: torch.Tensor) -> float:
+        if pipelined:
+            scale = opt.loss_scale or 1.0
+            return executor.run(list(mine.split(micro)), trace=trace, loss_scale=scale).item()
         total = 0.0
-        for i, mb in enumerate(mine.split(t.micro_batch_size)):
-            with grad_sync(model, i == micro - 1):
-                loss = model(mb[:, :-1], mb[:, 1:]) / micro
+        micro_batches = mine.split(micro)
+        for i, mb in enumerate(micro_batches):
+            with grad_sync(model, i == len(micro_batches) - 1):
+                loss = model(mb[:, :-1], mb[:, 1:]) / len(micro_batches)
                 opt.backward(loss)
             total += loss.item()
-        stats.append(opt.step(lr))
-        value = torch.tensor([total / topo.dp], dtype=torch.float64)
+        return total
+
+    @torch.no_grad()
+    def evaluate(mine: torch.Tensor) -> float:
+        if pipelined:
+            return executor.evaluate(list(mine.split(micro))).item()
+        return torch.stack([model(mb[:, :-1], mb[:, 1:]) for mb in mine.split(micro)]).mean().item()
+
+    def dp_mean(value: float) -> float:
+        mean = torch.tensor([value / topo.dp], dtype=torch.float64)
         if topo.dp > 1:
-            dist.all_reduce(value, group=topo.dp_group)
-        losses.append(value.item())
+            dist.all_reduce(mean, group=topo.dp_group)
+        return mean.item()
+
+    losses, stats, last_trace = [], [], None
+    for batch in data:
+        opt.zero_grad()
+        losses.append(dp_mean(train_step(batch.chunk(topo.dp)[topo.dp_rank])))
+        last_trace = executor.trace if pipelined else None
+        stats.append(opt.step(lr))
+    if held_out is not None:
+        losses.append(dp_mean(evaluate(held_out.chunk(topo.dp)[topo.dp_rank])))
+    state: dict[str, torch.Tensor] = {}
+    for part in model.chunks if pipelined else [model]:
+        state.update(gather_full_state_dict(part, topo))
+    if topo.pp > 1:
+        stages: list[Any] = [None] * topo.pp
+        dist.all_gather_object(stages, state, group=topo.pp_group)
+        state = {k: v for stage in stages for k, v in stage.items()}
     return {
         "losses": losses,
         "stats": stats,
-        "state": gather_full_state_dict(model, topo),
+        "grad_norms": [s.grad_norm for s in stats],
+        "state": state,
         "model": model,
         "opt": opt,
+        "trace": last_trace,
     }
+
+
+def sgd(lr: float) -> MakeOptimizer:
+    """Plain SGD over ModelOptimizer's groups: the update is lr times the gradient, so a gradient off by any
+    factor shows in the weights (Adam would normalise it away)."""
+    return lambda groups: torch.optim.SGD(groups, lr=lr)
 
 
 def free_port() -> int:

@@ -33,7 +33,8 @@ def _gather(x: torch.Tensor) -> list[torch.Tensor]:
 def _bf16(rank: int, world: int) -> dict:
     job = tiny_job("llama", tp=2, sequence_parallel=True, precision="bf16")
     job.train.global_batch_size = 4
-    run = parallel_run(job, Topology(job.parallel, world, rank), BF16_STEPS, lr=1e-2, learnable=True)
+    data = batches(job, BF16_STEPS, learnable=True)
+    run = parallel_run(job, Topology(job.parallel, world, rank), data, lr=1e-2)
     model, opt = run["model"], run["opt"]
     dtypes = {
         "param": next(model.parameters()).dtype,
@@ -44,8 +45,12 @@ def _bf16(rank: int, world: int) -> dict:
     if rank == 0:
         job1 = tiny_job("llama", precision="bf16")
         job1.train.global_batch_size = 4
-        single = parallel_run(job1, Topology.single(), BF16_STEPS, lr=1e-2, learnable=True)["losses"]
-    return {"tp2": run["losses"], "tp1": single, "dtypes": dtypes}
+        single = _curves(parallel_run(job1, Topology.single(), data, lr=1e-2))
+    return {"tp2": _curves(run), "tp1": single, "dtypes": dtypes}
+
+
+def _curves(run: dict) -> dict:
+    return {"losses": run["losses"], "grad_norms": run["grad_norms"]}
 
 
 def _fp16(rank: int, world: int) -> dict:
@@ -78,7 +83,7 @@ def _zero_memory(rank: int, world: int) -> dict:
     for precision in ("fp32", "bf16"):
         for zero in (0, 1):
             job = tiny_job("gpt", dp=2, zero_stage=zero, precision=precision)
-            run = parallel_run(job, Topology(job.parallel, world, rank), 1)
+            run = parallel_run(job, Topology(job.parallel, world, rank), batches(job, 1))
             out[(precision, zero)] = run["opt"].state_bytes()
     return out
 
@@ -223,10 +228,15 @@ def results() -> list[dict]:
 def test_bf16_tp2_follows_tp1(results: list[dict]) -> None:
     r = results[0]["bf16"]
     assert r["dtypes"] == {"param": torch.bfloat16, "main_grad": torch.float32, "master": torch.float32}
-    rel = [abs(a - b) / b for a, b in zip(r["tp2"], r["tp1"], strict=True)]
-    assert max(rel) < BF16_TOLERANCE, (r["tp2"], r["tp1"])
-    assert abs(r["tp2"][0] - r["tp1"][0]) / r["tp1"][0] < 1e-3
-    assert r["tp2"][-1] < r["tp2"][0] - 1.0  # a curve that moves, not a flat line
+    tp2, tp1 = r["tp2"]["losses"], r["tp1"]["losses"]
+    rel = [abs(a - b) / b for a, b in zip(tp2, tp1, strict=True)]
+    assert max(rel) < BF16_TOLERANCE, (tp2, tp1)
+    assert abs(tp2[0] - tp1[0]) / tp1[0] < 1e-3
+    assert tp2[-1] < tp2[0] - 1.0  # a curve that moves, not a flat line
+    # The first step's gradients come from the same weights and differ by bf16 rounding only (a few units
+    # of 2**-9 through two layers); later norms follow the curves apart (bf16 at lr 1e-2 is chaotic).
+    norm2, norm1 = r["tp2"]["grad_norms"][0], r["tp1"]["grad_norms"][0]
+    assert abs(norm2 - norm1) / norm1 < 1e-2, (norm2, norm1)
 
 
 @pytest.mark.slow

@@ -1,15 +1,19 @@
-"""tools/plan.py end to end: table, JSON, --evaluate, --write, --plot, --profile-local, errors."""
+"""tools/plan.py end to end: table, JSON, --evaluate, --write, --plot, --profile-local, presets, errors."""
 
 import importlib.util
 import json
+import shutil
+import subprocess
+import sys
+import zipfile
 from pathlib import Path
 
 import pytest
 import yaml
 
-from llmtrain.config import load, validate_world
-from llmtrain.planner import validation
-from llmtrain.planner.cluster import load_cluster
+import llmtrain.planner
+from llmtrain.config import ConfigError, load, validate_world
+from llmtrain.planner.cluster import PRESETS, load_cluster, preset_names
 
 ROOT = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("plan_tool", ROOT / "tools" / "plan.py")
@@ -32,11 +36,18 @@ def model_yaml(tmp_path):
     return path
 
 
+def run_plan(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    """tools/plan.py as a user runs it: its own process, through llmtrain.cli.run_tool."""
+    return subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "plan.py"), *args], cwd=cwd, capture_output=True, text=True
+    )
+
+
 def test_json_evaluate_write_and_plot(model_yaml, tmp_path, capsys):
     best, png = tmp_path / "best.yaml", tmp_path / "plan.png"
-    argv = ["--config", str(model_yaml), "--cluster", "a100-80gb", "--gpus", "16", "--top", "3", "--json",
-            "--evaluate", "parallel.tp=2 parallel.pp=2",
-            "--write", str(best), "--plot", str(png)]  # fmt: skip
+    search = ["--config", str(model_yaml), "--cluster", "a100-80gb", "--gpus", "16", "--top", "3", "--json",
+              "--evaluate", "parallel.tp=2 parallel.pp=2"]  # fmt: skip
+    argv = [*search, "--write", str(best), "--plot", str(png)]
     assert plan_tool.main(argv) == 0
     records = json.loads(capsys.readouterr().out)
     assert len(records) == 3 and all(r["tp"] == 2 and r["pp"] == 2 and r["dp"] == 4 for r in records)
@@ -44,22 +55,112 @@ def test_json_evaluate_write_and_plot(model_yaml, tmp_path, capsys):
     job = load(best)
     assert (job.parallel.tp, job.parallel.pp, validate_world(job, 16)) == (2, 2, 4)
     assert png.stat().st_size > 10_000
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "best.yaml",
+        "model.yaml",
+        "plan.png",
+    ]  # no temp left
+
+    # A second run must not replace the files (the user may have edited best.yaml) unless asked to.
+    best.write_text(best.read_text() + "# my edits\n")
+    edited = best.read_text()
+    for output in (["--write", str(best)], ["--plot", str(png)]):
+        with pytest.raises(ConfigError, match="already exists; choose another path, or pass --overwrite"):
+            plan_tool.main([*search, *output])
+    assert best.read_text() == edited
+    assert plan_tool.main([*argv, "--overwrite"]) == 0
+    assert "# my edits" not in best.read_text() and load(best).parallel.tp == 2
 
 
-def test_table_and_clear_errors(model_yaml, capsys):
+def test_table_and_errors_raised_to_run_tool(model_yaml, capsys):
     assert plan_tool.main(["--config", str(model_yaml), "--gpus", "8", "--top", "2"]) == 0
     out = capsys.readouterr().out
     assert "step_s" in out and "TFLOP/s" in out
-    assert plan_tool.main(["--config", str(model_yaml), "--gpus", "8", "--cluster", "nowhere.yaml"]) == 2
-    assert "nowhere.yaml" in capsys.readouterr().err
-    assert plan_tool.main(["--config", str(model_yaml), "--gpus", "8", "--evaluate", "parallel.tpp=2"]) == 2
-    assert "not a planner setting" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="cluster file nowhere.yaml does not exist"):
+        plan_tool.main(["--config", str(model_yaml), "--gpus", "8", "--cluster", "nowhere.yaml"])
+    with pytest.raises(ConfigError, match="not a planner setting"):
+        plan_tool.main(["--config", str(model_yaml), "--gpus", "8", "--evaluate", "parallel.tpp=2"])
 
 
-def test_missing_reference_table_is_a_clear_error(monkeypatch, tmp_path):
-    monkeypatch.setattr(validation, "REPO", tmp_path / "repo")
-    with pytest.raises(Exception, match="shared/reference/megatron_a100_2021.csv"):
-        validation.reference_path()
+def test_a_user_error_is_one_line_without_traceback(model_yaml):
+    done = run_plan("--config", str(model_yaml), "--gpus", "8", "--cluster", "nowhere.yaml")
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr == (
+        "plan: error: cluster file nowhere.yaml does not exist; pass a YAML path or a preset "
+        f"({', '.join(preset_names())})\n"
+    )
+    debug = run_plan("--config", str(model_yaml), "--gpus", "8", "--cluster", "nowhere.yaml", "--debug")
+    assert debug.returncode != 0 and "Traceback" in debug.stderr
+
+
+def test_help_imports_neither_torch_nor_the_planner():
+    code = (
+        "import runpy, sys\n"
+        f"sys.argv = [{str(ROOT / 'tools' / 'plan.py')!r}, '--help']\n"
+        "try:\n"
+        "    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+        "except SystemExit as done:\n"
+        "    assert done.code == 0\n"
+        "heavy = [m for m in sys.modules if m.split('.')[0] in ('torch', 'yaml', 'matplotlib')\n"
+        "         or m.startswith(('llmtrain.planner', 'llmtrain.config'))]\n"
+        "print('imported:', heavy, file=sys.stderr)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "--profile-local" in done.stdout and done.stderr.strip() == "imported: []"
+
+
+def test_presets_ship_in_the_package_and_a_users_file_still_works(model_yaml, tmp_path):
+    assert preset_names() == ["a100-80gb", "h100-80gb"]
+    assert Path(str(PRESETS)) == Path(llmtrain.planner.__file__).parent / "clusters"
+    assert not (ROOT / "configs" / "clusters").exists()
+    # A user's own cluster file, written with YAML 1.2 exponents (read as numbers, not strings).
+    mine = tmp_path / "mine.yaml"
+    mine.write_text(
+        (PRESETS / "h100-80gb.yaml")
+        .read_text()
+        .replace("name: dgx-h100-80gb", "name: my-h100s")
+        .replace("latency_us: 8,", "latency_us: 8e0,")
+        .replace("count: 512", "count: 2")
+    )
+    assert load_cluster(mine).inter.latency_us == 8.0 and load_cluster(mine).num_devices == 16
+    # Run from a folder outside the repository: neither the preset name nor the path depends on the cwd.
+    for cluster in ("h100-80gb", str(mine)):
+        done = run_plan("--config", str(model_yaml), "--cluster", cluster, "--gpus", "16", "--top", "1",
+                        "--json", cwd=tmp_path)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout)[0]["fits"]
+
+
+@pytest.mark.slow  # builds a wheel (several seconds)
+def test_a_wheel_carries_the_presets_and_the_reference_table(tmp_path):
+    # Build from a copy: the build writes build/ and *.egg-info beside setup.py, not into the working tree.
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("setup.py", "pyproject.toml"):
+        shutil.copy(ROOT / name, src)
+    for package in ("llmtrain", "kernels"):
+        shutil.copytree(ROOT / package, src / package, ignore=shutil.ignore_patterns("__pycache__"))
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            ".",
+        ],
+        cwd=src,
+        check=True,
+    )
+    (wheel,) = tmp_path.glob("llmtrain-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    shipped = {f"llmtrain/planner/clusters/{n}.yaml" for n in preset_names()}
+    shipped.add("llmtrain/planner/data/megatron_a100_2021.csv")
+    assert shipped <= names
 
 
 @pytest.mark.slow  # two gloo processes
@@ -68,3 +169,5 @@ def test_profile_local_writes_a_loadable_cluster(tmp_path, capsys):
     assert plan_tool.main(["--profile-local", "--output", str(out)]) == 0
     view = load_cluster(out).view(2)
     assert view.device.peak_tflops["fp32"] > 0 and view.intra.bandwidth_gbs > 0 and view.intra.latency_us > 0
+    with pytest.raises(ConfigError, match="already exists"):
+        plan_tool.main(["--profile-local", "--output", str(out)])

@@ -6,6 +6,7 @@ import pytest
 
 from llmtrain.config import ConfigError, load, validate_world
 from llmtrain.config.schema import JobConfig, ModelConfig, TrainConfig
+from llmtrain.config.validate import pipeline_problem, tensor_parallel_problem
 from llmtrain.planner import Software, Workload, load_cluster, parse_fixed, plan, plan_for_world
 from llmtrain.planner.cost_model import CostModel, Layout
 from llmtrain.planner.report import format_table, to_records, write_config
@@ -60,10 +61,11 @@ def test_coordinate_descent_finds_the_exhaustive_optimum(model, batch, gpus, sof
 def test_pruning_gives_reasons():
     model = gpt(4, 768, 12, 1024, vocab=50304)
     space = build_space(CostModel(Workload(model, 48, "bf16"), A100.view(16)))
-    reasons = " | ".join(space.pruned)
-    assert "tp=16 does not divide num_attention_heads=12" in reasons
+    # The model's own rules come word for word from config validation (tests/planner/test_tp_rule.py).
+    assert tensor_parallel_problem(model, 16) in space.pruned
+    assert "parallel.tp=16 does not divide model.num_attention_heads=12" in tensor_parallel_problem(model, 16)
     assert all(tp <= 8 for tp, _ in space.tp_pp)  # tp stays inside a node of 8
-    assert "pp=16 exceeds num_layers=4" in reasons
+    assert pipeline_problem(4, 16) in space.pruned
     cm = CostModel(Workload(model, 48, "bf16"), A100.view(16))
     assert "multiple of micro_batch*dp" in cm.invalid_reason(Layout(tp=1, pp=1, dp=16, micro_batch=2))
     assert "ZeRO needs dp > 1" in CostModel(Workload(model, 48, "bf16"), A100.view(8)).invalid_reason(

@@ -10,6 +10,7 @@ from llmtrain.config import load
 from llmtrain.models import build
 from llmtrain.parallel import Topology, grad_sync
 from llmtrain.training import TrainingDiverged
+from llmtrain.training.metrics_file import latest_per_step, read_rows
 from llmtrain.training.profiling import StepTimer
 from llmtrain.training.run import build_trainer, run
 from llmtrain.training.trainer import LocalStepRunner
@@ -123,12 +124,14 @@ def test_resume_is_bitwise_exact(tmp_path):
     ]
     run(tiny_job(tmp_path / "straight", "train.steps=6", *common))
     run(tiny_job(tmp_path / "stopped", "train.steps=3", *common))
-    trainer = build_trainer(tiny_job(tmp_path / "stopped", "train.steps=6", *common), Topology.single())
+    job = tiny_job(tmp_path / "stopped", "train.steps=6", *common)
+    trainer = build_trainer(job, Topology.single())
     trainer.runner = _NaNAt(trainer.runner, bad_calls=())
+    trainer.restore(tmp_path / "stopped" / "checkpoints" / "step_3")
     trainer.fit()
     trainer.metrics.close()
     assert trainer.runner.calls == 3, "the second run must resume at step 3, not start over"
     straight = [e["loss"] for e in read_metrics(tmp_path / "straight")]
-    resumed = [e["loss"] for e in read_metrics(tmp_path / "stopped")]
+    resumed = [e["loss"] for e in latest_per_step(read_rows(tmp_path / "stopped"))]
     assert len(straight) == 6
     assert resumed == straight

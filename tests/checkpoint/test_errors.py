@@ -1,0 +1,176 @@
+"""Bad checkpoint inputs end in one line naming the path and the fix: in the library (CheckpointError, a
+UserError) and through tools/convert_checkpoint.py run as a user runs it, in a subprocess, where stderr holds
+no traceback unless --debug or LLMTRAIN_DEBUG=1 asks for one."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from llmtrain.checkpoint import Checkpointer, CheckpointError
+from llmtrain.checkpoint.convert import import_model, to_hf
+from llmtrain.checkpoint.manager import read_meta, resolve, saved_model_config, verify
+from llmtrain.config import ModelConfig
+from llmtrain.errors import UserError
+from llmtrain.models import build, save_pretrained
+from llmtrain.parallel import Topology
+from tests.checkpoint._util import build as build_for_training
+from tests.checkpoint._util import tiny_job
+from tests.models.hf_models import hf_model
+
+ROOT = Path(__file__).resolve().parents[2]
+TOOL = ROOT / "tools" / "convert_checkpoint.py"
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+@pytest.fixture
+def hf_dir(tmp_path: Path) -> Path:
+    hf_model("llama", 3).save_pretrained(tmp_path / "hf model")  # a space: suggested commands are quoted
+    return tmp_path / "hf model"
+
+
+@pytest.fixture
+def checkpoint(tmp_path: Path) -> Path:
+    job = tiny_job(tmp_path / "run")
+    model, opt = build_for_training(job, Topology.single())
+    Checkpointer(job, Topology.single()).save(1, model, opt, {"step": 1})
+    return tmp_path / "run"
+
+
+def _message(path: Path) -> str:
+    with pytest.raises(CheckpointError) as info:
+        resolve(path)
+    assert isinstance(info.value, UserError)
+    return str(info.value)
+
+
+def test_resolve_names_what_the_path_is_and_what_to_give(tmp_path: Path, hf_dir: Path) -> None:
+    expected = "give a step_<N> directory, a checkpoints/ directory or an output_dir that holds one"
+    assert _message(tmp_path / "nowhere") == f"checkpoint {tmp_path / 'nowhere'} does not exist; {expected}"
+    (tmp_path / "file.pt").write_bytes(b"")
+    assert (
+        _message(tmp_path / "file.pt")
+        == f"{tmp_path / 'file.pt'} is a file, not a checkpoint directory; {expected}"
+    )
+    (tmp_path / "empty").mkdir()
+    assert "is not a checkpoint (no manifest.json and no latest pointer); give a step_<N>" in _message(
+        tmp_path / "empty"
+    )
+    torch.manual_seed(0)
+    save_pretrained(
+        build(ModelConfig(arch="gpt", num_layers=1, hidden_size=32, num_attention_heads=2)), tmp_path / "m"
+    )
+    assert _message(tmp_path / "m").startswith(
+        f"{tmp_path / 'm'} is an llmtrain model directory, not a training"
+    )
+
+
+def test_hf_directory_as_checkpoint_names_a_conversion_that_works(hf_dir: Path) -> None:
+    message = _message(hf_dir)
+    assert message.startswith(
+        f"{hf_dir} is a Hugging Face model directory, not a training checkpoint; convert"
+    )
+    command = re.search(r"convert it first: python (.*) \(your training layout\), then load (.*)$", message)
+    assert command is not None, message
+    args = shlex.split(command.group(1).replace(" N", " 1"))
+    assert args[:2] == ["tools/convert_checkpoint.py", "hf-to-llmtrain"]
+    # What the message says to run makes what it says to load.
+    import_model(args[3], args[5], tp=int(args[7]), pp=int(args[9]))
+    assert resolve(Path(shlex.split(command.group(2))[0])).name == "step_0"
+
+
+def test_reverse_directions_are_named(checkpoint: Path, hf_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(
+        CheckpointError, match=r"is a training checkpoint, not a model directory; export it with"
+    ):
+        import_model(checkpoint, tmp_path / "out")
+    with pytest.raises(CheckpointError, match=r"is a training checkpoint.*llmtrain-to-hf --input"):
+        import_model(checkpoint / "checkpoints" / "step_1", tmp_path / "out", tp=2)
+    with pytest.raises(UserError, match="is a Hugging Face model directory already; to train from it"):
+        to_hf(hf_dir, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_damaged_metadata_is_named(checkpoint: Path) -> None:
+    step = checkpoint / "checkpoints" / "step_1"
+    meta = json.loads((step / "meta.json").read_text())
+    with pytest.raises(CheckpointError, match="records a model config this version does not know"):
+        saved_model_config(step, {**meta, "model": {**meta["model"], "num_experts": 8}})
+    (step / "meta.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match=r"meta.json is missing or corrupt .*load an earlier step_<N>"):
+        read_meta(step)
+    (step / "manifest.json").write_text("[]")
+    with pytest.raises(
+        CheckpointError, match=r"manifest.json is unreadable or corrupt .*load an earlier step_<N>"
+    ):
+        verify(step)
+
+
+def _tool(*args: str, debug_env: bool = False) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("LLMTRAIN_DEBUG", "RANK")}
+    if debug_env:
+        env["LLMTRAIN_DEBUG"] = "1"
+    return subprocess.run(
+        [sys.executable, str(TOOL), *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300
+    )
+
+
+@pytest.mark.slow
+def test_tool_errors_are_one_line_without_traceback(checkpoint: Path, hf_dir: Path, tmp_path: Path) -> None:
+    step = checkpoint / "checkpoints" / "step_1"
+    shard = step / "__0_0.distcp"
+    corrupt = bytearray(shard.read_bytes())
+    corrupt[len(corrupt) // 2] ^= 0xFF
+    (tmp_path / "a file").write_text("")
+    cases = [
+        (["inspect", "--input", str(tmp_path / "nowhere")], "does not exist; give a step_<N> directory"),
+        (["reshard", "--input", str(hf_dir), "--output", str(tmp_path / "o"), "--tp", "1", "--pp", "1"],
+         "is a Hugging Face model directory, not a training checkpoint; convert it first"),
+        (["hf-to-llmtrain", "--input", str(checkpoint), "--output", str(tmp_path / "o")],
+         "is a training checkpoint, not a model directory; export it with python tools/convert_checkpoint.py "
+         "llmtrain-to-hf"),
+        (["llmtrain-to-hf", "--input", str(checkpoint), "--output", str(tmp_path / "a file" / "hf")],
+         "a file is a file, not a directory; choose another path"),
+        (["llmtrain-to-hf", "--input", str(checkpoint), "--output", str(tmp_path / "o")],
+         "__0_0.distcp is corrupt"),
+    ]  # fmt: skip
+    for args, message in cases:
+        if "corrupt" in message:
+            shard.write_bytes(bytes(corrupt))
+        result = _tool(*args)
+        assert result.returncode == 2, result
+        assert result.stderr.startswith("convert_checkpoint: error: ") and message in result.stderr, (
+            result.stderr
+        )
+        assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+        assert not (tmp_path / "o").exists()
+    for debug in (["--debug"], []):
+        result = _tool("inspect", "--input", str(tmp_path / "nowhere"), *debug, debug_env=not debug)
+        assert result.returncode == 1 and "Traceback" in result.stderr
+        assert "CheckpointError: checkpoint" in result.stderr and "does not exist" in result.stderr
+
+
+def test_help_answers_at_once_without_importing_torch() -> None:
+    for args in ([], ["llmtrain-to-hf"], ["inspect"]):
+        start = time.perf_counter()
+        result = subprocess.run(
+            [sys.executable, "-X", "importtime", str(TOOL), *args, "--help"],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=60,
+        )
+        elapsed = time.perf_counter() - start
+        assert result.returncode == 0 and "usage: convert_checkpoint.py" in result.stdout
+        imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines()}
+        assert "torch" not in imported and "llmtrain.checkpoint" not in imported
+        assert elapsed < 1.0, elapsed
