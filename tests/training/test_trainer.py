@@ -14,19 +14,10 @@ from llmtrain.training.metrics_file import latest_per_step, read_rows
 from llmtrain.training.profiling import StepTimer
 from llmtrain.training.run import build_trainer, run
 from llmtrain.training.trainer import LocalStepRunner
+from tests.training._runs import TINY as RUNS_TINY
 
-TINY = [
-    "model.num_layers=2",
-    "model.hidden_size=64",
-    "model.num_attention_heads=4",
-    "model.num_kv_heads=2",
-    "model.ffn_hidden_size=128",
-    "model.seq_length=32",
-    "train.global_batch_size=8",
-    "train.micro_batch_size=4",
-    "train.warmup_steps=2",
-    "train.eval_batches=1",
-]
+# The lifecycle tests' tiny job, with two micro-batches per step so that accumulation is exercised.
+TINY = [*RUNS_TINY, "train.micro_batch_size=4"]
 
 
 def tiny_job(tmp_path, *extra):
