@@ -8,14 +8,16 @@ python tools/convert_checkpoint.py inspect --input CHECKPOINT [--json]
 
 Without --tp/--pp/--dp, hf-to-llmtrain writes a single llmtrain model directory; with them, a sharded
 checkpoint that a run starts from with checkpoint.load=OUT_DIR (its input may then also be an llmtrain model
-directory). llmtrain-to-hf takes either kind and writes the tokenizer the input carries (a checkpoint keeps
-its run's tokenizer) as Hugging Face tokenizer files, so AutoTokenizer.from_pretrained loads it too.
+directory). An existing non-empty OUT_DIR is refused unless --overwrite is given. llmtrain-to-hf takes either
+kind and writes the tokenizer the input carries (a checkpoint keeps its run's tokenizer) as Hugging Face
+tokenizer files, so AutoTokenizer.from_pretrained loads it too.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from llmtrain.cli import add_debug_flag, run_tool
 
@@ -43,6 +45,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
         add_debug_flag(cmd)
     for cmd in (to_llmtrain, to_hf, reshard):
         cmd.add_argument("--output", required=True, help="destination directory (written atomically)")
+        cmd.add_argument("--overwrite", action="store_true", help="replace an existing non-empty --output")
     _layout_args(to_llmtrain, required=False)
     _layout_args(reshard, required=True)
     to_hf.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file, in GiB")
@@ -62,6 +65,13 @@ def main(argv: list[str]) -> int:
     from llmtrain.checkpoint import convert
     from llmtrain.checkpoint.errors import CheckpointError
 
+    output = Path(args.output) if args.command != "inspect" else None
+    if output is not None and not args.overwrite and output.is_dir() and any(output.iterdir()):
+        # An earlier export may have been edited or shipped since: replacing it is the user's call.
+        raise CheckpointError(
+            f"--output {output} already exists and is not empty; choose a new --output, or pass --overwrite "
+            "to replace it"
+        )
     try:
         if args.command == "hf-to-llmtrain":
             convert.import_model(args.input, args.output, args.tp, args.pp, args.dp)

@@ -4,6 +4,7 @@ no traceback unless --debug or LLMTRAIN_DEBUG=1 asks for one."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -174,3 +175,25 @@ def test_help_answers_at_once_without_importing_torch() -> None:
         imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines()}
         assert "torch" not in imported and "llmtrain.checkpoint" not in imported
         assert elapsed < 1.0, elapsed
+
+
+def test_conversion_never_replaces_an_existing_output_without_overwrite(
+    checkpoint: Path, tmp_path: Path
+) -> None:
+    """An earlier export may have been edited or shipped since: a rerun must not silently replace it."""
+    spec = importlib.util.spec_from_file_location("convert_checkpoint_tool", TOOL)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    out = tmp_path / "hf"
+    assert tool.main(["llmtrain-to-hf", "--input", str(checkpoint), "--output", str(out)]) == 0
+    (out / "README.md").write_text("my model card")
+    for command in (
+        ["llmtrain-to-hf", "--input", str(checkpoint), "--output", str(out)],
+        ["hf-to-llmtrain", "--input", str(out), "--output", str(out)],
+        ["reshard", "--input", str(checkpoint), "--output", str(out), "--tp", "1", "--pp", "1"],
+    ):
+        with pytest.raises(CheckpointError, match=r"already exists and is not empty; .* pass --overwrite"):
+            tool.main(command)
+        assert (out / "README.md").read_text() == "my model card"
+    assert tool.main(["llmtrain-to-hf", "--input", str(checkpoint), "--output", str(out), "--overwrite"]) == 0
+    assert not (out / "README.md").exists() and (out / "config.json").is_file()
