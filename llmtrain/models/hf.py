@@ -29,7 +29,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from llmtrain.config import ConfigError, ModelConfig
-from llmtrain.config.loader import from_dict
+from llmtrain.config.loader import dump_yaml, from_dict, load_yaml
 from llmtrain.errors import UserError
 from llmtrain.models.causal_lm import CausalLM, check_config, empty_model
 
@@ -381,7 +381,7 @@ def read_llmtrain(path: str | os.PathLike) -> tuple[ModelConfig, Tensors]:
     path = Path(path)
     cfg_file = path / LLMTRAIN_CONFIG
     try:
-        raw = yaml.safe_load(cfg_file.read_text())
+        raw = load_yaml(cfg_file.read_text())
     except (OSError, yaml.YAMLError) as err:
         raise ModelFormatError(f"{cfg_file} is unreadable ({err}); copy the model directory again") from None
     if not isinstance(raw, dict) or not isinstance(raw.get("model"), dict):
@@ -493,9 +493,7 @@ def write_llmtrain(
     """Write an llmtrain model directory atomically, with the tokenizer's files beside the weights."""
     check_config(cfg)
     with _atomic_dir(path) as tmp:
-        (tmp / LLMTRAIN_CONFIG).write_text(
-            yaml.safe_dump({"model": dataclasses.asdict(cfg)}, sort_keys=False)
-        )
+        (tmp / LLMTRAIN_CONFIG).write_text(dump_yaml({"model": dataclasses.asdict(cfg)}))
         save_safetensors(dict(state), tmp / WEIGHTS)
         _write_files(tmp, tokenizer_files or {})
 

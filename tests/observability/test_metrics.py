@@ -53,7 +53,7 @@ def read_jsonl(job: JobConfig) -> list[dict]:
 
 
 def test_mfu_gpt_matches_megatron_closed_form_on_published_row(tmp_path):
-    """Megatron-LM SC21 Table 1, 1.7B row (shared/reference/megatron_a100_2021.csv): 32 A100s, batch 512,
+    """Megatron-LM SC21 Table 1, 1.7B row (llmtrain/planner/data/megatron_a100_2021.csv): 32 A100s, batch 512,
     seq 2048, 137 TFLOP/s/GPU counted with full recompute (the 96-factor formula). Our MFU counts no
     recompute, i.e. the 72-factor closed form 72*B*s*l*h^2*(1 + s/(6h) + V/(12*l*h)) over the same time."""
     B, s, L, h, V, gpus = 512, 2048, 24, 2304, 51200, 32  # the paper's symbols
