@@ -340,7 +340,10 @@ def test_interrupted_tool_leaves_nothing_and_keeps_the_old_output(tmp_path, docs
     one line, not tracebacks. Before the workers ignored signals, SIGTERM to the group hung the tool in
     one run of 5 to 20 (a worker killed while sending a result; multiprocessing.Pool and
     ProcessPoolExecutor alike)."""
-    _big_input(tmp_path / "big.jsonl", docs, 8)
+    # 48 MB take seconds to tokenize even on an idle machine, so the signal sent after the first progress
+    # line lands mid-run although a loaded machine may deschedule this test for a while (8 MB finished first
+    # once, under the whole suite).
+    _big_input(tmp_path / "big.jsonl", docs, 48)
     (tmp_path / "small.jsonl").write_text(json.dumps({"text": docs[0]}) + "\n")
     common = ["--output-prefix", str(tmp_path / "o"), "--tokenizer-model", sp_model, "--workers", "2"]
     first = _tool("--input", str(tmp_path / "small.jsonl"), *common)
