@@ -68,6 +68,9 @@ def main(argv: list[str]) -> int:
 
     # SIGTERM (kill, a scheduler's time limit) unwinds like Ctrl-C, so the partial output is removed.
     signal.signal(signal.SIGTERM, on_sigterm)
+    # Python raises KeyboardInterrupt only if SIGINT was not ignored when it started; a shell's background
+    # job (a script, CI) starts with it ignored, and SIGINT must still stop the tool cleanly there.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         results = preprocess_files(
             args.input,
