@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import functools
 import os
-import socket
 import time
+from queue import Empty
 from typing import Any
 
 from llmtrain.planner.cluster import Cluster, cluster_from_dict, load_cluster
@@ -67,17 +67,12 @@ def measure_memory_bandwidth_gbs(device: str = "cpu", mbytes: int = 256, seconds
     return 2 * src.numel() * 4 / _best_time(run, seconds) / 1e9
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _gloo_worker(rank: int, world: int, port: int, mbytes: int, out: Any) -> None:
     import torch
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    store = dist.TCPStore("127.0.0.1", port, None, is_master=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     try:
         small = torch.zeros(2)
         large = torch.zeros(mbytes * 2**20 // 4)
@@ -119,18 +114,36 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
+def _result_of(procs: list[Any], queue: Any) -> dict[str, float]:
+    """Rank 0's measurement, or a RuntimeError as soon as a worker dies without one (no blind wait)."""
+    while True:
+        try:
+            return queue.get(timeout=1.0)
+        except Empty:
+            failed = [p for p in procs if p.exitcode not in (None, 0)]
+            if failed or all(p.exitcode == 0 for p in procs):
+                codes = ", ".join(f"{p.name} exit {p.exitcode}" for p in procs)
+                raise RuntimeError(f"the gloo link measurement ended without a result ({codes})") from None
+
+
 def measure_gloo(mbytes: int = 16) -> dict[str, float]:
     """All-reduce and point-to-point latency (us) and bandwidth (GB/s) between 2 local gloo processes."""
+    import torch.distributed as dist
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_gloo_worker, args=(r, 2, port, mbytes, queue)) for r in range(2)]
+    # The store binds its port itself (port 0): a port picked free and bound later can be taken meanwhile.
+    store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False)
+    procs = [ctx.Process(target=_gloo_worker, args=(r, 2, store.port, mbytes, queue)) for r in range(2)]
     for p in procs:
         p.start()
     try:
-        raw = queue.get(timeout=300)
+        raw = _result_of(procs, queue)
+    except BaseException:
+        for p in procs:
+            p.kill()  # a surviving peer waits for the dead one forever and would block interpreter exit
+        raise
     finally:
         for p in procs:
             p.join(timeout=60)

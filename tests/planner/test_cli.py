@@ -5,6 +5,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -171,3 +172,13 @@ def test_profile_local_writes_a_loadable_cluster(tmp_path, capsys):
     assert view.device.peak_tflops["fp32"] > 0 and view.intra.bandwidth_gbs > 0 and view.intra.latency_us > 0
     with pytest.raises(ConfigError, match="already exists"):
         plan_tool.main(["--profile-local", "--output", str(out)])
+
+
+@pytest.mark.slow  # two gloo processes
+def test_link_measurement_reports_a_dead_worker_instead_of_waiting():
+    from llmtrain.planner.profile import measure_gloo
+
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="ended without a result"):
+        measure_gloo(mbytes=-1)  # the workers fail allocating a negative-sized buffer
+    assert time.monotonic() - start < 120  # spawn and import only; the old blind wait was 300 s
