@@ -10,7 +10,18 @@ Layout of `<output_dir>/checkpoints/`:
         manifest.json    size and CRC-32 of every file above
     latest               name of the newest complete checkpoint (replaced atomically)
     .tmp_step_<N>/       a save in progress (or one that crashed): never loaded, removed by the next save
+    .old_step_<N>/, .deleting_step_<N>/   a checkpoint being replaced or pruned: removed by the next save
 Every rank writes into the same directory, so output_dir must be on a file system all ranks share.
+
+A save goes through these phases (`SAVE_PHASES`, the names of the `kill_during_save` fault that SIGKILLs a
+rank there, see llmtrain/faults.py): stage (the snapshot is taken; copied to CPU when async), prepare
+(rank 0 creates .tmp_step_<N>), shards (every rank writes its DCP tensor file), metadata (rank 0 writes
+DCP's .metadata), local_files (RNG states, trainer state, meta.json, tokenizer), manifest (rank 0 writes
+manifest.json into .tmp_step_<N>), swap (an existing step_<N> moved aside), publish (.tmp_step_<N> renamed
+to step_<N>), latest (the pointer replaced), prune (an older checkpoint renamed to .deleting_step_<M>,
+then removed). A save counts once `latest` names it: a rank killed before that leaves the run resuming
+from the previous checkpoint, which pruning removes only after that. A save that fails on any rank is
+published on none.
 """
 
 from __future__ import annotations
@@ -20,8 +31,12 @@ import dataclasses
 import errno
 import io
 import json
+import os
+import re
 import shlex
 import shutil
+import signal
+import sys
 import time
 import warnings
 import zlib
@@ -49,6 +64,7 @@ from llmtrain.checkpoint.state import (
     restore_rng,
 )
 from llmtrain.checkpoint.storage import (
+    BeforeWrite,
     file_checksum,
     fsync_dir,
     read_metadata,
@@ -57,6 +73,7 @@ from llmtrain.checkpoint.storage import (
     write_tensors,
 )
 from llmtrain.config import JobConfig, ModelConfig, to_dict
+from llmtrain.faults import injected
 from llmtrain.models.hf import HF_CONFIG, LLMTRAIN_CONFIG
 
 FORMAT = "llmtrain-dcp-1"
@@ -65,7 +82,26 @@ META = "meta.json"
 TRAINER_STATE = "trainer_state.pt"
 TOKENIZER_DIR = "tokenizer"
 LATEST = "latest"
-DISK_FULL = "disk full (or quota / file-size limit reached)"
+STEP_DIR = re.compile(r"step_(\d+)")
+PARTIAL_DIR = re.compile(r"\.tmp_step_(\d+)")
+OUT_OF_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+SAVE_PHASES = (
+    "stage",
+    "prepare",
+    "shards",
+    "metadata",
+    "local_files",
+    "manifest",
+    "swap",
+    "publish",
+    "latest",
+    "prune",
+)
+KILL_DURING_SAVE = "kill_during_save"
+"""Fault (tests): SIGKILL the rank named by `rank` at `phase` (one of SAVE_PHASES) of the save of `step`."""
+DISK_FULL = "disk_full"
+"""Fault (tests): writing `file` (a name in the checkpoint; any file if left out) on `rank` at `step`
+fails with ENOSPC, as on a full disk."""
 
 # (config field, resolved property) pairs that change the model's tensors: compared on load.
 SHAPE_FIELDS = (
@@ -131,6 +167,8 @@ class Checkpointer:
             ThreadPoolExecutor(1, thread_name_prefix="checkpoint") if job.checkpoint.async_save else None
         )
         self._pending: Future | None = None
+        self.last_good: Path | None = None
+        """The checkpoint this run loaded or last published: what a failed save leaves in place."""
 
     # ---------------------------------------------------------------- paths
     def resume_path(self) -> Path | None:
@@ -162,7 +200,10 @@ class Checkpointer:
         """Checkpoint model, optimizer, RNG states and `extra` as step_<step> (returns early if async).
 
         `on_saved(path, seconds)` runs once the checkpoint is published (on the background thread when
-        async), with the seconds from this call until then.
+        async), with the seconds from this call until then. A save that fails on any rank (a full disk, a
+        write error) is published on none, its partial files are removed and the last good checkpoint
+        stays; then checkpoint.on_save_error=continue prints one line on rank 0 and training goes on, and
+        `stop` raises a CheckpointError on every rank (from the next `save` or `wait` when async).
         """
         self.wait()
         start = time.perf_counter()
@@ -172,16 +213,38 @@ class Checkpointer:
             entries.update(optimizer_entries(optimizer, params, self.topo))
         scalars = optimizer_scalars(optimizer) if optimizer is not None else {}
         snap = _Snapshot(step, entries, extra, capture_rng(model), scalars)
+        if self._pool is not None:
+            snap = snap.staged()
+        self._kill_point("stage", step)
 
         def commit(snap: _Snapshot) -> None:
-            self._commit(snap)
+            try:
+                self._commit(snap)
+            except _SaveFailed as failure:
+                self._save_failed(str(failure))
+                return
             if on_saved is not None:
                 on_saved(self.root / f"step_{step}", time.perf_counter() - start)
 
         if self._pool is None:
             commit(snap)
         else:
-            self._pending = self._pool.submit(commit, snap.staged())
+            self._pending = self._pool.submit(commit, snap)
+
+    def _save_failed(self, message: str) -> None:
+        """Act on a save every rank agreed has failed, as checkpoint.on_save_error says."""
+        if self.job.checkpoint.on_save_error == "stop":
+            resume = f" to resume from {self.last_good.name}" if self.last_good is not None else ""
+            raise CheckpointError(
+                f"{message}; stopping (checkpoint.on_save_error=stop): free space or fix the cause, then "
+                f"rerun the same command{resume}"
+            )
+        if self.rank == 0:
+            print(
+                f"{message}; training goes on (checkpoint.on_save_error=continue)",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def wait(self) -> None:
         """Block until the async save in flight (if any) is published; re-raise its error."""
@@ -199,20 +262,45 @@ class Checkpointer:
                 self._pool = None
 
     def _commit(self, snap: _Snapshot) -> None:
-        tmp = self.root / f".tmp_step_{snap.step}"
-        self._everywhere(lambda: self._prepare(tmp) if self.rank == 0 else None, snap.step, tmp)
-        written = self._everywhere(lambda: write_tensors(tmp, snap.entries, self.group), snap.step, tmp)
-        files = self._everywhere(lambda: self._write_local(tmp, snap), snap.step, tmp)
-        manifest = {name: info for part in written + files for name, info in part.items()}
-        self._everywhere(
-            lambda: self._publish(tmp, snap.step, manifest) if self.rank == 0 else None, snap.step, tmp
+        step = snap.step
+        tmp = self.root / f".tmp_step_{step}"
+        self._everywhere(lambda: self._prepare(tmp, step), step, tmp)
+        written = self._everywhere(
+            lambda: write_tensors(tmp, snap.entries, self.group, self._before_write(step)), step, tmp
         )
+        files = self._everywhere(lambda: self._write_local(tmp, snap), step, tmp)
+        manifest = {name: info for part in written + files for name, info in part.items()}
+        self._everywhere(lambda: self._publish(tmp, step, manifest) if self.rank == 0 else None, step, tmp)
+        self.last_good = self.root / f"step_{step}"
+        if self.rank == 0:
+            self._after_publish(step)
 
-    def _prepare(self, tmp: Path) -> None:
-        self.root.mkdir(parents=True, exist_ok=True)
-        for stale in list(self.root.glob(".tmp_step_*")) + list(self.root.glob(".old_step_*")):
-            shutil.rmtree(stale, ignore_errors=True)  # left by a crashed save; never loadable
-        (tmp / "rng").mkdir(parents=True)
+    def _kill_point(self, phase: str, step: int) -> None:
+        """SIGKILL this process here when the kill_during_save fault names this phase, rank and step."""
+        if injected(KILL_DURING_SAVE, phase=phase, rank=self.rank, step=step) is not None:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def _before_write(self, step: int) -> BeforeWrite:
+        """The fault-injection hook run before every write of a checkpoint file of `step` on this rank."""
+
+        def check(path: Path, written: int) -> None:
+            if injected(DISK_FULL, rank=self.rank, step=step, file=path.name) is not None:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+            if path.name.startswith(".metadata"):
+                self._kill_point("metadata", step)
+            elif written > 0:  # in the middle of a file, so a torn shard is left behind
+                self._kill_point("shards", step)
+
+        return check
+
+    def _prepare(self, tmp: Path, step: int) -> None:
+        if self.rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            for pattern in (".tmp_step_*", ".old_step_*", ".deleting_step_*"):
+                for stale in self.root.glob(pattern):
+                    shutil.rmtree(stale, ignore_errors=True)  # left by a killed save; never loadable
+            (tmp / "rng").mkdir(parents=True)
+        self._kill_point("prepare", step)
 
     def _write_local(self, tmp: Path, snap: _Snapshot) -> dict[str, dict[str, Any]]:
         files: dict[str, bytes] = {}
@@ -224,8 +312,11 @@ class Checkpointer:
             if self._tokenizer_files:
                 (tmp / TOKENIZER_DIR).mkdir()
                 files.update({f"{TOKENIZER_DIR}/{n}": data for n, data in self._tokenizer_files.items()})
+        check = self._before_write(snap.step)
         for name, data in files.items():
+            check(tmp / name, 0)
             write_atomic(tmp / name, data)
+            self._kill_point("local_files", snap.step)
         return {
             name: {"bytes": len(data), "crc32": f"{zlib.crc32(data):08x}"} for name, data in files.items()
         }
@@ -252,59 +343,85 @@ class Checkpointer:
         }
 
     def _publish(self, tmp: Path, step: int, manifest: dict[str, Any]) -> None:
+        """Rank 0: write the manifest, rename the checkpoint into place, then point `latest` at it."""
         write_atomic(
             tmp / MANIFEST,
             json.dumps(
                 {"format": FORMAT, "step": step, "files": manifest}, indent=1, sort_keys=True
             ).encode(),
         )
+        self._kill_point("manifest", step)
         final = self.root / f"step_{step}"
-        old = self.root / f".old_step_{step}"
-        if final.exists():  # saving a step again (e.g. the final step after a resume): swap it out
-            final.rename(old)
+        if final.exists():  # saving a step again (after a resume from an earlier one): swap it out
+            final.rename(self.root / f".old_step_{step}")
+            self._kill_point("swap", step)
         tmp.rename(final)
         fsync_dir(self.root)
-        write_atomic(self.root / LATEST, f"step_{step}\n".encode())
-        shutil.rmtree(old, ignore_errors=True)
-        self._prune(final)
+        self._kill_point("publish", step)
+        try:
+            write_atomic(self.root / LATEST, f"step_{step}\n".encode())
+        except BaseException:
+            final.rename(tmp)  # not counted without `latest`: back where the failed save's files are removed
+            raise
+        self._kill_point("latest", step)
 
-    def _prune(self, newest: Path) -> None:
-        done = [p for p in self.root.glob("step_*") if (p / MANIFEST).exists() and p != newest]
-        done.sort(key=lambda p: (p / MANIFEST).stat().st_mtime_ns)
-        for p in done[: max(0, len(done) - (self.job.checkpoint.keep - 1))]:
-            shutil.rmtree(p, ignore_errors=True)
+    def _after_publish(self, step: int) -> None:
+        """Rank 0, once `latest` names step_<step>: remove the checkpoints it replaced or made surplus.
+
+        The checkpoint is saved whatever happens here, so a failure is one line, not a failed save.
+        """
+        try:
+            shutil.rmtree(self.root / f".old_step_{step}", ignore_errors=True)
+            self._prune(step)
+        except OSError as err:
+            print(
+                f"checkpoint step_{step} saved, but removing older checkpoints from {self.root} failed: "
+                f"{_describe(err, self.root)}",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def _prune(self, newest: int) -> None:
+        """Remove all but the checkpoint.keep - 1 newest checkpoints older than step `newest`.
+
+        Each is renamed first, so a kill in the middle of removing it never leaves a partial step_<M>.
+        Checkpoints of later steps (skipped on resume as incomplete or corrupt) are replaced when
+        training reaches their step.
+        """
+        older = sorted(s for p in self.root.iterdir() if (s := _step_of(p)) is not None and s < newest)
+        for step in older[: max(0, len(older) - (self.job.checkpoint.keep - 1))]:
+            doomed = self.root / f".deleting_step_{step}"
+            (self.root / f"step_{step}").rename(doomed)
+            self._kill_point("prune", newest)
+            shutil.rmtree(doomed, ignore_errors=True)
 
     def _everywhere(self, fn: Callable[[], Any], step: int, tmp: Path) -> list[Any]:
         """Run `fn` on every rank and agree on success; on any failure the save is abandoned everywhere."""
         try:
-            result: tuple[bool, Any] = (True, fn())
+            result: tuple[bool, Any, bool] = (True, fn(), False)
         except (Exception, CheckpointException) as err:  # reported to all ranks below
-            result = (False, f"rank {self.rank}: {_describe(err)}")
+            result = (False, f"rank {self.rank}: {_describe(err, self.root)}", _out_of_space(err))
         results = [result]
         if self.group is not None:
             results = [None] * self.world_size
             dist.all_gather_object(results, result, group=self.group)
-        errors = [r[1] for r in results if not r[0]]
-        if errors:
+        failed = [r for r in results if not r[0]]
+        if failed:
             # The root cause first (a full disk on one rank shows as a write failure on the others).
-            errors.sort(key=lambda e: DISK_FULL not in e)
-            self._fail(
-                step,
-                tmp,
-                "; ".join(errors[:3]) + (f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""),
-            )
+            failed.sort(key=lambda r: not r[2])
+            errors = [r[1] for r in failed]
+            cause = "; ".join(errors[:3]) + (f" (and {len(errors) - 3} more)" if len(errors) > 3 else "")
+            self._fail(step, tmp, f"no space left in {self.root} ({cause})" if failed[0][2] else cause)
         return [r[1] for r in results]
 
     def _fail(self, step: int, tmp: Path, cause: str) -> None:
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        last = (self.root / LATEST).read_text().strip() if (self.root / LATEST).exists() else None
-        keep = (
-            f"the last good checkpoint {self.root / last} is untouched"
-            if last
-            else "no earlier checkpoint exists"
-        )
-        raise CheckpointError(f"saving checkpoint step_{step} in {self.root} failed: {cause}; {keep}")
+        last = self.last_good
+        if last is None and (self.root / LATEST).is_file():  # a Checkpointer that loaded nothing
+            last = self.root / (self.root / LATEST).read_text().strip()
+        kept = f"kept {last}" if last is not None and last.exists() else "no earlier checkpoint exists"
+        raise _SaveFailed(f"checkpoint step_{step} not saved: {cause}; its partial files are removed; {kept}")
 
     # ---------------------------------------------------------------- load
     def load(self, path: str | Path, model: nn.Module, optimizer: Any) -> dict[str, Any]:
@@ -312,6 +429,7 @@ class Checkpointer:
         self.wait()
         path = resolve(Path(path))
         verify(path, self.rank, self.world_size, self.group)
+        self.last_good = path
         meta = read_meta(path)
         check_model_config(path, meta, self.job.model)
         params = describe_model(model, self.topo, self.job.model.tied_embeddings)
@@ -346,16 +464,34 @@ class Checkpointer:
         return trainer["extra"]
 
 
+class _SaveFailed(CheckpointError):
+    """A save every rank agreed has failed; Checkpointer.save acts on it per checkpoint.on_save_error."""
+
+
+def _step_of(path: Path) -> int | None:
+    """N for a step_<N> directory, else None."""
+    match = STEP_DIR.fullmatch(path.name)
+    return int(match.group(1)) if match and path.is_dir() else None
+
+
 def _torch_bytes(obj: Any) -> bytes:
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     return buffer.getvalue()
 
 
-def _describe(err: BaseException) -> str:
-    """A one-line cause: disk-full errors say so plainly, DCP's per-rank wrapping is unwrapped."""
-    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-        return f"{DISK_FULL} writing {err.filename}: {err.strerror}"
+def _out_of_space(err: BaseException) -> bool:
+    """Whether `err` is a write refused for space: a full disk, a quota or a file-size limit."""
+    return isinstance(err, OSError) and err.errno in OUT_OF_SPACE
+
+
+def _describe(err: BaseException, root: Path) -> str:
+    """A one-line cause: an OSError names its file (relative to `root`), DCP's per-rank wrapping is
+    unwrapped."""
+    if isinstance(err, OSError) and err.filename is not None:
+        name = Path(err.filename)
+        shown = name.relative_to(root) if name.is_relative_to(root) else name
+        return f"{err.strerror} writing {shown}"
     if isinstance(err, CheckpointException) and err.failures:
         inner = next(iter(err.failures.values()))[0]
         return f"{type(inner).__name__}: {inner}"
@@ -426,16 +562,37 @@ def verify(
     path: Path, rank: int = 0, world_size: int = 1, group: dist.ProcessGroup | None = None
 ) -> dict[str, Any]:
     """Check every file in the manifest exists with its size and CRC-32 (the ranks split the reading)."""
+    manifest, problem = _read_manifest(path)
+    if manifest is None:
+        raise CheckpointError(f"{problem}; copy the checkpoint again or load an earlier step_<N>")
+    problems = _file_problems(path, manifest["files"], rank, world_size)
+    if group is not None:
+        gathered: list[Any] = [None] * world_size
+        dist.all_gather_object(gathered, problems, group=group)
+        problems = [p for part in gathered for p in part]
+    if problems:
+        raise CheckpointError(
+            f"checkpoint {path} failed verification: {'; '.join(problems)}; copy the checkpoint again from "
+            "its source or load an earlier step_<N>"
+        )
+    return manifest
+
+
+def _read_manifest(path: Path) -> tuple[dict[str, Any] | None, str]:
+    """The manifest of checkpoint `path`, or None and why it cannot be read."""
     try:
         manifest = json.loads((path / MANIFEST).read_text())
-        files = manifest["files"]
-        if not isinstance(files, dict):
+        if not isinstance(manifest["files"], dict):
             raise ValueError("its 'files' is not a mapping")
+    except FileNotFoundError:
+        return None, f"{path / MANIFEST} is missing: the save of this checkpoint never finished"
     except (OSError, ValueError, KeyError, TypeError) as err:
-        raise CheckpointError(
-            f"{path / MANIFEST} is unreadable or corrupt ({err}); copy the checkpoint again or load an "
-            "earlier step_<N>"
-        ) from err
+        return None, f"{path / MANIFEST} is unreadable or corrupt ({err})"
+    return manifest, ""
+
+
+def _file_problems(path: Path, files: dict[str, Any], rank: int = 0, world_size: int = 1) -> list[str]:
+    """What is wrong with this rank's share of the files the manifest lists (missing, size, CRC-32)."""
     problems = []
     for name in sorted(files)[rank::world_size]:
         f, want = path / name, files[name]
@@ -447,16 +604,63 @@ def verify(
             )
         elif (crc := file_checksum(f)) != want["crc32"]:
             problems.append(f"{f} is corrupt: CRC-32 {crc}, manifest says {want['crc32']}")
-    if group is not None:
-        gathered: list[Any] = [None] * world_size
-        dist.all_gather_object(gathered, problems, group=group)
-        problems = [p for part in gathered for p in part]
-    if problems:
+    return problems
+
+
+def last_good_checkpoint(root: Path) -> tuple[Path | None, list[str]]:
+    """The checkpoint a run resumes from in its checkpoints directory `root` (None when there is none), and
+    one line for each newer save it skipped, saying why (naming the file at fault).
+
+    That is the checkpoint `latest` names (a save counts once `latest` names it), or, when that one is
+    missing or fails verification, the newest earlier one that passes. Reads every file of each checkpoint
+    it checks; raises a CheckpointError when `root` holds checkpoints `latest` covers but none passes,
+    rather than let the run start again from step 0.
+    """
+    if not root.is_dir():
+        return None, []
+    steps = sorted((s for p in root.iterdir() if (s := _step_of(p)) is not None), reverse=True)
+    named = _latest_step(root)
+    skipped = [
+        (int(m.group(1)), f"{p.name} (a save interrupted before it was published)")
+        for p in root.iterdir()
+        if (m := PARTIAL_DIR.fullmatch(p.name))
+    ]
+    for step in steps:
+        if named is None or step > named:
+            recorded = f"{LATEST} names step_{named}" if named is not None else f"there is no {LATEST}"
+            skipped.append((step, f"step_{step} ({recorded}: this save did not complete)"))
+    if named is not None and named not in steps:
+        skipped.append((named, f"step_{named} ({LATEST} names it, but it is missing)"))
+    damaged: list[tuple[int, str]] = []
+    for step in (s for s in steps if named is not None and s <= named):
+        path = root / f"step_{step}"
+        manifest, problem = _read_manifest(path)
+        problems = [problem] if manifest is None else _file_problems(path, manifest["files"])
+        if not problems:
+            newer = sorted(damaged + [(s, text) for s, text in skipped if s >= step], reverse=True)
+            return path, [text for _, text in newer]
+        damaged.append((step, f"{path.name} ({'; '.join(problems)})"))
+    if damaged:
         raise CheckpointError(
-            f"checkpoint {path} failed verification: {'; '.join(problems)}; copy the checkpoint again from "
-            "its source or load an earlier step_<N>"
+            f"no checkpoint in {root} passes verification: {'; '.join(text for _, text in damaged)}; copy "
+            "the checkpoints again from their source, or move them away to start the run afresh"
         )
-    return manifest
+    return None, [text for _, text in sorted(skipped, reverse=True)]
+
+
+def _latest_step(root: Path) -> int | None:
+    """The step of the checkpoint `latest` in `root` names; None without a `latest`."""
+    pointer = root / LATEST
+    if not pointer.is_file():
+        return None
+    text = pointer.read_text().strip()
+    match = STEP_DIR.fullmatch(text)
+    if match is None:
+        raise CheckpointError(
+            f"{pointer} holds {text!r}, not the name of a step_<N> directory; write the name of the "
+            "checkpoint to resume from into it"
+        )
+    return int(match.group(1))
 
 
 def read_meta(path: Path) -> dict[str, Any]:

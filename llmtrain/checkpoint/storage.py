@@ -13,7 +13,7 @@ import math
 import os
 import warnings
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -159,20 +159,25 @@ class _LoadPlanner(LoadPlanner):
         pass
 
 
+BeforeWrite = Callable[[Path, int], None]
+"""Called before each write to a file with its path and the bytes already in it (fault injection)."""
+
+
 class _RecordingFileSystem(FileSystem):
     """DCP's file system, keeping a CRC-32 and size of every file as it is written (no second read for the
     manifest) and the OSError of a failed write (torch.save turns it into an opaque RuntimeError)."""
 
-    def __init__(self) -> None:
+    def __init__(self, before_write: BeforeWrite | None = None) -> None:
         super().__init__()
         self.errors: list[OSError] = []
         self.files: dict[Path, list[int]] = {}  # path -> [bytes, crc]
+        self.before_write = before_write
 
     @contextlib.contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
         with super().create_stream(path, mode) as stream:
             record = self.files[Path(path)] = [0, 0]
-            yield _RecordingStream(stream, self.errors, Path(path), record)
+            yield _RecordingStream(stream, self.errors, Path(path), record, self.before_write)
 
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
         super().rename(path, new_path)
@@ -183,11 +188,21 @@ class _RecordingFileSystem(FileSystem):
 class _RecordingStream:
     """A file being written sequentially: size and CRC-32 updated per write, failures recorded."""
 
-    def __init__(self, stream: Any, errors: list[OSError], path: Path, record: list[int]) -> None:
+    def __init__(
+        self,
+        stream: Any,
+        errors: list[OSError],
+        path: Path,
+        record: list[int],
+        before_write: BeforeWrite | None,
+    ) -> None:
         self._stream, self._errors, self._path, self._record = stream, errors, path, record
+        self._before_write = before_write
 
     def write(self, data: Any) -> int:
         try:
+            if self._before_write is not None:
+                self._before_write(self._path, self._record[0])
             n = self._stream.write(data)
         except OSError as err:
             self._errors.append(OSError(err.errno, err.strerror, str(self._path)))
@@ -201,7 +216,10 @@ class _RecordingStream:
 
 
 def write_tensors(
-    path: Path, entries: dict[str, GlobalTensor], group: dist.ProcessGroup | None
+    path: Path,
+    entries: dict[str, GlobalTensor],
+    group: dist.ProcessGroup | None,
+    before_write: BeforeWrite | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Write every rank's pieces under `path` (collective over `group` when distributed); return the files
     this rank wrote as {name relative to path: {"bytes", "crc32"}}.
@@ -210,7 +228,7 @@ def write_tensors(
     hit it; DCP's CheckpointException elsewhere.
     """
     writer = dcp.FileSystemWriter(str(path))
-    writer.fs = fs = _RecordingFileSystem()
+    writer.fs = fs = _RecordingFileSystem(before_write)
     try:
         dcp.save(
             entries, storage_writer=writer, planner=_SavePlanner(), process_group=group, no_dist=group is None
@@ -254,11 +272,15 @@ def file_checksum(path: Path) -> str:
 def write_atomic(path: Path, data: bytes) -> None:
     """Write `data` to `path` so that readers see either the old file or the complete new one."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk must not leave a partial file behind
+        raise
     fsync_dir(path.parent)
 
 

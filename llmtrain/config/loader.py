@@ -195,6 +195,9 @@ def set_path(raw: dict[str, Any], key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+MOVED = {"parallel.timeout_s": "train.hang_timeout_s"}  # old key -> the field that replaced it
+
+
 def from_dict(cls: type, raw: dict[str, Any], prefix: str = "") -> Any:
     """Build dataclass `cls` from a mapping, rejecting unknown keys (with a suggestion) and wrong types."""
     if not isinstance(raw, dict):
@@ -204,6 +207,8 @@ def from_dict(cls: type, raw: dict[str, Any], prefix: str = "") -> Any:
     unknown = [k for k in raw if k not in fields]
     if unknown:
         key = unknown[0]
+        if f"{prefix}{key}" in MOVED:
+            raise ConfigError(f"{prefix}{key} was replaced by {MOVED[f'{prefix}{key}']}; set that instead")
         close = difflib.get_close_matches(str(key), fields, n=1)
         hint = f"; did you mean {prefix}{close[0]}?" if close else f"; known keys: {', '.join(fields)}"
         raise ConfigError(f"unknown config key {prefix}{key}{hint}")

@@ -16,6 +16,7 @@ Recompute = Literal["none", "selective", "full"]
 Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zb_h1"]
 Precision = Literal["fp32", "bf16", "fp16"]
 LrDecay = Literal["cosine", "linear", "constant"]
+OnSaveError = Literal["continue", "stop"]
 
 
 @dataclass
@@ -125,8 +126,6 @@ class ParallelConfig:
     """Cluster description YAML used by parallel.auto; null means a measured description of this machine."""
     backend: str = "auto"
     """torch.distributed backend: auto (nccl on CUDA, gloo on CPU), gloo or nccl."""
-    timeout_s: float = 600.0
-    """Timeout of collectives in seconds; on expiry every rank reports where it waits."""
 
 
 @dataclass
@@ -168,9 +167,17 @@ class TrainConfig:
     eval_batches: int = 4
     """Global batches per evaluation."""
     max_bad_steps: int = 5
-    """Stop after this many consecutive steps with a non-finite loss or gradient."""
+    """Stop, keeping the last good checkpoint, after this many skipped steps in a row (non-finite, spike)."""
+    loss_spike_factor: float = 2.0
+    """Skip an update whose loss is over this times the recent good steps' mean (2: real spikes); 0: off."""
+    loss_spike_window: int = 100
+    """Good steps in the mean loss_spike_factor compares to (100 smooths batch noise); checked once full."""
+    straggler_factor: float = 1.5
+    """Name in the progress line a rank whose step compute time is over this times the median; 0: off."""
     num_threads: int = 0
     """torch intra-op threads on CPU; 0 keeps torch's default."""
+    hang_timeout_s: float = 300.0
+    """Seconds a rank may wait without progress; then every rank reports where it waits and the job exits."""
 
 
 @dataclass
@@ -211,6 +218,8 @@ class CheckpointConfig:
     """Resume from output_dir's latest checkpoint; false refuses to start in an output_dir holding a run."""
     archive_existing: bool = False
     """Move a run found in output_dir to <output_dir>/archive/<timestamp>/ and start this one afresh."""
+    on_save_error: OnSaveError = "continue"
+    """A failed save (full disk, write error) keeps the last good checkpoint; continue training or stop."""
 
 
 @dataclass

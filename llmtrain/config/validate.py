@@ -6,6 +6,9 @@ number of processes the job runs on. Each message names the field and the fix.
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 from llmtrain.config.errors import ConfigError
 from llmtrain.config.schema import JobConfig, ModelConfig, ParallelConfig
 
@@ -33,7 +36,11 @@ def validate(job: JobConfig) -> None:
             f"{m.num_attention_heads}; change one of them or set model.head_dim explicitly",
         )
     if m.arch != "gpt":
-        _require(m.head_size % 2 == 0, f"rotary embeddings need an even head size; got {m.head_size}")
+        _require(
+            m.head_size % 2 == 0,
+            f"model.arch={m.arch} (rotary embeddings) needs an even head size; got {m.head_size} "
+            "(model.head_dim, or model.hidden_size / model.num_attention_heads); change them or use gpt",
+        )
     _require(m.ffn_size > 0, f"model.ffn_hidden_size must be positive; got {m.ffn_hidden_size}")
     _require(
         m.max_positions >= m.seq_length,
@@ -66,6 +73,20 @@ def validate(job: JobConfig) -> None:
     )
     _require(t.grad_clip >= 0, f"train.grad_clip must be >= 0 (0 disables); got {t.grad_clip}")
     _require(t.max_bad_steps >= 1, f"train.max_bad_steps must be at least 1; got {t.max_bad_steps}")
+    for name in ("adam_beta1", "adam_beta2"):
+        _require(0 <= getattr(t, name) < 1, f"train.{name} must be in [0, 1); got {getattr(t, name)}")
+    _require(t.hang_timeout_s > 0, f"train.hang_timeout_s must be positive (seconds); got {t.hang_timeout_s}")
+    _require(
+        t.loss_spike_factor == 0 or t.loss_spike_factor > 1,
+        f"train.loss_spike_factor must be above 1 (or 0 to disable); got {t.loss_spike_factor}",
+    )
+    _require(
+        t.loss_spike_window >= 1, f"train.loss_spike_window must be at least 1; got {t.loss_spike_window}"
+    )
+    _require(
+        t.straggler_factor == 0 or t.straggler_factor > 1,
+        f"train.straggler_factor must be above 1 (or 0 to disable); got {t.straggler_factor}",
+    )
 
     d = job.data
     if d.weights:
@@ -83,8 +104,13 @@ def validate(job: JobConfig) -> None:
     except ValueError:
         shares = []
     _require(
-        len(shares) == 3 and all(s >= 0 for s in shares) and shares[0] > 0,
+        len(shares) == 3 and all(math.isfinite(s) and s >= 0 for s in shares) and shares[0] > 0,
         f"data.split must be three non-negative train,valid,test proportions like 98,2,0; got {d.split!r}",
+    )
+    _require(
+        shares[1] > 0 or t.eval_interval == 0,
+        f"data.split={d.split!r} gives the valid split no share but train.eval_interval={t.eval_interval} "
+        "evaluates on it; give valid a share (e.g. 98,2,0) or set train.eval_interval=0",
     )
 
     c = job.checkpoint
@@ -94,6 +120,10 @@ def validate(job: JobConfig) -> None:
         f"checkpoint.interval_minutes must be >= 0 (0: no time-based saves); got {c.interval_minutes}",
     )
     _require(c.keep >= 1, f"checkpoint.keep must be at least 1; got {c.keep}")
+    _require(
+        c.on_save_error in ("continue", "stop"),
+        f"checkpoint.on_save_error must be continue or stop; got {c.on_save_error!r}",
+    )
 
     lg = job.logging
     _require(lg.interval >= 1, f"logging.interval must be at least 1; got {lg.interval}")
@@ -105,6 +135,64 @@ def validate(job: JobConfig) -> None:
         lg.peak_tflops is None or lg.peak_tflops > 0,
         f"logging.peak_tflops must be positive; got {lg.peak_tflops}",
     )
+    _check_ranges(job)
+
+
+# Number fields whose 0 is out of range and that no rule in `validate` bounds already: sizes, rates and times
+# without an "off" meaning (for the optional sizes, 0 would silently mean null).
+_POSITIVE = frozenset(
+    {
+        "model.num_kv_heads",
+        "model.head_dim",
+        "model.ffn_hidden_size",
+        "model.max_position_embeddings",
+        "model.norm_eps",
+        "model.rope_theta",
+        "parallel.dp_bucket_mb",
+        "train.global_batch_size",
+        "train.adam_eps",
+        "train.initial_loss_scale",
+        "train.eval_batches",
+    }
+)
+# Whole numbers reach torch and numpy as int64 (seeds, steps, sizes).
+_INT64_MAX = 2**63 - 1
+
+
+def _check_ranges(section: object, prefix: str = "") -> None:
+    """The rules every field obeys, read from the dataclasses so that a field added later obeys them too:
+    a number (or list item) is >= 0 (> 0 in _POSITIVE) and a whole one fits an int64; a string is not empty.
+
+    The loader has checked the types already. A field that may be negative would need an exception here.
+    """
+    for f in dataclasses.fields(section):
+        value, name = getattr(section, f.name), prefix + f.name
+        if dataclasses.is_dataclass(value):
+            _check_ranges(value, f"{name}.")
+            continue
+        items = list(enumerate(value)) if isinstance(value, list) else [(None, value)]
+        for index, item in items:
+            where = name if index is None else f"{name}[{index}]"
+            if isinstance(item, str) and not item.strip():
+                default = "null" if f.default is None else repr(f.default)
+                keep = (
+                    f" or leave {name} out (default: {default})"
+                    if f.default is not dataclasses.MISSING
+                    else ""
+                )
+                raise ConfigError(f"{where} is empty; give a value{keep}")
+            if not isinstance(item, (int, float)) or isinstance(item, bool):
+                continue
+            if name in _POSITIVE:
+                _require(
+                    item > 0,
+                    f"{where} must be {'at least 1' if type(item) is int else 'positive'}; got {item}",
+                )
+            else:
+                _require(item >= 0, f"{where} must be >= 0; got {item}")
+            _require(
+                type(item) is float or item <= _INT64_MAX, f"{where} must be at most 2**63-1; got {item}"
+            )
 
 
 def raise_if_problem(problem: str) -> None:

@@ -168,6 +168,11 @@ def build_data(job: JobConfig, dp_rank: int = 0, dp_size: int = 1) -> DataModule
             f"data.num_workers must be >= 0 (0 reads in the training process); got {d.num_workers}"
         )
     cache = Path(os.path.expanduser(d.cache_dir))
+    existing = next(p for p in (cache, *cache.parents) if p.exists())
+    if not existing.is_dir():
+        raise DataError(
+            f"data.cache_dir={d.cache_dir}: {existing} is a file; choose a directory for data.cache_dir"
+        )
     if d.prefixes and not d.tokenizer:
         raise DataError("data.prefixes needs data.tokenizer: set it to the tokenizer the data was built with")
     # A given tokenizer is checked before the corpus is prepared with it: a mismatch fails in seconds.

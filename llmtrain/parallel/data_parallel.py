@@ -19,13 +19,18 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from llmtrain.parallel.comm import all_gather_single, reduce_scatter_single
+from llmtrain.parallel.comm import (
+    Pending,
+    all_gather_single,
+    all_reduce,
+    batch_isend_irecv,
+    reduce_scatter_single,
+)
 from llmtrain.parallel.topology import Topology
 from llmtrain.precision import torch_dtype
 
@@ -40,9 +45,9 @@ class Bucket:
     params: list[nn.Parameter]
     dp: int
     pending: int = 0
-    handle: list[Any] | None = None
+    handle: list[Pending] | None = None
     launched: bool = False
-    gather_handle: list[Any] | None = None
+    gather_handle: list[Pending] | None = None
     received: list[torch.Tensor] | None = None
 
     @property
@@ -183,6 +188,7 @@ class GradBuffers:
         if self.dp == 1:
             return
         grad = self.grad_buffer[bucket.start : bucket.end]
+        detail = f"gradients of bucket {bucket.index}"
         if self.zero_stage == 1 and not self.native_shard_comm:
             bucket.received = [torch.empty_like(self.shard(grad, bucket)) for _ in range(self.dp - 1)]
             bucket.handle = self._exchange_shards(grad, bucket, 2 * bucket.index + 1, bucket.received)
@@ -191,9 +197,11 @@ class GradBuffers:
         grad.div_(self.dp)
         if self.zero_stage == 1:
             shard = self.shard(grad, bucket)
-            bucket.handle = [reduce_scatter_single(shard, grad, group=self.dp_group, async_op=True)]
+            bucket.handle = [
+                reduce_scatter_single(shard, grad, group=self.dp_group, async_op=True, detail=detail)
+            ]
         else:
-            bucket.handle = [dist.all_reduce(grad, group=self.dp_group, async_op=True)]
+            bucket.handle = [all_reduce(grad, group=self.dp_group, async_op=True, detail=detail)]
 
     def shard(self, flat_bucket: torch.Tensor, bucket: Bucket) -> torch.Tensor:
         """This DP rank's slice of a bucket-sized tensor."""
@@ -206,9 +214,8 @@ class GradBuffers:
             if launch and not bucket.launched:
                 self._launch(bucket)
             if bucket.handle is not None:
-                with self.topo.watchdog.waiting("dp", "gradient reduction", f"bucket {bucket.index}"):
-                    for work in bucket.handle:
-                        work.wait()
+                for work in bucket.handle:
+                    work.wait()  # recorded by the watchdog as a wait on this numbered collective
                 bucket.handle = None
             if bucket.received is not None:
                 # Reduce-scatter by exchange: the peers' copies of this rank's shard, summed into it.
@@ -228,7 +235,15 @@ class GradBuffers:
             flat = self.param_buffer[bucket.start : bucket.end]
             shard = self.shard(flat, bucket)
             if self.native_shard_comm:
-                bucket.gather_handle = [all_gather_single(flat, shard, group=self.dp_group, async_op=True)]
+                bucket.gather_handle = [
+                    all_gather_single(
+                        flat,
+                        shard,
+                        group=self.dp_group,
+                        async_op=True,
+                        detail=f"parameters of bucket {bucket.index}",
+                    )
+                ]
             else:
                 bucket.gather_handle = self._exchange_shards(flat, bucket, 2 * bucket.index)
         if not self.overlap_param_gather:
@@ -236,7 +251,7 @@ class GradBuffers:
 
     def _exchange_shards(
         self, flat: torch.Tensor, bucket: Bucket, tag: int, into: list[torch.Tensor] | None = None
-    ) -> list[Any]:
+    ) -> list[Pending]:
         """Point-to-point over the DP group, one message per peer each way. Gather (``into`` None): send
         this rank's shard of ``flat`` to every peer and receive each peer's shard into its place.
         Reduce-scatter: send each peer its shard of ``flat`` and receive the peers' copies of this rank's
@@ -252,14 +267,14 @@ class GradBuffers:
                 send, recv = theirs, into[i]
             ops.append(dist.P2POp(dist.isend, send, peer, self.dp_group, tag))
             ops.append(dist.P2POp(dist.irecv, recv, peer, self.dp_group, tag))
-        return dist.batch_isend_irecv(ops)
+        what = "parameters" if into is None else "gradients"
+        return batch_isend_irecv(ops, "dp", f"{what} of bucket {bucket.index}, shard exchange")
 
     def _wait_gathers(self, buckets: list[Bucket]) -> None:
         for bucket in buckets:
             if bucket.gather_handle is not None:
-                with self.topo.watchdog.waiting("dp", "parameter all-gather", f"bucket {bucket.index}"):
-                    for work in bucket.gather_handle:
-                        work.wait()
+                for work in bucket.gather_handle:
+                    work.wait()  # recorded by the watchdog as a wait on this transfer
                 bucket.gather_handle = None
 
     def wait_params(self) -> None:

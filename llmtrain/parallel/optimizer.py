@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from llmtrain.config.schema import JobConfig
+from llmtrain.parallel import comm
 from llmtrain.parallel.data_parallel import GradBuffers, apply_dp
 from llmtrain.parallel.tensor_parallel import reduce_tp_grads
 from llmtrain.parallel.topology import Topology
@@ -158,26 +158,34 @@ class ModelOptimizer:
             sumsq = torch.stack(torch._foreach_norm(self._counted, 2.0)).double().pow(2).sum()
         else:
             sumsq = torch.zeros((), dtype=torch.float64, device=self.buffers.grad_buffer.device)
-        if self._norm_ranks > 1:
-            dist.all_reduce(sumsq, group=self._norm_group)
-        return math.sqrt(sumsq.item()) if math.isfinite(sumsq.item()) else float("nan")
+        if self._norm_ranks == 1:
+            return math.sqrt(sumsq.item())
+        comm.all_reduce(sumsq, group=self._norm_group, detail="global gradient norm")
+        group = "world" if self._norm_group is None else "mp"
+        # On NCCL the all-reduce returns at once; a rank that never joins shows at this host sync.
+        with self.topo.watchdog.waiting(group, "host sync", "global gradient norm"):
+            return math.sqrt(sumsq.item())
 
-    def step(self, lr: float) -> StepStats:
-        """Finish the gradient reduction, unscale, check, clip, update, and publish the new parameters."""
+    def prepare(self, inject_inf: bool = False) -> float:
+        """Finish the gradient reduction and unscale; return the global gradient norm (inf or NaN when a
+        gradient is not finite). Then exactly one of `apply` or `skip` ends the step; the trainer decides
+        which only after every rank has reported its norm, so all ranks take the same branch.
+
+        `inject_inf` sets one gradient element this rank counts to inf after the reduction: the `inf_grad`
+        fault (llmtrain.faults), a non-finite gradient that only this rank sees."""
         self.buffers.finish()
         # Buckets whose parameters the forward never touched may still be gathering into the buffer.
         self.buffers.wait_params()
         reduce_tp_grads(self._tp_reduced, self.topo)
         if self.loss_scale is not None and self.grads:
             torch._foreach_mul_(self.grads, 1.0 / self.loss_scale)
-        norm = self.global_grad_norm()
+        if inject_inf and self._counted:
+            self._counted[0].view(-1)[0] = math.inf
+        return self.global_grad_norm()
+
+    def apply(self, lr: float, norm: float) -> StepStats:
+        """Clip to train.grad_clip by `norm` (prepare's), update, and publish the new parameters."""
         scale_used = self.loss_scale
-        if not math.isfinite(norm):
-            # Every rank sees the same non-finite norm (it was all-reduced), so every rank skips.
-            if self.loss_scale is not None:
-                self.loss_scale = max(self.loss_scale / 2, _MIN_LOSS_SCALE)
-                self._good_steps = 0
-            return StepStats(grad_norm=norm, skipped=True, loss_scale=scale_used)
         if self.grad_clip > 0 and self.grads:
             # Same coefficient as torch.nn.utils.clip_grad_norm_.
             coef = min(1.0, self.grad_clip / (norm + 1e-6))
@@ -196,6 +204,28 @@ class ModelOptimizer:
             if self._good_steps % _GROWTH_INTERVAL == 0:
                 self.loss_scale *= 2
         return StepStats(grad_norm=norm, skipped=False, loss_scale=scale_used)
+
+    def skip(self, norm: float, overflow: bool) -> StepStats:
+        """Leave the weights and Adam's moments as they are; with fp16, a gradient `overflow` (a non-finite
+        norm) halves the loss scale, as dynamic loss scaling does."""
+        scale_used = self.loss_scale
+        if overflow and self.loss_scale is not None:
+            self.loss_scale = max(self.loss_scale / 2, _MIN_LOSS_SCALE)
+            self._good_steps = 0
+        return StepStats(grad_norm=norm, skipped=True, loss_scale=scale_used)
+
+    @property
+    def loss_scale_at_minimum(self) -> bool:
+        """fp16 only: the loss scale cannot be halved any further, so an overflow is no longer its fault."""
+        return self.loss_scale is not None and self.loss_scale <= _MIN_LOSS_SCALE
+
+    def step(self, lr: float) -> StepStats:
+        """prepare, then apply, or skip when the norm is not finite (every rank of the norm's group sees the
+        same all-reduced norm, so they all skip; the trainer also agrees with the other replicas)."""
+        norm = self.prepare()
+        if not math.isfinite(norm):
+            return self.skip(norm, overflow=True)
+        return self.apply(lr, norm)
 
     def state_bytes(self) -> int:
         """Bytes this rank holds for the optimizer: fp32 master copy (if separate) plus AdamW states."""

@@ -24,7 +24,7 @@ from torch import nn
 
 from llmtrain.config.schema import ModelConfig
 from llmtrain.config.validate import raise_if_problem, tensor_parallel_problem
-from llmtrain.parallel.comm import all_gather_single, reduce_scatter_single
+from llmtrain.parallel.comm import all_gather_single, all_reduce, reduce_scatter_single
 from llmtrain.parallel.random import RNGTracker
 from llmtrain.parallel.topology import Topology
 
@@ -60,7 +60,7 @@ def _all_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:
     if _group_size(group) == 1:
         return x
     x = x.contiguous().clone()
-    dist.all_reduce(x, group=group)
+    all_reduce(x, group=group)
     return x
 
 
@@ -413,7 +413,7 @@ def reduce_tp_grads(params: list[nn.Parameter], topo: Topology) -> None:
     sp = [p.main_grad for p in params if getattr(p, "sequence_parallel", False)]
     if sp:
         flat = torch.cat([g.reshape(-1) for g in sp])
-        dist.all_reduce(flat, group=group)
+        all_reduce(flat, group=group, detail="sequence-parallel gradients")
         torch._foreach_copy_(
             sp, [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in sp]), sp, strict=True)]
         )
@@ -423,7 +423,7 @@ def reduce_tp_grads(params: list[nn.Parameter], topo: Topology) -> None:
         grads = [p.main_grad for p in kv]
         flat = torch.cat([g.reshape(-1) for g in grads])
         every = flat.new_empty(topo.tp * flat.numel())
-        all_gather_single(every, flat, group=group)
+        all_gather_single(every, flat, group=group, detail="kv-replica gradients")
         every = every.view(topo.tp, flat.numel())
         block = topo.tp_rank // replicas
         summed = every[block * replicas : (block + 1) * replicas].sum(0)

@@ -3,25 +3,36 @@
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from llmtrain.config.errors import ConfigError
-from llmtrain.config.schema import ParallelConfig
+from llmtrain.config.schema import ParallelConfig, TrainConfig
 from llmtrain.config.validate import rank_order, resolve_dp
 from llmtrain.parallel.watchdog import Watchdog
 
 # Dimensions the grid knows about. cp (context) and ep (expert) have size 1 until the config grows fields for
 # them; they already take part in the rank arithmetic so adding them later changes no caller.
 DIMS = ("tp", "cp", "ep", "dp", "pp")
+GROUP_NAMES = {("tp", "pp"): "mp"}  # how reports call a group spanning several dimensions (Megatron's name)
 
 
 class Topology:
     """Process groups of every parallel dimension, built once and passed explicitly to whoever needs them."""
 
-    def __init__(self, parallel: ParallelConfig, world_size: int, rank: int) -> None:
+    def __init__(
+        self,
+        parallel: ParallelConfig,
+        world_size: int,
+        rank: int,
+        hang_timeout_s: float = TrainConfig.hang_timeout_s,
+        report_dir: Path | None = None,
+    ) -> None:
+        """`hang_timeout_s` (train.hang_timeout_s) and `report_dir` (where hang reports go) configure the
+        watchdog of this rank."""
         if world_size < 1 or not 0 <= rank < world_size:
             raise ConfigError(f"rank {rank} is outside a world of {world_size} processes")
         dp = resolve_dp(parallel, world_size)
@@ -29,8 +40,8 @@ class Topology:
         self.parallel = parallel
         self.world_size = world_size
         self.rank = rank
-        # What this rank waits on in collectives of these groups; the launcher starts its hang thread.
-        self.watchdog = Watchdog(parallel.timeout_s, rank, world_size)
+        # What this rank waits on and the collectives it issued; the launcher starts its hang thread.
+        self.watchdog = Watchdog(hang_timeout_s, rank, world_size, report_dir=report_dir)
         self.sizes: dict[str, int] = {"tp": parallel.tp, "cp": 1, "ep": 1, "dp": dp, "pp": parallel.pp}
         # Unnamed size-1 dimensions go innermost; they do not change the numbering of the named ones.
         self.order: list[str] = [d for d in DIMS if d not in named] + named
@@ -49,8 +60,12 @@ class Topology:
             )
         self._groups: dict[tuple[str, ...], Any] = {}
         if self.distributed:
+            # llmtrain.parallel.comm numbers this process's collectives in this watchdog.
+            self.watchdog.install()
+            self.watchdog.name_group(None, "world")
             for dims in (("tp",), ("dp",), ("pp",), ("tp", "pp")):
                 self._groups[dims] = self._new_groups(dims)
+                self.watchdog.name_group(self._groups[dims], GROUP_NAMES.get(dims, "+".join(dims)))
 
     @classmethod
     def single(cls) -> Topology:
@@ -90,6 +105,7 @@ class Topology:
             return None
         if key not in self._groups:
             self._groups[key] = self._new_groups(key)
+            self.watchdog.name_group(self._groups[key], GROUP_NAMES.get(key, "+".join(key)))
         return self._groups[key]
 
     # Plain attributes of the contract, derived from the grid.

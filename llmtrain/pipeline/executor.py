@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmtrain.config.schema import JobConfig
+from llmtrain.parallel import comm
 from llmtrain.parallel.data_parallel import grad_sync
 from llmtrain.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, gather_sequence
 from llmtrain.parallel.topology import Topology
@@ -341,7 +342,7 @@ class PipelineExecutor:
                     work = recv_works.pop(j, None)
                     if work is not None:
                         detail = f"{t.kind} mb={t.microbatch} chunk={t.chunk} from pp rank {t.peer}"
-                        with self.topo.watchdog.waiting("pp", "recv", detail):
+                        with self.topo.watchdog.waiting("pp", "recv", detail, peer=self._global(t.peer)):
                             work.wait()
                     store = inputs if t.kind == RECV_F else grads_in
                     store[(t.microbatch, t.chunk)] = recv_bufs.pop(j)
@@ -437,8 +438,10 @@ class PipelineExecutor:
         value = value.to(self.device)
         if self.topo.pp > 1:
             last = self._global(self.topo.pp - 1)
-            dist.broadcast(value, src=last, group=self.topo.pp_group)
-        return value.cpu()
+            comm.broadcast(value, src=last, group=self.topo.pp_group, detail="loss from the last stage")
+        # On NCCL the broadcast returns at once; a stage that never sends shows at this host sync.
+        with self.topo.watchdog.waiting("pp", "host sync", "loss from the last stage"):
+            return value.cpu()
 
 
 class PipelineStepRunner:

@@ -19,6 +19,7 @@ from torch import nn
 
 from llmtrain.config.validate import pipeline_problem, raise_if_problem, sequence_parallel_problem
 from llmtrain.models import CausalLM
+from llmtrain.parallel import comm
 from llmtrain.parallel.topology import Topology
 
 
@@ -163,7 +164,7 @@ class PipelineStages(nn.Module):
             grad = self.tied_param.grad
             if grad is None:
                 grad = self.tied_param.grad = torch.zeros_like(self.tied_param)
-        dist.all_reduce(grad, group=self.tied_group)
+        comm.all_reduce(grad, group=self.tied_group, detail="tied embedding gradients")
 
 
 def _tied_pair_group(topo: Topology) -> Any:
@@ -215,7 +216,7 @@ def build_stages(
         if tied_param is not None:
             first = topo.rank_of(pp_rank=0)
             with torch.no_grad():
-                dist.broadcast(tied_param.data, src=first, group=tied_group)
+                comm.broadcast(tied_param.data, src=first, group=tied_group, detail="tied embedding")
     chunks = [
         StageModule(
             model, shell, c * pp + topo.pp_rank, num_stages, ranges[c * pp + topo.pp_rank], seq_shards

@@ -41,7 +41,10 @@ def plan_for_world(
     """Best layout for `world_size` processes: (config overrides, explanation). The cluster is the given one,
     else job.parallel.cluster, else a description of this machine (its GPU's preset or measured CPU)."""
     if cluster is None and job.parallel.cluster:
-        cluster = job.parallel.cluster
+        try:
+            cluster = load_cluster(job.parallel.cluster)
+        except ConfigError as err:
+            raise ConfigError(f"parallel.cluster: {err}") from None
     if cluster is None:
         from llmtrain.planner.profile import local_cluster  # torch only when describing this machine
 

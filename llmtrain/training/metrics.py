@@ -2,7 +2,10 @@
 
 The trainer calls `log_step` after every optimizer step; the logger aggregates the steps of each
 logging interval (the loss is their mean, throughput total tokens over total step time) and writes an
-entry at every `logging.interval`-th step, at the last one, and at a step where training stops early.
+entry at every `logging.interval`-th step, at the last one, at a step where training stops early, and at
+every skipped step (its row says why in `skip_reason`). Each entry has the spread over ranks of their
+compute time per step, and the progress line names the ranks slower than train.straggler_factor times the
+median.
 metrics.jsonl is only appended to, each row tagged with this launch's `segment` (see
 llmtrain.training.metrics_file); nothing is created before the first entry. Other ranks construct the
 logger with is_main=False and it writes nothing.
@@ -13,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import resource
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -35,6 +39,9 @@ _TB_TAGS = {
     "tokens_per_sec": "perf/tokens_per_sec",
     "samples_per_sec": "perf/samples_per_sec",
     "step_time_s": "perf/step_time_s",
+    "rank_step_time_min_s": "perf/rank_step_time_min_s",
+    "rank_step_time_median_s": "perf/rank_step_time_median_s",
+    "rank_step_time_max_s": "perf/rank_step_time_max_s",
     "data_time_s": "perf/data_time_s",
     "tflops_per_device": "perf/tflops_per_device",
     "mfu": "perf/mfu",
@@ -49,6 +56,28 @@ def _finite_or_none(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None
     return value
+
+
+def rank_time_spread(window: list[dict[str, Any]], straggler_factor: float) -> dict[str, Any]:
+    """Each rank's mean compute time per step over `window` (values with `rank_step_times`): its minimum,
+    median and maximum over ranks, the slowest rank, and `slow_ranks` {rank: times the median} for those
+    over `straggler_factor` times the median (0 names none). The median is the lower one, so with two
+    ranks a slow one is compared with the other, not with the midpoint of the two."""
+    per_step = [v["rank_step_times"] for v in window if v.get("rank_step_times")]
+    if not per_step:
+        return {}
+    means = [sum(column) / len(column) for column in zip(*per_step, strict=True)]
+    median = statistics.median_low(means)
+    slow = {}
+    if straggler_factor > 0 and median > 0:
+        slow = {str(r): t / median for r, t in enumerate(means) if t > straggler_factor * median}
+    return {
+        "rank_step_time_min_s": min(means),
+        "rank_step_time_median_s": median,
+        "rank_step_time_max_s": max(means),
+        "slowest_rank": means.index(max(means)),
+        "slow_ranks": slow,
+    }
 
 
 def peak_memory_gb(device: torch.device) -> float:
@@ -98,6 +127,7 @@ class MetricsLogger:
         self.segment = segment
         self.total_steps = job.train.steps
         self.interval = job.logging.interval
+        self.straggler_factor = job.train.straggler_factor
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
@@ -125,8 +155,9 @@ class MetricsLogger:
         """Record one finished step; writes an entry on logging steps and when `last` (training stops here).
 
         values: loss, lr, grad_norm, loss_scale (None without fp16), skipped (bool, this step) or
-        skipped_steps (running count), tokens and samples (whole job, this step), step_time and
-        data_time (seconds), optional breakdown {section: seconds} from StepTimer.pop().
+        skipped_steps (running count), skip_reason (why this step's update was skipped, or None), tokens
+        and samples (whole job, this step), step_time and data_time (seconds), optional breakdown
+        {section: seconds} from StepTimer.pop() and rank_step_times (every rank's compute time, by rank).
         """
         if not self.is_main:
             return
@@ -138,7 +169,7 @@ class MetricsLogger:
         else:
             self._skipped_total += int(bool(values.get("skipped", False)))
         self._window.append(values)
-        if last or self.should_log(step):
+        if last or self.should_log(step) or values.get("skip_reason"):
             self._write_train(step, values)
             self._window = []
 
@@ -149,7 +180,11 @@ class MetricsLogger:
         samples_per_sec = sum(v["samples"] for v in window) / step_time if step_time > 0 else 0.0
         achieved = self.flops_per_token * tokens_per_sec / self.world_size
         mean_step = step_time / len(window)
-        finite_losses = [v["loss"] for v in window if v.get("loss") is not None and math.isfinite(v["loss"])]
+        finite_losses = [
+            v["loss"]
+            for v in window
+            if v.get("loss") is not None and math.isfinite(v["loss"]) and not v.get("skip_reason")
+        ]
         self.last_loss_avg = sum(finite_losses) / len(finite_losses) if finite_losses else None
         entry: dict[str, Any] = {
             "step": step,
@@ -160,6 +195,7 @@ class MetricsLogger:
             "grad_norm": current.get("grad_norm"),
             "loss_scale": current.get("loss_scale"),
             "skipped_steps": self._skipped_total,
+            "skip_reason": current.get("skip_reason"),
             "tokens_per_sec": tokens_per_sec,
             "samples_per_sec": samples_per_sec,
             "step_time_s": mean_step,
@@ -170,6 +206,7 @@ class MetricsLogger:
             "peak_memory_gb": peak_memory_gb(self.device),
             "elapsed_s": time.perf_counter() - self.start_time,
             "eta_s": mean_step * max(self.total_steps - step, 0),
+            **rank_time_spread(window, self.straggler_factor),
         }
         breakdown: dict[str, float] = {}
         for values in window:
@@ -239,8 +276,14 @@ class MetricsLogger:
             parts.append(f"grad {e['grad_norm']:.3f}")
         if e["loss_scale"] is not None:
             parts.append(f"scale {e['loss_scale']:g}")
-        if e["skipped_steps"]:
+        if e["skip_reason"]:
+            parts.append(f"skipped {e['skipped_steps']} (this step: {e['skip_reason']})")
+        elif e["skipped_steps"]:
             parts.append(f"skipped {e['skipped_steps']}")
+        if e.get("slow_ranks"):
+            median_ms = 1e3 * e["rank_step_time_median_s"]
+            slow = ", ".join(f"{rank} ({ratio:.1f}x)" for rank, ratio in e["slow_ranks"].items())
+            parts.append(f"slow rank {slow} vs median {median_ms:.0f} ms")
         parts.append(f"{_si(e['tokens_per_sec'])} tok/s")
         parts.append(f"{e['tflops_per_device']:.3g} TFLOP/s/dev")
         if e["mfu"] is not None:

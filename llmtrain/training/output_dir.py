@@ -23,7 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from llmtrain.checkpoint.manager import LATEST, read_meta, resolve
+from llmtrain.checkpoint.errors import CheckpointError
+from llmtrain.checkpoint.manager import last_good_checkpoint, read_meta, resolve
 from llmtrain.cli import launch_attempt
 from llmtrain.config import ConfigError, JobConfig, dump
 from llmtrain.training.metrics_file import METRICS_FILE, next_segment
@@ -54,6 +55,8 @@ class Launch:
     config_file: str
     """The file commit writes this launch's validated config to."""
     total_steps: int
+    skipped: tuple[str, ...] = ()
+    """Newer saves of the run it did not resume from, each with why (interrupted, failing its checksums)."""
 
     @property
     def nothing_to_do(self) -> bool:
@@ -71,6 +74,8 @@ class Launch:
             text += f"; the earlier run ({self.earlier_run}) moved to {self.archive_to}"
         elif self.earlier_run is not None and self.resume_from is None:
             text += f" again: the earlier launches ({self.earlier_run}) saved no checkpoint"
+        if self.skipped:
+            text += f"; skipped {'; '.join(self.skipped)}"
         return text
 
     def nothing_to_do_text(self) -> str:
@@ -142,6 +147,14 @@ def _archive_dir(output_dir: Path) -> Path:
     return candidate
 
 
+def _load_from(path: str) -> Path:
+    """checkpoint.load as a checkpoint directory; a bad path's error names the field."""
+    try:
+        return resolve(Path(path))
+    except CheckpointError as err:
+        raise type(err)(f"checkpoint.load: {err}") from None
+
+
 def plan_launch(job: JobConfig) -> Launch:
     """Inspect output_dir (read only) and decide how this launch starts; raise ConfigError to refuse."""
     output_dir = Path(job.output_dir)
@@ -150,7 +163,7 @@ def plan_launch(job: JobConfig) -> Launch:
     entries = run_entries(output_dir)
     launches = read_launches(output_dir)
     own_root = output_dir / "checkpoints"
-    own_checkpoint = resolve(own_root) if (own_root / LATEST).is_file() else None
+    own_checkpoint, skipped = last_good_checkpoint(own_root)
     earlier_run = _describe_run(output_dir, entries, own_checkpoint) if entries else None
     archive_to = None
     if earlier_run is not None and not _is_own_restart(launches):
@@ -165,7 +178,7 @@ def plan_launch(job: JobConfig) -> Launch:
     if own_checkpoint is not None:
         resume_from: Path | None = own_checkpoint
     else:
-        resume_from = resolve(Path(job.checkpoint.load)) if job.checkpoint.load else None
+        resume_from = _load_from(job.checkpoint.load) if job.checkpoint.load else None
     segment = 0 if archive_to is not None else _segment(output_dir, entries, launches)
     first_config = archive_to is not None or not (output_dir / CONFIG).exists()
     return Launch(
@@ -178,6 +191,7 @@ def plan_launch(job: JobConfig) -> Launch:
         archive_to=str(archive_to) if archive_to is not None else None,
         config_file=str(output_dir / (CONFIG if first_config else f"config.segment{segment}.yaml")),
         total_steps=job.train.steps,
+        skipped=() if archive_to is not None else tuple(skipped),
     )
 
 

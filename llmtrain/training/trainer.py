@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import signal
 import time
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,8 @@ import torch.distributed as dist
 
 from llmtrain.config import JobConfig, to_dict
 from llmtrain.errors import UserError
+from llmtrain.faults import injected
+from llmtrain.parallel import comm
 from llmtrain.training.interrupt import StopRequest, exit_code
 from llmtrain.training.lr_schedule import learning_rate
 from llmtrain.training.metrics import format_duration
@@ -25,7 +28,8 @@ class StepRunner(Protocol):
     """Runs the forward and backward passes of one global batch slice on this rank."""
 
     def train_step(self, batch: torch.Tensor, timer: StepTimer) -> torch.Tensor:
-        """Accumulate gradients over the micro-batches of `batch`; return the mean loss (a 0-d tensor)."""
+        """Accumulate gradients over the micro-batches of `batch`; return the mean loss (a 0-d tensor, on
+        the host or still on the device: the trainer reads it once)."""
 
     def eval_step(self, batch: torch.Tensor) -> torch.Tensor:
         """Mean loss of `batch` without gradients."""
@@ -51,7 +55,8 @@ class LocalStepRunner:
     def train_step(self, batch: torch.Tensor, timer: StepTimer) -> torch.Tensor:
         self.model.train()
         micro_batches = batch.to(self.device).split(self.micro_batch_size)
-        total = torch.zeros((), dtype=torch.float32)
+        # Summed on the device: one host sync per step (the trainer's), not one per micro-batch.
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
         for index, micro in enumerate(micro_batches):
             # Data-parallel gradient reduction only runs with the last micro-batch's backward.
             with self.grad_sync(self.model, enabled=index == len(micro_batches) - 1):
@@ -59,14 +64,14 @@ class LocalStepRunner:
                     loss = self.model(micro[:, :-1], labels=micro[:, 1:])
                 with timer.section("backward"):
                     self.optimizer.backward(loss / len(micro_batches))
-            total += loss.detach().float().cpu()
+            total += loss.detach().float()
         return total / len(micro_batches)
 
     @torch.no_grad()
     def eval_step(self, batch: torch.Tensor) -> torch.Tensor:
         self.model.eval()
         losses = [
-            self.model(m[:, :-1], labels=m[:, 1:]).float().cpu()
+            self.model(m[:, :-1], labels=m[:, 1:]).float()
             for m in batch.to(self.device).split(self.micro_batch_size)
         ]
         return torch.stack(losses).mean()
@@ -90,7 +95,7 @@ class TrainResult:
     stopped_by: int | None = None
     """The signal (SIGINT, SIGTERM) that stopped training before train.steps."""
     checkpoint: str | None = None
-    """The last checkpoint this launch saved."""
+    """The newest complete checkpoint when this launch ends (a save that failed leaves the one before)."""
     nothing_to_do: str | None = None
     """Why this launch ran no step (the run was already at train.steps)."""
 
@@ -112,19 +117,38 @@ class TrainResult:
         if self.skipped_steps:
             figures += f", {self.skipped_steps} skipped"
         if self.stopped_by:
+            resume = (
+                f"checkpoint {self.checkpoint}; rerun the same command to resume from it"
+                if self.checkpoint
+                else "no checkpoint was saved; a rerun starts over"
+            )
             return (
                 f"stopped by {signal.Signals(self.stopped_by).name} at step {self.steps}/{self.total_steps} "
-                f"({figures}); checkpoint {self.checkpoint}; rerun the same command to resume at step "
-                f"{self.steps + 1}"
+                f"({figures}); {resume}"
             )
         saved = f"; checkpoint {self.checkpoint}" if self.checkpoint else ""
         return f"done: step {self.steps}/{self.total_steps} ({figures}); output in {self.output_dir}{saved}"
 
 
 class TrainingDiverged(UserError, RuntimeError):
-    """Too many consecutive steps had a non-finite loss."""
+    """train.max_bad_steps steps in a row were skipped (non-finite loss or gradient, loss spike)."""
 
     exit_code = 3
+
+
+# Each rank's contribution to the step's agreement (Trainer._agree), by position.
+_LOSS, _GRAD_NORM, _STOP, _SAVE_CLOCK, _COMPUTE_TIME = range(5)
+
+
+def _with_loss_faults(loss: float, step: int, rank: int) -> float:
+    """This rank's loss as the `nan_loss` fault (NaN) or the `loss_spike` fault (times its `factor`,
+    default 10) makes it; see llmtrain.faults. A fault without `rank=` hits every rank."""
+    if injected("nan_loss", step=step, rank=rank) is not None:
+        return math.nan
+    spike = injected("loss_spike", step=step, rank=rank)
+    if spike is not None:
+        return loss * float(spike.params.get("factor", "10"))
+    return loss
 
 
 class Trainer:
@@ -156,34 +180,50 @@ class Trainer:
         self.consumed_samples = 0
         self.skipped_steps = 0
         self.bad_steps_in_a_row = 0
+        self.good_losses: deque[float] = deque(maxlen=job.train.loss_spike_window)
+        """The losses of the last train.loss_spike_window steps whose update was applied."""
         self.stop = StopRequest(announce=topo.rank == 0)
         self.stop_signal = 0  # agreed by all ranks at the last step boundary
         self.save_clock_due = False  # rank 0's clock said checkpoint.interval_minutes passed (agreed)
         self._last_save_time = time.monotonic()
-        self.last_checkpoint: str | None = None
+        self.last_skip_reason: str | None = None
 
     def _mean_over_dp(self, value: torch.Tensor) -> float:
         """Average a loss over the data-parallel replicas (each saw a different slice of the batch)."""
         group = self.topo.dp_group
         if group is not None and self.topo.dp > 1:
             value = value.to(self.topo.device, copy=True)  # NCCL reduces only device tensors
-            with self.topo.watchdog.waiting("dp", "all_reduce", "loss"), self.timer.section("dp_comm"):
-                dist.all_reduce(value, group=group)
+            with self.timer.section("dp_comm"):
+                comm.all_reduce(value, group=group, detail="eval loss")
             value /= self.topo.dp
-        return float(value)
+        return self._host_float(value, "dp" if self.topo.dp > 1 else self._tp_or_local, "eval loss")
 
-    def _agree(self, flags: list[float]) -> list[float]:
-        """Each flag's maximum over all ranks, so every rank takes the same branch.
+    @property
+    def _tp_or_local(self) -> str:
+        """The group a loss computed on this rank waits on: tensor parallelism's collectives, if any."""
+        return "tp" if self.topo.tp > 1 else "local"
 
-        The step's one world-wide collective: it carries the non-finite-loss check, the stop signal and
-        rank 0's checkpoint clock together, so agreeing on them costs no extra collective.
+    def _host_float(self, value: torch.Tensor, group: str, detail: str) -> float:
+        """float(value), marked as a wait on `group`: on NCCL a collective returns at once, and a rank
+        that never joins it shows here, where the host first needs the result."""
+        with self.topo.watchdog.waiting(group, "host sync", detail):
+            return float(value)
+
+    def _agree(self, mine: list[float]) -> list[list[float]]:
+        """Every rank's `mine`, in rank order, on every rank: the step's one world-wide collective.
+
+        It carries each rank's loss and gradient norm (the bad-step checks), the stop signal, rank 0's
+        checkpoint clock and the rank's compute time (the straggler check). Every rank decides from the
+        same gathered numbers, so all take the same branch, and agreeing costs no extra collective.
         """
-        if not dist.is_initialized():
-            return flags
-        tensor = torch.tensor(flags, dtype=torch.float32, device=self.topo.device)
-        with self.topo.watchdog.waiting("world", "all_reduce", "non-finite loss / stop / checkpoint check"):
-            dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-        return tensor.tolist()
+        if not dist.is_initialized() or self.topo.world_size == 1:
+            return [mine]
+        local = torch.tensor(mine, dtype=torch.float64, device=self.topo.device)
+        gathered = torch.empty(self.topo.world_size * len(mine), dtype=local.dtype, device=local.device)
+        detail = "step agreement: bad step / stop / checkpoint clock / step times"
+        comm.all_gather_single(gathered, local, detail=detail)
+        with self.topo.watchdog.waiting("world", "host sync", detail):
+            return gathered.view(self.topo.world_size, len(mine)).tolist()
 
     def _clock_says_save(self) -> bool:
         """On rank 0 only: checkpoint.interval_minutes of wall-clock time passed since the last save."""
@@ -198,12 +238,14 @@ class Trainer:
         self.step = int(extra["step"])
         self.consumed_samples = int(extra["consumed_samples"])
         self.skipped_steps = int(extra.get("skipped_steps", 0))
+        self.good_losses.extend(extra.get("good_losses", []))
 
     def _checkpoint_extra(self) -> dict[str, Any]:
         return {
             "step": self.step,
             "consumed_samples": self.consumed_samples,
             "skipped_steps": self.skipped_steps,
+            "good_losses": list(self.good_losses),
             "config": to_dict(self.job),
         }
 
@@ -216,7 +258,6 @@ class Trainer:
         self.checkpointer.save(
             self.step, self.model, self.optimizer, self._checkpoint_extra(), on_saved=self._saved
         )
-        self.last_checkpoint = str(self.checkpointer.root / f"step_{self.step}")
         self._last_save_time = time.monotonic()
 
     def evaluate(self) -> float:
@@ -225,50 +266,96 @@ class Trainer:
         ]
         return self._mean_over_dp(torch.stack(losses).mean())
 
-    def _train_step(self, batches: Iterator[torch.Tensor]) -> dict[str, Any]:
-        """One optimizer step (or a skipped one after a non-finite loss); returns what gets logged."""
+    def _skip_reason(self, loss: float, grad_norms: list[float]) -> tuple[str | None, bool]:
+        """Why this step's update is skipped (None: it is not), and whether the skip counts toward
+        train.max_bad_steps. `loss` is the step's mean over ranks, `grad_norms` every rank's norm."""
+        if not math.isfinite(loss):
+            return ("nan loss" if math.isnan(loss) else "inf loss"), True
+        bad_norm = next((norm for norm in grad_norms if not math.isfinite(norm)), None)
+        if bad_norm is not None:
+            kind = "nan grad" if math.isnan(bad_norm) else "inf grad"
+            scale = getattr(self.optimizer, "loss_scale", None)
+            if scale is not None and not self.optimizer.loss_scale_at_minimum:
+                # Dynamic loss scaling overflows by design (it probes for the largest safe scale).
+                return f"{kind}: fp16 overflow at loss scale {scale:g}", False
+            return kind, True
         train = self.job.train
+        if train.loss_spike_factor > 0 and len(self.good_losses) == train.loss_spike_window:
+            mean = sum(self.good_losses) / len(self.good_losses)
+            if mean > 0 and loss > train.loss_spike_factor * mean:
+                ratio, steps = loss / mean, len(self.good_losses)
+                return f"loss spike {ratio:.1f}x the mean of the last {steps} good steps", True
+        return None, False
+
+    def _train_step(self, batches: Iterator[torch.Tensor]) -> dict[str, Any]:
+        """One optimizer step, or a skipped one (see _skip_reason); returns what gets logged."""
+        train = self.job.train
+        step, rank = self.step + 1, self.topo.rank
         start = time.perf_counter()
-        batch = next(batches)
+        self.topo.watchdog.at_step(step)
+        with self.topo.watchdog.waiting("local", "data-loader fetch", f"step {step}"):
+            batch = next(batches)
         data_time = time.perf_counter() - start
+        slow = injected("slow_rank", step=step, rank=rank)
+        if slow is not None:
+            time.sleep(float(slow.params.get("seconds", "1")))
         lr = learning_rate(train, self.step)
-        loss = self._mean_over_dp(self.runner.train_step(batch, self.timer))
-        not_finite, stop_signal, clock = self._agree(
-            [float(not math.isfinite(loss)), float(self.stop.signum), float(self._clock_says_save())]
-        )
-        self.stop_signal, self.save_clock_due = int(stop_signal), bool(clock)
-        grad_norm, loss_scale = float("nan"), None
-        if not_finite:
+        loss = self.runner.train_step(batch, self.timer)
+        local_loss = _with_loss_faults(self._host_float(loss, self._tp_or_local, "step loss"), step, rank)
+        # This rank's own time: the waits for the others start with the gradient reduction below.
+        compute_time = time.perf_counter() - start
+        inf_grad = injected("inf_grad", step=step, rank=rank) is not None
+        with self.timer.section("optimizer"):
+            local_norm = self.optimizer.prepare(inject_inf=inf_grad)
+        mine = [local_loss, local_norm, float(self.stop.signum), float(self._clock_says_save()), compute_time]
+        with self.timer.section("agree"):
+            rows = self._agree(mine)
+        columns = [list(column) for column in zip(*rows, strict=True)]
+        self.stop_signal, self.save_clock_due = int(max(columns[_STOP])), bool(max(columns[_SAVE_CLOCK]))
+        # Every rank of a data-parallel replica holds the replica's loss (pipeline stages get it from the
+        # last one), so the mean over all ranks is the mean over the replicas.
+        mean_loss = sum(columns[_LOSS]) / len(rows)
+        grad_norm = next((norm for norm in columns[_GRAD_NORM] if not math.isfinite(norm)), local_norm)
+        reason, counts = self._skip_reason(mean_loss, columns[_GRAD_NORM])
+        with self.timer.section("optimizer"):
+            if reason is None:
+                stats = self.optimizer.apply(lr, local_norm)
+            else:
+                stats = self.optimizer.skip(local_norm, overflow=not math.isfinite(grad_norm))
             self.optimizer.zero_grad()
-            self.skipped_steps += 1
-            self.bad_steps_in_a_row += 1
-            if self.bad_steps_in_a_row >= train.max_bad_steps:
-                raise TrainingDiverged(
-                    f"loss was not finite for {self.bad_steps_in_a_row} steps in a row (up to step "
-                    f"{self.step + 1}); stopping. Lower train.lr or raise train.max_bad_steps; the last "
-                    "good checkpoint is kept."
-                )
-        else:
-            with self.timer.section("optimizer"):
-                stats = self.optimizer.step(lr)
-                self.optimizer.zero_grad()
-            grad_norm, loss_scale = stats.grad_norm, stats.loss_scale
-            self.skipped_steps += int(stats.skipped)
+        if reason is None:
             self.bad_steps_in_a_row = 0
+            self.good_losses.append(mean_loss)
+        else:
+            self.skipped_steps += 1
+            self.bad_steps_in_a_row += int(counts)
+            self.last_skip_reason = reason
         self.step += 1
         self.consumed_samples += train.global_batch_size
         return {
-            "loss": loss,
+            "loss": mean_loss,
             "lr": lr,
             "grad_norm": grad_norm,
-            "loss_scale": loss_scale,
+            "loss_scale": stats.loss_scale,
             "skipped_steps": self.skipped_steps,
+            "skip_reason": reason,
+            "rank_step_times": columns[_COMPUTE_TIME],
             "samples": train.global_batch_size,
             "tokens": train.global_batch_size * self.tokens_per_sample,
             "step_time": time.perf_counter() - start,
             "data_time": data_time,
             "breakdown": self.timer.pop(),
         }
+
+    def _diverged(self) -> TrainingDiverged:
+        """The error that stops a run after train.max_bad_steps bad steps in a row."""
+        kept = self.checkpointer.last_good
+        where = f"the last good checkpoint {kept} is kept" if kept else "no checkpoint had been saved yet"
+        return TrainingDiverged(
+            f"{self.bad_steps_in_a_row} steps in a row were skipped (the last at step {self.step}: "
+            f"{self.last_skip_reason}); stopping, {where}. Lower train.lr, or raise train.max_bad_steps "
+            "(or train.loss_spike_factor for spikes), and rerun the same command to resume."
+        )
 
     def fit(self) -> TrainResult:
         """Train from the current step until train.steps, evaluating and checkpointing on schedule.
@@ -290,6 +377,8 @@ class Trainer:
                     stopping = self.stop_signal != 0
                     last = self.step == train.steps
                     self.metrics.log_step(self.step, values, last=stopping)
+                    if self.bad_steps_in_a_row >= train.max_bad_steps:
+                        raise self._diverged()
                     eval_due = train.eval_interval and (self.step % train.eval_interval == 0 or last)
                     # Evaluation is skipped when stopping: preemption leaves seconds for the checkpoint.
                     if eval_due and not stopping:
@@ -312,5 +401,5 @@ class Trainer:
             skipped_steps=self.skipped_steps,
             output_dir=self.job.output_dir,
             stopped_by=self.stop_signal if self.stop_signal and self.step < train.steps else None,
-            checkpoint=self.last_checkpoint,
+            checkpoint=str(self.checkpointer.last_good) if self.checkpointer.last_good else None,
         )

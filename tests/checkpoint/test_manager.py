@@ -177,7 +177,7 @@ def _crash_and_disk_full(out: str) -> None:
 
     import llmtrain.checkpoint.storage as storage
 
-    job = tiny_job(out)
+    job = tiny_job(out, checkpoint__on_save_error="stop")
     model, opt = build(job, SINGLE)
     ck = Checkpointer(job, SINGLE)
     ck.save(1, model, opt, {"step": 1})
@@ -210,8 +210,8 @@ def test_disk_full_and_crash_mid_save_keep_the_last_good_checkpoint(tmp_path: Pa
     child.join(120)
     assert child.exitcode == 3
     message = (tmp_path / "disk_full_error.txt").read_text()
-    assert "saving checkpoint step_2" in message and "disk full" in message and "__0_0.distcp" in message
-    assert "step_1 is untouched" in message
+    assert message.startswith("checkpoint step_2 not saved: no space left in") and "__0_0.distcp" in message
+    assert f"kept {tmp_path / 'checkpoints' / 'step_1'}" in message
     root = tmp_path / "checkpoints"
     assert (root / "latest").read_text().strip() == "step_1"
     assert not (root / "step_2").exists() and not (root / "step_3").exists()

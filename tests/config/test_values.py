@@ -136,7 +136,7 @@ def test_a_quoted_number_is_accepted_for_a_number_field(tmp_path):
         ("train.lr=-.inf", "train.lr must be a finite number; got -.inf"),
         ("train.lr=.nan", "train.lr must be a finite number; got .nan"),
         ("train.lr=1e400", "train.lr must be a finite number; got 1e400"),
-        ("parallel.timeout_s=.inf", "parallel.timeout_s must be a finite number; got .inf"),
+        ("train.hang_timeout_s=.inf", "train.hang_timeout_s must be a finite number; got .inf"),
         ("logging.peak_tflops=.nan", "logging.peak_tflops must be a finite number; got .nan"),
         ("train.lr=1" + "0" * 400, "train.lr must be a finite number"),
         ("data.weights=[1,.nan]", r"data.weights\[1\] must be a finite number; got .nan"),
@@ -248,3 +248,57 @@ def test_dates_stay_strings_and_dumps_quote_float_like_strings():
     for text in ["1e-3", "-.5", "1E3", "2024-01-01", "1.5", "12"]:
         dumped = dump_yaml({"name": text})
         assert load_yaml(dumped) == {"name": text} and yaml.safe_load(dumped) == {"name": text}, dumped
+
+
+# --- ranges every field obeys (validate._check_ranges), and the defects the fuzz (test_fuzz.py) found -------
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        # used to end in a NumPy traceback (no micro-batches to stack)
+        (
+            ["train.global_batch_size=0", "train.micro_batch_size=1"],
+            "train.global_batch_size must be at least 1; got 0",
+        ),
+        (["train.seed=-1"], "train.seed must be >= 0; got -1"),  # used to fail in NumPy's PCG64
+        (
+            ["train.seed=9223372036854775808"],
+            r"train.seed must be at most 2\*\*63-1; got 9223372036854775808",
+        ),
+        (["model.num_kv_heads=0"], "model.num_kv_heads must be at least 1; got 0"),  # used to mean null
+        (["model.head_dim=-2"], "model.head_dim must be at least 1; got -2"),
+        (["train.eval_batches=0"], "train.eval_batches must be at least 1; got 0"),
+        (["train.adam_eps=0"], "train.adam_eps must be positive; got 0.0"),
+        (["train.adam_beta2=1"], r"train.adam_beta2 must be in \[0, 1\); got 1.0"),
+        (["logging.profile_steps=[-1, 2]"], r"logging.profile_steps\[0\] must be >= 0; got -1"),
+        (
+            ["output_dir="],
+            r"output_dir is empty; give a value or leave output_dir out \(default: 'runs/default'\)",
+        ),
+        (
+            ["checkpoint.load=''"],
+            r"checkpoint.load is empty; give a value or leave checkpoint.load out \(default: null\)",
+        ),
+        (["data.prefixes=['']", "data.tokenizer=t"], r"data.prefixes\[0\] is empty; give a value$"),
+        (["data.split=inf,1,0"], "data.split must be three non-negative"),
+        (
+            ["data.split=100,0,0", "train.eval_interval=5"],
+            "data.split='100,0,0' gives the valid split no share",
+        ),
+        (
+            ["model.arch=llama", "model.head_dim=5"],
+            r"model.arch=llama \(rotary embeddings\) needs an even head size",
+        ),
+    ],
+)
+def test_out_of_range_values_name_the_field(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load(None, overrides)
+
+
+def test_zero_keeps_its_off_meaning_where_documented():
+    job = load(
+        None, ["checkpoint.interval=0", "train.eval_interval=0", "data.split=100,0,0", "train.grad_clip=0"]
+    )
+    assert (job.checkpoint.interval, job.train.eval_interval, job.train.grad_clip) == (0, 0, 0.0)

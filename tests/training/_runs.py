@@ -58,8 +58,13 @@ def torchrun_command(nproc: int, out: Path, *overrides: str) -> list[str]:
 
 
 def env() -> dict[str, str]:
-    """The test's environment without a debug switch (the tests check what users see by default)."""
-    return {k: v for k, v in os.environ.items() if k != "LLMTRAIN_DEBUG"}
+    """The test's environment without a debug switch or torchrun's shared-store opt-out (the tests check
+    what users see by default)."""
+    return {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("LLMTRAIN_DEBUG", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
+    }
 
 
 def run_cli(command: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
