@@ -28,6 +28,17 @@ def add_debug_flag(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_on_bad_document_flag(parser: argparse.ArgumentParser) -> None:
+    """Declare --on-bad-document, shared by the tools that read raw documents (tokenizer training and
+    preprocessing treat an unreadable record the same way)."""
+    parser.add_argument(
+        "--on-bad-document",
+        choices=("skip", "error"),
+        default="skip",
+        help="an unreadable record: skip and count it (default), or stop naming it",
+    )
+
+
 def debug_requested(argv: list[str]) -> bool:
     """Whether the user asked for tracebacks: --debug among the arguments or LLMTRAIN_DEBUG set to non-0."""
     return DEBUG_FLAG in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from llmtrain.cli import add_debug_flag, run_tool
+from llmtrain.cli import add_debug_flag, add_on_bad_document_flag, run_tool
 
 
 def parser() -> argparse.ArgumentParser:
@@ -37,12 +37,7 @@ def parser() -> argparse.ArgumentParser:
         "--append-eod", action="store_true", help="append the end-of-document token to every document"
     )
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenizer processes")
-    ap.add_argument(
-        "--on-bad-document",
-        choices=("skip", "error"),
-        default="skip",
-        help="an unreadable record: skip and count it (default), or stop naming it",
-    )
+    add_on_bad_document_flag(ap)
     ap.add_argument("--overwrite", action="store_true", help="replace existing output files")
     ap.add_argument("--log-interval", type=float, default=5.0, help="seconds between progress lines")
     add_debug_flag(ap)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from llmtrain.cli import add_debug_flag, run_tool
+from llmtrain.cli import add_debug_flag, add_on_bad_document_flag, run_tool
 
 
 def parser() -> argparse.ArgumentParser:
@@ -30,12 +30,7 @@ def parser() -> argparse.ArgumentParser:
         default=1_000_000,
         help="lines sampled for training (bounds time and memory)",
     )
-    ap.add_argument(
-        "--on-bad-document",
-        choices=("skip", "error"),
-        default="skip",
-        help="an unreadable record: skip and count it (default), or stop naming it",
-    )
+    add_on_bad_document_flag(ap)
     ap.add_argument("--overwrite", action="store_true", help="replace an existing PREFIX.model")
     ap.add_argument("--verbose", action="store_true", help="show SentencePiece's own training log")
     ap.add_argument("--log-interval", type=float, default=5.0, help="seconds between progress lines")

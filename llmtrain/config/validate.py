@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import typing
 
 from llmtrain.config.errors import ConfigError
 from llmtrain.config.schema import JobConfig, ModelConfig, ParallelConfig
@@ -120,10 +121,6 @@ def validate(job: JobConfig) -> None:
         f"checkpoint.interval_minutes must be >= 0 (0: no time-based saves); got {c.interval_minutes}",
     )
     _require(c.keep >= 1, f"checkpoint.keep must be at least 1; got {c.keep}")
-    _require(
-        c.on_save_error in ("continue", "stop"),
-        f"checkpoint.on_save_error must be continue or stop; got {c.on_save_error!r}",
-    )
 
     lg = job.logging
     _require(lg.interval >= 1, f"logging.interval must be at least 1; got {lg.interval}")
@@ -161,14 +158,21 @@ _INT64_MAX = 2**63 - 1
 
 def _check_ranges(section: object, prefix: str = "") -> None:
     """The rules every field obeys, read from the dataclasses so that a field added later obeys them too:
-    a number (or list item) is >= 0 (> 0 in _POSITIVE) and a whole one fits an int64; a string is not empty.
+    a number (or list item) is >= 0 (> 0 in _POSITIVE) and a whole one fits an int64; a string is not empty;
+    a field typed as a Literal holds one of its choices (the loader checks that too, but a config built or
+    changed in code reaches validate without passing the loader).
 
     The loader has checked the types already. A field that may be negative would need an exception here.
     """
+    hints = typing.get_type_hints(type(section))
     for f in dataclasses.fields(section):
         value, name = getattr(section, f.name), prefix + f.name
         if dataclasses.is_dataclass(value):
             _check_ranges(value, f"{name}.")
+            continue
+        if typing.get_origin(hints[f.name]) is typing.Literal:
+            choices = typing.get_args(hints[f.name])
+            _require(value in choices, f"{name} must be one of {', '.join(choices)}; got {value!r}")
             continue
         items = list(enumerate(value)) if isinstance(value, list) else [(None, value)]
         for index, item in items:

@@ -1,10 +1,12 @@
 """Config loading, overrides and validation: each bad input names the field and the fix."""
 
+import dataclasses
+import typing
 from pathlib import Path
 
 import pytest
 
-from llmtrain.config import ConfigError, JobConfig, dump, load, parse_override, validate_world
+from llmtrain.config import ConfigError, JobConfig, dump, load, parse_override, validate, validate_world
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -116,3 +118,33 @@ def test_world_size_must_match_degrees():
     assert validate_world(inferred, 8) == 4
     with pytest.raises(ConfigError, match="not divisible by parallel.tp"):
         validate_world(inferred, 3)
+
+
+def _literal_fields(section: object, prefix: str = "") -> list[tuple[str, tuple[str, ...]]]:
+    """(dotted name, choices) of every Literal-typed field of a JobConfig, found by reading types."""
+    found = []
+    hints = typing.get_type_hints(type(section))
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        if dataclasses.is_dataclass(value):
+            found += _literal_fields(value, f"{prefix}{f.name}.")
+        elif typing.get_origin(hints[f.name]) is typing.Literal:
+            found.append((f"{prefix}{f.name}", typing.get_args(hints[f.name])))
+    return found
+
+
+def test_validate_checks_every_choice_field_set_in_code():
+    """A config changed in code (not through the loader, which checks choices itself) is still held to the
+    choices of every Literal field."""
+    fields = _literal_fields(JobConfig())
+    assert len(fields) >= 7  # arch, kernels, recompute, schedule, precision, lr_decay, on_save_error
+    for name, choices in fields:
+        job = JobConfig()
+        target = job
+        for part in name.split(".")[:-1]:
+            target = getattr(target, part)
+        setattr(target, name.rsplit(".", 1)[-1], "no-such-choice")
+        with pytest.raises(
+            ConfigError, match=rf"^{name} must be one of {', '.join(choices)}; got 'no-such-choice'$"
+        ):
+            validate(job)

@@ -19,9 +19,11 @@ from llmtrain.parallel.memory import korthikanti_bytes, measure_layer_bytes
 from tests.parallel._dist import batches, parallel_run, spawn, tiny_job
 
 BF16_STEPS = 20
-# bf16 keeps 8 mantissa bits: the tp=2 and tp=1 curves start equal (1e-4) and drift apart by rounding
-# only; at lr 1e-2 over 20 steps the per-step gap stays under 4% (measured), we allow 5%.
-BF16_TOLERANCE = 5e-2
+# bf16 keeps 8 mantissa bits. Splitting the layers over two TP ranks changes only where bf16 rounds and in
+# which order partial sums add; running in fp32 instead removes bf16 rounding altogether, a larger change.
+# So the tp=2 curve may sit no further from the tp=1 curve than the tp=1 bf16 curve sits from its fp32
+# twin (the scale bf16 rounding reaches through these 20 steps at lr 1e-2), times 2 for headroom.
+BF16_GAP_VS_ROUNDING = 2.0
 
 
 def _gather(x: torch.Tensor) -> list[torch.Tensor]:
@@ -41,12 +43,14 @@ def _bf16(rank: int, world: int) -> dict:
         "main_grad": next(model.parameters()).main_grad.dtype,
         "master": opt.masters[0].dtype,
     }
-    single = None
+    single = fp32 = None
     if rank == 0:
         job1 = tiny_job("llama", precision="bf16")
         job1.train.global_batch_size = 4
         single = _curves(parallel_run(job1, Topology.single(), data, lr=1e-2))
-    return {"tp2": _curves(run), "tp1": single, "dtypes": dtypes}
+        job1.train.precision = "fp32"
+        fp32 = _curves(parallel_run(job1, Topology.single(), data, lr=1e-2))
+    return {"tp2": _curves(run), "tp1": single, "tp1_fp32": fp32, "dtypes": dtypes}
 
 
 def _curves(run: dict) -> dict:
@@ -228,9 +232,10 @@ def results() -> list[dict]:
 def test_bf16_tp2_follows_tp1(results: list[dict]) -> None:
     r = results[0]["bf16"]
     assert r["dtypes"] == {"param": torch.bfloat16, "main_grad": torch.float32, "master": torch.float32}
-    tp2, tp1 = r["tp2"]["losses"], r["tp1"]["losses"]
-    rel = [abs(a - b) / b for a, b in zip(tp2, tp1, strict=True)]
-    assert max(rel) < BF16_TOLERANCE, (tp2, tp1)
+    tp2, tp1, fp32 = r["tp2"]["losses"], r["tp1"]["losses"], r["tp1_fp32"]["losses"]
+    tp_gap = max(abs(a - b) / b for a, b in zip(tp2, tp1, strict=True))
+    rounding_gap = max(abs(a - b) / b for a, b in zip(tp1, fp32, strict=True))
+    assert tp_gap <= BF16_GAP_VS_ROUNDING * rounding_gap, (tp_gap, rounding_gap, tp2, tp1, fp32)
     assert abs(tp2[0] - tp1[0]) / tp1[0] < 1e-3
     assert tp2[-1] < tp2[0] - 1.0  # a curve that moves, not a flat line
     # The first step's gradients come from the same weights and differ by bf16 rounding only (a few units
