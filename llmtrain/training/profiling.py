@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +19,11 @@ class StepTimer:
     in its parent. Disabled, every call is a no-op, so the trainer can leave the calls in place.
     """
 
-    def __init__(self, enabled: bool, synchronize: bool | None = None) -> None:
+    def __init__(
+        self, enabled: bool, synchronize: bool | None = None, clock: Callable[[], float] = time.perf_counter
+    ) -> None:
         self.enabled = enabled
+        self.clock = clock
         # CUDA work is asynchronous: without a sync at each boundary the time lands in whichever
         # section happens to block next. The syncs cost throughput, hence logging.time_breakdown.
         self.synchronize = torch.cuda.is_available() if synchronize is None else synchronize
@@ -37,12 +40,12 @@ class StepTimer:
             yield
             return
         self._sync()
-        start = time.perf_counter()
+        start = self.clock()
         try:
             yield
         finally:
             self._sync()
-            self.add(name, time.perf_counter() - start)
+            self.add(name, self.clock() - start)
 
     def add(self, name: str, seconds: float) -> None:
         """Add time measured elsewhere (e.g. by a communication hook) to `name`."""
