@@ -26,6 +26,8 @@ setup(
         "matplotlib>=3.7",
     ],
     extras_require={
+        # train.precision=fp8: torchao's float8 training (its float8 GEMMs also run, slowly, on CPU).
+        "fp8": ["torchao>=0.18"],
         "test": [
             "pytest>=8.0",
             "pytest-timeout>=2.3",
@@ -34,6 +36,7 @@ setup(
             "megatron-core>=0.16",
             "psutil>=5.9",
             "ruff>=0.5",
+            "torchao>=0.18",  # tests/training/test_fp8.py
         ],
     },
 )

@@ -1,4 +1,4 @@
-"""Benchmark llmtrain's Triton kernels against PyTorch eager, torch.compile, Liger-Kernel and SDPA.
+"""Benchmark llmtrain's Triton kernels against PyTorch eager, torch.compile, Liger-Kernel, SDPA, flash-attn.
 
 On a CUDA GPU: forward+backward time, achieved GB/s (memory-bound kernels) or TFLOP/s (attention, fused
 linear CE) and peak memory at LLaMA-3-8B shapes, printed with ratios against our Triton kernel.
@@ -54,6 +54,28 @@ def _liger() -> object | None:
     import liger_kernel.transformers.functional as liger_functional
 
     return liger_functional
+
+
+def _flash_attn_2() -> Callable | None:
+    """flash-attn 2's causal attention on our (batch, heads, seq, dim) layout, or None when not installed."""
+    if importlib.util.find_spec("flash_attn") is None:
+        return None
+    from flash_attn import flash_attn_func
+
+    def run(q, k, v):
+        # flash-attn takes (batch, seq, heads, dim) and handles grouped-query heads itself.
+        out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
+        return out.transpose(1, 2)
+
+    return run
+
+
+def _sdpa_flash(q, k, v):
+    # SDPA restricted to its FlashAttention-2 backend (it raises instead of falling back to another one).
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
 
 def _compiled(fn: Callable) -> Callable:
@@ -143,12 +165,19 @@ def build_cases(shape: dict, device: str, dtype: torch.dtype, compile_ok: bool) 
         mask = torch.ones(s.shape[-2:], device=s.device, dtype=torch.bool).triu(1)
         return torch.softmax(s.masked_fill(mask, float("-inf")).float(), -1).to(q.dtype) @ v
 
-    attn_t = min(t, 4096)  # eager attention materialises (heads, t, t) scores: keep it within memory
+    # Eager attention materialises (heads, t, t) scores in bf16 and fp32 (~40 GiB at 8k): on a smaller GPU
+    # it fails with out-of-memory, which the table reports without hiding the other rows.
+    attn_t = t
     impls = {
         "triton": lambda q, k, v: kernels.flash_attention(q, k, v, True, impl="triton"),
         "sdpa": lambda q, k, v: reference.flash_attention(q, k, v, True),
         "eager": attn_math,
     }
+    if device == "cuda":
+        impls["sdpa (flash)"] = _sdpa_flash
+    fa2 = _flash_attn_2()
+    if fa2 is not None and device == "cuda":
+        impls["flash-attn 2"] = fa2
     # Causal attention: 2 matmuls forward, 5 backward (recompute S, dV, dP, dQ, dK), half the square each.
     cases.append(
         Case(
@@ -253,13 +282,29 @@ def measure(fn: Callable, inputs: list[torch.Tensor], device: str, reps: int) ->
 HBM_GBPS = {"H100": 3350.0, "H200": 4800.0, "A100": 2039.0}
 
 
-def run_benchmarks(shape: dict, device: str, dtype: torch.dtype, reps: int, compile_ok: bool) -> None:
-    """Print one table per kernel: times, throughput, peak memory, and time/memory ratios vs Triton."""
+def run_benchmarks(
+    shape: dict,
+    device: str,
+    dtype: torch.dtype,
+    reps: int,
+    compile_ok: bool,
+    bandwidth_gbps: float | None = None,
+    seconds: float | None = None,
+) -> list[dict]:
+    """Print one table per kernel: times, throughput, peak memory, and time/memory ratios vs Triton; return
+    the rows. GB/s are shown as a fraction of `bandwidth_gbps` (default: the GPU's datasheet HBM figure).
+    Cases that would start after `seconds` are listed as skipped."""
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    hbm = next((bw for key, bw in HBM_GBPS.items() if key in name), None)
+    hbm = bandwidth_gbps or next((bw for key, bw in HBM_GBPS.items() if key in name), None)
     print(f"device: {name}, dtype: {dtype}, shapes: {shape}")
+    deadline = time.monotonic() + seconds if seconds is not None else None
+    rows: list[dict] = []
     for case in build_cases(shape, device, dtype, compile_ok):
         print(f"\n== {case.name} ==")
+        if deadline is not None and time.monotonic() > deadline:
+            print("skipped: the step's time budget is spent")
+            rows.append({"kernel": case.name, "impl": "*", "status": "skipped (time budget)"})
+            continue
         header = (
             "impl",
             "fwd ms",
@@ -277,17 +322,30 @@ def run_benchmarks(shape: dict, device: str, dtype: torch.dtype, reps: int, comp
                 results[impl] = measure(fn, case.make_inputs(), device, reps)
             except Exception as exc:  # one failing baseline (e.g. out of memory) must not hide the others
                 print(f"{impl:<15} failed: {type(exc).__name__}: {str(exc)[:80]}")
+                rows.append(
+                    {
+                        "kernel": case.name,
+                        "impl": impl,
+                        "status": f"failed: {type(exc).__name__}: {exc}"[:300],
+                    }
+                )
             if device == "cuda":
                 torch.cuda.empty_cache()
         _, ref_t, ref_m = results.get("triton", (float("nan"),) * 3)
         for impl, (fwd, sec, peak) in results.items():
+            row = {"kernel": case.name, "impl": impl, "status": "ok", "fwd_ms": fwd * 1e3}
+            row |= {"fwd_bwd_ms": sec * 1e3, "peak_mib": peak / 2**20, "time_vs_triton": sec / ref_t}
+            row["mem_vs_triton"] = peak / ref_m if ref_m else float("nan")
             if case.flops:
                 rate = f"{case.flops / sec / 1e12:.1f} TFLOP/s"
                 fwd_rate = f"{case.fwd_flops / fwd / 1e12:.1f} TFLOP/s"
+                row |= {"fwd_bwd_tflops": case.flops / sec / 1e12, "fwd_tflops": case.fwd_flops / fwd / 1e12}
             else:
                 gbps = case.bytes_moved / sec / 1e9
                 rate = f"{gbps:.0f} GB/s" + (f" {gbps / hbm:.0%}" if hbm else "")
                 fwd_rate = "-"
+                row |= {"fwd_bwd_gbps": gbps, "fraction_of_bandwidth": gbps / hbm if hbm else None}
+            rows.append(row)
             cells = (
                 f"{fwd * 1e3:.3f}",
                 f"{sec * 1e3:.3f}",
@@ -298,6 +356,7 @@ def run_benchmarks(shape: dict, device: str, dtype: torch.dtype, reps: int, comp
                 f"{peak / ref_m:.2f}" if ref_m else "nan",
             )
             print(f"{impl:<15}" + "".join(f"{c:>14}" for c in cells))
+    return rows
 
 
 def _rss_peak_child(mode: str, tokens: int, hidden: int, vocab: int, dtype: str) -> None:

@@ -14,7 +14,7 @@ Arch = Literal["gpt", "llama", "ernie"]
 KernelImpl = Literal["auto", "triton", "torch"]
 Recompute = Literal["none", "selective", "full"]
 Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zb_h1"]
-Precision = Literal["fp32", "bf16", "fp16"]
+Precision = Literal["fp32", "bf16", "fp16", "fp8"]
 LrDecay = Literal["cosine", "linear", "constant"]
 OnSaveError = Literal["continue", "stop"]
 
@@ -159,7 +159,7 @@ class TrainConfig:
     seed: int = 1234
     """Seed of initialisation, data order and dropout."""
     precision: Precision = "fp32"
-    """Compute precision: fp32, bf16 (fp32 master weights) or fp16 (with dynamic loss scaling)."""
+    """Compute precision: fp32, bf16 (fp32 master weights), fp16 (loss scaling) or fp8 (torchao float8)."""
     initial_loss_scale: float = 65536.0
     """Starting loss scale for fp16."""
     eval_interval: int = 50

@@ -7,6 +7,7 @@ number of processes the job runs on. Each message names the field and the fix.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import typing
 
@@ -61,6 +62,7 @@ def validate(job: JobConfig) -> None:
     )
     raise_if_problem(tensor_parallel_problem(m, p.tp, p.sequence_parallel))
     raise_if_problem(pipeline_problem(m.num_layers, p.pp, p.virtual_stages, p.schedule))
+    raise_if_problem(float8_problem(job))
 
     _require(t.steps >= 1, f"train.steps must be at least 1; got {t.steps}")
     _require(t.lr > 0, f"train.lr must be positive; got {t.lr}")
@@ -236,6 +238,44 @@ def tensor_parallel_problem(model: ModelConfig, tp: int, sequence_parallel: bool
             "make it a multiple of tp"
         )
     return sequence_parallel_problem(model.seq_length, tp) if sequence_parallel else ""
+
+
+# torch._scaled_mm needs every GEMM dimension to be a multiple of 16: in and out features, and the token
+# count, which is the reduction dimension of the weight gradient.
+FP8_MULTIPLE = 16
+
+
+def float8_problem(job: JobConfig) -> str:
+    """Why `job` cannot train with train.precision=fp8 (llmtrain.parallel.float8), or '' when it can."""
+    if job.train.precision != "fp8":
+        return ""
+    m, p, t = job.model, job.parallel, job.train
+    if importlib.util.find_spec("torchao") is None:
+        return "train.precision=fp8 needs torchao (pip install torchao); or use train.precision=bf16"
+    if p.tp > 1:
+        return (
+            f"train.precision=fp8 swaps nn.Linear for torchao's Float8Linear, but parallel.tp={p.tp} uses "
+            "llmtrain's own tensor-parallel layers; use parallel.tp=1 (data parallelism) or precision=bf16"
+        )
+    if p.pp > 1:
+        return (
+            f"train.precision=fp8 is verified without pipeline stages only; set parallel.pp=1 (got {p.pp}) "
+            "or use train.precision=bf16"
+        )
+    sizes = {
+        "model.hidden_size": m.hidden_size,
+        "model.ffn_hidden_size (resolved)": m.ffn_size,
+        "model.num_attention_heads x head size": m.num_attention_heads * m.head_size,
+        "model.num_kv_heads x head size": m.kv_heads * m.head_size,
+        "train.micro_batch_size x model.seq_length (tokens per GEMM)": t.micro_batch_size * m.seq_length,
+    }
+    for name, value in sizes.items():
+        if value % FP8_MULTIPLE:
+            return (
+                f"train.precision=fp8 needs {name} to be a multiple of {FP8_MULTIPLE} (float8 GEMMs); "
+                f"got {value}; change it or use train.precision=bf16"
+            )
+    return ""
 
 
 def sequence_parallel_problem(seq_length: int, tp: int) -> str:

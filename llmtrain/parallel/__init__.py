@@ -6,6 +6,7 @@ from torch import nn
 
 from llmtrain.config.schema import JobConfig
 from llmtrain.parallel.data_parallel import GradBuffers, apply_dp, grad_sync
+from llmtrain.parallel.float8 import apply_float8
 from llmtrain.parallel.launch import init_distributed
 from llmtrain.parallel.optimizer import ModelOptimizer, StepStats, build_optimizer, dp_options
 from llmtrain.parallel.random import RNGTracker
@@ -15,9 +16,10 @@ from llmtrain.parallel.topology import Topology
 
 
 def parallelize(model: nn.Module, topo: Topology, job: JobConfig) -> nn.Module:
-    """apply_tp -> apply_recompute -> apply_dp, in place. With pp > 1 the pipeline splits stages first and
-    apply_dp runs per stage (build_optimizer installs it on the module it is given)."""
+    """apply_tp -> apply_float8 -> apply_recompute -> apply_dp, in place. With pp > 1 the pipeline splits
+    stages first and apply_dp runs per stage (build_optimizer installs it on the module it is given)."""
     apply_tp(model, topo, job.parallel.sequence_parallel, job.train.seed)
+    apply_float8(model, job.train.precision)
     apply_recompute(model, job.model.recompute)
     if topo.pp == 1:
         apply_dp(model, topo, **dp_options(job))
@@ -31,6 +33,7 @@ __all__ = [
     "StepStats",
     "Topology",
     "apply_dp",
+    "apply_float8",
     "apply_recompute",
     "apply_tp",
     "build_optimizer",

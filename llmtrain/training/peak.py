@@ -51,6 +51,9 @@ class Peak:
 def gpu_peak_tflops(device_name: str, precision: str, allow_tf32: bool = False) -> float | None:
     """Dense peak TFLOP/s of a known GPU for `precision` (fp32 counts as tf32 when TF32 matmuls are on)."""
     key = "tf32" if precision == "fp32" and allow_tf32 else precision
+    # fp8 runs are measured against the bf16 peak, as torchtitan reports them: only the blocks' GEMMs are
+    # float8, so an fp8 MFU above the bf16 run's is the speedup itself.
+    key = "bf16" if precision == "fp8" else key
     lowered = device_name.lower()
     for pattern, peaks in _GPU_PEAKS_TFLOPS:
         if pattern.lower() in lowered:

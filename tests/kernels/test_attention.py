@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from tests.kernels.conftest import assert_close, forward_backward
+from tests.kernels.conftest import DEVICE, DTYPES, assert_close, forward_backward, randn
 
 
 def _sdpa64(q, k, v, causal, scale):
@@ -28,13 +28,13 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("batch,hq,hkv,seq,dim", CASES)
 def test_flash_attention_matches_sdpa(batch, hq, hkv, seq, dim, causal, dtype):
-    q = torch.randn(batch, hq, seq, dim, dtype=torch.float64).to(dtype).requires_grad_()
-    k = torch.randn(batch, hkv, seq, dim, dtype=torch.float64).to(dtype).requires_grad_()
-    v = torch.randn(batch, hkv, seq, dim, dtype=torch.float64).to(dtype).requires_grad_()
+    q = randn(batch, hq, seq, dim, dtype=dtype)
+    k = randn(batch, hkv, seq, dim, dtype=dtype)
+    v = randn(batch, hkv, seq, dim, dtype=dtype)
     scale = dim**-0.5
     got, got_g = forward_backward(
         lambda q, k, v: kernels.flash_attention(q, k, v, causal=causal, impl="triton"), [q, k, v]
@@ -52,9 +52,9 @@ def test_flash_attention_matches_sdpa(batch, hq, hkv, seq, dim, causal, dtype):
 
 def test_flash_attention_custom_scale_and_noncontiguous():
     # q/k/v as transposed views of (batch, seq, heads, dim) projections, as the model builds them.
-    q = torch.randn(1, 21, 4, 16).transpose(1, 2).requires_grad_()
-    k = torch.randn(1, 21, 2, 16).transpose(1, 2).requires_grad_()
-    v = torch.randn(1, 21, 2, 16).transpose(1, 2).requires_grad_()
+    q = randn(1, 21, 4, 16, dtype=torch.float32, grad=False).transpose(1, 2).requires_grad_()
+    k = randn(1, 21, 2, 16, dtype=torch.float32, grad=False).transpose(1, 2).requires_grad_()
+    v = randn(1, 21, 2, 16, dtype=torch.float32, grad=False).transpose(1, 2).requires_grad_()
     got, got_g = forward_backward(
         lambda q, k, v: kernels.flash_attention(q, k, v, True, 0.3, impl="triton"), [q, k, v]
     )
@@ -67,7 +67,7 @@ def test_flash_attention_custom_scale_and_noncontiguous():
 
 
 def test_flash_attention_rejects_bad_gqa():
-    q, k = torch.randn(1, 3, 8, 16), torch.randn(1, 2, 8, 16)
+    q, k = torch.randn(1, 3, 8, 16, device=DEVICE), torch.randn(1, 2, 8, 16, device=DEVICE)
     with pytest.raises(ValueError, match="multiple of kv heads"):
         kernels.flash_attention(q, k, k, impl="torch")
 
@@ -76,9 +76,9 @@ def test_flash_attention_rejects_bad_gqa():
 @pytest.mark.parametrize("sq,sk", [(9, 40), (40, 9)])
 def test_flash_attention_different_query_and_key_lengths(sq, sk, causal):
     # Causal masking is top-left aligned (key j visible to query i when j <= i), as SDPA's is_causal.
-    q = torch.randn(1, 4, sq, 16, requires_grad=True)
-    k = torch.randn(1, 2, sk, 16, requires_grad=True)
-    v = torch.randn(1, 2, sk, 16, requires_grad=True)
+    q = randn(1, 4, sq, 16, dtype=torch.float32)
+    k = randn(1, 2, sk, 16, dtype=torch.float32)
+    v = randn(1, 2, sk, 16, dtype=torch.float32)
     got, got_g = forward_backward(
         lambda q, k, v: kernels.flash_attention(q, k, v, causal, impl="triton"), [q, k, v]
     )

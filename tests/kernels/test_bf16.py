@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import kernels
 from kernels import reference
-from tests.kernels.conftest import as_float64_leaves, assert_close, forward_backward
+from tests.kernels.conftest import DEVICE, as_float64_leaves, assert_close, forward_backward, randn
 
 BF16 = torch.bfloat16
 
@@ -27,7 +27,7 @@ def _check(run, ref, inputs, grad_scale: float = 1.0):
 
 
 def _rand(*shape, scale=1.0):
-    return (scale * torch.randn(*shape, dtype=torch.float64)).to(BF16).requires_grad_()
+    return randn(*shape, dtype=BF16, scale=scale)
 
 
 def test_norms_bf16():
@@ -49,7 +49,7 @@ def test_norms_bf16():
 def test_rotary_bf16():
     a = torch.outer(torch.arange(9.0, dtype=torch.float64), 1e4 ** (-torch.arange(0, 32, 2) / 32))
     emb = a.repeat_interleave(2, -1)
-    cos, sin = emb.cos(), emb.sin()
+    cos, sin = emb.cos().to(DEVICE), emb.sin().to(DEVICE)
     x = _rand(2, 6, 3, 32)
     _check(
         lambda x: kernels.apply_rotary(x, cos.float(), sin.float(), True, "triton", position_offset=3),
@@ -76,7 +76,7 @@ def test_flash_attention_bf16():
 
 def test_cross_entropy_bf16():
     logits = _rand(11, 777, scale=3.0)
-    target = torch.randint(0, 777, (11,))
+    target = torch.randint(0, 777, (11,)).to(DEVICE)
     target[4] = -100
     _check(
         lambda x: kernels.cross_entropy(x, target, impl="triton"),

@@ -11,9 +11,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import kernels
-from tests.kernels.conftest import assert_close, forward_backward
-
-DTYPES = [torch.float32, torch.float16]
+from tests.kernels.conftest import DEVICE, DTYPES, assert_close, forward_backward, randn
 
 
 def _targets(shape, vocab, gen=None, ignore_every: int = 4):
@@ -29,8 +27,8 @@ def _ce64(logits, target):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape,vocab", [((2, 9), 300), ((13,), 5000), ((3, 4), 4096 + 17)])
 def test_cross_entropy_matches_torch(shape, vocab, dtype):
-    logits = (3 * torch.randn(*shape, vocab, dtype=torch.float64)).to(dtype).requires_grad_()
-    target = _targets(shape, vocab)
+    logits = randn(*shape, vocab, dtype=dtype, scale=3.0)
+    target = _targets(shape, vocab).to(DEVICE)
     got, got_g = forward_backward(lambda x: kernels.cross_entropy(x, target, impl="triton"), [logits])
     exp, exp_g = forward_backward(lambda x: _ce64(x, target), [logits.detach().double().requires_grad_()])
     assert got[0].dtype == torch.float32  # the loss is fp32 whatever the logits dtype
@@ -40,8 +38,8 @@ def test_cross_entropy_matches_torch(shape, vocab, dtype):
 
 
 def test_cross_entropy_ignored_rows_get_zero_grad():
-    logits = torch.randn(6, 50, requires_grad=True)
-    target = torch.tensor([1, -100, 3, -100, 49, 0])
+    logits = randn(6, 50, dtype=torch.float32)
+    target = torch.tensor([1, -100, 3, -100, 49, 0], device=DEVICE)
     loss = kernels.cross_entropy(logits, target, impl="triton")
     loss.backward()
     assert torch.all(logits.grad[1] == 0) and torch.all(logits.grad[3] == 0)
@@ -49,6 +47,7 @@ def test_cross_entropy_ignored_rows_get_zero_grad():
 
 
 def _vocab_parallel_worker(rank: int, world: int, init_file: str):
+    # CPU tensors under the interpreter on any machine: 4 NCCL ranks cannot share one GPU.
     os.environ["TRITON_INTERPRET"] = "1"
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
@@ -62,7 +61,7 @@ def _vocab_parallel_worker(rank: int, world: int, init_file: str):
             shard = vocab // tp
             group_rank = dist.get_rank(group)
             cols = slice(group_rank * shard, (group_rank + 1) * shard)
-            for dtype in DTYPES:
+            for dtype in (torch.float32, torch.float16):
                 full64 = (
                     full.to(dtype).double().requires_grad_()
                 )  # the reference sees the same rounded logits
@@ -88,9 +87,9 @@ def test_vocab_parallel_cross_entropy_gloo_tp2_tp4(tmp_path):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens,hidden,vocab,chunk", [((2, 9), 24, 300, 4), ((17,), 40, 1000, None)])
 def test_fused_linear_cross_entropy_matches_torch(tokens, hidden, vocab, chunk, dtype, impl):
-    h = torch.randn(*tokens, hidden, dtype=torch.float64).to(dtype).requires_grad_()
-    w = (0.3 * torch.randn(vocab, hidden, dtype=torch.float64)).to(dtype).requires_grad_()
-    target = _targets(tokens, vocab)
+    h = randn(*tokens, hidden, dtype=dtype)
+    w = randn(vocab, hidden, dtype=dtype, scale=0.3)
+    target = _targets(tokens, vocab).to(DEVICE)
     got, got_g = forward_backward(
         lambda h, w: kernels.fused_linear_cross_entropy(h, w, target, impl=impl, chunk_tokens=chunk), [h, w]
     )

@@ -7,9 +7,8 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from tests.kernels.conftest import assert_close, forward_backward
+from tests.kernels.conftest import DEVICE, DTYPES, assert_close, forward_backward, randn
 
-DTYPES = [torch.float32, torch.float16]
 REFERENCES = {
     "swiglu": lambda g, u: F.silu(g) * u,
     "geglu": lambda g, u: F.gelu(g, approximate="tanh") * u,
@@ -24,13 +23,13 @@ def test_glu_matches_torch(name, shape, dtype, fused_projection):
     n = shape[-1]
     if fused_projection:
         # gate and up as the two column halves of one gate_up projection output (strided views).
-        gu = (2 * torch.randn(*shape[:-1], 2 * n, dtype=torch.float64)).to(dtype).requires_grad_()
+        gu = randn(*shape[:-1], 2 * n, dtype=dtype, scale=2.0)
         run = lambda gu: getattr(kernels, name)(*gu.chunk(2, -1), impl="triton")
         ref = lambda gu: REFERENCES[name](*gu.chunk(2, -1))
         inputs = [gu]
     else:
-        g = (2 * torch.randn(shape, dtype=torch.float64)).to(dtype).requires_grad_()
-        u = torch.randn(shape, dtype=torch.float64).to(dtype).requires_grad_()
+        g = randn(*shape, dtype=dtype, scale=2.0)
+        u = randn(*shape, dtype=dtype)
         run = lambda g, u: getattr(kernels, name)(g, u, impl="triton")
         ref = REFERENCES[name]
         inputs = [g, u]
@@ -44,4 +43,4 @@ def test_glu_matches_torch(name, shape, dtype, fused_projection):
 
 def test_glu_rejects_shape_mismatch():
     with pytest.raises(ValueError, match="same shape"):
-        kernels.swiglu(torch.randn(2, 4), torch.randn(2, 5), impl="triton")
+        kernels.swiglu(torch.randn(2, 4, device=DEVICE), torch.randn(2, 5, device=DEVICE), impl="triton")

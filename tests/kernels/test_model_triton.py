@@ -19,6 +19,7 @@ import kernels.norms
 import kernels.rotary
 from llmtrain.models import from_hf_config
 from llmtrain.models.hf import hf_to_llmtrain_state, model_from_state
+from tests.kernels.conftest import DEVICE
 from tests.models.hf_models import hf_model
 
 TOL = dict(atol=2e-5, rtol=2e-5)
@@ -48,16 +49,17 @@ def test_triton_kernels_match_torch_kernels_and_transformers(arch: str, index: i
                     return _fn(*args, **kwargs)
 
                 monkeypatch.setattr(module, name, spy)
-    ref = hf_model(arch, index).train()
+    ref = hf_model(arch, index).to(DEVICE).train()
     cfg = from_hf_config(ref.config)
     state = hf_to_llmtrain_state(cfg, ref.state_dict())
     ours = {
-        impl: model_from_state(dataclasses.replace(cfg, kernels=impl), state).train()
+        impl: model_from_state(dataclasses.replace(cfg, kernels=impl), state, DEVICE).train()
         for impl in ("torch", "triton")
     }
 
     ids = torch.randint(0, cfg.vocab_size, (2, 13), generator=torch.Generator().manual_seed(index))
-    labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], dim=1)
+    ids = ids.to(DEVICE)
+    labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100, device=DEVICE)], dim=1)
     tri_logits, tri_loss, tri_grads = _run(ours["triton"], ids, labels)
     expected_calls = {"flash_attention", "cross_entropy"} | (
         {"layer_norm"} if arch == "gpt" else {"rms_norm", "swiglu", "apply_rotary"}

@@ -7,18 +7,17 @@ import torch
 
 import kernels
 from kernels import reference
-from tests.kernels.conftest import as_float64_leaves, assert_close, forward_backward
+from tests.kernels.conftest import DEVICE, DTYPES, as_float64_leaves, assert_close, forward_backward, randn
 
 SHAPES = [(2, 5, 64), (3, 7, 48), (1, 13, 200), (37, 1000)]  # ragged hidden sizes and row counts
-DTYPES = [torch.float32, torch.float16]
 
 
 def _inputs(shape, dtype, residual: bool, bias: bool = True):
     n = shape[-1]
-    x = torch.randn(shape, dtype=torch.float64).to(dtype).requires_grad_()
-    w = (1 + 0.5 * torch.randn(n, dtype=torch.float64)).to(dtype).requires_grad_()
-    b = (0.5 * torch.randn(n, dtype=torch.float64)).to(dtype).requires_grad_() if bias else None
-    r = torch.randn(shape, dtype=torch.float64).to(dtype).requires_grad_() if residual else None
+    x = randn(*shape, dtype=dtype)
+    w = (1 + 0.5 * torch.randn(n, dtype=torch.float64)).to(DEVICE, dtype).requires_grad_()
+    b = randn(n, dtype=dtype, scale=0.5) if bias else None
+    r = randn(*shape, dtype=dtype) if residual else None
     return x, w, b, r
 
 
@@ -77,6 +76,6 @@ def test_rms_norm_torch_impl_keeps_call_form():
 
 
 def test_norm_rejects_mismatched_weight():
-    x = torch.randn(2, 8)
+    x = torch.randn(2, 8, device=DEVICE)
     with pytest.raises(ValueError, match="weight must have shape"):
-        kernels.rms_norm(x, torch.ones(7), 1e-6, "triton")
+        kernels.rms_norm(x, torch.ones(7, device=DEVICE), 1e-6, "triton")

@@ -8,9 +8,7 @@ from transformers.models.ernie4_5 import modeling_ernie4_5 as hf_ernie
 from transformers.models.llama import modeling_llama as hf_llama
 
 import kernels
-from tests.kernels.conftest import assert_close, forward_backward
-
-DTYPES = [torch.float32, torch.float16]
+from tests.kernels.conftest import DEVICE, DTYPES, assert_close, forward_backward, randn
 
 
 def _angles(positions: int, dim: int, theta: float = 10000.0) -> torch.Tensor:
@@ -23,12 +21,12 @@ def _tables(positions: int, dim: int, interleaved: bool) -> tuple[torch.Tensor, 
     """cos/sin laid out for kernels.apply_rotary: [a, a] (LLaMA) or [a0, a0, a1, a1, ...] (ERNIE)."""
     a = _angles(positions, dim)
     emb = a.repeat_interleave(2, dim=-1) if interleaved else torch.cat((a, a), dim=-1)
-    return emb.cos(), emb.sin()
+    return emb.cos().to(DEVICE), emb.sin().to(DEVICE)
 
 
 def _hf_reference(x: torch.Tensor, positions: slice, interleaved: bool) -> torch.Tensor:
     """transformers' rotary in float64 on x (batch, seq, heads, dim), using HF's cos/sin [a, a] layout."""
-    a = _angles(positions.stop, x.shape[-1])[positions]
+    a = _angles(positions.stop, x.shape[-1])[positions].to(x.device)
     cos, sin = torch.cat((a, a), -1)[None], torch.cat((a, a), -1)[None]
     cos, sin = cos.cos(), sin.sin()
     if not interleaved:
@@ -50,7 +48,7 @@ def _hf_reference(x: torch.Tensor, positions: slice, interleaved: bool) -> torch
 def test_rotary_matches_transformers(batch, seq, q_heads, kv_heads, dim, offset, interleaved, dtype):
     cos, sin = _tables(offset + seq + 3, dim, interleaved)  # a longer table, read from row `offset`
     for heads in (q_heads, kv_heads):  # q and k carry different head counts
-        x = torch.randn(batch, seq, heads, dim, dtype=torch.float64).to(dtype).requires_grad_()
+        x = randn(batch, seq, heads, dim, dtype=dtype)
         got, got_g = forward_backward(
             lambda x: kernels.apply_rotary(
                 x, cos.float(), sin.float(), interleaved, "triton", position_offset=offset
@@ -69,7 +67,7 @@ def test_rotary_matches_transformers(batch, seq, q_heads, kv_heads, dim, offset,
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_rotary_torch_impl_matches_triton_with_offset(interleaved):
     cos, sin = _tables(12, 32, interleaved)
-    x = torch.randn(2, 6, 3, 32)
+    x = randn(2, 6, 3, 32, dtype=torch.float32, grad=False)
     a = kernels.apply_rotary(x, cos.float(), sin.float(), interleaved, "torch", position_offset=5)
     b = kernels.apply_rotary(x, cos.float(), sin.float(), interleaved, "triton", position_offset=5)
     torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)

@@ -1,0 +1,197 @@
+"""End-to-end training throughput on one device: tokens/s, TFLOP/s, MFU and peak memory per variant.
+
+Each variant is a config (configs/llama-1b.yaml, configs/llama-3b.yaml) with overrides from the sweep
+(precision, model.recompute, torch.compile of the transformer blocks, micro-batch size). It is built the
+way tools/pretrain.py builds a run (models.build -> parallelize -> build_optimizer, flat bf16 buffers with
+fp32 master weights) and trained for a few optimizer steps on random tokens; the first `--warmup` steps
+(compilation, autotuning, allocator) are not timed. MFU is against the device's bf16 dense peak
+(llmtrain.training.peak: datasheet by device name, else measured), FLOPs from llmtrain.planner.flops
+(attention included, recomputation not counted), as the trainer's progress line computes them.
+
+torchtitan's llama3 trainer, the named peer, has the same 1B and 3B flavors; its side-by-side needs
+torchtitan installed with its dataset and tokenizer assets, so without torchtitan the peer is reported
+as "not installed" (see README, "First run on a GPU").
+
+  python benchmarks/gpu/bench_e2e.py --out e2e.json                         # the default sweep, on a GPU
+  python benchmarks/gpu/bench_e2e.py --configs configs/llama-1b.yaml --precision bf16 fp8 --compile blocks
+  TRITON_INTERPRET=1 python benchmarks/gpu/bench_e2e.py --dry-run --out /tmp/e2e.json   # tiny, on CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import itertools
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import ROOT, Budget, device_name, peer_version, sync, write_json  # noqa: E402
+
+from llmtrain import models  # noqa: E402
+from llmtrain.config import JobConfig, load  # noqa: E402
+from llmtrain.parallel import ModelOptimizer, Topology, build_optimizer, parallelize  # noqa: E402
+from llmtrain.planner.flops import model_flops_per_token  # noqa: E402
+from llmtrain.training.peak import device_peak  # noqa: E402
+
+# A dry run keeps every code path (config, parallelize, fp8 swap, compile option, optimizer, metrics) at
+# shapes the CPU runs in seconds; fp8 needs its GEMM dimensions to be multiples of 16. It uses the PyTorch
+# kernels: interpreted Triton takes ~30 s a step here and dynamo cannot trace the interpreter (the kernel
+# tests and bench_kernels_peers.py --dry-run cover the Triton kernels on CPU).
+DRY_RUN_OVERRIDES = [
+    "model.num_layers=2",
+    "model.hidden_size=64",
+    "model.num_attention_heads=4",
+    "model.num_kv_heads=2",
+    "model.ffn_hidden_size=128",
+    "model.vocab_size=512",
+    "model.seq_length=32",
+    "model.kernels=torch",
+    "train.micro_batch_size=2",
+]
+
+
+def compile_blocks(model: torch.nn.Module) -> None:
+    """torch.compile each transformer block (one graph per block: the kernels' autograd Functions stay
+    whole, and a block compiles once for all layers of the same shape)."""
+    for block in model.layers:
+        block.compile(dynamic=False)
+
+
+def build_training(
+    config: Path, overrides: list[str], compile_mode: str, device: str
+) -> tuple[JobConfig, torch.nn.Module, ModelOptimizer]:
+    """The job, model and optimizer as tools/pretrain.py assembles them on one device."""
+    job = load(config, overrides)
+    torch.manual_seed(job.train.seed)
+    with torch.device(device):
+        model = parallelize(models.build(job.model), Topology.single(), job)
+    if compile_mode == "blocks":
+        compile_blocks(model)
+    return job, model, build_optimizer(model, Topology.single(), job)
+
+
+def run_variant(
+    config: Path, overrides: list[str], compile_mode: str, steps: int, warmup: int, device: str
+) -> dict[str, Any]:
+    """Train `steps` optimizer steps of one micro-batch each; time the ones after `warmup`."""
+    job, model, optimizer = build_training(config, overrides, compile_mode, device)
+    batch, seq = job.train.micro_batch_size, job.model.seq_length
+    tokens = torch.randint(0, job.model.vocab_size, (batch, seq + 1), device=device)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    losses, times = [], []
+    for step in range(steps):
+        sync(device)
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        loss = model(tokens[:, :-1], labels=tokens[:, 1:])
+        optimizer.backward(loss)
+        optimizer.step(job.train.lr)
+        sync(device)
+        if step >= warmup:
+            times.append(time.perf_counter() - start)
+        losses.append(loss.item())
+    step_s = sorted(times)[len(times) // 2]
+    tokens_per_s = batch * seq / step_s
+    flops = model_flops_per_token(job.model, seq) * tokens_per_s
+    peak = device_peak("bf16", device)
+    return {
+        "params_b": sum(p.numel() for p in model.parameters()) / 1e9,
+        "tokens_per_step": batch * seq,
+        "median_step_s": step_s,
+        "tokens_per_s": tokens_per_s,
+        "tflops": flops / 1e12,
+        "mfu_vs_bf16_peak": flops / peak.flops if peak else None,
+        "peak_source": peak.source if peak else "none on CPU",
+        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
+        "losses": losses,
+    }
+
+
+def torchtitan_status() -> str:
+    """What became of the torchtitan side-by-side: 'not installed', or why the installed one did not run.
+
+    torchtitan 0.3.0 (pypi) depends on torchdata, torch_checkpointing, datasets, tokenizers, tyro, wandb,
+    spmd_types and more, and its llama3 configs read a tokenizer and an HF dataset by name: on a machine
+    without network it cannot train, so an installed torchtitan is reported, not run, until a session
+    provides those assets and wires its llama3 "1B"/"3B" flavors here.
+    """
+    version = peer_version("torchtitan")
+    if version == "not installed":
+        return version
+    return f"installed ({version}); side-by-side not run: needs torchtitan's tokenizer and dataset assets"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", type=Path, required=True, help="JSON file to write")
+    parser.add_argument(
+        "--configs",
+        type=Path,
+        nargs="+",
+        default=[ROOT / "configs/llama-1b.yaml", ROOT / "configs/llama-3b.yaml"],
+    )
+    parser.add_argument("--precision", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8", "fp32"])
+    parser.add_argument("--recompute", nargs="+", default=["config"], help="none/selective/full or config")
+    parser.add_argument("--compile", nargs="+", default=["none", "blocks"], choices=["none", "blocks"])
+    parser.add_argument("--micro-batch", nargs="+", default=["config"], help="sizes, or config")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--budget-s", type=float, default=240.0, help="start no new variant after this")
+    parser.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1")
+    args = parser.parse_args(argv)
+
+    if args.dry_run:
+        device, base, steps, warmup = "cpu", DRY_RUN_OVERRIDES, 3, 1
+    elif torch.cuda.is_available():
+        device, base, steps, warmup = "cuda", ["model.kernels=triton"], args.steps, args.warmup
+    else:
+        print("bench_e2e.py needs a CUDA GPU (or --dry-run on CPU); none found.")
+        return 2
+    budget = Budget(args.budget_s)
+    rows = []
+    grid = itertools.product(args.configs, args.precision, args.recompute, args.compile, args.micro_batch)
+    for config, precision, recompute, compile_mode, micro in grid:
+        overrides = [*base, f"train.precision={precision}"]
+        overrides += [] if recompute == "config" else [f"model.recompute={recompute}"]
+        overrides += [] if micro == "config" else [f"train.micro_batch_size={micro}"]
+        row: dict[str, Any] = {"config": config.name, "overrides": overrides, "compile": compile_mode}
+        if budget.spent():
+            row["status"] = "skipped (time budget)"
+        elif precision == "fp8" and peer_version("torchao") == "not installed":
+            row["status"] = "skipped (torchao not installed)"
+        else:
+            print(f"== {config.name} {' '.join(overrides)} compile={compile_mode}", flush=True)
+            try:
+                row |= run_variant(config, overrides, compile_mode, steps, warmup, device)
+                row["status"] = "ok"
+            except Exception as exc:  # out of memory or a compile failure must not hide the other variants
+                row["status"] = f"failed: {type(exc).__name__}: {exc}"[:400]
+            print({k: v for k, v in row.items() if k != "losses"}, flush=True)
+        rows.append(row)
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    write_json(
+        args.out,
+        {
+            "step": "e2e",
+            "device": device_name(device),
+            "rows": rows,
+            "torchtitan": torchtitan_status(),
+            "targets": {"mfu_1b": ">= 0.45", "vs_torchtitan": ">= 1.1x tokens/s"},
+        },
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

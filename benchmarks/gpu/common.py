@@ -1,0 +1,132 @@
+"""Shared pieces of the one-GPU benchmark suite (run_all.sh): the device, optional peers, result files.
+
+Every step script writes one JSON file into the run's results folder; report.py gathers them. A dry run
+(`--dry-run`, set by `run_all.sh --cpu-dry-run`) runs the same code on CPU at tiny shapes under
+TRITON_INTERPRET=1, so the whole suite can be exercised without a GPU.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import math
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+# Optional peers, by import name -> distribution name. Absent ones are reported as "not installed".
+PEERS = {
+    "flash_attn": "flash-attn",
+    "liger_kernel": "liger-kernel",
+    "torchao": "torchao",
+    "torchtitan": "torchtitan",
+}
+
+
+def peer_version(module: str) -> str:
+    """The installed version of an optional peer, or 'not installed'."""
+    if importlib.util.find_spec(module) is None:
+        return "not installed"
+    try:
+        return importlib.metadata.version(PEERS.get(module, module))
+    except importlib.metadata.PackageNotFoundError:
+        return "installed (version unknown)"
+
+
+def device_name(device: str) -> str:
+    return torch.cuda.get_device_name() if device == "cuda" else f"cpu ({platform.processor() or 'unknown'})"
+
+
+def nvidia_smi() -> dict[str, str]:
+    """Driver version, GPU name, memory and clocks as nvidia-smi reports them ({} without nvidia-smi)."""
+    fields = "name,driver_version,memory.total,clocks.max.sm,clocks.max.memory,power.limit"
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    return dict(zip(fields.split(","), (v.strip() for v in out.splitlines()[0].split(",")), strict=False))
+
+
+def versions() -> dict[str, str]:
+    """torch, CUDA, triton, transformers and every optional peer."""
+    info = {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "cuda (torch build)": str(torch.version.cuda),
+        "triton": peer_version("triton"),
+        "transformers": peer_version("transformers"),
+    }
+    info.update({m: peer_version(m) for m in PEERS})
+    return info
+
+
+def _finite(value: Any) -> Any:
+    # JSON has no NaN: unmeasured figures (peak memory on CPU, a ratio to a failed run) become null.
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
+def write_json(path: Path, payload: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(_finite(payload), indent=2, default=str, allow_nan=False) + "\n")
+    print(f"wrote {path}")
+
+
+class Budget:
+    """A step's own time budget: variants started after it is spent are recorded as skipped, not run.
+
+    run_all.sh also kills a step at its budget plus a margin (`timeout`), so a hung kernel cannot eat the
+    other steps' time; this class lets a step stop cleanly between variants before that.
+    """
+
+    def __init__(self, seconds: float) -> None:
+        self.deadline = time.monotonic() + seconds
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def spent(self) -> bool:
+        return self.left() <= 0
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth_gbps(device: str, nbytes: int, reps: int = 10) -> float:
+    """Device copy bandwidth (read + write bytes per second, GB/s) of a large dst.copy_(src): the ceiling
+    memory-bound kernels are compared against (the issue's >= 85% target)."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    sync(device)
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * src.numel() * src.element_size() / best / 1e9

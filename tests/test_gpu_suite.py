@@ -1,0 +1,68 @@
+"""benchmarks/gpu (run_all.sh's steps) on CPU: the report's tables and verdicts, an end-to-end variant."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+GPU = ROOT / "benchmarks" / "gpu"
+
+JUNIT = """<?xml version="1.0"?><testsuites><testsuite name="pytest">
+<testcase classname="tests.kernels.test_attention" name="test_a"/>
+<testcase classname="tests.kernels.test_attention" name="test_b"><failure message="x"/></testcase>
+<testcase classname="tests.kernels.test_norms" name="test_c"><skipped message="y"/></testcase>
+</testsuite></testsuites>"""
+
+
+def test_report_gathers_every_step(tmp_path: Path) -> None:
+    (tmp_path / "steps.tsv").write_text(
+        "kernels\t124\t140\t140\tpython bench_kernels_peers.py --out k.json\n"
+    )
+    (tmp_path / "tests-kernels.xml").write_text(JUNIT)
+    kernel_row = {"kernel": "rms_norm", "impl": "triton", "status": "ok", "fwd_ms": 0.1, "fwd_bwd_ms": 0.3}
+    kernel_row |= {
+        "peak_mib": 64.0,
+        "time_vs_triton": 1.0,
+        "fwd_bwd_gbps": 2900.0,
+        "fraction_of_bandwidth": 0.9,
+    }
+    kernels = {"shape": {"tokens": 8192}, "dtype": "torch.bfloat16", "copy_bandwidth_gbps": 3000.0}
+    kernels |= {"peers": {"liger_kernel": "not installed"}, "targets": {}, "rows": [kernel_row]}
+    e2e_row = {"config": "llama-1b.yaml", "overrides": ["train.precision=fp8"], "compile": "blocks"}
+    e2e_row |= {"tokens_per_s": 30000.0, "tflops": 400.0, "mfu_vs_bf16_peak": 0.404, "status": "ok"}
+    e2e = {"rows": [e2e_row], "torchtitan": "not installed", "targets": {}}
+    curves = {"worst_relative_gap_to_fp32": {"bf16": 0.01, "fp8": 0.2}, "bounds": {"bf16": 0.05, "fp8": 0.08}}
+    curves |= {
+        "within_bound": {"bf16": True, "fp8": False},
+        "curves": {"fp32": [3.0, 2.0], "bf16": [3.0, 2.01]},
+    }
+    for name, payload in (("kernels", kernels), ("e2e", e2e), ("loss_curves", curves)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(payload))
+    subprocess.run([sys.executable, str(GPU / "report.py"), str(tmp_path)], check=True, capture_output=True)
+    md = (tmp_path / "README.md").read_text()
+    assert "passed 1, failed 1, errors 0, skipped 1" in md
+    assert "- FAILED tests.kernels.test_attention::test_b" in md
+    assert "| kernels | 124 | 140 | 140 |" in md  # a step stopped at its budget shows exit 124
+    assert "| rms_norm | triton | 0.1 | 0.3 | 2900 | 90% | 64 | 1.00 | ok |" in md
+    assert "| llama-1b.yaml | train.precision=fp8 | blocks | 30000 | 400.0 | 40.4% |" in md
+    assert "fp8: worst per-step relative gap 0.2000, OUTSIDE the bound 0.0800" in md
+    assert "no env.json" not in md and json.loads((tmp_path / "results.json").read_text())["env"] is None
+
+
+@pytest.mark.slow
+def test_e2e_dry_run_trains_an_fp8_variant(tmp_path: Path) -> None:
+    out = tmp_path / "e2e.json"
+    args = ["--dry-run", "--configs", str(ROOT / "configs/llama-1b.yaml"), "--precision", "fp8"]
+    args += ["--compile", "none", "--out", str(out)]
+    subprocess.run(
+        [sys.executable, str(GPU / "bench_e2e.py"), *args], check=True, capture_output=True, timeout=300
+    )
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["status"] == "ok", row
+    assert row["tokens_per_s"] > 0 and row["mfu_vs_bf16_peak"] is None  # no peak to stand behind on CPU
+    assert len(row["losses"]) == 3 and all(loss > 0 for loss in row["losses"])
