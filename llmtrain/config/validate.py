@@ -251,7 +251,7 @@ def float8_problem(job: JobConfig) -> str:
         return ""
     m, p, t = job.model, job.parallel, job.train
     if importlib.util.find_spec("torchao") is None:
-        return "train.precision=fp8 needs torchao (pip install torchao); or use train.precision=bf16"
+        return "train.precision=fp8 needs torchao (pip install 'llmtrain[fp8]'); or use train.precision=bf16"
     if p.tp > 1:
         return (
             f"train.precision=fp8 swaps nn.Linear for torchao's Float8Linear, but parallel.tp={p.tp} uses "

@@ -93,5 +93,5 @@ def test_fp8_without_torchao_is_rejected(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a)
     )
-    with pytest.raises(ConfigError, match=r"needs torchao \(pip install torchao\)"):
+    with pytest.raises(ConfigError, match=r"needs torchao \(pip install 'llmtrain\[fp8\]'\)"):
         validate(tiny_job("llama", precision="fp8"))
