@@ -26,6 +26,8 @@ setup(
         "matplotlib>=3.7",
     ],
     extras_require={
+        # parallel.engine=deepspeed (ZeRO-2/3 with CPU offload); its C++ ops compile on first use.
+        "deepspeed": ["deepspeed>=0.19"],
         "test": [
             "pytest>=8.0",
             "pytest-timeout>=2.3",
