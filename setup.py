@@ -28,6 +28,8 @@ setup(
     extras_require={
         # train.precision=fp8: torchao's float8 training (its float8 GEMMs also run, slowly, on CPU).
         "fp8": ["torchao>=0.18"],
+        # parallel.engine=deepspeed (ZeRO-2/3 with CPU offload); its C++ ops compile on first use.
+        "deepspeed": ["deepspeed>=0.19"],
         "test": [
             "pytest>=8.0",
             "pytest-timeout>=2.3",
@@ -37,6 +39,9 @@ setup(
             "psutil>=5.9",
             "ruff>=0.5",
             "torchao>=0.18",  # tests/training/test_fp8.py
+            # tests/parallel/test_deepspeed.py; CPU Adam compiles once (~3 CPU minutes) into
+            # ~/.cache/torch_extensions and later runs reuse it.
+            "deepspeed>=0.19",
         ],
     },
 )

@@ -1,4 +1,5 @@
-"""Data-parallel step time and optimizer memory: ours (zero_stage 0, 1) vs torch DDP and DeepSpeed ZeRO-1.
+"""Data-parallel step time and optimizer memory: ours (zero_stage 0, 1) vs torch DDP and DeepSpeed ZeRO-1/2/3
+(and ZeRO-2/3 with CPU offload, as parallel.engine=deepspeed configures them).
 
 Every variant trains the same model (same weights, fp32) on the same per-rank batch with AdamW and
 global-norm clipping at 1.0, on the same gloo process group, in the same run. Variants take turns
@@ -145,38 +146,35 @@ def _ddp(job: JobConfig, topo: Topology) -> Variant:
     return step, _nothing_in_flight, lambda: _state_bytes(opt)
 
 
-def _deepspeed(job: JobConfig, topo: Topology) -> Variant:
-    import deepspeed
+def _deepspeed(job: JobConfig, topo: Topology, stage: int, offload: str) -> Variant:
+    """DeepSpeed's ZeRO engine as parallel.engine=deepspeed configures it (llmtrain.parallel.
+    deepspeed_engine.deepspeed_config), stepped the way DeepSpeed's users step it."""
+    from llmtrain.parallel.deepspeed_engine import build_deepspeed
 
-    model = _fresh_model(job)
-    t = job.train
-    opt = torch.optim.AdamW(
-        _adamw_groups(model, t.weight_decay),
-        lr=t.lr,
-        betas=(t.adam_beta1, t.adam_beta2),
-        eps=t.adam_eps,
-        fused=True,
-    )
-    config = {
-        "train_micro_batch_size_per_gpu": t.micro_batch_size,
-        "gradient_accumulation_steps": 1,
-        "gradient_clipping": t.grad_clip,
-        "zero_optimization": {"stage": 1},
-        "zero_allow_untested_optimizer": True,
-        "steps_per_print": 10**9,
-    }
-    engine, ds_opt, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+    job.parallel.engine, job.parallel.zero_stage, job.parallel.offload = "deepspeed", stage, offload
+    engine, _ = build_deepspeed(_fresh_model(job), topo, job)
+    zero = engine.optimizer
 
     def step(batch: torch.Tensor) -> None:
-        loss = engine(batch[:, :-1], batch[:, 1:])
-        engine.backward(loss)
+        engine.backward(engine(batch[:, :-1], batch[:, 1:]))
         engine.step()
 
     def state_bytes() -> int:
-        fp32_partitions = sum(p.numel() * p.element_size() for p in ds_opt.single_partition_of_fp32_groups)
-        return _state_bytes(ds_opt.optimizer) + fp32_partitions
+        # The fp32 master partitions (stages 1-2 / stage 3) and Adam's states, wherever they live.
+        masters = getattr(zero, "single_partition_of_fp32_groups", None) or zero.fp32_partitioned_groups_flat
+        return _state_bytes(zero.optimizer) + sum(p.numel() * p.element_size() for p in masters)
 
     return step, _nothing_in_flight, state_bytes
+
+
+# (name, zero stage, parallel.offload) of the DeepSpeed peers.
+DEEPSPEED_VARIANTS = [
+    ("DeepSpeed ZeRO-1", 1, "none"),
+    ("DeepSpeed ZeRO-2", 2, "none"),
+    ("DeepSpeed ZeRO-3", 3, "none"),
+    ("DeepSpeed ZeRO-2 offload", 2, "optimizer"),
+    ("DeepSpeed ZeRO-3 offload", 3, "optimizer+params"),
+]
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: dict) -> None:
@@ -196,10 +194,9 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: dic
     job = _job(args, 0, world)
     variants["torch DDP"] = _ddp(job, None)
     if not args.no_deepspeed and importlib.util.find_spec("deepspeed") is not None:
-        import deepspeed
-
-        deepspeed.init_distributed(dist_backend="gloo")
-        variants["DeepSpeed ZeRO-1"] = _deepspeed(_job(args, 1, world), None)
+        for name, stage, offload in DEEPSPEED_VARIANTS:
+            job = _job(args, 0, world)
+            variants[name] = _deepspeed(job, Topology(job.parallel, world, rank), stage, offload)
     g = torch.Generator().manual_seed(1000 + rank)
     batch = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)
     times: dict[str, list[float]] = {name: [] for name in variants}
@@ -246,17 +243,21 @@ def main(argv: list[str] | None = None) -> dict[str, tuple[float, float, int]]:
         f"vocab {args.vocab}, seq {args.seq}, batch {args.batch}/rank, fp32, {params / 1e6:.2f}M params, "
         f"{args.rounds} interleaved turns of {args.steps_per_turn} steps each"
     )
-    print(f"{'variant':<18} {'median ms':>10} {'min ms':>8} {'opt MiB/rank':>13}")
+    print(f"{'variant':<26} {'median ms':>10} {'min ms':>8} {'opt MiB/rank':>13}")
     for name, (median, fastest, nbytes) in result.items():
-        print(f"{name:<18} {median * 1e3:>10.1f} {fastest * 1e3:>8.1f} {nbytes / 2**20:>13.2f}")
-    for ours in ("ours zero0", "ours zero1"):
-        for other in ("torch DDP", "DeepSpeed ZeRO-1"):
-            if other in result:
-                median = result[ours][0] / result[other][0]
-                fastest = result[ours][1] / result[other][1]
-                print(f"step-time ratio {ours} / {other}: {median:.3f} (median), {fastest:.3f} (min)")
-    if "DeepSpeed ZeRO-1" not in result:
-        print("DeepSpeed ZeRO-1: not measured (not installed or --no-deepspeed)")
+        print(f"{name:<26} {median * 1e3:>10.1f} {fastest * 1e3:>8.1f} {nbytes / 2**20:>13.2f}")
+    peers = [name for name in result if not name.startswith("ours")]
+    for ours in (name for name in result if name.startswith("ours")):
+        for other in peers:
+            median = result[ours][0] / result[other][0]
+            fastest = result[ours][1] / result[other][1]
+            memory = result[ours][2] / result[other][2]
+            print(
+                f"{ours} / {other}: step time {median:.3f} (median), {fastest:.3f} (min); "
+                f"optimizer bytes {memory:.3f}"
+            )
+    if not any(name.startswith("DeepSpeed") for name in result):
+        print("DeepSpeed: not measured (not installed or --no-deepspeed)")
     return result
 
 

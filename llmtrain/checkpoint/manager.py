@@ -207,6 +207,9 @@ class Checkpointer:
         """
         self.wait()
         start = time.perf_counter()
+        if hasattr(optimizer, "checkpoint_view"):
+            # An engine keeping its state elsewhere (DeepSpeed) presents it as full tensors.
+            model, optimizer = optimizer.checkpoint_view()
         params = describe_model(model, self.topo, self.job.model.tied_embeddings)
         entries = model_entries(params, self.topo)
         if optimizer is not None:
@@ -427,6 +430,8 @@ class Checkpointer:
     def load(self, path: str | Path, model: nn.Module, optimizer: Any) -> dict[str, Any]:
         """Restore model, optimizer (if given) and this rank's RNG states; return the saved `extra`."""
         self.wait()
+        if hasattr(optimizer, "checkpoint_view"):
+            model, optimizer = optimizer.checkpoint_view(loading=True)
         path = resolve(Path(path))
         verify(path, self.rank, self.world_size, self.group)
         self.last_good = path

@@ -17,6 +17,8 @@ Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zb_h1"]
 Precision = Literal["fp32", "bf16", "fp16", "fp8"]
 LrDecay = Literal["cosine", "linear", "constant"]
 OnSaveError = Literal["continue", "stop"]
+Engine = Literal["llmtrain", "deepspeed"]
+Offload = Literal["none", "optimizer", "optimizer+params"]
 
 
 @dataclass
@@ -126,6 +128,10 @@ class ParallelConfig:
     """Cluster description YAML used by parallel.auto; null means a measured description of this machine."""
     backend: str = "auto"
     """torch.distributed backend: auto (nccl on CUDA, gloo on CPU), gloo or nccl."""
+    engine: Engine = "llmtrain"
+    """Who runs data parallelism and the optimizer: llmtrain, or deepspeed (ZeRO 1-3 with CPU offload)."""
+    offload: Offload = "none"
+    """engine=deepspeed: keep in CPU memory none, the optimizer (CPU Adam), or optimizer+params (zero 3)."""
 
 
 @dataclass

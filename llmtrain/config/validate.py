@@ -54,7 +54,11 @@ def validate(job: JobConfig) -> None:
         _require(0.0 <= value < 1.0, f"model.{name} must be in [0, 1); got {value}")
 
     _require(p.dp is None or p.dp >= 1, f"parallel.dp must be at least 1 or null; got {p.dp}")
-    _require(p.zero_stage in (0, 1), f"parallel.zero_stage must be 0 or 1; got {p.zero_stage}")
+    _require(
+        p.zero_stage in (0, 1) or (p.engine == "deepspeed" and p.zero_stage in (2, 3)),
+        f"parallel.zero_stage must be 0 or 1 (2 and 3 with parallel.engine=deepspeed); got {p.zero_stage}",
+    )
+    raise_if_problem(engine_problem(job))
     rank_order(p)
     _require(
         p.backend in ("auto", "gloo", "nccl"),
@@ -199,6 +203,51 @@ def _check_ranges(section: object, prefix: str = "") -> None:
             _require(
                 type(item) is float or item <= _INT64_MAX, f"{where} must be at most 2**63-1; got {item}"
             )
+
+
+def engine_problem(job: JobConfig) -> str:
+    """Why parallel.engine / parallel.offload cannot run this job, naming the field and the nearest layout
+    that can ("" if they can). DeepSpeed wraps one whole, unsplit model: its ZeRO engine shards over data
+    parallelism only, so llmtrain's tensor and pipeline parallelism stay with parallel.engine=llmtrain."""
+    p = job.parallel
+    if p.engine == "llmtrain":
+        if p.offload != "none":
+            return (
+                f"parallel.offload={p.offload} needs parallel.engine=deepspeed (llmtrain's own engine keeps "
+                "everything on the device); set parallel.engine=deepspeed or parallel.offload=none"
+            )
+        return ""
+    if importlib.util.find_spec("deepspeed") is None:
+        return (
+            "parallel.engine=deepspeed needs the deepspeed package, which is not installed; "
+            "run pip install 'llmtrain[deepspeed]' or set parallel.engine=llmtrain"
+        )
+    if p.tp > 1 or p.pp > 1:
+        return (
+            f"parallel.engine=deepspeed runs data parallelism only, not tp={p.tp} pp={p.pp}; use tp=1 pp=1 "
+            "with every process in dp (the nearest layout), or parallel.engine=llmtrain for tp/pp"
+        )
+    if p.zero_stage not in (1, 2, 3):
+        return (
+            f"parallel.engine=deepspeed shards with ZeRO; set parallel.zero_stage to 1, 2 or 3 "
+            f"(got {p.zero_stage}), or use parallel.engine=llmtrain for plain data parallelism"
+        )
+    if p.offload == "optimizer+params" and p.zero_stage != 3:
+        return (
+            f"parallel.offload=optimizer+params needs parallel.zero_stage=3 (only ZeRO-3 partitions the "
+            f"parameters; got {p.zero_stage}); set zero_stage=3 or parallel.offload=optimizer"
+        )
+    if job.train.precision == "fp16":
+        return (
+            "train.precision=fp16 is not supported with parallel.engine=deepspeed (DeepSpeed's own loss "
+            "scaler would disagree with llmtrain's bad-step skipping); use bf16 or parallel.engine=llmtrain"
+        )
+    if job.train.precision == "fp8":
+        return (
+            "train.precision=fp8 (torchao's Float8Linear) is wired into llmtrain's engine only; use "
+            "train.precision=bf16 with parallel.engine=deepspeed, or parallel.engine=llmtrain for fp8"
+        )
+    return ""
 
 
 def raise_if_problem(problem: str) -> None:

@@ -34,21 +34,30 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def build_trainer(job: JobConfig, topo: Topology, segment: int = 0) -> Trainer:
-    """Data, model, parallel layout, optimizer, metrics and checkpointer for `job`, assembled.
+def _deepspeed_parts(job: JobConfig, topo: Topology) -> tuple[torch.nn.Module, Any, LocalStepRunner]:
+    """parallel.engine=deepspeed: the model wrapped whole by DeepSpeed's ZeRO engine, its optimizer
+    adapter and the runner that drives the engine."""
+    from llmtrain.models import build
+    from llmtrain.parallel import apply_recompute
+    from llmtrain.parallel.deepspeed_engine import build_deepspeed
+    from llmtrain.parallel.deepspeed_engine import grad_sync as deepspeed_grad_sync
 
-    Writes nothing to output_dir (metrics.jsonl opens at the first logged step); `segment` tags its rows.
-    """
-    from llmtrain.checkpoint import Checkpointer
-    from llmtrain.data import build_data
+    # Built whole in fp32: DeepSpeed casts for bf16 and keeps the fp32 master in its optimizer.
+    with torch.device(topo.device):
+        model = build(job.model)
+    apply_recompute(model, job.model.recompute)
+    engine, optimizer = build_deepspeed(model, topo, job)
+    runner = LocalStepRunner(engine, optimizer, job.train.micro_batch_size, deepspeed_grad_sync, topo.device)
+    return engine.module, optimizer, runner
+
+
+def _llmtrain_parts(job: JobConfig, topo: Topology) -> tuple[torch.nn.Module, Any, Any]:
+    """parallel.engine=llmtrain: the model under TP/PP/DP, its ModelOptimizer and its step runner."""
     from llmtrain.models import build
     from llmtrain.parallel import build_optimizer, grad_sync, parallelize
     from llmtrain.pipeline.executor import PipelineStepRunner, build_pipeline
-    from llmtrain.planner.flops import head_cost_in_layers, model_flops_per_token
-    from llmtrain.training.metrics import MetricsLogger
+    from llmtrain.planner.flops import head_cost_in_layers
 
-    seed_everything(job.train.seed)
-    data = build_data(job, dp_rank=topo.dp_rank, dp_size=topo.dp)
     # Built in fp32: parallelize casts to bf16/fp16 through its buffers and keeps the exact fp32 master.
     with torch.device(topo.device):
         model = parallelize(build(job.model), topo, job)
@@ -56,10 +65,26 @@ def build_trainer(job: JobConfig, topo: Topology, segment: int = 0) -> Trainer:
         head_cost = head_cost_in_layers(job.model) if job.parallel.balance_stages else 0.0
         model, executor = build_pipeline(model, topo, job, head_cost)
         optimizer = build_optimizer(model, topo, job)
-        runner = PipelineStepRunner(executor, optimizer, job.train.micro_batch_size)
-    else:
-        optimizer = build_optimizer(model, topo, job)
-        runner = LocalStepRunner(model, optimizer, job.train.micro_batch_size, grad_sync, topo.device)
+        return model, optimizer, PipelineStepRunner(executor, optimizer, job.train.micro_batch_size)
+    optimizer = build_optimizer(model, topo, job)
+    runner = LocalStepRunner(model, optimizer, job.train.micro_batch_size, grad_sync, topo.device)
+    return model, optimizer, runner
+
+
+def build_trainer(job: JobConfig, topo: Topology, segment: int = 0) -> Trainer:
+    """Data, model, parallel layout, optimizer, metrics and checkpointer for `job`, assembled.
+
+    Writes nothing to output_dir (metrics.jsonl opens at the first logged step); `segment` tags its rows.
+    """
+    from llmtrain.checkpoint import Checkpointer
+    from llmtrain.data import build_data
+    from llmtrain.planner.flops import model_flops_per_token
+    from llmtrain.training.metrics import MetricsLogger
+
+    seed_everything(job.train.seed)
+    data = build_data(job, dp_rank=topo.dp_rank, dp_size=topo.dp)
+    parts = _deepspeed_parts if job.parallel.engine == "deepspeed" else _llmtrain_parts
+    model, optimizer, runner = parts(job, topo)
     metrics = MetricsLogger(
         job,
         is_main=topo.rank == 0,
@@ -144,7 +169,9 @@ def startup_block(job: JobConfig, topo: Topology, launch: Launch) -> str:
             "layout",
             f"tp {topo.tp} x pp {topo.pp} x dp {topo.dp} = {topo.world_size} "
             f"{'process' if topo.world_size == 1 else 'processes'}, "
-            f"zero stage {p.zero_stage}" + (f", {pipeline}" if pipeline else ""),
+            f"zero stage {p.zero_stage}"
+            + (f", engine deepspeed (offload {p.offload})" if p.engine == "deepspeed" else "")
+            + (f", {pipeline}" if pipeline else ""),
         ),
         (
             "batch",
