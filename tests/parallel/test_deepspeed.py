@@ -54,6 +54,7 @@ def test_missing_package_is_a_one_line_config_error(monkeypatch):
         (["parallel.zero_stage=0"], "set parallel.zero_stage to 1, 2 or 3"),
         (["parallel.zero_stage=2", "parallel.offload=optimizer+params"], "needs parallel.zero_stage=3"),
         (["parallel.zero_stage=2", "train.precision=fp16"], "use bf16 or parallel.engine=llmtrain"),
+        (["parallel.zero_stage=2", "train.precision=fp8"], "wired into llmtrain's engine only"),
     ],
 )
 def test_unsupported_deepspeed_layouts_are_config_errors(overrides, expected):
