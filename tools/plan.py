@@ -5,6 +5,9 @@
     # fix some settings, search the rest:
     python tools/plan.py --config MODEL.yaml --gpus 512 --evaluate "parallel.tp=8 model.recompute=full"
     python tools/plan.py --config MODEL.yaml --cluster a100-80gb --gpus 64 --write best.yaml --plot plan.png
+    # memory per rank of the config's own layout (settings changeable with --evaluate):
+    python tools/plan.py --config configs/llama3-70b.yaml --cluster h100-80gb --gpus 64 --memory \\
+        --software llmtrain-sharded --evaluate "parallel.tp=4 parallel.zero_stage=3 model.recompute=full"
     python tools/plan.py --profile-local --output my-cluster.yaml   # measure this machine
     python tools/plan.py --config MODEL.yaml --cluster my-cluster.yaml --gpus 2
 
@@ -17,8 +20,9 @@ import argparse
 
 from llmtrain.cli import add_debug_flag, run_tool
 
-SOFTWARE = ("llmtrain", "megatron-2021")
-"""Framework behaviours the cost model knows (llmtrain.planner.Software and Software.megatron_2021)."""
+SOFTWARE = ("llmtrain", "llmtrain-sharded", "megatron-2021")
+"""Framework behaviours the cost model knows (llmtrain.planner.Software, Software.sharded: sharded
+construction, ZeRO-2/3, hybrid sharding and offload, and Software.megatron_2021)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,6 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", action="store_true", help="print a JSON list instead of the table")
     parser.add_argument(
         "--evaluate", help='fix settings, e.g. "parallel.tp=8 parallel.pp=2"; search the rest'
+    )
+    parser.add_argument(
+        "--memory",
+        action="store_true",
+        help="print the per-rank memory of the config's layout (changed by --evaluate) instead of searching",
     )
     parser.add_argument("--write", help="write the best layout as a training config YAML")
     parser.add_argument("--plot", help="draw time and memory breakdowns of the top layouts to this image")
@@ -72,6 +81,29 @@ def profile_local(args: argparse.Namespace) -> int:
     return 0
 
 
+def print_memory(job, args: argparse.Namespace, software) -> int:  # noqa: ANN001 (imports stay lazy)
+    """--memory: the per-rank breakdown of the config's layout on --gpus devices of --cluster."""
+    import json
+
+    from llmtrain.config import ConfigError
+    from llmtrain.planner import CostModel, Workload, load_cluster, parse_fixed
+    from llmtrain.planner.cost_model import layout_of_job
+    from llmtrain.planner.report import format_memory
+
+    view = load_cluster(args.cluster).view(args.gpus)
+    model = CostModel(Workload.from_job(job, args.global_batch), view, software)
+    layout = layout_of_job(job, args.gpus, parse_fixed(args.evaluate))
+    why = model.invalid_reason(layout)
+    if why:
+        raise ConfigError(f"--memory: layout {layout.short()} cannot run: {why}")
+    estimate = model.evaluate(layout)
+    if args.json:
+        print(json.dumps(estimate.as_dict(), indent=1))
+    else:
+        print(format_memory(estimate, job.train.precision, f"{args.gpus} x {view.device.name}"))
+    return 0
+
+
 def main(argv: list[str]) -> int:
     """Parse arguments, plan, print; returns the exit status (bad input raises a UserError for run_tool)."""
     parser = build_parser()
@@ -92,7 +124,11 @@ def main(argv: list[str]) -> int:
         if path:
             check_new_file(path, args.overwrite)
     job = load(args.config, args.overrides)
-    software = Software.megatron_2021() if args.software == "megatron-2021" else Software()
+    software = {"megatron-2021": Software.megatron_2021, "llmtrain-sharded": Software.sharded}.get(
+        args.software, Software
+    )()
+    if args.memory:
+        return print_memory(job, args, software)
     result = plan_job(
         job,
         load_cluster(args.cluster),

@@ -242,6 +242,8 @@ class LoggingConfig:
     """[first, last] steps to trace with torch.profiler; empty disables."""
     peak_tflops: float | None = None
     """Dense peak TFLOP/s of one device for MFU; null: a GPU's datasheet or measured figure, none on CPU."""
+    memory: bool = False
+    """CPU: track each rank's peak bytes of live tensors (slows every op), else peak RSS; CUDA: allocator."""
 
 
 @dataclass

@@ -8,7 +8,7 @@ from typing import Any
 from llmtrain.config.errors import ConfigError
 from llmtrain.config.schema import JobConfig
 from llmtrain.planner.cluster import Cluster, load_cluster
-from llmtrain.planner.cost_model import Estimate, Layout
+from llmtrain.planner.cost_model import Estimate, Layout, sharding_overrides
 from llmtrain.planner.search import plan_job
 
 
@@ -24,6 +24,7 @@ def layout_overrides(layout: Layout) -> dict[str, Any]:
         "parallel.zero_stage": layout.zero_stage,
         "train.micro_batch_size": layout.micro_batch,
         "model.recompute": layout.recompute,
+        **sharding_overrides(layout),
     }
 
 

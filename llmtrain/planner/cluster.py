@@ -47,6 +47,11 @@ class Device:
     """Fixed cost per kernel (launch and tail); makes small operations inefficient."""
     reserved_gb: float = 2.0
     """Memory not available to tensors: runtime context, library workspaces, fragmentation."""
+    host_bandwidth_gbs: float = 25.0
+    """Device-host copy bandwidth per device, each way (PCIe Gen4/5 x16 achieves about 25-50 GB/s)."""
+    host_adam_gparams: float = 0.4
+    """Billions of parameters per second one device's share of the host CPU updates with a vectorised Adam
+    (DeepSpeed's CPU Adam: a few per node, shared by its devices); used for CPU offload."""
 
     def peak_flops(self, precision: str) -> float:
         """Peak FLOP/s for a training precision (fp16 falls back to bf16 and vice versa)."""
@@ -162,6 +167,8 @@ class Cluster:
                 attention_efficiency=device.attention_efficiency,
                 kernel_overhead_us=device.kernel_overhead_us,
                 reserved_gb=max(g.device.reserved_gb for g in used),
+                host_bandwidth_gbs=min(g.device.host_bandwidth_gbs for g in used),
+                host_adam_gparams=min(g.device.host_adam_gparams for g in used),
             ),
             intra=min((g.intra for g in used), key=lambda link: link.bytes_per_s),
             inter=self.inter,

@@ -26,10 +26,18 @@ from __future__ import annotations
 import functools
 from dataclasses import asdict, dataclass, replace
 
+from llmtrain.config.errors import ConfigError
 from llmtrain.config.schema import JobConfig, ModelConfig
 from llmtrain.config.validate import pipeline_problem, tensor_parallel_problem
 from llmtrain.planner import flops as F
 from llmtrain.planner.cluster import ClusterView
+from llmtrain.planner.memory import (
+    MemoryBreakdown,
+    activation_bytes_per_layer,
+    rank_memory,
+    shard_group,
+    sharding_problem,
+)
 from llmtrain.planner.pipeline_time import PipelineTime, pipeline_time
 
 GIB = 2.0**30
@@ -49,6 +57,10 @@ class Layout:
     recompute: str = "none"
     sequence_parallel: bool = False
     zero_stage: int = 0
+    dp_shard: int | None = None
+    """Hybrid sharding (HSDP): ranks the state is sharded over inside dp, replicated across; None = dp."""
+    offload: str = "none"
+    """CPU offload: none, optimizer (state and gradient shard) or optimizer+params (zero 3)."""
 
     @property
     def gpus(self) -> int:
@@ -60,6 +72,8 @@ class Layout:
         return (
             f"tp={self.tp} pp={self.pp} dp={self.dp} mb={self.micro_batch} {sched} rc={self.recompute} "
             f"sp={int(self.sequence_parallel)} zero={self.zero_stage}"
+            + (f" shard={self.dp_shard}" if self.dp_shard else "")
+            + (f" offload={self.offload}" if self.offload != "none" else "")
         )
 
 
@@ -76,12 +90,37 @@ class Software:
     anyway."""
     grad_bytes: int = 4
     """Bytes per gradient element held and reduced (fp32 main gradients)."""
+    fused_kernels: bool = True
+    """The model's norms, SwiGLU/GeGLU, attention and cross-entropy run as llmtrain's fused Triton kernels
+    (model.kernels auto on CUDA); false: the PyTorch reference ops (CPU), which save more for backward."""
+    gloo_shard_exchange: bool = False
+    """ZeRO-1 reduce-scatters by point-to-point exchange into separate receive buffers (gloo, CPU) instead
+    of NCCL's in-place reduce-scatter."""
+    sharded_init: bool = False
+    """Each rank builds only its own shards on the meta device; false: every rank first builds the whole model
+    in fp32 and then slices it, which bounds the startup peak."""
+    zero3_prefetch: int = 1
+    """Blocks gathered ahead of the one computing under ZeRO-3 (FSDP2's implicit prefetch: one)."""
+    zero_stages: tuple[int, ...] = (0, 1)
+    """ZeRO stages the framework runs (the search considers these)."""
+    hybrid_sharding: bool = False
+    """The framework shards inside a group and replicates across groups (HSDP; the search tries one node)."""
+    offload: bool = False
+    """The framework offloads optimizer state (and ZeRO-3 parameters) to the host."""
+
+    @classmethod
+    def sharded(cls) -> Software:
+        """llmtrain with issue 15 in: sharded construction, ZeRO-2/3 through FSDP2, hybrid sharding, offload.
+        (The defaults describe the trainer before it: whole-model construction, ZeRO 0/1.)"""
+        return cls(sharded_init=True, zero_stages=(0, 1, 2, 3), hybrid_sharding=True, offload=True)
 
     @classmethod
     def megatron_2021(cls) -> Software:
         """Megatron-LM as run in Narayanan et al. 2021: materialised softmax, non-overlapped fp16 gradient
-        all-reduce, scatter/gather pipeline sends."""
-        return cls(flash_attention=False, dp_overlap=False, p2p_scatter_gather=True, grad_bytes=2)
+        all-reduce, scatter/gather pipeline sends; each rank initialises only its own shards."""
+        return cls(
+            flash_attention=False, dp_overlap=False, p2p_scatter_gather=True, grad_bytes=2, sharded_init=True
+        )
 
 
 @dataclass(frozen=True)
@@ -127,7 +166,8 @@ class Estimate:
     optimizer: float
     bubble_fraction: float
     memory: dict[str, float]
-    """Bytes on the fullest rank: params, grads, optimizer, activations, buffers, reserved, total."""
+    """Bytes on the fullest rank: params, grads, optimizer, activations, gathered, buffers, reserved, steady,
+    startup, host (offloaded, not on the device) and total (the peak: max of steady and startup)."""
     capacity: float
     fits: bool
     why: str
@@ -270,26 +310,11 @@ class CostModel:
     # ------------------------------------------------------------------------------------ memory
 
     def activation_bytes_per_layer(self, tp: int, b: int, sp: bool, recompute: str) -> float:
-        """Saved activations of one layer for one micro-batch (Korthikanti et al. 2022, generalised)."""
-        m, e = self.w.model, self.act_bytes
-        s, h, d = self.w.seq, m.hidden_size, m.head_size
-        sbh = s * b * h
-        if recompute == "full":
-            return e * sbh / (tp if sp else 1)  # the layer's input only
-        a, kv, f = m.num_attention_heads, m.kv_heads, m.ffn_size
-        kv_local = max(kv / tp, 1) * tp  # kv heads are replicated when tp exceeds them
-        hidden_mask = 1 if m.hidden_dropout > 0 else 0
-        # Replicated over TP unless SP: 2 norm inputs, QKV input, MLP input, 2 dropout masks.
-        replicated = (4 * e + hidden_mask * 2) * sbh
-        # Split over TP: Q, K, V, attention output (out-proj input), MLP intermediates.
-        mlp = (2 * f * e + f * e) if F.is_gated(m) else 2 * f * e  # gated: gate+up output and swiglu output
-        split = s * b * ((a + 2 * kv_local) * d * e + a * d * e + mlp)
-        if not self.sw.flash_attention and recompute != "selective":
-            drop = m.attention_dropout > 0
-            split += (
-                a * s * s * b * (e + (1 + e if drop else 0))
-            )  # softmax output (+ dropout mask and output)
-        return replicated / (tp if sp else 1) + split / tp
+        """Saved activations of one layer for one micro-batch (llmtrain.planner.memory)."""
+        return activation_bytes_per_layer(
+            self.w.model, self.w.seq, self.act_bytes, self.sw.flash_attention, tp, b, sp, recompute,
+            self.sw.fused_kernels,
+        )  # fmt: skip
 
     def _params_on_rank(self, layout: Layout) -> tuple[float, float]:
         """Parameters on the first and on the last pipeline rank (per TP shard)."""
@@ -308,49 +333,20 @@ class CostModel:
         return -(-self.w.model.num_layers // chunks) * layout.virtual_stages
 
     def memory(self, layout: Layout, inflight: int, num_micro: int) -> dict[str, float]:
-        """Bytes on the fullest rank (the first pipeline rank, or the last when its head dominates)."""
-        e, g = self.act_bytes, self.sw.grad_bytes
-        opt = (
-            8 if self.prec == "fp32" else 12
-        )  # Adam m and v (+ fp32 master weights when training in 16 bits)
-        shard = layout.dp if layout.zero_stage >= 1 else 1
-        first_p, last_p = self._params_on_rank(layout)
-        layers_chunk = -(-self.w.model.num_layers // (layout.pp * layout.virtual_stages))
-        per_layer = self.activation_bytes_per_layer(
-            layout.tp, layout.micro_batch, layout.sequence_parallel, layout.recompute
-        )
-        tok = layout.micro_batch * self.w.seq
-        sp_div = layout.tp if layout.sequence_parallel else 1
-        act_first = (
-            inflight * layers_chunk * per_layer + inflight * e * tok * self.w.model.hidden_size / sp_div
-        )
-        # Last rank: its own micro-batches (1f1b: 1 per chunk) plus one micro-batch of logits in fp32.
-        logits = tok * self.w.model.vocab_size / layout.tp * (e + 4)
-        last_inflight = min(num_micro * layout.virtual_stages, layout.virtual_stages)
-        act_last = last_inflight * layers_chunk * per_layer + logits
-        if layout.pp == 1:
-            act_first, act_last = act_first + logits, 0.0
-        send = e * tok * self.w.model.hidden_size / sp_div
-        buffers = (
-            2 * send
-            + 2 * self.w.dp_bucket_mb * 2**20
-            + (e * tok * self.w.model.hidden_size if layout.sequence_parallel else 0)
-        )
+        """Bytes on the fullest rank (llmtrain.planner.memory.rank_memory), as MemoryBreakdown.as_dict."""
+        return self.breakdown(layout, inflight, num_micro).as_dict()
 
-        def total(params: float, act: float) -> dict[str, float]:
-            out = {
-                "params": params * e,
-                "grads": params * g,
-                "optimizer": params * opt / shard,
-                "activations": act,
-                "buffers": buffers,
-                "reserved": self.dev.reserved_gb * GIB,
-            }
-            out["total"] = sum(out.values())
-            return out
-
-        a, b = total(first_p, act_first), total(last_p, act_last)
-        return a if a["total"] >= b["total"] else b
+    def breakdown(self, layout: Layout, inflight: int, num_micro: int) -> MemoryBreakdown:
+        """The fullest rank's memory with `inflight` micro-batches in flight on the first pipeline rank."""
+        return rank_memory(
+            self.w.model,
+            self.prec,
+            layout,
+            self.sw,
+            inflight=inflight,
+            num_micro=num_micro,
+            reserved_bytes=self.dev.reserved_gb * GIB,
+        )
 
     # ------------------------------------------------------------------------------------ evaluate
 
@@ -371,8 +367,8 @@ class CostModel:
             return f"global batch {w.global_batch} not a multiple of micro_batch*dp={mbdp}"
         if layout.sequence_parallel and layout.tp == 1:
             return "sequence parallelism without tp > 1 changes nothing (use sequence_parallel=false)"
-        if layout.zero_stage and layout.dp == 1:
-            return "ZeRO needs dp > 1"
+        if sharding := sharding_problem(layout):
+            return sharding
         if layout.pp == 1 and layout.schedule != "1f1b":
             return "pp=1 runs no pipeline schedule (use 1f1b)"
         if (
@@ -381,6 +377,71 @@ class CostModel:
         ):
             return "interleaved_1f1b needs the micro-batches per step to be a multiple of pp"
         return ""
+
+    def _data_parallel_time(
+        self, layout: Layout, num_micro: int, fwd: float, bwd: float
+    ) -> tuple[float, float, float]:
+        """(DP communication, its exposed part, optimizer step) in seconds; `fwd`/`bwd` are one micro-batch's
+        forward and backward on the first rank, the windows the collectives hide behind.
+
+        zero 0 all-reduces the gradients once per step, zero 1 reduce-scatters them and all-gathers the
+        updated 16-bit parameters; zero 2/3 (FSDP2) reduce-scatter at every micro-batch's backward (the
+        unsharded gradients are not kept) and zero 3 gathers each block's parameters in every forward and
+        backward. Hybrid sharding adds an all-reduce of the shard across the replicas. Offload copies the
+        gradient shard to the host and the updated parameters back, and runs Adam on the host's cores; with
+        the parameters offloaded the shards also cross the host link at every gather.
+        """
+        params = max(self._params_on_rank(layout))
+        z, dp, tp, e, g = layout.zero_stage, layout.dp, layout.tp, self.act_bytes, self.sw.grad_bytes
+        shard = shard_group(layout)
+        if z == 0:
+            reduce, gather = self.c.all_reduce(params * g, dp, tp), 0.0
+        else:
+            reduce = self.c.reduce_scatter(params * g, shard, tp)
+            if shard < dp:
+                reduce += self.c.all_reduce(params * g / shard, dp // shard, tp * shard)
+            gather = self.c.all_gather(params * e, shard, tp)
+        reductions = num_micro if z >= 2 else 1
+        gathers = 2 * num_micro if z == 3 else 1
+        reduce, gather = reduce * reductions, gather * gathers if z else 0.0
+        if self.sw.dp_overlap and dp > 1:
+            # The first bucket (block) of each collective waits for its data; the rest hides behind compute.
+            first = min(self.w.dp_bucket_mb * 2**20 / max(params * g, 1.0), 1.0)
+            exposed = reductions * max(reduce / reductions - bwd, first * reduce / reductions)
+            if z == 3:
+                exposed += gathers * max(gather / gathers - min(fwd, bwd), first * gather / gathers)
+            else:
+                exposed += gather
+        else:
+            exposed = reduce + gather
+        local = params / shard
+        if layout.offload == "none":
+            # Adam: read grad, master, m, v; write master, m, v, the 16-bit weights; plus the grad norm.
+            optimizer = self.dev.memory_time(local * (g * 2 + 4 * 6 + e), kernels=4)
+        else:
+            host = self.dev.host_bandwidth_gbs * 1e9
+            optimizer = local * (g + 4) / host + local / (self.dev.host_adam_gparams * 1e9)
+            if layout.offload == "optimizer+params":
+                exposed += gathers * local * 4 / host
+        return reduce + gather, exposed, optimizer
+
+    def _overflow(self, mem: dict[str, float]) -> str:
+        """Why a layout does not fit: its steady state and/or its startup peak, each with its cause."""
+        cap = self.dev.memory_gb
+        reasons = []
+        if mem["steady"] > cap * GIB:
+            top = max(("params", "grads", "optimizer", "activations", "gathered"), key=lambda k: mem[k])
+            reasons.append(
+                f"needs {mem['steady'] / GIB:.1f} GiB > {cap:g} GiB (largest: {top} {mem[top] / GIB:.1f} GiB)"
+            )
+        if mem["startup"] > cap * GIB:
+            built = (
+                "its own shards plus one block in fp32"
+                if self.sw.sharded_init
+                else "every rank builds the whole model in fp32 first; needs sharded construction"
+            )
+            reasons.append(f"startup peak {mem['startup'] / GIB:.1f} GiB > {cap:g} GiB ({built})")
+        return "; ".join(reasons)
 
     def evaluate(self, layout: Layout, use_simulator: bool = False) -> Estimate:
         """Predicted step time, breakdown and memory of `layout` (raises ValueError if it cannot run)."""
@@ -434,35 +495,13 @@ class CostModel:
         tp_total = num_micro * v * tpc[busiest]
         compute = pipe.busy - tp_total
 
-        # Data parallelism: gradients of the rank's parameters (the larger of first/last rank).
-        params_rank = max(self._params_on_rank(layout))
-        dp, stride = layout.dp, tp
-        if layout.zero_stage >= 1:
-            reduce = self.c.reduce_scatter(params_rank * self.sw.grad_bytes, dp, stride)
-            gather = self.c.all_gather(params_rank * self.act_bytes, dp, stride)
-        else:
-            reduce, gather = self.c.all_reduce(params_rank * self.sw.grad_bytes, dp, stride), 0.0
-        if self.sw.dp_overlap and dp > 1:
-            window = bwd[0] * v  # the last micro-batch's backward on the first rank
-            bucket = self.w.dp_bucket_mb * 2**20 / max(params_rank * self.sw.grad_bytes, 1.0)
-            exposed = max(reduce - window, reduce * min(bucket, 1.0)) + gather
-        else:
-            exposed = reduce + gather
-        local = params_rank / (dp if layout.zero_stage >= 1 else 1)
-        # Adam: read grad, master, m, v; write master, m, v, the 16-bit weights; plus the norm over grads.
-        optimizer = self.dev.memory_time(local * (self.sw.grad_bytes * 2 + 4 * 6 + self.act_bytes), kernels=4)
+        dp_comm, exposed, optimizer = self._data_parallel_time(layout, num_micro, fwd[0] * v, bwd[0] * v)
         step = pipe.step_time + exposed + optimizer
 
         mem = self.memory(layout, pipe.peak_inflight, num_micro)
         capacity = self.dev.memory_gb * GIB
         fits = mem["total"] <= capacity
-        why = ""
-        if not fits:
-            top = max(("params", "grads", "optimizer", "activations"), key=lambda k: mem[k])
-            why = (
-                f"needs {mem['total'] / GIB:.1f} GiB > {self.dev.memory_gb:g} GiB "
-                f"(largest: {top} {mem[top] / GIB:.1f} GiB)"
-            )
+        why = "" if fits else self._overflow(mem)
         tokens = self.w.global_batch * self.w.seq
         executed = self._flops[layout.recompute] * tokens
         model_flops = self._model_flops * tokens
@@ -473,7 +512,7 @@ class CostModel:
             compute=compute,
             tp_comm=tp_total,
             pp_bubble=pipe.step_time - pipe.busy,
-            dp_comm=reduce + gather,
+            dp_comm=dp_comm,
             dp_exposed=exposed,
             optimizer=optimizer,
             bubble_fraction=pipe.bubble_fraction,
@@ -487,11 +526,30 @@ class CostModel:
         )
 
 
+def sharding_overrides(layout: Layout) -> dict[str, object]:
+    """The config overrides of a layout's hybrid sharding and offload, only when it uses them (the config
+    keys parallel.dp_shard and parallel.offload come with issue 15's sharded data parallelism)."""
+    out: dict[str, object] = {}
+    if layout.dp_shard is not None:
+        out["parallel.dp_shard"] = layout.dp_shard
+    if layout.offload != "none":
+        out["parallel.offload"] = layout.offload
+    return out
+
+
 def with_layout(job: JobConfig, layout: Layout, global_batch: int | None = None) -> JobConfig:
     """A copy of `job` running `layout` (and `global_batch` if given): what --write produces."""
     model = replace(job.model, recompute=layout.recompute)
+    extra = {key.split(".", 1)[1]: value for key, value in sharding_overrides(layout).items()}
+    missing = [key for key in extra if not hasattr(job.parallel, key)]
+    if missing:
+        raise ConfigError(
+            f"layout {layout.short()} needs parallel.{missing[0]}, which this build's config does not have; "
+            "plan with the software the trainer runs (--software llmtrain)"
+        )
     parallel = replace(
         job.parallel,
+        **extra,
         tp=layout.tp,
         pp=layout.pp,
         dp=layout.dp,
@@ -507,3 +565,24 @@ def with_layout(job: JobConfig, layout: Layout, global_batch: int | None = None)
         global_batch_size=global_batch or job.train.global_batch_size,
     )
     return replace(job, model=model, parallel=parallel, train=train)
+
+
+def layout_of_job(job: JobConfig, gpus: int, fixed: dict[str, object] | None = None) -> Layout:
+    """The layout `job` runs on `gpus` devices (dp = gpus / (tp * pp)), with the `fixed` settings (Layout
+    field names, as parse_fixed gives them) replacing the config's."""
+    p = job.parallel
+    layout = Layout(
+        tp=p.tp,
+        pp=p.pp,
+        dp=max(gpus // (p.tp * p.pp), 1),
+        micro_batch=job.train.micro_batch_size,
+        virtual_stages=p.virtual_stages,
+        schedule=p.schedule,
+        recompute=job.model.recompute,
+        sequence_parallel=p.sequence_parallel,
+        zero_stage=p.zero_stage,
+    )
+    layout = replace(layout, **(fixed or {}))
+    if "dp" not in (fixed or {}):
+        layout = replace(layout, dp=max(gpus // (layout.tp * layout.pp), 1))
+    return layout

@@ -49,13 +49,13 @@ class PipelineTime:
         return 1.0 - self.busy / self.step_time if self.step_time > 0 else 0.0
 
 
-def peak_inflight_closed(schedule: str, pp: int, m: int, v: int) -> int:
-    """Peak (micro-batch, chunk) pairs held by rank 0, as the schedule generators produce them."""
+def peak_inflight_closed(schedule: str, pp: int, m: int, v: int, rank: int = 0) -> int:
+    """Peak (micro-batch, chunk) pairs held by pipeline rank `rank`, as the schedule generators make them."""
     if schedule == "gpipe":
         return m
     if schedule == "interleaved_1f1b" and v > 1:
-        return min(2 * (pp - 1) + (v - 1) * pp + 1, m * v)
-    return min(pp, m)
+        return min(2 * (pp - rank - 1) + (v - 1) * pp + 1, m * v)
+    return min(pp - rank, m)
 
 
 def closed_form(

@@ -89,6 +89,70 @@ def format_table(result: PlanResult, top: int = 10) -> str:
     return head + "\n" + "\n".join(lines)
 
 
+_MEMORY_ROWS = (
+    ("params", "parameters"),
+    ("grads", "gradients"),
+    ("optimizer", "optimizer state"),
+    ("activations", "activations"),
+    ("gathered", "gathered buffers"),
+    ("buffers", "communication buffers"),
+    ("reserved", "reserved"),
+)
+
+
+def _state_notes(lay: Layout, precision: str) -> dict[str, str]:
+    """What each model-state row holds for this layout (llmtrain.planner.memory's table)."""
+    shard = lay.dp_shard or lay.dp
+    over = f" / {shard}" if lay.zero_stage else ""
+    weight = "fp32" if precision == "fp32" else precision
+    master = "Adam m, v" if precision == "fp32" else "fp32 master + Adam m, v"
+    notes = {
+        "params": f"{weight} weights" if lay.zero_stage < 3 else f"fp32 shard{over} (also the master)",
+        "grads": "fp32 main gradients" + (over if lay.zero_stage >= 2 else ""),
+        "optimizer": (
+            master
+            if lay.zero_stage < 2
+            else "fp32 master + Adam m, v"
+            if lay.zero_stage == 2
+            else "Adam m, v"
+        )
+        + over,
+        "activations": f"recompute {lay.recompute}, micro-batches in flight under {lay.schedule}, logits",
+        "gathered": "unsharded blocks in flight (ZeRO-2/3)" if lay.zero_stage >= 2 else "none below ZeRO-2",
+        "buffers": "pipeline sends, DP buckets, SP gather",
+        "reserved": "runtime context, workspaces (cluster file)",
+    }
+    for row in {
+        "optimizer": ("optimizer", "grads"),
+        "optimizer+params": ("optimizer", "grads", "params"),
+    }.get(lay.offload, ()):
+        notes[row] += " -> offloaded to host"
+    return notes
+
+
+def format_memory(e: Estimate, precision: str, device: str) -> str:
+    """The fullest rank's memory of one layout: each part, steady state, startup peak, peak against the
+    device's capacity, and what lives on the host."""
+    mem, cap = e.memory, e.capacity / GIB
+    notes = _state_notes(e.layout, precision)
+    lines = [f"memory per rank (the fullest): {e.layout.short()}, {precision}, on {device} ({cap:g} GiB)"]
+    for key, label in _MEMORY_ROWS:
+        lines.append(f"  {label:<22}{mem[key] / GIB:>9.2f} GiB   {notes[key]}")
+    lines.append("  " + "-" * 33)
+    lines.append(f"  {'steady state':<22}{mem['steady'] / GIB:>9.2f} GiB   during training steps")
+    lines.append(
+        f"  {'startup peak':<22}{mem['startup'] / GIB:>9.2f} GiB   while the model is built and sharded"
+    )
+    verdict = "fits" if e.fits else "DOES NOT FIT: " + e.why
+    lines.append(
+        f"  {'peak':<22}{mem['total'] / GIB:>9.2f} GiB   "
+        f"{100 * mem['total'] / e.capacity:.0f}% of {cap:g} GiB: {verdict}"
+    )
+    if mem["host"]:
+        lines.append(f"  {'host (offloaded)':<22}{mem['host'] / GIB:>9.2f} GiB   in CPU memory, per rank")
+    return "\n".join(lines)
+
+
 def to_records(result: PlanResult, top: int = 10) -> list[dict]:
     """The top estimates as JSON-ready dicts (fields of Layout plus step_time_s, tflops_per_gpu, mfu, ...)."""
     return [e.as_dict() for e in result.ranked[:top]]

@@ -1,9 +1,12 @@
 """Search over parallel layouts for a fixed model, global batch and GPU count.
 
 Dimensions: tp, pp (dp follows), micro-batch size, schedule with its virtual stages, recompute mode,
-sequence parallelism and ZeRO stage. Impossible values are pruned up front with a reason each: the model's
-tensor- and pipeline-parallel rules as config validation states them (llmtrain.config.validate), tp staying
-inside a node unless the cluster allows otherwise, dp dividing the global batch, ... The remaining space is
+sequence parallelism and the sharding of the model state: ZeRO stage 0-3, hybrid sharding (zero 2/3 sharded
+inside a node, replicated across) and CPU offload (zero 2/3). A layout fits only when both its steady state
+and its startup peak fit (llmtrain.planner.memory). Impossible values are pruned up front with a reason
+each: the model's tensor- and pipeline-parallel rules as config validation states them
+(llmtrain.config.validate), tp staying inside a node unless the cluster allows otherwise, dp dividing the
+global batch, ... The remaining space is
 enumerated exhaustively when small and searched by coordinate descent with restarts when large (AutoDDL
 style): a coarse screen of every (tp, pp) picks the seeds, then each seed improves one dimension at a time
 (tp/pp jointly, since dp follows) until no single change helps. Layouts that do not fit in memory score worse
@@ -39,6 +42,8 @@ FIXABLE = {
     "parallel.schedule": "schedule",
     "parallel.sequence_parallel": "sequence_parallel",
     "parallel.zero_stage": "zero_stage",
+    "parallel.dp_shard": "dp_shard",
+    "parallel.offload": "offload",
     "train.micro_batch_size": "micro_batch",
     "model.recompute": "recompute",
 }
@@ -58,6 +63,37 @@ def parse_fixed(text: str | Iterable[str] | None) -> dict[str, object]:
     return fixed
 
 
+Sharding = tuple[int, "int | None", str]
+"""(zero stage, dp_shard or None for all of dp, offload)."""
+
+
+def _sharding_choices(
+    dp: int, dp_per_node: int, software: Software, fixed: dict[str, object]
+) -> list[Sharding]:
+    """The (zero stage, dp_shard, offload) combinations searched for `dp` replicas: every stage the software
+    offers; at zero 2/3 hybrid sharding inside a node (the DP ranks of one node shard, nodes replicate: the
+    gathers stay on NVLink) and CPU offload; settings fixed by --evaluate filter them."""
+    choices: list[Sharding] = []
+    for zero in software.zero_stages:
+        choices.append((zero, None, "none"))
+        if zero < 2:
+            continue
+        if software.hybrid_sharding and 1 < dp_per_node < dp and dp % dp_per_node == 0:
+            choices.append((zero, dp_per_node, "none"))
+        if software.offload:
+            choices += [(zero, None, "optimizer")] + ([(zero, None, "optimizer+params")] if zero == 3 else [])
+    wanted = {key: fixed[key] for key in ("zero_stage", "dp_shard", "offload") if key in fixed}
+    if wanted:
+        choices = [
+            c
+            for c in choices
+            if all(c[("zero_stage", "dp_shard", "offload").index(k)] == v for k, v in wanted.items())
+        ] or [(int(wanted.get("zero_stage", 0)), wanted.get("dp_shard"), str(wanted.get("offload", "none")))]
+    if dp == 1:
+        choices = [c for c in choices if c[0] == 0] or choices
+    return choices
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -72,7 +108,8 @@ class Space:
     schedules: list[tuple[str, int]]
     recompute: list[str]
     sequence_parallel: list[bool]
-    zero_stage: list[int]
+    sharding: dict[int, list[Sharding]]
+    """Per dp, the allowed (zero stage, dp_shard, offload) combinations."""
     gpus: int
     pruned: Counter = field(default_factory=Counter)
 
@@ -80,14 +117,14 @@ class Space:
         """Every combination, skipping invalid ones (counted in `pruned`)."""
         for tp, pp in self.tp_pp:
             dp = model.c.devices // (tp * pp)
-            for mb, (sched, v), rc, sp, zero in itertools.product(
+            for mb, (sched, v), rc, sp, (zero, shard, offload) in itertools.product(
                 self.micro_batches[dp],
                 self.schedules,
                 self.recompute,
                 self.sequence_parallel,
-                self.zero_stage,
+                self.sharding[dp],
             ):
-                layout = Layout(tp, pp, dp, mb, v, sched, rc, sp, zero)
+                layout = Layout(tp, pp, dp, mb, v, sched, rc, sp, zero, shard, offload)
                 why = model.invalid_reason(layout)
                 if why:
                     self.pruned[why] += 1
@@ -96,8 +133,11 @@ class Space:
 
     def size(self) -> int:
         """Number of combinations before the per-layout validity check."""
-        per = len(self.schedules) * len(self.recompute) * len(self.sequence_parallel) * len(self.zero_stage)
-        return sum(len(self.micro_batches[self.gpus // (tp * pp)]) for tp, pp in self.tp_pp) * per
+        per = len(self.schedules) * len(self.recompute) * len(self.sequence_parallel)
+        return per * sum(
+            len(self.micro_batches[dp]) * len(self.sharding[dp])
+            for dp in (self.gpus // (tp * pp) for tp, pp in self.tp_pp)
+        )
 
 
 def build_space(model: CostModel, fixed: dict[str, object] | None = None) -> Space:
@@ -167,13 +207,17 @@ def build_space(model: CostModel, fixed: dict[str, object] | None = None) -> Spa
         ]
     if max_pp == 1 and "schedule" not in fixed:
         schedules = [("1f1b", 1)]
+    sharding = {
+        dp: _sharding_choices(dp, view.devices_per_node // tp, model.sw, fixed)
+        for dp, tp in {gpus // (tp * pp): tp for tp, pp in tp_pp}.items()
+    }
     return Space(
         tp_pp=tp_pp,
         micro_batches=micro,
         schedules=schedules,
         recompute=pick("recompute", ["none", "selective", "full"]),
         sequence_parallel=pick("sequence_parallel", [False, True]),
-        zero_stage=pick("zero_stage", [0, 1]),
+        sharding=sharding,
         gpus=gpus,
         pruned=pruned,
     )
@@ -247,7 +291,7 @@ class Searcher:
             return [replace(cur, recompute=r) for r in s.recompute]
         if dim == "sequence_parallel":
             return [replace(cur, sequence_parallel=x) for x in s.sequence_parallel]
-        return [replace(cur, zero_stage=z) for z in s.zero_stage]
+        return [replace(cur, zero_stage=z, dp_shard=d, offload=o) for z, d, o in s.sharding[cur.dp]]
 
     def _best_of(self, layouts: Iterable[Layout]) -> Layout | None:
         best, best_score = None, float("inf")
@@ -259,7 +303,7 @@ class Searcher:
 
     def coordinate_descent(self, seeds: int = 8) -> None:
         s, gpus = self.space, self.model.c.devices
-        dims = ("tp_pp", "micro_batch", "schedule", "recompute", "sequence_parallel", "zero_stage")
+        dims = ("tp_pp", "micro_batch", "schedule", "recompute", "sequence_parallel", "sharding")
         # Screen every (tp, pp) with the settings that usually fit and rarely lose much.
         starts = []
         for tp, pp in s.tp_pp:
@@ -273,9 +317,13 @@ class Searcher:
                 s.schedules[0][0],
                 "full" if "full" in s.recompute else s.recompute[0],
                 (tp > 1) if (tp > 1) in s.sequence_parallel else s.sequence_parallel[0],
-                max(s.zero_stage) if dp > 1 else min(s.zero_stage),
             )
-            candidates = [base, replace(base, recompute=s.recompute[0])]
+            # The most sharded state without offload first: the likeliest to fit.
+            candidates = [
+                replace(base, zero_stage=z, dp_shard=d, offload=o, recompute=rc)
+                for z, d, o in s.sharding[dp]
+                for rc in dict.fromkeys((base.recompute, s.recompute[0]))
+            ]
             best = self._best_of(candidates)
             if best is not None:
                 starts.append(best)

@@ -87,6 +87,23 @@ def peak_memory_gb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
 
 
+def memory_entry(values: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """The memory fields of an entry: every rank's measured peak in the training steps so far
+    (`rank_peak_memory_gb`, by rank) and at startup (`rank_startup_memory_gb`, when measured), the largest
+    step peak as `peak_memory_gb`, and what measured them (llmtrain.training.memory_tracking). Without
+    per-rank figures (a logger driven directly), this process's peak_memory_gb alone."""
+    ranks = values.get("rank_peak_memory")
+    if not ranks:
+        return {"peak_memory_gb": peak_memory_gb(device)}
+    startup = values.get("rank_startup_memory")
+    return {
+        "peak_memory_gb": max(ranks) / 2**30,
+        "rank_peak_memory_gb": [b / 2**30 for b in ranks],
+        "rank_startup_memory_gb": [b / 2**30 for b in startup] if startup else None,
+        "memory_source": values.get("memory_source"),
+    }
+
+
 def format_duration(seconds: float) -> str:
     """Compact h/m/s form for ETAs: 3725 -> '1h02m05s'."""
     seconds = int(max(seconds, 0))
@@ -157,7 +174,8 @@ class MetricsLogger:
         values: loss, lr, grad_norm, loss_scale (None without fp16), skipped (bool, this step) or
         skipped_steps (running count), skip_reason (why this step's update was skipped, or None), tokens
         and samples (whole job, this step), step_time and data_time (seconds), optional breakdown
-        {section: seconds} from StepTimer.pop() and rank_step_times (every rank's compute time, by rank).
+        {section: seconds} from StepTimer.pop(), rank_step_times (every rank's compute time, by rank) and
+        rank_peak_memory / rank_startup_memory (every rank's measured peak bytes) with memory_source.
         """
         if not self.is_main:
             return
@@ -203,7 +221,7 @@ class MetricsLogger:
             "tflops_per_device": achieved / 1e12,
             "mfu": achieved / self.peak.flops if self.peak is not None else None,
             "mfu_peak": self.peak.source if self.peak is not None else None,
-            "peak_memory_gb": peak_memory_gb(self.device),
+            **memory_entry(current, self.device),
             "elapsed_s": time.perf_counter() - self.start_time,
             "eta_s": mean_step * max(self.total_steps - step, 0),
             **rank_time_spread(window, self.straggler_factor),

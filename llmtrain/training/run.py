@@ -21,6 +21,7 @@ from llmtrain.config import ConfigError, JobConfig, with_overrides
 from llmtrain.errors import UserError
 from llmtrain.parallel.topology import Topology
 from llmtrain.parallel.watchdog import install_excepthook
+from llmtrain.training.memory_tracking import PeakMemory
 from llmtrain.training.output_dir import Launch, commit, plan_launch
 from llmtrain.training.trainer import LocalStepRunner, Trainer, TrainResult
 
@@ -71,10 +72,13 @@ def _llmtrain_parts(job: JobConfig, topo: Topology) -> tuple[torch.nn.Module, An
     return model, optimizer, runner
 
 
-def build_trainer(job: JobConfig, topo: Topology, segment: int = 0) -> Trainer:
+def build_trainer(
+    job: JobConfig, topo: Topology, segment: int = 0, memory: PeakMemory | None = None
+) -> Trainer:
     """Data, model, parallel layout, optimizer, metrics and checkpointer for `job`, assembled.
 
-    Writes nothing to output_dir (metrics.jsonl opens at the first logged step); `segment` tags its rows.
+    Writes nothing to output_dir (metrics.jsonl opens at the first logged step); `segment` tags its rows;
+    `memory` measures this rank's peaks (built under its tracking so the model's tensors count).
     """
     from llmtrain.checkpoint import Checkpointer
     from llmtrain.data import build_data
@@ -102,6 +106,7 @@ def build_trainer(job: JobConfig, topo: Topology, segment: int = 0) -> Trainer:
         checkpointer=Checkpointer(job, topo, tokenizer=data.tokenizer),
         model=model,
         tokens_per_sample=job.model.seq_length,
+        memory=memory,
     )
 
 
@@ -216,12 +221,15 @@ def run(job: JobConfig) -> TrainResult:
                 output_dir=job.output_dir,
                 nothing_to_do=launch.nothing_to_do_text(),
             )
-        trainer = build_trainer(job, topo, launch.segment)
-        trainer.restore(launch.resume_from)
-        on_rank0(topo, lambda: _commit(launch, job, topo.world_size))
-        if topo.rank == 0:
-            print(startup_block(job, topo, launch), flush=True)
-        return trainer.fit()
+        memory = PeakMemory(topo.device, job.logging.memory)
+        with memory.tracking():
+            trainer = build_trainer(job, topo, launch.segment, memory)
+            trainer.restore(launch.resume_from)
+            memory.end_startup()
+            on_rank0(topo, lambda: _commit(launch, job, topo.world_size))
+            if topo.rank == 0:
+                print(startup_block(job, topo, launch), flush=True)
+            return trainer.fit()
     finally:
         topo.watchdog.stop()
         if trainer is not None:

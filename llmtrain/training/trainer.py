@@ -20,6 +20,7 @@ from llmtrain.faults import injected
 from llmtrain.parallel import comm
 from llmtrain.training.interrupt import StopRequest, exit_code
 from llmtrain.training.lr_schedule import learning_rate
+from llmtrain.training.memory_tracking import PeakMemory
 from llmtrain.training.metrics import format_duration
 from llmtrain.training.profiling import ProfilerWindow, StepTimer
 
@@ -137,7 +138,7 @@ class TrainingDiverged(UserError, RuntimeError):
 
 
 # Each rank's contribution to the step's agreement (Trainer._agree), by position.
-_LOSS, _GRAD_NORM, _STOP, _SAVE_CLOCK, _COMPUTE_TIME = range(5)
+_LOSS, _GRAD_NORM, _STOP, _SAVE_CLOCK, _COMPUTE_TIME, _PEAK_MEMORY, _STARTUP_MEMORY = range(7)
 
 
 def _with_loss_faults(loss: float, step: int, rank: int) -> float:
@@ -165,6 +166,7 @@ class Trainer:
         checkpointer: Any,
         model: torch.nn.Module,
         tokens_per_sample: int,
+        memory: PeakMemory | None = None,
     ) -> None:
         self.job = job
         self.topo = topo
@@ -175,6 +177,7 @@ class Trainer:
         self.checkpointer = checkpointer
         self.model = model
         self.tokens_per_sample = tokens_per_sample
+        self.memory = memory or PeakMemory(topo.device, track_cpu_tensors=False)
         self.timer = StepTimer(job.logging.time_breakdown)
         self.step = 0
         self.consumed_samples = 0
@@ -213,8 +216,9 @@ class Trainer:
         """Every rank's `mine`, in rank order, on every rank: the step's one world-wide collective.
 
         It carries each rank's loss and gradient norm (the bad-step checks), the stop signal, rank 0's
-        checkpoint clock and the rank's compute time (the straggler check). Every rank decides from the
-        same gathered numbers, so all take the same branch, and agreeing costs no extra collective.
+        checkpoint clock, the rank's compute time (the straggler check) and its measured peak memory at
+        startup and in the steps (metrics.jsonl). Every rank decides from the same gathered numbers, so all
+        take the same branch, and agreeing costs no extra collective.
         """
         if not dist.is_initialized() or self.topo.world_size == 1:
             return [mine]
@@ -308,6 +312,8 @@ class Trainer:
         with self.timer.section("optimizer"):
             local_norm = self.optimizer.prepare(inject_inf=inf_grad)
         mine = [local_loss, local_norm, float(self.stop.signum), float(self._clock_says_save()), compute_time]
+        # The step's own peak is complete here but for the optimizer update, whose state exists from step 1.
+        mine += [float(self.memory.peak_bytes()), float(self.memory.startup_bytes or 0)]
         with self.timer.section("agree"):
             rows = self._agree(mine)
         columns = [list(column) for column in zip(*rows, strict=True)]
@@ -340,6 +346,11 @@ class Trainer:
             "skipped_steps": self.skipped_steps,
             "skip_reason": reason,
             "rank_step_times": columns[_COMPUTE_TIME],
+            "rank_peak_memory": columns[_PEAK_MEMORY],
+            "rank_startup_memory": columns[_STARTUP_MEMORY]
+            if self.memory.startup_bytes is not None
+            else None,
+            "memory_source": self.memory.source,
             "samples": train.global_batch_size,
             "tokens": train.global_batch_size * self.tokens_per_sample,
             "step_time": time.perf_counter() - start,

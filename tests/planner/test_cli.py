@@ -182,3 +182,28 @@ def test_link_measurement_reports_a_dead_worker_instead_of_waiting():
     with pytest.raises(RuntimeError, match="ended without a result"):
         measure_gloo(mbytes=-1)  # the workers fail allocating a negative-sized buffer
     assert time.monotonic() - start < 120  # spawn and import only; the old blind wait was 300 s
+
+
+def test_memory_prints_the_per_rank_breakdown_of_the_configs_layout(capsys):
+    config = str(ROOT / "configs" / "llama3-70b.yaml")
+    zero3 = "parallel.tp=4 parallel.zero_stage=3 model.recompute=full"
+    assert plan_tool.main(["--config", config, "--cluster", "h100-80gb", "--gpus", "64", "--memory",
+                           "--evaluate", zero3]) == 0  # fmt: skip
+    whole = capsys.readouterr().out
+    for row in ("parameters", "gradients", "optimizer state", "activations", "gathered buffers",
+                "communication buffers", "steady state", "startup peak", "of 80 GiB"):  # fmt: skip
+        assert row in whole
+    assert "DOES NOT FIT" in whole and "needs sharded construction" in whole
+    offload = zero3 + " parallel.offload=optimizer+params"
+    sharded = ["--software", "llmtrain-sharded", "--evaluate", offload, "--json"]
+    assert (
+        plan_tool.main(["--config", config, "--cluster", "h100-80gb", "--gpus", "64", "--memory", *sharded])
+        == 0
+    )
+    record = json.loads(capsys.readouterr().out)
+    assert record["fits"] and record["offload"] == "optimizer+params"
+    assert record["memory_breakdown_gb"]["optimizer"] == 0 and record["memory_breakdown_gb"]["host"] > 16
+    with pytest.raises(ConfigError, match="needs zero_stage 2 or 3"):
+        plan_tool.main(
+            ["--config", config, "--gpus", "64", "--memory", "--evaluate", "parallel.offload=optimizer"]
+        )

@@ -1,0 +1,296 @@
+"""Per-rank memory of one layout: model state, activations, gathered and communication buffers, startup.
+
+Model state per parameter on the rank (P: its parameters after the TP and PP splits; N: the shard group,
+parallel.dp_shard under hybrid sharding, else dp; e: bytes of a 16-bit or fp32 weight; g: gradient bytes,
+fp32 main gradients by default):
+
+    zero 0  params e*P   grads g*P    optimizer (8 + master)*P      (master: 4 in bf16/fp16, 0 in fp32)
+    zero 1  params e*P   grads g*P    optimizer (8 + master)*P/N    (Megatron's distributed optimizer)
+    zero 2  params e*P   grads g*P/N  optimizer 12*P/N              (FSDP2 without resharding after forward:
+                                                                     the gathered compute copy lives through
+                                                                     the step, the fp32 shard is the master)
+    zero 3  params 4*P/N grads g*P/N  optimizer 8*P/N               (FSDP2: the fp32 shard is the parameter
+                                                                     and the master; blocks are gathered)
+
+Offload (zero 2/3, as DeepSpeed's ZeRO-Offload or FSDP2's CPUOffloadPolicy): "optimizer" moves the optimizer
+rows (master and Adam moments) and, at zero 2/3, the gradient shard to host memory; "optimizer+params"
+(zero 3) moves the fp32 parameter shard too. Host bytes are reported apart and never count against the device.
+
+Gathered buffers: ZeRO-3 holds the unsharded 16-bit parameters of the block being computed and of the
+prefetched ones (Software.zero3_prefetch) plus, in the backward, the unsharded gradient of one block before
+its reduce-scatter; ZeRO-2 holds that unsharded gradient. The largest block (a layer, the embedding or the
+output layer) sizes them.
+
+Activations (llmtrain's fused kernels; PyTorch's reference ops save a little more, see
+activation_bytes_per_layer): Korthikanti et al. 2022 per layer (generalised to GQA, gated MLPs, flash
+attention; recompute none/selective/full; sequence parallelism) times the layers of a rank's chunk times the
+micro-batches the schedule keeps in flight on that rank (pipeline_time's peak: 1f1b pp, interleaved more,
+zb_h1 as 1f1b, gpipe all), plus the last stage's logits.
+
+Buffers: the pipeline's send and receive of one micro-batch's activation and sequence parallelism's gathered
+layer input; data-parallel reductions run in place on the flat gradient buffer (NCCL), except gloo's ZeRO-1
+shard exchange (Software.gloo_shard_exchange), whose received copies outlive the activations.
+
+Startup peak: without sharded construction every rank builds the whole model in fp32 before slicing it
+(4 bytes x all parameters, plus the TP slice cut from it), then holds its fp32 modules while it fills the
+flat parameter and gradient buffers (and, in 16-bit training, the fp32 initial values for the master copy);
+with it a rank holds its own shard plus one block being initialised in fp32 at its full (unsliced) size,
+since initialising the full block then slicing is what keeps values bitwise equal to one process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from llmtrain.config.schema import ModelConfig
+from llmtrain.planner import flops as F
+from llmtrain.planner.pipeline_time import peak_inflight_closed
+
+if TYPE_CHECKING:
+    from llmtrain.planner.cost_model import Layout, Software
+
+OFFLOADS = ("none", "optimizer", "optimizer+params")
+"""CPU offload choices: nothing, the optimizer state (and gradient shard), or that plus the parameters."""
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes on one rank (device memory unless said otherwise)."""
+
+    params: float
+    """Parameters as stored (16-bit compute copies at zero 0-2, the fp32 shard at zero 3)."""
+    grads: float
+    """Main gradients (full at zero 0/1, the rank's shard at zero 2/3)."""
+    optimizer: float
+    """fp32 master weights (16-bit training) and Adam's two moments, sharded from zero 1 on."""
+    activations: float
+    """Saved activations of the micro-batches in flight, and the last stage's logits."""
+    gathered: float
+    """Unsharded parameters and gradients of the blocks in flight (zero 2/3)."""
+    buffers: float
+    """Communication buffers: pipeline sends, data-parallel buckets, the sequence-parallel gather."""
+    reserved: float
+    """The device's runtime context, workspaces and fragmentation (cluster file)."""
+    startup: float
+    """Peak while the model is built and sharded, before the first step (reserved included)."""
+    host: float
+    """Bytes offloaded to host (CPU) memory."""
+
+    @property
+    def steady(self) -> float:
+        """Peak during training steps."""
+        return (
+            self.params
+            + self.grads
+            + self.optimizer
+            + self.activations
+            + self.gathered
+            + self.buffers
+            + self.reserved
+        )
+
+    @property
+    def peak(self) -> float:
+        """The rank's peak over the whole run: the larger of startup and steady state."""
+        return max(self.steady, self.startup)
+
+    def as_dict(self) -> dict[str, float]:
+        """Rows by name, plus steady, startup, host and total (the peak), in bytes."""
+        return {
+            "params": self.params,
+            "grads": self.grads,
+            "optimizer": self.optimizer,
+            "activations": self.activations,
+            "gathered": self.gathered,
+            "buffers": self.buffers,
+            "reserved": self.reserved,
+            "steady": self.steady,
+            "startup": self.startup,
+            "host": self.host,
+            "total": self.peak,
+        }
+
+
+def activation_bytes_per_layer(
+    model: ModelConfig,
+    seq: int,
+    act_bytes: int,
+    flash_attention: bool,
+    tp: int,
+    b: int,
+    sp: bool,
+    recompute: str,
+    fused_kernels: bool = True,
+) -> float:
+    """Saved activations of one layer for one micro-batch (Korthikanti et al. 2022, generalised).
+
+    With the fused kernels a norm saves its input and a gated MLP its gate and up projections; the PyTorch
+    reference ops (fused_kernels false) also save RMSNorm's normalised input (x * rstd, for the weight's
+    gradient) and silu/gelu(gate) (for the product's gradient): one more h and f per token.
+    """
+    m, e, s = model, act_bytes, seq
+    h, d = m.hidden_size, m.head_size
+    sbh = s * b * h
+    if recompute == "full":
+        return e * sbh / (tp if sp else 1)  # the layer's input only
+    a, kv, f = m.num_attention_heads, m.kv_heads, m.ffn_size
+    kv_local = max(kv / tp, 1) * tp  # kv heads are replicated when tp exceeds them
+    hidden_mask = 1 if m.hidden_dropout > 0 else 0
+    # Replicated over TP unless SP: 2 norm inputs, QKV input, MLP input, 2 dropout masks.
+    unfused_norms = 2 if not fused_kernels and m.arch != "gpt" else 0  # LayerNorm saves no extra copy
+    replicated = ((4 + unfused_norms) * e + hidden_mask * 2) * sbh
+    # Split over TP: Q, K, V, attention output (out-proj input), MLP intermediates.
+    # gated: gate+up output and the product (down-projection input); unfused also the activated gate
+    mlp = ((3 if fused_kernels else 4) * f * e) if F.is_gated(m) else 2 * f * e
+    split = s * b * ((a + 2 * kv_local) * d * e + a * d * e + mlp)
+    if not flash_attention and recompute != "selective":
+        drop = m.attention_dropout > 0
+        split += a * s * s * b * (e + (1 + e if drop else 0))  # softmax output (+ dropout mask and output)
+    return replicated / (tp if sp else 1) + split / tp
+
+
+def shard_group(layout: Layout) -> int:
+    """Ranks the model state is sharded over: 1 at zero 0, dp_shard (hybrid) or dp otherwise."""
+    if layout.zero_stage == 0:
+        return 1
+    return layout.dp_shard or layout.dp
+
+
+def sharding_problem(layout: Layout) -> str:
+    """Why a layout's zero stage, hybrid sharding and offload do not go together (empty if they do)."""
+    z, shard, offload = layout.zero_stage, layout.dp_shard, layout.offload
+    if z not in (0, 1, 2, 3):
+        return f"zero_stage must be 0, 1, 2 or 3; got {z}"
+    if offload not in OFFLOADS:
+        return f"offload must be one of {', '.join(OFFLOADS)}; got {offload!r}"
+    if z and layout.dp == 1:
+        return "ZeRO needs dp > 1"
+    if shard is not None:
+        if z < 2:
+            return "hybrid sharding (dp_shard) shards parameters or gradients: needs zero_stage 2 or 3"
+        if shard < 2 or layout.dp % shard or shard == layout.dp:
+            return f"dp_shard={shard} must divide dp={layout.dp} and lie strictly between 1 and dp"
+    if offload != "none" and z < 2:
+        return f"offload={offload} runs through a ZeRO-2/3 engine: needs zero_stage 2 or 3"
+    if offload == "optimizer+params" and z != 3:
+        return "offloading parameters needs zero_stage 3 (only sharded parameters can live on the host)"
+    return ""
+
+
+def state_bytes(params: float, layout: Layout, precision: str, grad_bytes: int) -> dict[str, float]:
+    """Device bytes of parameters, gradients and optimizer state of `params` parameters, and the host
+    bytes offload moves off the device (see the module docstring's table)."""
+    e = 4 if precision == "fp32" else 2
+    master = 0 if precision == "fp32" else 4
+    n, z = shard_group(layout), layout.zero_stage
+    if z <= 1:
+        rows = {"params": e * params, "grads": grad_bytes * params, "optimizer": (8 + master) * params / n}
+    elif z == 2:
+        rows = {"params": e * params, "grads": grad_bytes * params / n, "optimizer": 12 * params / n}
+    else:
+        rows = {"params": 4 * params / n, "grads": grad_bytes * params / n, "optimizer": 8 * params / n}
+    host = 0.0
+    moved = {
+        "none": (),
+        "optimizer": ("optimizer", "grads"),
+        "optimizer+params": ("optimizer", "grads", "params"),
+    }
+    for row in moved[layout.offload]:
+        host += rows[row]
+        rows[row] = 0.0
+    rows["host"] = host
+    return rows
+
+
+def rank_memory(
+    model: ModelConfig,
+    precision: str,
+    layout: Layout,
+    software: Software,
+    *,
+    inflight: int,
+    num_micro: int,
+    reserved_bytes: float,
+) -> MemoryBreakdown:
+    """Bytes on the fullest rank of `layout` (the first pipeline rank, or the last when its output layer and
+    logits dominate), with the higher startup peak of the two; `inflight` is the schedule's peak of
+    micro-batches in flight on the first rank."""
+    e = 4 if precision == "fp32" else 2
+    counts = F.parameter_counts(model)
+    tp, pp, v, b = layout.tp, layout.pp, layout.virtual_stages, layout.micro_batch
+    s, h = model.seq_length, model.hidden_size
+    layers_chunk = -(-model.num_layers // (pp * v))
+    body = layers_chunk * v * counts.per_layer / tp
+    if pp == 1:
+        first_p, last_p = body + (counts.embedding + counts.head + counts.final_norm) / tp, body
+    else:
+        head = (counts.head or model.vocab_size * h) / tp  # tied: a copy on the last stage
+        first_p, last_p = body + counts.embedding / tp, body + head + counts.final_norm
+
+    per_layer = activation_bytes_per_layer(
+        model, s, e, software.flash_attention, tp, b, layout.sequence_parallel, layout.recompute,
+        software.fused_kernels,
+    )  # fmt: skip
+    tok = b * s
+    sp_div = tp if layout.sequence_parallel else 1
+    act_first = inflight * layers_chunk * per_layer + inflight * e * tok * h / sp_div
+    # Last rank: the micro-batches its schedule keeps in flight plus one micro-batch's logits at the start of
+    # its backward. Fused cross-entropy: the logits and an fp32 copy. PyTorch's: the fp32 log-probabilities
+    # it saves, their gradient and the fp32 logits' gradient (16-bit logits are cast up and not kept), and
+    # under pipelining the logits themselves, the last stage's output, held until its backward.
+    per_logit = (e + 4) if software.fused_kernels else 12 + (e if pp > 1 else 0)
+    logits = tok * model.vocab_size / tp * per_logit
+    last_inflight = peak_inflight_closed(layout.schedule, pp, num_micro, v, rank=pp - 1)
+    act_last = last_inflight * layers_chunk * per_layer + logits
+    if pp == 1:
+        act_first, act_last = act_first + logits, 0.0
+
+    # Pipeline sends and receives of one micro-batch's activation, and sequence parallelism's gathered layer
+    # input. Data-parallel reductions work in place on the flat gradient buffer (NCCL), but the gloo
+    # ZeRO-1 exchange receives dp - 1 peer copies of each bucket's shard, all alive until the step's end.
+    buffers = (2 * e * tok * h / sp_div if pp > 1 else 0) + (e * tok * h if layout.sequence_parallel else 0)
+
+    # The largest block gathered at once (per TP rank): a layer, the embedding or the output layer.
+    largest = max(counts.per_layer, counts.embedding, counts.head) / tp
+    gathered = 0.0
+    if layout.zero_stage == 3:
+        gathered = e * (1 + software.zero3_prefetch) * largest + software.grad_bytes * largest
+    elif layout.zero_stage == 2:
+        gathered = software.grad_bytes * largest
+
+    total_params = counts.total
+    full_block = max(counts.per_layer, counts.embedding, counts.head)
+
+    def one(params: float, activations: float) -> MemoryBreakdown:
+        state = state_bytes(params, layout, precision, software.grad_bytes)
+        exchange = 0.0
+        if software.gloo_shard_exchange and layout.zero_stage == 1:
+            # The copies arrive as buckets complete and live until the step's end, when the backward has
+            # freed the activations: they raise the peak only by what they exceed them.
+            exchange = max(software.grad_bytes * params * (layout.dp - 1) / layout.dp - activations, 0.0)
+        held = state["params"] + state["grads"]
+        if e == 2 and layout.zero_stage <= 1:
+            held += 4 * params  # exact fp32 initial values, kept until the optimizer copies its master
+        if software.sharded_init:
+            startup = held + 4 * full_block
+        else:
+            # First the whole model and, under TP, the rank's slice cut from it; then the rank's fp32
+            # modules while their values are copied into the flat buffers.
+            startup = max(4 * total_params + (4 * params if tp > 1 else 0), 4 * params + held)
+        return MemoryBreakdown(
+            params=state["params"],
+            grads=state["grads"],
+            optimizer=state["optimizer"],
+            activations=activations,
+            gathered=gathered,
+            buffers=buffers + exchange,
+            reserved=reserved_bytes,
+            startup=startup + reserved_bytes,
+            host=state["host"],
+        )
+
+    first, last = one(first_p, act_first), one(last_p, act_last)
+    fuller = first if first.steady >= last.steady else last
+    # The steady-state rows of the rank fullest in training; the startup peak of whichever rank's is higher.
+    return replace(fuller, startup=max(first.startup, last.startup))

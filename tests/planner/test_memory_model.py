@@ -1,0 +1,208 @@
+"""The per-rank memory model (llmtrain.planner.memory) against hand-derived bytes, the 70B case, and the
+search's fit decisions (steady state and startup peak both under the device's capacity)."""
+
+from pathlib import Path
+
+import pytest
+
+from llmtrain.config import load
+from llmtrain.config.schema import ModelConfig
+from llmtrain.pipeline.schedules import build_schedule
+from llmtrain.planner import Software, Workload, load_cluster, plan, plan_job
+from llmtrain.planner.cost_model import CostModel, Layout
+from llmtrain.planner.flops import parameter_counts
+from llmtrain.planner.memory import rank_memory, sharding_problem
+from llmtrain.planner.pipeline_time import peak_inflight_closed
+
+GIB = 2**30
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+# A tiny LLaMA: h=64, 4 heads of 16 (no GQA), gated MLP of 128, vocab 256, 4 layers, 32 tokens, untied.
+TINY = ModelConfig(
+    arch="llama",
+    num_layers=4,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_kv_heads=4,
+    ffn_hidden_size=128,
+    vocab_size=256,
+    seq_length=32,
+    tie_word_embeddings=False,
+)
+PER_LAYER = 64 * (4 + 2 * 4) * 16 + 4 * 16 * 64 + 3 * 64 * 128 + 2 * 64  # qkv + out + gate/up/down + 2 norms
+EMBEDDING = HEAD = 256 * 64
+TOTAL = 4 * PER_LAYER + EMBEDDING + HEAD + 64  # + final norm
+P = TOTAL // 2  # per rank at tp=2, pp=1 (everything is split over TP in this count)
+LARGEST = PER_LAYER // 2  # the largest block per TP rank: a layer (41088 > 16384 embedding parameters)
+
+
+def tiny(layout: Layout, software: Software | None = None, precision: str = "bf16"):
+    return rank_memory(
+        TINY,
+        precision,
+        layout,
+        software or Software(),
+        inflight=1,
+        num_micro=4,
+        reserved_bytes=0.0,
+    )
+
+
+def test_hand_count_of_parameters():
+    assert (PER_LAYER, TOTAL) == (41088, 197184)
+    counts = parameter_counts(TINY)
+    assert (counts.per_layer, counts.total) == (PER_LAYER, TOTAL)
+
+
+def test_zero3_components_by_hand():
+    """tp=2, pp=1, dp=4, zero 3, bf16, micro-batch 1 of 32 tokens, full recompute, no SP.
+
+    State (N = dp = 4, P = 197184 / 2 = 98592 parameters per TP rank): the fp32 shard 4P/4 = P bytes, the fp32
+    gradient shard 4P/4 = P, Adam's two fp32 moments 8P/4 = 2P.
+    Gathered: the largest block is a layer, 41088 / 2 = 20544 parameters per TP rank; the computing block and
+    one prefetched one in bf16 (2 x 2 x 20544) plus one block's unsharded fp32 gradient (4 x 20544).
+    Activations (full recompute): each of the 4 layers keeps its bf16 input, 2 x 32 x 64 = 4096 bytes, the
+    embedding output another 4096, and the logits 32 x 256 / 2 = 4096 elements in bf16 and fp32 (6 bytes):
+    4 x 4096 + 4096 + 24576 = 45056.
+    Buffers: none (no pipeline sends at pp=1; TP all-reduces and FSDP reduce-scatters work in place).
+    Startup without sharded construction: the whole model in fp32 (4 x 197184) and the rank's fp32 TP slice
+    cut from it (4P), more than the slice with the sharded state (4P + 2P) later; with it: the sharded
+    params and gradients plus one whole layer in fp32 (4 x 41088).
+    """
+    layout = Layout(tp=2, pp=1, dp=4, micro_batch=1, recompute="full", zero_stage=3)
+    mem = tiny(layout)
+    assert mem.params == P and mem.grads == P and mem.optimizer == 2 * P
+    assert mem.gathered == 2 * 2 * LARGEST + 4 * LARGEST
+    assert mem.activations == 4 * 4096 + 4096 + 24576
+    assert mem.buffers == 0
+    assert mem.startup == 4 * TOTAL + 4 * P
+    assert tiny(layout, Software(sharded_init=True)).startup == 2 * P + 4 * PER_LAYER
+    assert mem.steady == pytest.approx(4 * P + 8 * LARGEST + 45056)
+    assert mem.peak == mem.startup  # whole-model construction dominates this tiny case
+
+
+def test_zero_stages_hybrid_sharding_and_offload_by_hand():
+    """Same shape. zero 0: 2P (bf16) + 4P (fp32 grads) + 12P (master + moments). zero 1: the 12P over dp=4.
+    zero 2 with hybrid sharding over groups of 2: 2P + 4P/2 + 12P/2, plus one block's unsharded fp32
+    gradient. Offload at zero 3: the optimizer rows and the gradient shard (and with params the fp32 shard)
+    leave the device for the host: P + 2P (+ P)."""
+    base = Layout(tp=2, pp=1, dp=4, micro_batch=1, recompute="full")
+    z0, z1 = tiny(base), tiny(Layout(**{**base.__dict__, "zero_stage": 1}))
+    assert (z0.params, z0.grads, z0.optimizer) == (2 * P, 4 * P, 12 * P)
+    assert (z1.params, z1.grads, z1.optimizer) == (2 * P, 4 * P, 3 * P)
+    # Startup: the whole fp32 model and the TP slice (4 x 2P + 4P), then the fp32 slice with the flat bf16
+    # parameters, fp32 gradients and the exact fp32 initial values for the master copy (4P + 2P + 4P + 4P).
+    assert z1.startup == max(4 * TOTAL + 4 * P, 14 * P) == 14 * P
+    assert z1.buffers == 0  # NCCL reduce-scatters in place on the flat gradient buffer
+    gloo = tiny(Layout(**{**base.__dict__, "zero_stage": 1}), Software(gloo_shard_exchange=True))
+    # 3 peers' fp32 copies of this rank's quarter of the gradients, alive once the activations are freed
+    assert gloo.buffers == 4 * P * 3 / 4 - gloo.activations
+    hsdp = tiny(Layout(**{**base.__dict__, "zero_stage": 2, "dp_shard": 2}))
+    assert (hsdp.params, hsdp.grads, hsdp.optimizer, hsdp.gathered) == (2 * P, 2 * P, 6 * P, 4 * LARGEST)
+    off = tiny(Layout(**{**base.__dict__, "zero_stage": 3, "offload": "optimizer"}))
+    assert (off.params, off.grads, off.optimizer, off.host) == (P, 0, 0, 3 * P)
+    both = tiny(Layout(**{**base.__dict__, "zero_stage": 3, "offload": "optimizer+params"}))
+    assert (both.params, both.grads, both.optimizer, both.host) == (0, 0, 0, 4 * P)
+    fp32 = tiny(Layout(**{**base.__dict__, "zero_stage": 1}), precision="fp32")
+    assert (fp32.params, fp32.grads, fp32.optimizer) == (4 * P, 4 * P, 2 * P)  # the params are the master
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"zero_stage": 1, "dp_shard": 2}, "needs zero_stage 2 or 3"),
+        ({"zero_stage": 3, "dp_shard": 3}, "must divide dp=4"),
+        ({"zero_stage": 3, "dp_shard": 4}, "strictly between"),
+        ({"zero_stage": 1, "offload": "optimizer"}, "needs zero_stage 2 or 3"),
+        ({"zero_stage": 2, "offload": "optimizer+params"}, "needs zero_stage 3"),
+        ({"zero_stage": 3, "offload": "disk"}, "offload must be one of"),
+    ],
+)
+def test_impossible_sharding_is_named(changes, message):
+    assert message in sharding_problem(Layout(tp=2, pp=1, dp=4, **changes))
+
+
+def seventy_b():
+    return load(CONFIGS / "llama3-70b.yaml")
+
+
+def test_70b_on_64_h100_needs_sharded_construction_today():
+    """Built whole in fp32 on every rank first, 70.6e9 x 4 bytes = 263 GiB: no layout starts on 80 GiB."""
+    result = plan_job(seventy_b(), load_cluster("h100-80gb"), 64, top=3)
+    assert not result.fitting()
+    assert result.best.memory["startup"] > 263 * GIB
+    assert "needs sharded construction" in result.best.why
+
+
+def test_70b_on_64_h100_fits_with_zero3_and_sharded_construction():
+    """With sharded construction and ZeRO-3 the state is 16 bytes per parameter over the shard group: at
+    tp=4, dp=16, 70.6e9 / 4 / 16 x 16 bytes = 16.4 GiB, leaving the rest for activations."""
+    result = plan_job(seventy_b(), load_cluster("h100-80gb"), 64, software=Software.sharded(), top=5)
+    best = result.best
+    assert best.fits and best.layout.zero_stage == 3
+    assert best.memory["total"] <= 80 * GIB and best.memory["startup"] < best.memory["steady"]
+    per_rank = 70.55e9 / (best.layout.tp * best.layout.pp) / (best.layout.dp_shard or best.layout.dp)
+    state = best.memory["params"] + best.memory["grads"] + best.memory["optimizer"] + best.memory["host"]
+    assert state == pytest.approx(16 * per_rank, rel=0.02)
+
+
+@pytest.mark.parametrize(
+    ("model", "gpus", "batch", "software"),
+    [
+        (TINY, 8, 64, Software()),
+        (
+            ModelConfig(arch="gpt", num_layers=24, hidden_size=2048, num_attention_heads=16),
+            16,
+            256,
+            Software(),
+        ),
+        ("70b", 64, 512, Software.sharded()),
+        ("70b", 16, 64, Software.sharded()),
+    ],
+)
+def test_search_never_calls_an_overflowing_layout_fitting(model, gpus, batch, software):
+    if model == "70b":
+        model = seventy_b().model
+    result = plan(Workload(model, batch, "bf16"), load_cluster("h100-80gb"), gpus, software=software, top=5)
+    capacity = 80 * GIB
+    assert result.ranked
+    for est in result.ranked:
+        mem = est.memory
+        assert mem["total"] == max(mem["steady"], mem["startup"])
+        assert est.fits == (mem["steady"] <= capacity and mem["startup"] <= capacity)
+    fitting = [e for e in result.ranked if e.fits]
+    assert result.ranked[: len(fitting)] == fitting  # every fitting layout ranks above every other
+
+
+def test_startup_peak_alone_makes_a_layout_not_fit():
+    model = ModelConfig(arch="gpt", num_layers=48, hidden_size=6144, num_attention_heads=48)  # 22B
+    work = Workload(model, 64, "bf16")
+    layout = Layout(tp=8, pp=1, dp=8, micro_batch=1, recompute="full", zero_stage=1)
+    whole = CostModel(work, load_cluster("h100-80gb").view(64)).evaluate(layout)
+    sharded = CostModel(work, load_cluster("h100-80gb").view(64), Software(sharded_init=True)).evaluate(
+        layout
+    )
+    assert whole.memory["steady"] < 80 * GIB < whole.memory["startup"]
+    assert not whole.fits and "startup peak" in whole.why
+    assert sharded.fits
+
+
+def generated_peak_inflight(schedule: str, pp: int, m: int, v: int, rank: int) -> int:
+    """Most (micro-batch, chunk) pairs a rank holds, replayed from the schedule generator's actions."""
+    live, peak = set(), 0
+    for action in build_schedule(schedule, pp, m, v).actions[rank]:
+        if action.kind == "F":
+            live.add((action.microbatch, action.chunk))
+        elif action.kind in ("B", "I"):  # the input gradient frees the activations (W keeps only its inputs)
+            live.discard((action.microbatch, action.chunk))
+        peak = max(peak, len(live))
+    return peak
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b", "zb_h1", "gpipe"])
+@pytest.mark.parametrize(("pp", "m"), [(2, 8), (4, 8), (4, 16), (8, 8)])
+def test_in_flight_micro_batches_of_first_and_last_rank_match_the_schedules(schedule, pp, m):
+    v = 2 if schedule == "interleaved_1f1b" else 1
+    for rank in (0, pp - 1):
+        closed = peak_inflight_closed(schedule, pp, m, v, rank)
+        assert closed == generated_peak_inflight(schedule, pp, m, v, rank)
