@@ -22,6 +22,7 @@ def _require(condition: bool, message: str) -> None:
 
 def validate(job: JobConfig) -> None:
     """Raise ConfigError on the first impossible value or combination."""
+    _check_choices(job)
     m, p, t = job.model, job.parallel, job.train
     for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length"):
         _require(getattr(m, name) > 0, f"model.{name} must be positive; got {getattr(m, name)}")
@@ -162,23 +163,29 @@ _POSITIVE = frozenset(
 _INT64_MAX = 2**63 - 1
 
 
-def _check_ranges(section: object, prefix: str = "") -> None:
-    """The rules every field obeys, read from the dataclasses so that a field added later obeys them too:
-    a number (or list item) is >= 0 (> 0 in _POSITIVE) and a whole one fits an int64; a string is not empty;
-    a field typed as a Literal holds one of its choices (the loader checks that too, but a config built or
-    changed in code reaches validate without passing the loader).
-
-    The loader has checked the types already. A field that may be negative would need an exception here.
-    """
+def _check_choices(section: object, prefix: str = "") -> None:
+    """Every field typed as a Literal holds one of its choices. The loader checks that too, but a config
+    built or changed in code reaches validate without the loader, and the rules below read these fields."""
     hints = typing.get_type_hints(type(section))
     for f in dataclasses.fields(section):
         value, name = getattr(section, f.name), prefix + f.name
         if dataclasses.is_dataclass(value):
-            _check_ranges(value, f"{name}.")
-            continue
-        if typing.get_origin(hints[f.name]) is typing.Literal:
+            _check_choices(value, f"{name}.")
+        elif typing.get_origin(hints[f.name]) is typing.Literal:
             choices = typing.get_args(hints[f.name])
             _require(value in choices, f"{name} must be one of {', '.join(choices)}; got {value!r}")
+
+
+def _check_ranges(section: object, prefix: str = "") -> None:
+    """The rules every field obeys, read from the dataclasses so that a field added later obeys them too:
+    a number (or list item) is >= 0 (> 0 in _POSITIVE) and a whole one fits an int64; a string is not empty.
+
+    The loader has checked the types already. A field that may be negative would need an exception here.
+    """
+    for f in dataclasses.fields(section):
+        value, name = getattr(section, f.name), prefix + f.name
+        if dataclasses.is_dataclass(value):
+            _check_ranges(value, f"{name}.")
             continue
         items = list(enumerate(value)) if isinstance(value, list) else [(None, value)]
         for index, item in items:

@@ -1,6 +1,7 @@
 """Config loading, overrides and validation: each bad input names the field and the fix."""
 
 import dataclasses
+import re
 import typing
 from pathlib import Path
 
@@ -144,7 +145,6 @@ def test_validate_checks_every_choice_field_set_in_code():
         for part in name.split(".")[:-1]:
             target = getattr(target, part)
         setattr(target, name.rsplit(".", 1)[-1], "no-such-choice")
-        with pytest.raises(
-            ConfigError, match=rf"^{name} must be one of {', '.join(choices)}; got 'no-such-choice'$"
-        ):
+        expected = f"{name} must be one of {', '.join(choices)}; got 'no-such-choice'"
+        with pytest.raises(ConfigError, match=f"^{re.escape(expected)}$"):
             validate(job)

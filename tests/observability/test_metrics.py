@@ -299,7 +299,7 @@ def test_known_gpu_peaks_are_dense_datasheet_figures():
 def test_configured_peak_wins_and_bad_precision_is_named():
     assert device_peak("bf16", "cpu", configured_tflops=1.5) == Peak(1.5e12, "logging.peak_tflops")
     with pytest.raises(ValueError, match="precision"):
-        device_peak("fp8", "cpu")
+        device_peak("fp4", "cpu")
 
 
 def test_cpu_has_no_peak_so_no_mfu(tmp_path):
