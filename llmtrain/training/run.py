@@ -28,7 +28,8 @@ T = TypeVar("T")
 
 
 def seed_everything(seed: int) -> None:
-    """Same seed on every rank: identical initialisation before sharding, identical data order."""
+    """Same seed on every rank: identical data order and replicated dropout streams (initial weights come
+    from train.seed through llmtrain.models.init, not from these generators)."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
@@ -41,7 +42,7 @@ def build_trainer(job: JobConfig, topo: Topology, segment: int = 0) -> Trainer:
     """
     from llmtrain.checkpoint import Checkpointer
     from llmtrain.data import build_data
-    from llmtrain.models import build
+    from llmtrain.models import empty_model
     from llmtrain.parallel import build_optimizer, grad_sync, parallelize
     from llmtrain.pipeline.executor import PipelineStepRunner, build_pipeline
     from llmtrain.planner.flops import head_cost_in_layers, model_flops_per_token
@@ -49,9 +50,11 @@ def build_trainer(job: JobConfig, topo: Topology, segment: int = 0) -> Trainer:
 
     seed_everything(job.train.seed)
     data = build_data(job, dp_rank=topo.dp_rank, dp_size=topo.dp)
-    # Built in fp32: parallelize casts to bf16/fp16 through its buffers and keeps the exact fp32 master.
+    # Built on meta, then each rank allocates and initialises only its own TP slice of its own stages
+    # (parallelize, or build_pipeline with pp > 1). In fp32: parallelize casts to bf16/fp16 through its
+    # buffers and keeps the exact fp32 master.
     with torch.device(topo.device):
-        model = parallelize(build(job.model), topo, job)
+        model = parallelize(empty_model(job.model, device="meta"), topo, job)
     if topo.pp > 1:
         head_cost = head_cost_in_layers(job.model) if job.parallel.balance_stages else 0.0
         model, executor = build_pipeline(model, topo, job, head_cost)

@@ -20,8 +20,10 @@ from tests.parallel._dist import batches, parallel_run, spawn, tiny_job
 
 BF16_STEPS = 20
 # bf16 keeps 8 mantissa bits: the tp=2 and tp=1 curves start equal (1e-4) and drift apart by rounding
-# only; at lr 1e-2 over 20 steps the per-step gap stays under 4% (measured), we allow 5%.
-BF16_TOLERANCE = 5e-2
+# only. At lr 1e-2 over 20 steps the largest per-step gap depends on the trajectory: measured 2.5-7.3%
+# over train.seed in {1234, 1, 2, 3} under two initialisations (the first 5% bound held for one seed
+# only), so we allow 10%; the first step (1e-3) and its gradient norm (1e-2) are the sharp checks.
+BF16_TOLERANCE = 1e-1
 
 
 def _gather(x: torch.Tensor) -> list[torch.Tensor]:
