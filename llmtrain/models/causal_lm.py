@@ -7,7 +7,8 @@ from torch import nn
 
 import kernels
 from llmtrain.config import JobConfig, ModelConfig, validate
-from llmtrain.models.layers import LayerNorm, RMSNorm, Rope, TransformerBlock, make_norm
+from llmtrain.models.init import init_weights
+from llmtrain.models.layers import Rope, TransformerBlock, make_norm
 from llmtrain.models.registry import get_arch
 
 
@@ -118,23 +119,6 @@ class CausalLM(nn.Module):
         return logits if labels is None else self.loss(logits, labels)
 
 
-@torch.no_grad()
-def init_weights(model: nn.Module, std: float) -> None:
-    """Draw every parameter in `named_parameters()` order: norm weights 1, biases 0, others normal(0, std).
-
-    One draw per full (unsharded) tensor from torch's current RNG, so a tensor-parallel rank that
-    builds the full model under the same seed and slices it gets exactly the single-process weights.
-    """
-    norm_weights = {id(m.weight) for m in model.modules() if isinstance(m, (RMSNorm, LayerNorm))}
-    for name, p in model.named_parameters():
-        if id(p) in norm_weights:
-            p.fill_(1.0)
-        elif name.endswith("bias"):
-            p.zero_()
-        else:
-            p.normal_(0.0, std)
-
-
 def check_config(cfg: ModelConfig) -> None:
     """Raise llmtrain.config.ConfigError when the model config is inconsistent (names the field)."""
     get_arch(cfg.arch)
@@ -151,11 +135,13 @@ def empty_model(cfg: ModelConfig, device: torch.device | str | None = None) -> C
     return model
 
 
-def build(cfg: ModelConfig) -> CausalLM:
-    """The model for `cfg` on torch's default device and dtype, initialised from torch's current RNG.
+def build(cfg: ModelConfig, seed: int | None = None) -> CausalLM:
+    """The model for `cfg` on torch's default device and dtype, initialised by llmtrain.models.init from
+    `seed` (train.seed; None: the seed torch.manual_seed last set, so `torch.manual_seed(s); build(cfg)`
+    starts where a run with train.seed=s starts). Torch's global RNG is not drawn from.
 
     Under `with torch.device("meta"):` it returns a meta model (no memory) for later sharding.
     """
     model = empty_model(cfg)
-    init_weights(model, cfg.init_std)
+    init_weights(model, cfg.init_std, torch.initial_seed() if seed is None else seed)
     return model

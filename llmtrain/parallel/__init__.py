@@ -8,6 +8,7 @@ from llmtrain.config.schema import JobConfig
 from llmtrain.parallel.data_parallel import GradBuffers, apply_dp, grad_sync
 from llmtrain.parallel.float8 import apply_float8
 from llmtrain.parallel.launch import init_distributed
+from llmtrain.parallel.materialize import is_meta, materialize
 from llmtrain.parallel.optimizer import ModelOptimizer, StepStats, build_optimizer, dp_options
 from llmtrain.parallel.random import RNGTracker
 from llmtrain.parallel.recompute import apply_recompute, saved_activation_bytes
@@ -16,12 +17,16 @@ from llmtrain.parallel.topology import Topology
 
 
 def parallelize(model: nn.Module, topo: Topology, job: JobConfig) -> nn.Module:
-    """apply_tp -> apply_float8 -> apply_recompute -> apply_dp, in place. With pp > 1 the pipeline splits
-    stages first and apply_dp runs per stage (build_optimizer installs it on the module it is given)."""
+    """apply_tp -> apply_float8 -> apply_recompute -> [materialize] -> apply_dp, in place. A meta model
+    (built under torch.device("meta")) is sharded on meta, then this rank's slices are allocated on
+    topo.device and initialised from train.seed. With pp > 1 the pipeline splits stages first, materialises
+    and runs apply_dp per stage (llmtrain.pipeline.executor.build_pipeline, build_optimizer)."""
     apply_tp(model, topo, job.parallel.sequence_parallel, job.train.seed)
     apply_float8(model, job.train.precision)
     apply_recompute(model, job.model.recompute)
     if topo.pp == 1:
+        if is_meta(model):
+            materialize(model, topo, job.model, job.train.seed, topo.device)
         apply_dp(model, topo, **dp_options(job))
     return model
 
@@ -40,6 +45,8 @@ __all__ = [
     "gather_full_state_dict",
     "grad_sync",
     "init_distributed",
+    "is_meta",
+    "materialize",
     "parallelize",
     "saved_activation_bytes",
 ]

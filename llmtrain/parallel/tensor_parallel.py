@@ -337,10 +337,12 @@ def _shard_mlp(mlp: nn.Module, topo: Topology, sp: bool) -> None:
 def apply_tp(
     model: nn.Module, topo: Topology, sequence_parallel: bool = False, seed: int = 1234
 ) -> nn.Module:
-    """Shard a fully initialised CausalLM over the TP group in place; ranks keep slices of the same weights.
+    """Shard a CausalLM over the TP group in place; ranks keep slices of the same weights.
 
-    Every rank must have built the same full model (same seed), so the shards are exact slices of the
-    single-process weights. `seed` seeds the per-TP-rank dropout stream (attention heads, SP regions).
+    Either every rank built the same full model (same seed), so the shards are exact slices of the
+    single-process weights, or the model is on the meta device and the slices are meta tensors for
+    llmtrain.parallel.materialize to allocate and fill. `seed` seeds the per-TP-rank dropout stream
+    (attention heads, SP regions).
     """
     tp = topo.tp
     if tp == 1:
@@ -348,7 +350,8 @@ def apply_tp(
     cfg = model.config
     check_tp(cfg, tp, sequence_parallel)
     group, sp = topo.tp_group, sequence_parallel
-    device = model.embed_tokens.weight.device
+    weight = model.embed_tokens.weight
+    device = topo.device if weight.is_meta else weight.device
     # Megatron's offset: distinct from the default stream, different per TP rank and per pipeline stage.
     tracker = RNGTracker(seed + 2718 + topo.tp_rank + 100 * topo.pp_rank, device)
     model.tp_rng = tracker

@@ -32,6 +32,7 @@ from torch import nn
 from llmtrain.config.schema import JobConfig
 from llmtrain.parallel import comm
 from llmtrain.parallel.data_parallel import grad_sync
+from llmtrain.parallel.materialize import is_meta, materialize
 from llmtrain.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, gather_sequence
 from llmtrain.parallel.topology import Topology
 from llmtrain.pipeline.schedules import (
@@ -471,11 +472,14 @@ def build_pipeline(
 ) -> tuple[PipelineStages, PipelineExecutor]:
     """This rank's chunks of a (tensor-parallel) model and the executor of ``job.parallel.schedule``; hand
     the stages to build_optimizer and both to PipelineStepRunner. ``head_cost``: the output layer's cost
-    in layers, which the split balances against (0: an even split)."""
+    in layers, which the split balances against (0: an even split). A meta ``model`` is materialised here,
+    once only this rank's chunks are left (llmtrain.parallel.materialize)."""
     p, t = job.parallel, job.train
     stages = build_stages(
         model, topo, p.virtual_stages, head_cost=head_cost, sequence_parallel=p.sequence_parallel
     )
+    if is_meta(stages):
+        materialize(stages, topo, job.model, t.seed, topo.device)
     per_rank = t.global_batch_size // topo.dp
     schedule = build_schedule(p.schedule, topo.pp, per_rank // t.micro_batch_size, p.virtual_stages)
     shape = activation_shape(t.micro_batch_size, job.model.seq_length, job.model.hidden_size, topo.tp,

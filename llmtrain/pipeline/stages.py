@@ -189,7 +189,7 @@ def build_stages(
     sequence_parallel: bool = False,
 ) -> PipelineStages:
     """This pipeline rank's chunks of ``model`` (already tensor-parallel if tp > 1). Every rank must have
-    built the same model; the layers of other ranks are dropped with ``model``."""
+    built the same model, or a meta one; the layers of other ranks are dropped with ``model``."""
     pp, v = topo.pp, virtual_stages
     num_stages = pp * v
     ranges = partition_layers(len(model.layers), num_stages, layer_costs, embed_cost, head_cost)
@@ -213,7 +213,8 @@ def build_stages(
             tied_param = copy
         elif topo.pp_rank == 0:
             tied_param = model.embed_tokens.weight
-        if tied_param is not None:
+        # A meta model's copies are filled later from the same initial-value function (materialize).
+        if tied_param is not None and not tied_param.is_meta:
             first = topo.rank_of(pp_rank=0)
             with torch.no_grad():
                 comm.broadcast(tied_param.data, src=first, group=tied_group, detail="tied embedding")

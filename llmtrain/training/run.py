@@ -29,7 +29,8 @@ T = TypeVar("T")
 
 
 def seed_everything(seed: int) -> None:
-    """Same seed on every rank: identical initialisation before sharding, identical data order."""
+    """Same seed on every rank: identical data order and replicated dropout streams (initial weights come
+    from train.seed through llmtrain.models.init, not from these generators)."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
@@ -45,7 +46,7 @@ def _deepspeed_parts(job: JobConfig, topo: Topology) -> tuple[torch.nn.Module, A
 
     # Built whole in fp32: DeepSpeed casts for bf16 and keeps the fp32 master in its optimizer.
     with torch.device(topo.device):
-        model = build(job.model)
+        model = build(job.model, job.train.seed)
     apply_recompute(model, job.model.recompute)
     engine, optimizer = build_deepspeed(model, topo, job)
     runner = LocalStepRunner(engine, optimizer, job.train.micro_batch_size, deepspeed_grad_sync, topo.device)
@@ -54,14 +55,16 @@ def _deepspeed_parts(job: JobConfig, topo: Topology) -> tuple[torch.nn.Module, A
 
 def _llmtrain_parts(job: JobConfig, topo: Topology) -> tuple[torch.nn.Module, Any, Any]:
     """parallel.engine=llmtrain: the model under TP/PP/DP, its ModelOptimizer and its step runner."""
-    from llmtrain.models import build
+    from llmtrain.models import empty_model
     from llmtrain.parallel import build_optimizer, grad_sync, parallelize
     from llmtrain.pipeline.executor import PipelineStepRunner, build_pipeline
     from llmtrain.planner.flops import head_cost_in_layers
 
-    # Built in fp32: parallelize casts to bf16/fp16 through its buffers and keeps the exact fp32 master.
+    # Built on meta, then each rank allocates and initialises only its own TP slice of its own stages
+    # (parallelize, or build_pipeline with pp > 1). In fp32: parallelize casts to bf16/fp16 through its
+    # buffers and keeps the exact fp32 master.
     with torch.device(topo.device):
-        model = parallelize(build(job.model), topo, job)
+        model = parallelize(empty_model(job.model, device="meta"), topo, job)
     if topo.pp > 1:
         head_cost = head_cost_in_layers(job.model) if job.parallel.balance_stages else 0.0
         model, executor = build_pipeline(model, topo, job, head_cost)

@@ -1,17 +1,30 @@
 """`llmtrain.models.build`: the module-tree contract, deterministic initialisation, config errors.
 
-References: torch's RNG drawn by hand in named_parameters() order (what TP sharding relies on) and
-the module names of contract A in /work/contracts.md.
+References: the initial values as llmtrain.models.init documents them, drawn by hand with torch's
+generators (what sharded construction relies on), and the module names of contract A in /work/contracts.md.
 """
 
 from __future__ import annotations
+
+import hashlib
+import math
 
 import pytest
 import torch
 from torch import nn
 
 from llmtrain.config import ConfigError, ModelConfig
-from llmtrain.models import ARCHS, Attention, CausalLM, GatedMLP, GeluMLP, LayerNorm, RMSNorm, build
+from llmtrain.models import (
+    ARCHS,
+    Attention,
+    CausalLM,
+    GatedMLP,
+    GeluMLP,
+    LayerNorm,
+    RMSNorm,
+    build,
+    fill_region,
+)
 
 SMALL = dict(
     num_layers=2, hidden_size=48, num_attention_heads=6, vocab_size=101, ffn_hidden_size=40, seq_length=10
@@ -52,23 +65,76 @@ def test_module_tree_follows_the_contract(arch: str) -> None:
     assert model(ids, labels=ids).shape == ()
 
 
+def _documented_init(name: str, shape: tuple[int, ...], seed: int, std: float) -> torch.Tensor:
+    """The normal init as llmtrain.models.init documents it, written out independently: blocks of
+    max(1, 2**20 // row size) rows, each drawn whole from a generator seeded with the first 8 bytes
+    (little-endian) of blake2b("<seed>/<name>/<block>")."""
+    row = math.prod(shape[1:])
+    per_block = max(1, 2**20 // row)
+    blocks = []
+    for b, start in enumerate(range(0, shape[0], per_block)):
+        digest = hashlib.blake2b(f"{seed}/{name}/{b}".encode(), digest_size=8).digest()
+        g = torch.Generator().manual_seed(int.from_bytes(digest, "little"))
+        blocks.append(
+            torch.empty(min(per_block, shape[0] - start), *shape[1:]).normal_(0.0, std, generator=g)
+        )
+    return torch.cat(blocks)
+
+
 @pytest.mark.parametrize("arch", sorted(ARCHS))
-def test_init_is_one_draw_per_parameter_in_order(arch: str) -> None:
+def test_init_is_a_function_of_seed_name_and_row_block(arch: str) -> None:
     cfg = _cfg(arch, init_std=0.05)
-    torch.manual_seed(7)
-    model = build(cfg)
-    # Reference: the same seed drawn by hand, one full tensor per parameter in named_parameters() order.
-    torch.manual_seed(7)
+    state = torch.get_rng_state()
+    model = build(cfg, seed=7)
+    assert torch.equal(torch.get_rng_state(), state), "build drew from torch's global RNG"
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
             expected = torch.ones_like(p)
         elif name.endswith("bias"):
             expected = torch.zeros_like(p)
         else:
-            expected = torch.empty_like(p).normal_(0.0, 0.05)
+            expected = _documented_init(name, tuple(p.shape), 7, 0.05)
         assert torch.equal(p, expected), name
-    torch.manual_seed(8)
-    assert not torch.equal(build(cfg).layers[0].attn.q_proj.weight, model.layers[0].attn.q_proj.weight)
+    assert not torch.equal(
+        build(cfg, seed=8).layers[0].attn.q_proj.weight, model.layers[0].attn.q_proj.weight
+    )
+    torch.manual_seed(7)  # without a seed: the one torch.manual_seed set, as a run with train.seed=7
+    assert torch.equal(build(cfg).lm_head.weight, model.lm_head.weight)
+
+
+def test_init_spans_several_blocks_with_the_requested_statistics() -> None:
+    """An embedding of 4096 x 768 (blocks of 1365, 1365, 1365 and 1 rows): the documented draw, mean 0
+    and std init_std (3.1M samples: standard errors 1.1e-5 of the mean and 8e-6 of the std at std 0.02,
+    bounds of 1e-4 are 9 and 12 of them), and no two blocks repeat a stream."""
+    cfg = ModelConfig(arch="llama", num_layers=1, hidden_size=768, num_attention_heads=12, vocab_size=4096)
+    w = build(cfg, seed=3).embed_tokens.weight.detach()
+    assert torch.equal(w, _documented_init("embed_tokens.weight", (4096, 768), 3, 0.02))
+    assert abs(w.mean().item()) < 1e-4 and abs(w.std().item() - 0.02) < 1e-4
+    assert not torch.equal(w[:100], w[1365:1465]) and not torch.equal(w[:100], w[2730:2830])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_any_region_equals_the_same_region_of_the_whole_tensor(dtype: torch.dtype) -> None:
+    """Regions cut across row blocks and columns (as TP and ZeRO-3 shards do), written into contiguous and
+    strided outputs: the values of the whole tensor's region (rounded once to `dtype`)."""
+    shape = (700, 3000)  # 349 rows per block: blocks end inside most regions
+    whole = torch.empty(shape)
+    fill_region(whole, "w", "normal", shape, (0, 0), seed=1, std=0.02)
+    for rows, cols in [
+        ((0, 700), (0, 3000)),
+        ((300, 400), (0, 3000)),
+        ((348, 351), (17, 1500)),
+        ((699, 700), (2999, 3000)),
+    ]:
+        want = whole[rows[0] : rows[1], cols[0] : cols[1]].to(dtype)
+        out = torch.empty(rows[1] - rows[0], cols[1] - cols[0], dtype=dtype)
+        fill_region(out, "w", "normal", shape, (rows[0], cols[0]), seed=1, std=0.02)
+        assert torch.equal(out, want), (rows, cols)
+        strided = torch.empty(cols[1] - cols[0], rows[1] - rows[0], dtype=dtype).t()
+        fill_region(strided, "w", "normal", shape, (rows[0], cols[0]), seed=1, std=0.02)
+        assert torch.equal(strided, want), (rows, cols)
+    with pytest.raises(ValueError, match="leaves the full"):
+        fill_region(torch.empty(2, 2), "w", "normal", shape, (699, 0), seed=1, std=0.02)
 
 
 def test_meta_build_allocates_nothing() -> None:

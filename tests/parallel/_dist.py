@@ -92,8 +92,9 @@ def parallel_run(
     gradient norm, the full weights of every stage (gathered over TP and PP, on every rank), the model (its
     stages under the executor), the optimizer and, with ``trace``, the executor's trace of the last step.
     ``setup`` is called with the model (stages) once it is built, before the first step."""
-    torch.manual_seed(job.train.seed)
-    model = models.build(job.model)
+    torch.manual_seed(job.train.seed)  # the default stream of replicated dropout, as the trainer seeds it
+    # As the trainer builds it: on meta, each rank materialising only its part (parallelize/build_pipeline).
+    model = models.empty_model(job.model, device="meta")
     pipelined = topo.pp > 1 or through_executor
     if pipelined:
         # parallelize without apply_dp, which build_optimizer installs on the stages.
