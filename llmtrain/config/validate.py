@@ -52,7 +52,8 @@ def validate(job: JobConfig) -> None:
         _require(0.0 <= value < 1.0, f"model.{name} must be in [0, 1); got {value}")
 
     _require(p.dp is None or p.dp >= 1, f"parallel.dp must be at least 1 or null; got {p.dp}")
-    _require(p.zero_stage in (0, 1), f"parallel.zero_stage must be 0 or 1; got {p.zero_stage}")
+    _require(p.zero_stage in (0, 1, 2, 3), f"parallel.zero_stage must be 0, 1, 2 or 3; got {p.zero_stage}")
+    raise_if_problem(zero_problem(p))
     rank_order(p)
     _require(
         p.backend in ("auto", "gloo", "nccl"),
@@ -269,6 +270,24 @@ def pipeline_problem(num_layers: int, pp: int, virtual_stages: int = 1, schedule
     return ""
 
 
+def zero_problem(p: ParallelConfig) -> str:
+    """Why the zero stage cannot run with the rest of the layout ("" when it can)."""
+    if p.dp_shard is not None and p.dp_shard < 1:
+        return f"parallel.dp_shard must be at least 1 or null (= dp); got {p.dp_shard}"
+    if p.dp_shard is not None and p.zero_stage < 2:
+        return (
+            f"parallel.dp_shard={p.dp_shard} (hybrid sharding) needs parallel.zero_stage 2 or 3 (FSDP2); "
+            f"zero_stage {p.zero_stage} shards over the whole DP group: set parallel.dp_shard=null"
+        )
+    if p.zero_stage >= 2 and p.pp > 1 and p.schedule == "zb_h1":
+        return (
+            f"parallel.zero_stage={p.zero_stage} cannot run parallel.schedule=zb_h1: its deferred weight "
+            "gradients arrive after FSDP2 has reduce-scattered the block's gradients; use "
+            "parallel.schedule=1f1b (or interleaved_1f1b), or parallel.zero_stage=1 with zb_h1"
+        )
+    return ""
+
+
 def rank_order(p: ParallelConfig) -> list[str]:
     """parallel.order as a list of dimensions, innermost first; it must name tp, dp and pp once each."""
     named = p.order.split("-")
@@ -307,5 +326,11 @@ def validate_world(job: JobConfig, world_size: int) -> int:
         t.global_batch_size % per_step == 0,
         f"train.global_batch_size={t.global_batch_size} is not a multiple of train.micro_batch_size * dp = "
         f"{t.micro_batch_size}*{dp}; change the batch sizes",
+    )
+    shard = job.parallel.dp_shard
+    _require(
+        shard is None or dp % shard == 0,
+        f"parallel.dp_shard={shard} does not divide the data-parallel degree {dp}; choose a divisor of it "
+        "(or null to shard over all of DP)",
     )
     return dp
