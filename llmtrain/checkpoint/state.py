@@ -6,7 +6,9 @@ same whatever (tp, pp, dp, zero_stage) wrote it.
 
 Tensor-parallel shards are read from the attributes llmtrain.parallel puts on each parameter
 (`tp_layout`: "rows" | "cols" | "gate_up" | ("kv", replicas); `duplicate`: another TP rank holds the same
-values). ZeRO-1 shards come from the ModelOptimizer's flat ranges (`buffers.local_ranges()`).
+values). ZeRO-1 shards come from the ModelOptimizer's flat ranges (`buffers.local_ranges()`); ZeRO-2/3
+parameters are FSDP2 DTensors whose local shard is rows [a, b) of the TP-local tensor, i.e. a flat range of
+it, described like a ZeRO-1 range (`llmtrain.parallel.fsdp.shard_position`).
 """
 
 from __future__ import annotations
@@ -21,10 +23,12 @@ import numpy as np
 import torch
 from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.tensor import DTensor
 
 from llmtrain.checkpoint.errors import CheckpointError
 from llmtrain.checkpoint.layout import GlobalTensor, ParamLayout, Piece
-from llmtrain.parallel.optimizer import ModelOptimizer
+from llmtrain.parallel.fsdp import local_tensor, shard_position
+from llmtrain.parallel.optimizer import LossScaledOptimizer, ModelOptimizer
 
 MODEL = "model."
 OPTIM = "optim."
@@ -36,6 +40,27 @@ class ModelTensor:
 
     tensor: torch.Tensor
     layout: ParamLayout  # `writer` says whether this TP/PP replica writes it; DP replicas are decided apart
+    # FSDP (zero_stage 2/3): the flat offset of this rank's shard in the TP-local tensor, and which replica
+    # of the shards (hybrid sharding) this rank holds; None for a whole local tensor.
+    shard_start: int | None = None
+    replica: int = 0
+
+    def pieces(self, t: torch.Tensor) -> list[Piece]:
+        """Pieces of `t`, shaped like this parameter (an FSDP shard of it: the local tensor's rows)."""
+        if self.shard_start is None:
+            return self.layout.pieces(t)
+        return self.layout.flat_pieces(local_tensor(t).reshape(-1), self.shard_start)
+
+    def writes(self, topo: Any) -> bool:
+        """Whether this rank writes its pieces: the TP/PP writer, on DP rank 0 or, when the tensor is
+        sharded over DP, on the first replica of the shards."""
+        if self.shard_start is None:
+            return self.layout.writer and _dp_rank(topo) == 0
+        return self.layout.writer and self.replica == 0
+
+    def holds_origin(self) -> bool:
+        """Whether this rank's pieces include element 0 of the full tensor."""
+        return _holds_origin(self.layout) and not self.shard_start
 
 
 def describe_model(model: nn.Module, topo: Any, tied: bool) -> dict[str, ModelTensor]:
@@ -65,9 +90,9 @@ def describe_model(model: nn.Module, topo: Any, tied: bool) -> dict[str, ModelTe
             name = "embed_tokens.weight"
         if name in out:
             raise CheckpointError(f"two tensors of this rank's model map to the name {name}")
-        layout = tp_layout(name, tensor, tp, tp_rank)
+        layout = tp_layout(name, tensor, tp, tp_rank)  # a DTensor's shape is the TP-local one
         layout.check(name)
-        out[name] = ModelTensor(tensor, layout)
+        out[name] = ModelTensor(tensor, layout, *shard_position(tensor))
     return out
 
 
@@ -109,12 +134,10 @@ def _dp_rank(topo: Any) -> int:
 
 
 def model_entries(params: dict[str, ModelTensor], topo: Any) -> dict[str, GlobalTensor]:
-    """GlobalTensors over the live model tensors (for saving, or loading in place); DP rank 0 writes."""
-    first_dp = _dp_rank(topo) == 0
+    """GlobalTensors over the live model tensors (for saving, or loading in place); DP rank 0 writes, or
+    each rank its FSDP shard."""
     return {
-        MODEL + name: GlobalTensor(
-            m.layout.global_shape, m.layout.pieces(m.tensor.detach()), m.layout.writer and first_dp
-        )
+        MODEL + name: GlobalTensor(m.layout.global_shape, m.pieces(m.tensor.detach()), m.writes(topo))
         for name, m in params.items()
     }
 
@@ -162,6 +185,11 @@ def _slots(
                 )
             )
         return optimizer.optimizer, slots
+    if isinstance(optimizer, LossScaledOptimizer):
+        # FSDPOptimizer: a torch optimizer over the model's own (sharded) parameters.
+        optimizer = optimizer.optimizer
+        if optimizer is None:
+            return None, []
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise CheckpointError(
             f"cannot checkpoint an optimizer of type {type(optimizer).__name__}: expected "
@@ -175,18 +203,10 @@ def _slots(
                     f"the optimizer holds a parameter of shape {tuple(p.shape)} that is not in "
                     "the model; build the optimizer over model.parameters()"
                 )
-            layout = params[names[id(p)]].layout
-            write = layout.writer and first_dp
-            slots.append(
-                _Slot(
-                    p,
-                    names[id(p)],
-                    layout.global_shape,
-                    layout.pieces,
-                    write,
-                    write and _holds_origin(layout),
-                )
-            )
+            m = params[names[id(p)]]
+            write = m.writes(topo)
+            origin = write and m.holds_origin()
+            slots.append(_Slot(p, names[id(p)], m.layout.global_shape, m.pieces, write, origin))
     return optimizer, slots
 
 
@@ -223,7 +243,7 @@ def optimizer_entries(optimizer: Any, params: dict[str, ModelTensor], topo: Any)
 
 def optimizer_scalars(optimizer: Any) -> dict[str, Any]:
     """Optimizer state outside tensors: param-group hyperparameters, fp16 loss scale."""
-    if isinstance(optimizer, ModelOptimizer):
+    if isinstance(optimizer, LossScaledOptimizer):
         return optimizer.scalar_state()
     return {"param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]}
 
@@ -268,15 +288,17 @@ def optimizer_targets(
                         f"optimizer state {fqn} has shape {tuple(md.size)} in the checkpoint "
                         f"but its parameter has {slot.global_shape}"
                     )
-                t = torch.empty(slot.key.shape, dtype=md.properties.dtype, device=slot.key.device)
+                local = local_tensor(slot.key)
+                t = torch.empty(local.shape, dtype=md.properties.dtype, device=local.device)
                 pieces = slot.pieces(t)
             entries.setdefault(fqn, GlobalTensor(tuple(md.size), [])).pieces.extend(pieces)
-            state.setdefault(index_of[id(slot.key)], {})[key] = t
+            state.setdefault(index_of[id(slot.key)], {})[key] = _like(t, slot.key)
 
     def install(scalars: dict[str, Any]) -> None:
         if isinstance(optimizer, ModelOptimizer):
             if optimizer.master_flat is not None and optimizer.masters:
                 torch._foreach_copy_(optimizer.param_views, optimizer.masters)
+        if isinstance(optimizer, LossScaledOptimizer):
             optimizer.load_scalar_state(scalars)
         if opt is None:
             return
@@ -287,6 +309,16 @@ def optimizer_targets(
         opt.load_state_dict({"state": state, "param_groups": groups})
 
     return entries, install
+
+
+def _like(t: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """State read into a local tensor `t`, as the optimizer keeps it for `param` (a DTensor for an FSDP
+    shard, placed like the parameter)."""
+    if not isinstance(param, DTensor) or t.dim() == 0:
+        return t
+    return DTensor.from_local(
+        t, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+    )
 
 
 def capture_rng(model: nn.Module) -> dict[str, Any]:

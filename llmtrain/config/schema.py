@@ -109,7 +109,9 @@ class ParallelConfig:
     sequence_parallel: bool = False
     """Shard activations outside attention/MLP along the sequence (needs tp > 1 to have an effect)."""
     zero_stage: int = 0
-    """0: replicated optimizer; 1: fp32 master weights and Adam states sharded over the DP group."""
+    """0: replicated; 1: optimizer state sharded over DP; 2: + gradients (FSDP2); 3: + parameters (FSDP2)."""
+    dp_shard: int | None = None
+    """zero_stage 2/3: DP ranks sharing one sharded copy, replicated across dp / dp_shard groups (HSDP)."""
     schedule: Schedule = "1f1b"
     """Pipeline schedule: gpipe, 1f1b, interleaved_1f1b or zb_h1."""
     virtual_stages: int = 1

@@ -55,10 +55,8 @@ def validate(job: JobConfig) -> None:
         _require(0.0 <= value < 1.0, f"model.{name} must be in [0, 1); got {value}")
 
     _require(p.dp is None or p.dp >= 1, f"parallel.dp must be at least 1 or null; got {p.dp}")
-    _require(
-        p.zero_stage in (0, 1) or (p.engine == "deepspeed" and p.zero_stage in (2, 3)),
-        f"parallel.zero_stage must be 0 or 1 (2 and 3 with parallel.engine=deepspeed); got {p.zero_stage}",
-    )
+    _require(p.zero_stage in (0, 1, 2, 3), f"parallel.zero_stage must be 0, 1, 2 or 3; got {p.zero_stage}")
+    raise_if_problem(zero_problem(p))
     raise_if_problem(engine_problem(job))
     rank_order(p)
     _require(
@@ -239,6 +237,11 @@ def engine_problem(job: JobConfig) -> str:
             f"parallel.engine=deepspeed shards with ZeRO; set parallel.zero_stage to 1, 2 or 3 "
             f"(got {p.zero_stage}), or use parallel.engine=llmtrain for plain data parallelism"
         )
+    if p.dp_shard is not None:
+        return (
+            f"parallel.dp_shard={p.dp_shard} (hybrid sharding) is FSDP2's, on parallel.engine=llmtrain; "
+            "leave parallel.dp_shard null with parallel.engine=deepspeed, or use parallel.engine=llmtrain"
+        )
     if p.offload == "optimizer+params" and p.zero_stage != 3:
         return (
             f"parallel.offload=optimizer+params needs parallel.zero_stage=3 (only ZeRO-3 partitions the "
@@ -318,6 +321,11 @@ def float8_problem(job: JobConfig) -> str:
             f"train.precision=fp8 is verified without pipeline stages only; set parallel.pp=1 (got {p.pp}) "
             "or use train.precision=bf16"
         )
+    if p.zero_stage >= 2:
+        return (
+            f"train.precision=fp8 is verified with the flat data-parallel buffers only, not with FSDP2's "
+            f"parallel.zero_stage={p.zero_stage}; use parallel.zero_stage 0 or 1, or train.precision=bf16"
+        )
     sizes = {
         "model.hidden_size": m.hidden_size,
         "model.ffn_hidden_size (resolved)": m.ffn_size,
@@ -369,6 +377,24 @@ def pipeline_problem(num_layers: int, pp: int, virtual_stages: int = 1, schedule
     return ""
 
 
+def zero_problem(p: ParallelConfig) -> str:
+    """Why the zero stage cannot run with the rest of the layout ("" when it can)."""
+    if p.dp_shard is not None and p.dp_shard < 1:
+        return f"parallel.dp_shard must be at least 1 or null (= dp); got {p.dp_shard}"
+    if p.dp_shard is not None and p.zero_stage < 2:
+        return (
+            f"parallel.dp_shard={p.dp_shard} (hybrid sharding) needs parallel.zero_stage 2 or 3 (FSDP2); "
+            f"zero_stage {p.zero_stage} shards over the whole DP group: set parallel.dp_shard=null"
+        )
+    if p.zero_stage >= 2 and p.pp > 1 and p.schedule == "zb_h1":
+        return (
+            f"parallel.zero_stage={p.zero_stage} cannot run parallel.schedule=zb_h1: its deferred weight "
+            "gradients arrive after FSDP2 has reduce-scattered the block's gradients; use "
+            "parallel.schedule=1f1b (or interleaved_1f1b), or parallel.zero_stage=1 with zb_h1"
+        )
+    return ""
+
+
 def rank_order(p: ParallelConfig) -> list[str]:
     """parallel.order as a list of dimensions, innermost first; it must name tp, dp and pp once each."""
     named = p.order.split("-")
@@ -407,5 +433,11 @@ def validate_world(job: JobConfig, world_size: int) -> int:
         t.global_batch_size % per_step == 0,
         f"train.global_batch_size={t.global_batch_size} is not a multiple of train.micro_batch_size * dp = "
         f"{t.micro_batch_size}*{dp}; change the batch sizes",
+    )
+    shard = job.parallel.dp_shard
+    _require(
+        shard is None or dp % shard == 0,
+        f"parallel.dp_shard={shard} does not divide the data-parallel degree {dp}; choose a divisor of it "
+        "(or null to shard over all of DP)",
     )
     return dp

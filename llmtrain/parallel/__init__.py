@@ -5,11 +5,11 @@ from __future__ import annotations
 from torch import nn
 
 from llmtrain.config.schema import JobConfig
-from llmtrain.parallel.data_parallel import GradBuffers, apply_dp, grad_sync
+from llmtrain.parallel.data_parallel import GradBuffers, apply_data_parallel, apply_dp, grad_sync
 from llmtrain.parallel.float8 import apply_float8
 from llmtrain.parallel.launch import init_distributed
 from llmtrain.parallel.materialize import is_meta, materialize
-from llmtrain.parallel.optimizer import ModelOptimizer, StepStats, build_optimizer, dp_options
+from llmtrain.parallel.optimizer import LossScaledOptimizer, ModelOptimizer, StepStats, build_optimizer
 from llmtrain.parallel.random import RNGTracker
 from llmtrain.parallel.recompute import apply_recompute, saved_activation_bytes
 from llmtrain.parallel.tensor_parallel import apply_tp, gather_full_state_dict
@@ -17,26 +17,29 @@ from llmtrain.parallel.topology import Topology
 
 
 def parallelize(model: nn.Module, topo: Topology, job: JobConfig) -> nn.Module:
-    """apply_tp -> apply_float8 -> apply_recompute -> [materialize] -> apply_dp, in place. A meta model
-    (built under torch.device("meta")) is sharded on meta, then this rank's slices are allocated on
-    topo.device and initialised from train.seed. With pp > 1 the pipeline splits stages first, materialises
-    and runs apply_dp per stage (llmtrain.pipeline.executor.build_pipeline, build_optimizer)."""
+    """apply_tp -> apply_float8 -> apply_recompute -> [materialize] -> apply_data_parallel (flat buffers for
+    zero_stage 0/1, FSDP2 for 2/3), in place. A meta model (built under torch.device("meta")) is sharded on
+    meta, then this rank's slices are allocated on topo.device and initialised from train.seed. With pp > 1
+    the pipeline splits stages first, materialises them and applies the data-parallel layout to them
+    (llmtrain.pipeline.executor.build_pipeline, build_optimizer)."""
     apply_tp(model, topo, job.parallel.sequence_parallel, job.train.seed)
     apply_float8(model, job.train.precision)
     apply_recompute(model, job.model.recompute)
     if topo.pp == 1:
         if is_meta(model):
             materialize(model, topo, job.model, job.train.seed, topo.device)
-        apply_dp(model, topo, **dp_options(job))
+        apply_data_parallel(model, topo, job)
     return model
 
 
 __all__ = [
     "GradBuffers",
+    "LossScaledOptimizer",
     "ModelOptimizer",
     "RNGTracker",
     "StepStats",
     "Topology",
+    "apply_data_parallel",
     "apply_dp",
     "apply_float8",
     "apply_recompute",

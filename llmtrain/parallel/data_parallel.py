@@ -19,11 +19,13 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from llmtrain.config.schema import JobConfig
 from llmtrain.parallel.comm import (
     Pending,
     all_gather_single,
@@ -312,9 +314,46 @@ def apply_dp(
     return model
 
 
+def dp_options(job: JobConfig) -> dict[str, Any]:
+    """apply_dp's keyword arguments for this job (zero_stage 0/1)."""
+    p = job.parallel
+    return {
+        "precision": job.train.precision,
+        "zero_stage": p.zero_stage,
+        "bucket_mb": p.dp_bucket_mb,
+        "overlap_param_gather": p.overlap_param_gather,
+    }
+
+
+def apply_data_parallel(model: nn.Module, topo: Topology, job: JobConfig) -> nn.Module:
+    """The one data-parallel entry point (a model, or a pipeline rank's stages), chosen by zero_stage.
+
+    zero_stage 0/1: GradBuffers. Its flat buffers keep the overlapped, bucketed all-reduce (0) and the
+    shard-exchange reduce-scatter / parameter gather overlapped with the next forward (1), tuned for gloo,
+    and the optimizer state sharded with no parameter gathers in the step at all for zero_stage 1.
+    zero_stage 2/3: FSDP2 (llmtrain.parallel.fsdp), which shards gradients and parameters per block and
+    offers hybrid sharding; flat buffers would have to hold every gradient whole.
+    """
+    if job.parallel.zero_stage >= 2:
+        from llmtrain.parallel.fsdp import apply_fsdp
+
+        return apply_fsdp(model, topo, job)
+    return apply_dp(model, topo, **dp_options(job))
+
+
 @contextlib.contextmanager
 def grad_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
     """Inside `grad_sync(model, False)` backward only accumulates: no DP communication (accumulation)."""
+    from llmtrain.parallel.fsdp import is_fsdp, set_gradient_sync
+
+    if is_fsdp(model):
+        previous = getattr(model, "fsdp_sync_enabled", True)
+        set_gradient_sync(model, enabled)
+        try:
+            yield
+        finally:
+            set_gradient_sync(model, previous)
+        return
     buffers: GradBuffers | None = getattr(model, "grad_buffers", None)
     if buffers is None:
         yield

@@ -1,15 +1,18 @@
 """The model's optimizer: fp32 master weights, AdamW, loss scaling, global-norm clipping, optional ZeRO-1.
 
-It works on the flat buffers of `data_parallel.GradBuffers`: each rank updates the pieces of the buffer it
+`LossScaledOptimizer` is what every data-parallel path shares (the trainer's prepare/apply/skip protocol,
+fp16 loss scaling, the global gradient norm and clipping, the checkpoint's scalar state). `ModelOptimizer`
+works on the flat buffers of `data_parallel.GradBuffers`: each rank updates the pieces of the buffer it
 owns (everything for zero_stage 0, its 1/dp shard of every bucket for zero_stage 1). The master weights are
-the parameters themselves in fp32 (no copy), an fp32 copy of the owned pieces in bf16/fp16.
+the parameters themselves in fp32 (no copy), an fp32 copy of the owned pieces in bf16/fp16. zero_stage 2/3
+use `fsdp.FSDPOptimizer` over FSDP2's shards instead; `build_optimizer` picks.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +21,7 @@ from torch import nn
 
 from llmtrain.config.schema import JobConfig
 from llmtrain.parallel import comm
-from llmtrain.parallel.data_parallel import GradBuffers, apply_dp
+from llmtrain.parallel.data_parallel import GradBuffers, apply_data_parallel, apply_dp, dp_options
 from llmtrain.parallel.tensor_parallel import reduce_tp_grads
 from llmtrain.parallel.topology import Topology
 
@@ -59,36 +62,186 @@ def _make_adamw(groups: list[dict[str, Any]], job: JobConfig, device: torch.devi
         return torch.optim.AdamW(groups, foreach=True, **kwargs)
 
 
-def dp_options(job: JobConfig) -> dict[str, Any]:
-    """apply_dp's keyword arguments for this job."""
-    p = job.parallel
-    return {
-        "precision": job.train.precision,
-        "zero_stage": p.zero_stage,
-        "bucket_mb": p.dp_bucket_mb,
-        "overlap_param_gather": p.overlap_param_gather,
-    }
+def make_param_groups(named: Iterable[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict[str, Any]]:
+    """AdamW's two groups over trainable parameters (decayed, not decayed), empty groups left out."""
+    decay: list[nn.Parameter] = []
+    rest: list[nn.Parameter] = []
+    for name, p in named:
+        if p.requires_grad:
+            (rest if no_weight_decay(name, p) else decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
 
 
-class ModelOptimizer:
-    """AdamW over this rank's share of the flat buffers; see the module docstring. ``make_optimizer``
-    builds the update rule over the param groups of fp32 master pieces instead (tests use plain SGD)."""
+class LossScaledOptimizer:
+    """The trainer's optimizer protocol over some data-parallel layout of the gradients: ``prepare`` (finish
+    the reduction, unscale, global norm), then ``apply`` (clip, update, publish) or ``skip``; fp16 dynamic
+    loss scaling; the scalar state of a checkpoint. Subclasses say where the gradients are."""
 
-    def __init__(
-        self, model: nn.Module, topo: Topology, job: JobConfig, make_optimizer: MakeOptimizer | None = None
-    ) -> None:
-        buffers: GradBuffers | None = getattr(model, "grad_buffers", None)
-        if buffers is None:
-            apply_dp(model, topo, **dp_options(job))
-            buffers = model.grad_buffers
-        self.model = model
-        self.buffers = buffers
+    optimizer: torch.optim.Optimizer | None
+    # The group the squared norms of this rank's counted gradients are summed over (None: the world),
+    # and how many ranks it has (1: no communication).
+    _norm_group: Any
+    _norm_ranks: int
+
+    def __init__(self, topo: Topology, job: JobConfig) -> None:
         self.topo = topo
         self.job = job
         self.precision = job.train.precision
         self.grad_clip = job.train.grad_clip
         self.loss_scale: float | None = job.train.initial_loss_scale if self.precision == "fp16" else None
         self._good_steps = 0
+
+    def _build(
+        self, groups: list[dict[str, Any]], make_optimizer: MakeOptimizer | None, device: torch.device
+    ) -> torch.optim.Optimizer:
+        make = make_optimizer or (lambda g: _make_adamw(g, self.job, device))
+        return make(groups)
+
+    def _grads(self) -> list[torch.Tensor]:
+        """The fp32 gradients this rank updates from (local tensors, modified in place by unscaling and
+        clipping)."""
+        raise NotImplementedError
+
+    def _counted_grads(self) -> list[torch.Tensor]:
+        """The gradients whose squares this rank adds to the global norm (each element counted once)."""
+        raise NotImplementedError
+
+    def _finish_reduction(self) -> None:
+        """Complete the data-parallel reduction and sum partial tensor-parallel gradients."""
+        raise NotImplementedError
+
+    def _publish(self) -> None:
+        """After the update: make the new parameters visible to the next forward (default: nothing)."""
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """loss.backward(), scaled by the loss scale in fp16."""
+        if self.loss_scale is not None:
+            loss = loss * self.loss_scale
+        loss.backward()
+
+    def global_grad_norm(self) -> float:
+        """L2 norm of the full gradient over every TP/PP/DP shard, each element counted once."""
+        counted = self._counted_grads()
+        if counted:
+            sumsq = torch.stack(torch._foreach_norm(counted, 2.0)).double().pow(2).sum()
+        else:
+            sumsq = torch.zeros((), dtype=torch.float64, device=self.topo.device)
+        if self._norm_ranks == 1:
+            return math.sqrt(sumsq.item())
+        comm.all_reduce(sumsq, group=self._norm_group, detail="global gradient norm")
+        group = "world" if self._norm_group is None else "mp"
+        # On NCCL the all-reduce returns at once; a rank that never joins shows at this host sync.
+        with self.topo.watchdog.waiting(group, "host sync", "global gradient norm"):
+            return math.sqrt(sumsq.item())
+
+    def prepare(self, inject_inf: bool = False) -> float:
+        """Finish the gradient reduction and unscale; return the global gradient norm (inf or NaN when a
+        gradient is not finite). Then exactly one of `apply` or `skip` ends the step; the trainer decides
+        which only after every rank has reported its norm, so all ranks take the same branch.
+
+        `inject_inf` sets one gradient element this rank counts to inf after the reduction: the `inf_grad`
+        fault (llmtrain.faults), a non-finite gradient that only this rank sees."""
+        self._finish_reduction()
+        grads = self._grads()
+        if self.loss_scale is not None and grads:
+            torch._foreach_mul_(grads, 1.0 / self.loss_scale)
+        # An FSDP shard may be empty (fewer rows than DP ranks): the first element this rank has.
+        target = next((g for g in self._counted_grads() if g.numel()), None) if inject_inf else None
+        if target is not None:
+            target.view(-1)[0] = math.inf
+        return self.global_grad_norm()
+
+    def apply(self, lr: float, norm: float) -> StepStats:
+        """Clip to train.grad_clip by `norm` (prepare's), update, and publish the new parameters."""
+        scale_used = self.loss_scale
+        grads = self._grads()
+        if self.grad_clip > 0 and grads:
+            # Same coefficient as torch.nn.utils.clip_grad_norm_.
+            coef = min(1.0, self.grad_clip / (norm + 1e-6))
+            if coef < 1.0:
+                torch._foreach_mul_(grads, coef)
+        if self.optimizer is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.step()
+        self._publish()
+        if self.loss_scale is not None:
+            self._good_steps += 1
+            if self._good_steps % _GROWTH_INTERVAL == 0:
+                self.loss_scale *= 2
+        return StepStats(grad_norm=norm, skipped=False, loss_scale=scale_used)
+
+    def skip(self, norm: float, overflow: bool) -> StepStats:
+        """Leave the weights and Adam's moments as they are; with fp16, a gradient `overflow` (a non-finite
+        norm) halves the loss scale, as dynamic loss scaling does."""
+        scale_used = self.loss_scale
+        if overflow and self.loss_scale is not None:
+            self.loss_scale = max(self.loss_scale / 2, _MIN_LOSS_SCALE)
+            self._good_steps = 0
+        return StepStats(grad_norm=norm, skipped=True, loss_scale=scale_used)
+
+    @property
+    def loss_scale_at_minimum(self) -> bool:
+        """fp16 only: the loss scale cannot be halved any further, so an overflow is no longer its fault."""
+        return self.loss_scale is not None and self.loss_scale <= _MIN_LOSS_SCALE
+
+    def step(self, lr: float) -> StepStats:
+        """prepare, then apply, or skip when the norm is not finite (every rank of the norm's group sees the
+        same all-reduced norm, so they all skip; the trainer also agrees with the other replicas)."""
+        norm = self.prepare()
+        if not math.isfinite(norm):
+            return self.skip(norm, overflow=True)
+        return self.apply(lr, norm)
+
+    def state_bytes(self) -> int:
+        """Bytes this rank holds for the optimizer's own state (AdamW's moments; this rank's shards)."""
+        total = 0
+        if self.optimizer is not None:
+            for state in self.optimizer.state.values():
+                for v in state.values():
+                    if torch.is_tensor(v) and v.ndim:
+                        local = v.to_local() if hasattr(v, "to_local") else v
+                        total += local.numel() * local.element_size()
+        return total
+
+    def scalar_state(self) -> dict[str, Any]:
+        """The state a checkpoint keeps besides the per-parameter tensors: the fp16 loss scale and, for an
+        optimizer that counts Adam's steps per param group rather than per parameter (Apex's FusedAdam
+        keeps ``group["step"]``; torch's AdamW a ``step`` tensor beside each parameter's moments), that
+        count, without which bias correction would restart on resume. Every group steps together."""
+        groups = self.optimizer.param_groups if self.optimizer is not None else []
+        return {
+            "loss_scale": self.loss_scale,
+            "good_steps": self._good_steps,
+            "group_step": groups[0].get("step") if groups else None,
+        }
+
+    def load_scalar_state(self, state: dict[str, Any]) -> None:
+        """Restore what scalar_state returned (a checkpoint without an entry keeps the current value)."""
+        self.loss_scale = state.get("loss_scale", self.loss_scale)
+        self._good_steps = state.get("good_steps", 0)
+        step = state.get("group_step")
+        if step is not None and self.optimizer is not None:
+            for group in self.optimizer.param_groups:
+                # A tensor count (a capturable optimizer's) is advanced in place: one per group.
+                group["step"] = step.clone() if torch.is_tensor(step) else step
+
+
+class ModelOptimizer(LossScaledOptimizer):
+    """AdamW over this rank's share of the flat buffers; see the module docstring. ``make_optimizer``
+    builds the update rule over the param groups of fp32 master pieces instead (tests use plain SGD)."""
+
+    def __init__(
+        self, model: nn.Module, topo: Topology, job: JobConfig, make_optimizer: MakeOptimizer | None = None
+    ) -> None:
+        super().__init__(topo, job)
+        buffers: GradBuffers | None = getattr(model, "grad_buffers", None)
+        if buffers is None:
+            apply_dp(model, topo, **dp_options(job))
+            buffers = model.grad_buffers
+        self.model = model
+        self.buffers = buffers
         pieces = buffers.local_ranges()
         total = sum(end - start for _, start, end in pieces)
         # The fp32 master copy of the owned pieces: the parameters themselves in fp32.
@@ -138,126 +291,34 @@ class ModelOptimizer:
             {"params": [m for m, d in zip(self.masters, decay, strict=True) if not d], "weight_decay": 0.0},
         ]
         groups = [g for g in groups if g["params"]]
-        device = buffers.param_buffer.device
-        make = make_optimizer or (lambda g: _make_adamw(g, job, device))
-        self.optimizer = make(groups) if groups else None
+        self.optimizer = self._build(groups, make_optimizer, buffers.param_buffer.device) if groups else None
 
     def zero_grad(self) -> None:
         """Zero the fp32 gradient buffer (the trainer calls it before the first micro-batch of a step)."""
         self.buffers.zero_grad()
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """loss.backward(), scaled by the loss scale in fp16."""
-        if self.loss_scale is not None:
-            loss = loss * self.loss_scale
-        loss.backward()
+    def _grads(self) -> list[torch.Tensor]:
+        return self.grads
 
-    def global_grad_norm(self) -> float:
-        """L2 norm of the full gradient over every TP/PP/DP shard, each element counted once."""
-        if self._counted:
-            sumsq = torch.stack(torch._foreach_norm(self._counted, 2.0)).double().pow(2).sum()
-        else:
-            sumsq = torch.zeros((), dtype=torch.float64, device=self.buffers.grad_buffer.device)
-        if self._norm_ranks == 1:
-            return math.sqrt(sumsq.item())
-        comm.all_reduce(sumsq, group=self._norm_group, detail="global gradient norm")
-        group = "world" if self._norm_group is None else "mp"
-        # On NCCL the all-reduce returns at once; a rank that never joins shows at this host sync.
-        with self.topo.watchdog.waiting(group, "host sync", "global gradient norm"):
-            return math.sqrt(sumsq.item())
+    def _counted_grads(self) -> list[torch.Tensor]:
+        return self._counted
 
-    def prepare(self, inject_inf: bool = False) -> float:
-        """Finish the gradient reduction and unscale; return the global gradient norm (inf or NaN when a
-        gradient is not finite). Then exactly one of `apply` or `skip` ends the step; the trainer decides
-        which only after every rank has reported its norm, so all ranks take the same branch.
-
-        `inject_inf` sets one gradient element this rank counts to inf after the reduction: the `inf_grad`
-        fault (llmtrain.faults), a non-finite gradient that only this rank sees."""
+    def _finish_reduction(self) -> None:
         self.buffers.finish()
         # Buckets whose parameters the forward never touched may still be gathering into the buffer.
         self.buffers.wait_params()
         reduce_tp_grads(self._tp_reduced, self.topo)
-        if self.loss_scale is not None and self.grads:
-            torch._foreach_mul_(self.grads, 1.0 / self.loss_scale)
-        if inject_inf and self._counted:
-            self._counted[0].view(-1)[0] = math.inf
-        return self.global_grad_norm()
 
-    def apply(self, lr: float, norm: float) -> StepStats:
-        """Clip to train.grad_clip by `norm` (prepare's), update, and publish the new parameters."""
-        scale_used = self.loss_scale
-        if self.grad_clip > 0 and self.grads:
-            # Same coefficient as torch.nn.utils.clip_grad_norm_.
-            coef = min(1.0, self.grad_clip / (norm + 1e-6))
-            if coef < 1.0:
-                torch._foreach_mul_(self.grads, coef)
-        if self.optimizer is not None:
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            self.optimizer.step()
+    def _publish(self) -> None:
         if self.master_flat is not None and self.masters:
             torch._foreach_copy_(self.param_views, self.masters)
         if self.buffers.zero_stage == 1:
             self.buffers.all_gather_params()
-        if self.loss_scale is not None:
-            self._good_steps += 1
-            if self._good_steps % _GROWTH_INTERVAL == 0:
-                self.loss_scale *= 2
-        return StepStats(grad_norm=norm, skipped=False, loss_scale=scale_used)
-
-    def skip(self, norm: float, overflow: bool) -> StepStats:
-        """Leave the weights and Adam's moments as they are; with fp16, a gradient `overflow` (a non-finite
-        norm) halves the loss scale, as dynamic loss scaling does."""
-        scale_used = self.loss_scale
-        if overflow and self.loss_scale is not None:
-            self.loss_scale = max(self.loss_scale / 2, _MIN_LOSS_SCALE)
-            self._good_steps = 0
-        return StepStats(grad_norm=norm, skipped=True, loss_scale=scale_used)
-
-    @property
-    def loss_scale_at_minimum(self) -> bool:
-        """fp16 only: the loss scale cannot be halved any further, so an overflow is no longer its fault."""
-        return self.loss_scale is not None and self.loss_scale <= _MIN_LOSS_SCALE
-
-    def step(self, lr: float) -> StepStats:
-        """prepare, then apply, or skip when the norm is not finite (every rank of the norm's group sees the
-        same all-reduced norm, so they all skip; the trainer also agrees with the other replicas)."""
-        norm = self.prepare()
-        if not math.isfinite(norm):
-            return self.skip(norm, overflow=True)
-        return self.apply(lr, norm)
 
     def state_bytes(self) -> int:
         """Bytes this rank holds for the optimizer: fp32 master copy (if separate) plus AdamW states."""
         total = self.master_flat.numel() * 4 if self.master_flat is not None else 0
-        if self.optimizer is not None:
-            for state in self.optimizer.state.values():
-                total += sum(
-                    v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v) and v.ndim
-                )
-        return total
-
-    def scalar_state(self) -> dict[str, Any]:
-        """The state a checkpoint keeps besides the per-parameter tensors: the fp16 loss scale and, for an
-        optimizer that counts Adam's steps per param group rather than per parameter (Apex's FusedAdam
-        keeps ``group["step"]``; torch's AdamW a ``step`` tensor beside each parameter's moments), that
-        count, without which bias correction would restart on resume. Every group steps together."""
-        groups = self.optimizer.param_groups if self.optimizer is not None else []
-        return {
-            "loss_scale": self.loss_scale,
-            "good_steps": self._good_steps,
-            "group_step": groups[0].get("step") if groups else None,
-        }
-
-    def load_scalar_state(self, state: dict[str, Any]) -> None:
-        """Restore what scalar_state returned (a checkpoint without an entry keeps the current value)."""
-        self.loss_scale = state.get("loss_scale", self.loss_scale)
-        self._good_steps = state.get("good_steps", 0)
-        step = state.get("group_step")
-        if step is not None and self.optimizer is not None:
-            for group in self.optimizer.param_groups:
-                # A tensor count (a capturable optimizer's) is advanced in place: one per group.
-                group["step"] = step.clone() if torch.is_tensor(step) else step
+        return total + super().state_bytes()
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's optimizer state (its shard under zero_stage 1)."""
@@ -286,6 +347,14 @@ class ModelOptimizer:
 
 def build_optimizer(
     model: nn.Module, topo: Topology, job: JobConfig, make_optimizer: MakeOptimizer | None = None
-) -> ModelOptimizer:
-    """The ModelOptimizer of a (parallelized) model; installs the flat buffers if parallelize did not."""
+) -> LossScaledOptimizer:
+    """The optimizer of a (parallelized) model or pipeline stages: installs the data-parallel layout
+    (`data_parallel.apply_data_parallel`) if parallelize did not, then ModelOptimizer over GradBuffers
+    (zero_stage 0/1) or FSDPOptimizer over FSDP2's shards (zero_stage 2/3)."""
+    from llmtrain.parallel.fsdp import FSDPOptimizer, is_fsdp
+
+    if not is_fsdp(model) and getattr(model, "grad_buffers", None) is None:
+        apply_data_parallel(model, topo, job)
+    if is_fsdp(model):
+        return FSDPOptimizer(model, topo, job, make_optimizer)
     return ModelOptimizer(model, topo, job, make_optimizer)

@@ -15,12 +15,14 @@ Each parameter gets attributes the rest of the package reads:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from llmtrain.config.schema import ModelConfig
 from llmtrain.config.validate import raise_if_problem, tensor_parallel_problem
@@ -408,12 +410,22 @@ def _forked(fn: Any, tracker: RNGTracker) -> Any:
     return call
 
 
-def reduce_tp_grads(params: list[nn.Parameter], topo: Topology) -> None:
-    """Sum partial gradients over TP: SP-region replicas over the group, kv replicas over their block."""
+def _main_grad(p: nn.Parameter) -> torch.Tensor:
+    return p.main_grad
+
+
+def reduce_tp_grads(
+    params: list[nn.Parameter],
+    topo: Topology,
+    grad_of: Callable[[nn.Parameter], torch.Tensor] = _main_grad,
+) -> None:
+    """Sum partial gradients over TP: SP-region replicas over the group, kv replicas over their block.
+    ``grad_of`` gives the gradient tensor updated in place (flat-buffer ``main_grad``, or an FSDP shard:
+    TP ranks hold equal-shaped tensors, so their DP shards cover the same elements)."""
     if topo.tp == 1:
         return
     group = topo.tp_group
-    sp = [p.main_grad for p in params if getattr(p, "sequence_parallel", False)]
+    sp = [grad_of(p) for p in params if getattr(p, "sequence_parallel", False)]
     if sp:
         flat = torch.cat([g.reshape(-1) for g in sp])
         all_reduce(flat, group=group, detail="sequence-parallel gradients")
@@ -423,7 +435,7 @@ def reduce_tp_grads(params: list[nn.Parameter], topo: Topology) -> None:
     kv = [p for p in params if getattr(p, "kv_replicas", 1) > 1]
     if kv:
         replicas = kv[0].kv_replicas
-        grads = [p.main_grad for p in kv]
+        grads = [grad_of(p) for p in kv]
         flat = torch.cat([g.reshape(-1) for g in grads])
         every = flat.new_empty(topo.tp * flat.numel())
         all_gather_single(every, flat, group=group, detail="kv-replica gradients")
@@ -438,12 +450,15 @@ def reduce_tp_grads(params: list[nn.Parameter], topo: Topology) -> None:
 
 @torch.no_grad()
 def gather_full_state_dict(model: nn.Module, topo: Topology) -> dict[str, torch.Tensor]:
-    """Full unsharded parameters and buffers under the single-process names (collective over the TP group).
-    Read through ``state_dict`` so parameter all-gathers still in flight (zero_stage 1) are waited for."""
+    """Full unsharded parameters and buffers under the single-process names (collective over the TP group,
+    and over DP for FSDP-sharded parameters). Read through ``state_dict`` so parameter all-gathers still in
+    flight (zero_stage 1) are waited for."""
     out: dict[str, torch.Tensor] = {}
     for name, p in model.state_dict(keep_vars=True).items():
         layout = getattr(p, "tp_layout", None)
         t = p.detach()
+        if isinstance(t, DTensor):
+            t = t.full_tensor()
         if layout is None or topo.tp == 1:
             out[name] = t.clone()
             continue

@@ -20,6 +20,7 @@ from torch import nn
 from llmtrain.config.validate import pipeline_problem, raise_if_problem, sequence_parallel_problem
 from llmtrain.models import CausalLM
 from llmtrain.parallel import comm
+from llmtrain.parallel.fsdp import local_tensor
 from llmtrain.parallel.topology import Topology
 
 
@@ -164,6 +165,8 @@ class PipelineStages(nn.Module):
             grad = self.tied_param.grad
             if grad is None:
                 grad = self.tied_param.grad = torch.zeros_like(self.tied_param)
+            # Under FSDP the two copies are sharded alike over the same DP coordinates: sum the shards.
+            grad = local_tensor(grad)
         comm.all_reduce(grad, group=self.tied_group, detail="tied embedding gradients")
 
 

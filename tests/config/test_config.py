@@ -75,7 +75,7 @@ def test_dump_round_trips(tmp_path):
         ("parallel.tp=3", "parallel.tp=3 does not divide model.num_attention_heads"),
         ("train.micro_batch_size=5", "not a multiple of train.micro_batch_size=5"),
         ("parallel.virtual_stages=2", "needs parallel.schedule=interleaved_1f1b"),
-        ("parallel.zero_stage=3", "parallel.zero_stage must be 0 or 1"),
+        ("parallel.zero_stage=4", "parallel.zero_stage must be 0, 1, 2 or 3"),
         ("data.split=1,2", "data.split must be three"),
         ("logging.profile_steps=[5,2]", "logging.profile_steps must be [first, last]"),
         ("train.lr=0", "train.lr must be positive"),

@@ -382,6 +382,7 @@ ZERO_REFUSED = [
     "parallel.tp",
     "parallel.pp",
     "parallel.dp",
+    "parallel.dp_shard",
     "parallel.virtual_stages",
     "parallel.dp_bucket_mb",
     "train.steps",
@@ -398,13 +399,13 @@ ZERO_REFUSED = [
     "logging.interval",
     "logging.peak_tflops",
 ]
-# Fields with an upper bound: probabilities and Adam's betas lie below 1; ZeRO has stages 0 and 1.
+# Fields with an upper bound: probabilities and Adam's betas lie below 1; ZeRO has stages 0 to 3.
 AT_LEAST_REFUSED = {
     "model.hidden_dropout": 1.0,
     "model.attention_dropout": 1.0,
     "train.adam_beta1": 1.0,
     "train.adam_beta2": 1.0,
-    "parallel.zero_stage": 2,
+    "parallel.zero_stage": 4,
 }
 
 

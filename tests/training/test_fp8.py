@@ -79,6 +79,7 @@ def test_fp8_loss_curve_tracks_bf16() -> None:
     [
         (dict(tp=2), "parallel.tp=2 uses llmtrain's own tensor-parallel layers"),
         (dict(pp=2), "set parallel.pp=1"),
+        (dict(zero_stage=3), "use parallel.zero_stage 0 or 1"),
         (dict(hidden_size=72, num_attention_heads=4), "model.hidden_size to be a multiple of 16"),
         (dict(seq_length=15), r"micro_batch_size x model.seq_length \(tokens per GEMM\)"),
     ],

@@ -1,0 +1,222 @@
+"""ZeRO-2 and ZeRO-3 (and hybrid sharding) through PyTorch FSDP2.
+
+``apply_fsdp`` calls ``fully_shard`` on every transformer block and then on each root (the model, or each
+pipeline chunk) over a DeviceMesh of this rank's DP ranks: 1-D ``(shard,)`` built on ``topo.dp_group``
+itself, or 2-D ``(replicate, shard)`` for hybrid sharding (HSDP: ``parallel.dp_shard`` ranks share the
+shards of one replica, gradients are all-reduced across replicas). The parameters FSDP shards are the fp32
+model parameters, so they are the optimizer's master weights; bf16/fp16 compute comes from
+``MixedPrecisionPolicy(param_dtype, reduce_dtype=fp32)``, which casts each gathered block.
+
+zero_stage 2 keeps a block's gathered parameters from its forward to its backward
+(``reshard_after_forward=False``): gradients (and optimizer state) sharded, parameters whole during the
+step. zero_stage 3 frees them after the forward and gathers them again for the backward.
+
+TP layers stay plain local tensors: FSDP shards each rank's TP slice over the DP mesh, which is why the
+attributes tensor_parallel.py puts on parameters (``duplicate``, ``sequence_parallel``, ``kv_replicas``,
+``tp_layout``) are copied onto the sharded parameters here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from llmtrain.config.schema import JobConfig
+from llmtrain.parallel.optimizer import LossScaledOptimizer, MakeOptimizer, make_param_groups
+from llmtrain.parallel.tensor_parallel import reduce_tp_grads
+from llmtrain.parallel.topology import Topology
+from llmtrain.precision import torch_dtype
+
+PARAM_ATTRIBUTES = ("tp_layout", "duplicate", "sequence_parallel", "kv_replicas")
+
+
+def dp_shard_size(job: JobConfig, dp: int) -> int:
+    """The number of DP ranks that share one copy of the sharded state (parallel.dp_shard, null = dp)."""
+    return job.parallel.dp_shard or dp
+
+
+def dp_mesh(topo: Topology, dp_shard: int) -> DeviceMesh:
+    """This rank's DP ranks as a DeviceMesh: (shard,) on topo.dp_group, or (replicate, shard) with
+    ``dp_shard`` < dp, DP rank = replica * dp_shard + shard. Every rank must call it (new groups)."""
+    device_type = topo.device.type
+    dp_ranks = [topo.rank_of(dp_rank=d) for d in range(topo.dp)]
+    if dp_shard == topo.dp:
+        return DeviceMesh.from_group(topo.dp_group, device_type, mesh=dp_ranks, mesh_dim_names=("shard",))
+    replicas = topo.dp // dp_shard
+    shard_group = replicate_group = None
+    # Every rank joins every new_group call, in the same order: all (tp, pp) coordinates, shards first.
+    for tp_rank in range(topo.tp):
+        for pp_rank in range(topo.pp):
+            at = {"tp_rank": tp_rank, "pp_rank": pp_rank}
+            grid = [
+                [topo.rank_of(**at, dp_rank=r * dp_shard + s) for s in range(dp_shard)]
+                for r in range(replicas)
+            ]
+            for ranks in grid:
+                group = dist.new_group(ranks)
+                if topo.rank in ranks:
+                    shard_group = group
+            for s in range(dp_shard):
+                ranks = [row[s] for row in grid]
+                group = dist.new_group(ranks)
+                if topo.rank in ranks:
+                    replicate_group = group
+    mesh = torch.tensor(dp_ranks).view(replicas, dp_shard)
+    return DeviceMesh.from_group(
+        [replicate_group, shard_group], device_type, mesh=mesh, mesh_dim_names=("replicate", "shard")
+    )
+
+
+def _roots(model: nn.Module) -> list[nn.Module]:
+    """The modules FSDP treats as roots: each pipeline chunk, or the whole model."""
+    chunks = getattr(model, "chunks", None)
+    return list(chunks) if chunks is not None else [model]
+
+
+def _blocks(root: nn.Module) -> list[nn.Module]:
+    layers = root.layers
+    return list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
+
+
+def apply_fsdp(model: nn.Module, topo: Topology, job: JobConfig) -> nn.Module:
+    """Shard ``model`` (a CausalLM or PipelineStages, fp32, TP applied) with FSDP2 in place: each block,
+    then each root; see the module docstring."""
+    zero_stage = job.parallel.zero_stage
+    if zero_stage not in (2, 3):
+        raise ValueError(f"apply_fsdp serves zero_stage 2 and 3; got {zero_stage}")
+    if is_fsdp(model):
+        raise RuntimeError("apply_fsdp was already applied to this model")
+    dtype = torch_dtype(job.train.precision)
+    mp_policy = MixedPrecisionPolicy(
+        param_dtype=None if dtype == torch.float32 else dtype, reduce_dtype=torch.float32
+    )
+    mesh = dp_mesh(topo, dp_shard_size(job, topo.dp))
+    named = list(model.named_parameters(remove_duplicate=False))
+    attributes = {name: {a: getattr(p, a) for a in PARAM_ATTRIBUTES if hasattr(p, a)} for name, p in named}
+    tied_name = None
+    tied = getattr(model, "tied_param", None)
+    if tied is not None:
+        # PipelineStages registers its tied embedding under its own name too; the chunk's name survives.
+        tied_name = next(n for n, p in named if p is tied and n != "tied_param")
+    options: dict[str, Any] = {"mesh": mesh, "mp_policy": mp_policy}
+    for root in _roots(model):
+        for block in _blocks(root):
+            fully_shard(block, reshard_after_forward=zero_stage == 3, **options)
+        # The root's own parameters (embeddings, final norm, head) are needed first and last anyway.
+        fully_shard(root, reshard_after_forward=False, **options)
+    if tied_name is not None:
+        model.tied_param = model.get_parameter(tied_name)
+    for name, p in model.named_parameters(remove_duplicate=False):
+        for key, value in attributes.get(name, {}).items():
+            setattr(p, key, value)
+    model.fsdp_replica = mesh.get_local_rank("replicate") if mesh.ndim == 2 else 0
+    return model
+
+
+def fsdp_modules(model: nn.Module) -> list[FSDPModule]:
+    """Every module of ``model`` that fully_shard was applied to."""
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def is_fsdp(model: nn.Module) -> bool:
+    """Whether ``model`` (or a pipeline chunk of it) is sharded by apply_fsdp."""
+    return bool(fsdp_modules(model))
+
+
+def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    """Reduce-scatter (and, with HSDP, all-reduce) gradients in this backward, or only accumulate them."""
+    for module in fsdp_modules(model):
+        module.set_requires_gradient_sync(enabled, recurse=False)
+    model.fsdp_sync_enabled = enabled
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (its storage, so in-place updates reach the DTensor), or ``t``."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def shard_position(t: torch.Tensor) -> tuple[int | None, int]:
+    """Where this rank's FSDP shard of ``t`` starts in the flattened (TP-local) tensor, and which replica
+    (hybrid sharding) holds it; (None, 0) for a plain tensor. FSDP2 shards dim 0 as torch.chunk does:
+    ceil(rows / shards) rows per rank, the last ones short or empty (padded in FSDP's own buffers)."""
+    if not isinstance(t, DTensor):
+        return None, 0
+    mesh = t.device_mesh
+    rows = t.shape[0]
+    per_rank = -(-rows // mesh.size(mesh.ndim - 1))
+    start_row = min(mesh.get_local_rank(mesh.ndim - 1) * per_rank, rows)
+    replica = mesh.get_local_rank(0) if mesh.ndim == 2 else 0
+    return start_row * (t.numel() // rows if rows else 0), replica
+
+
+class FSDPOptimizer(LossScaledOptimizer):
+    """AdamW (or ``make_optimizer``'s rule) over this rank's FSDP2 shards of the fp32 parameters, with the
+    trainer's prepare/apply/skip protocol of LossScaledOptimizer. The gradients are DTensor shards that
+    FSDP reduce-scattered (averaged over the DP ranks) during the last micro-batch's backward."""
+
+    def __init__(
+        self, model: nn.Module, topo: Topology, job: JobConfig, make_optimizer: MakeOptimizer | None = None
+    ) -> None:
+        super().__init__(topo, job)
+        self.model = model
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        # A replica (HSDP) holds the same shards as replica 0: only replica 0's count in the global norm.
+        replica = getattr(model, "fsdp_replica", 0)
+        self._counted_params = [p for p in self.params if not getattr(p, "duplicate", False) and replica == 0]
+        self._tp_reduced = [
+            p
+            for p in self.params
+            if getattr(p, "sequence_parallel", False) or getattr(p, "kv_replicas", 1) > 1
+        ]
+        # Each rank's shards are distinct across the DP mesh and TP/PP ranks hold different parameters.
+        self._norm_group, self._norm_ranks = None, topo.world_size
+        groups = make_param_groups(model.named_parameters(), job.train.weight_decay)
+        self.optimizer = self._build(groups, make_optimizer, topo.device) if groups else None
+
+    def zero_grad(self) -> None:
+        """Drop the gradients (FSDP assigns fresh sharded ones at the next synchronised backward)."""
+        for p in self.params:
+            p.grad = None
+
+    def _grads(self) -> list[torch.Tensor]:
+        return [local_tensor(p.grad) for p in self.params if p.grad is not None]
+
+    def _counted_grads(self) -> list[torch.Tensor]:
+        return [local_tensor(p.grad) for p in self._counted_params if p.grad is not None]
+
+    def _finish_reduction(self) -> None:
+        if not getattr(self.model, "fsdp_sync_enabled", True):
+            raise RuntimeError(
+                "the optimizer step came after a backward without gradient synchronisation: run the last "
+                "micro-batch outside llmtrain.parallel.grad_sync(model, False)"
+            )
+        # FSDP's reduction finished with the backward; TP partial gradients are summed over their shards.
+        with torch.no_grad():
+            reduce_tp_grads(self._tp_reduced, self.topo, lambda p: local_tensor(p.grad))
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's optimizer state: its shards of AdamW's moments (DTensors) and the scalar state."""
+        return {
+            **self.scalar_state(),
+            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+            "zero_stage": self.job.parallel.zero_stage,
+            "dp": self.topo.dp,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a state saved by state_dict on the same layout (other layouts: llmtrain.checkpoint)."""
+        if state["dp"] != self.topo.dp or state["zero_stage"] != self.job.parallel.zero_stage:
+            raise ValueError(
+                f"optimizer state was saved with zero_stage={state['zero_stage']} dp={state['dp']} but "
+                f"this run has zero_stage={self.job.parallel.zero_stage} dp={self.topo.dp}; "
+                "load it through a checkpoint (llmtrain.checkpoint), which reshards"
+            )
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.load_scalar_state(state)

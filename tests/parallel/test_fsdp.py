@@ -1,0 +1,176 @@
+"""ZeRO-2/3 and hybrid sharding through FSDP2 train like one process.
+
+The reference is the one of test_equivalence.py: plain torch in float64 on one process, with the bounds an
+fp32 run must stay within (tests/parallel/_reference.py: the gradient rounding u * sqrt(tokens * width)
+carried through the updates, so a bound is met by torch's own fp32 run with the same margin). On top of
+the bounds each fp32 layout's worst relative gap to the float64 run, over its losses and gradient norms,
+must stay under 1e-4: fp32 rounds each operation to u = 6e-8 relative, and the reductions of these runs
+(<= 2048 terms: 128 tokens of a step times a vocabulary of 128, or hidden/FFN 64/256) grow it to at most
+u * sqrt(2048) ~ 3e-6 in the probabilistic analysis (u * 2048 ~ 1e-4 in the worst case, which no order of
+summation reaches), so 1e-4 separates rounding from an error while a gradient off by a factor of dp (or a
+missed micro-batch) moves the loss by > 1e-3 in three Adam steps and fails it.
+
+Plain SGD (no clipping, no weight decay) shows a gradient wrongly scaled: the run whose FSDP gradient
+divide factor is 1 instead of dp (sums instead of averages over DP) must fail the same bounds.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from llmtrain.config import ConfigError, JobConfig, validate_world
+from llmtrain.config.validate import validate
+from llmtrain.parallel import Topology
+from llmtrain.parallel.fsdp import fsdp_modules
+from tests.parallel._dist import batches, parallel_run, sgd, spawn, tiny_job
+from tests.parallel._reference import torch_reference
+
+STEPS = 3
+LR = 1e-3
+SGD_LR = 1.0
+WORST_RELATIVE_GAP = 1e-4
+# (arch, overrides) on 4 processes, AdamW with clipping. Global batch 16 with micro-batches of 2 gives each
+# DP rank 2 (dp=4) or 4 (dp=2) micro-batches: gradient accumulation without synchronisation everywhere.
+ADAMW_CASES = [
+    ("gpt", dict(zero_stage=2, dp=4)),
+    ("llama", dict(zero_stage=3, dp=4)),
+    ("llama", dict(zero_stage=3, tp=2, dp=2, sequence_parallel=True)),
+    ("ernie", dict(zero_stage=3, tp=2, dp=2, recompute="full")),
+    # Tied embeddings (gpt) on the first and last stage: PipelineStages.sync_tied_grads over FSDP shards.
+    ("gpt", dict(zero_stage=3, pp=2, dp=2, num_layers=4, virtual_stages=2, schedule="interleaved_1f1b")),
+    ("gpt", dict(zero_stage=3, dp=4, dp_shard=2)),
+]
+# bf16 against the bf16 one-process stack (flat buffers): both run the forward on the same bf16 roundings of
+# the same fp32 masters, so the first loss is equal. They differ in the order fp32 gradients are summed
+# (over micro-batches and ranks), which moves a master weight by ~1e-7 relative; that shows in bf16 only
+# where a master crosses a rounding boundary and its bf16 copy moves by one ulp (2**-8), for a small
+# fraction of the weights. Measured over 3 steps: 1.1e-5; 1e-3 allows ~100 times as many flips.
+BF16_TOLERANCE = 1e-3
+
+
+def _job(arch: str, overrides: dict) -> JobConfig:
+    job = tiny_job(arch, **overrides)
+    job.train.global_batch_size = 16
+    return job
+
+
+def _shard_facts(model: torch.nn.Module) -> dict:
+    """The DP mesh's shape and, for one weight, the local shard's rows against the full tensor's."""
+    weight = next(p for p in model.parameters() if p.ndim == 2)
+    return {
+        "mesh": tuple(weight.device_mesh.shape),
+        "local_rows": weight.to_local().shape[0],
+        "rows": weight.shape[0],
+    }
+
+
+def _divide_by_one(model: torch.nn.Module) -> None:
+    """The deliberate error of the SGD check: gradients summed over DP instead of averaged."""
+    for module in fsdp_modules(model):
+        module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+        module.set_gradient_divide_factor(1.0)
+
+
+def _worker(rank: int, world: int) -> dict:
+    out: dict = {"adamw": [], "sgd": [], "bf16": None}
+    for arch, overrides in ADAMW_CASES:
+        job = _job(arch, overrides)
+        run = parallel_run(job, Topology(job.parallel, world, rank), batches(job, STEPS), LR)
+        facts = _shard_facts(run["model"])
+        out["adamw"].append({k: run[k] for k in ("losses", "grad_norms", "state")} | facts)
+    for wrong in (False, True):
+        job = _job("llama", dict(zero_stage=3, dp=4))
+        job.train.grad_clip = job.train.weight_decay = 0.0
+        setup = _divide_by_one if wrong else None
+        topo = Topology(job.parallel, world, rank)
+        run = parallel_run(job, topo, batches(job, STEPS), SGD_LR, sgd(SGD_LR), setup=setup)
+        out["sgd"].append({k: run[k] for k in ("losses", "grad_norms", "state")})
+    job = _job("llama", dict(zero_stage=3, dp=4, precision="bf16"))
+    data = batches(job, STEPS)
+    run = parallel_run(job, Topology(job.parallel, world, rank), data, LR)
+    single = None
+    if rank == 0:
+        single = parallel_run(_job("llama", dict(precision="bf16")), Topology.single(), data, LR)
+    out["bf16"] = {
+        "fsdp": run["losses"] + run["grad_norms"],
+        "single": single["losses"] + single["grad_norms"] if single else None,
+        "param_dtype": next(run["model"].parameters()).dtype,
+    }
+    return out
+
+
+@functools.cache
+def _results() -> dict:
+    return spawn(4, _worker)[0]
+
+
+def _worst_gap(got: list[float], want: list[float]) -> float:
+    return max(abs(a - b) / abs(b) for a, b in zip(got, want, strict=True))
+
+
+@pytest.mark.slow
+def test_fsdp_layouts_match_single_process() -> None:
+    failures = []
+    for (arch, overrides), run in zip(ADAMW_CASES, _results()["adamw"], strict=True):
+        job = _job(arch, overrides)
+        reference = torch_reference(job, batches(job, STEPS), LR)
+        name = f"AdamW {arch} {overrides}"
+        failures += reference.check(name, run["losses"], run["grad_norms"], run["state"])
+        gap = _worst_gap(run["losses"] + run["grad_norms"], reference.losses + reference.grad_norms)
+        print(f"{name}: worst relative gap to float64 {gap:.2e}")  # shown with pytest -s
+        if not gap <= WORST_RELATIVE_GAP:
+            failures.append(f"{name}: worst relative gap {gap:.2e}")
+        dp, shard = job.parallel.dp, job.parallel.dp_shard or job.parallel.dp
+        expected_mesh = (shard,) if shard == dp else (dp // shard, shard)
+        if run["mesh"] != expected_mesh or run["local_rows"] != -(-run["rows"] // shard):
+            failures.append(f"{name}: mesh {run['mesh']}, {run['local_rows']} of {run['rows']} rows local")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.slow
+def test_fsdp_gradient_has_the_single_process_scale() -> None:
+    job = _job("llama", dict(zero_stage=3, dp=4))
+    job.train.grad_clip = job.train.weight_decay = 0.0
+    reference = torch_reference(job, batches(job, STEPS), SGD_LR, sgd=True)
+    right, wrong = (
+        reference.check("SGD", r["losses"], r["grad_norms"], r["state"]) for r in _results()["sgd"]
+    )
+    assert not right, "\n".join(right)
+    assert wrong, "gradients summed over DP instead of averaged passed the bounds"
+
+
+@pytest.mark.slow
+def test_fsdp_bf16_matches_bf16_single_process() -> None:
+    bf16 = _results()["bf16"]
+    assert bf16["param_dtype"] == torch.float32  # the sharded parameters are the fp32 masters
+    gap = _worst_gap(bf16["fsdp"], bf16["single"])
+    print(f"bf16 zero3 dp=4: worst relative gap to bf16 one process {gap:.2e}")
+    assert gap <= BF16_TOLERANCE, f"bf16 zero3 dp=4 against one process: worst relative gap {gap:.2e}"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (dict(zero_stage=4), "parallel.zero_stage must be 0, 1, 2 or 3"),
+        (dict(zero_stage=1, dp_shard=2), "needs parallel.zero_stage 2 or 3"),
+        (dict(zero_stage=3, dp_shard=0), "parallel.dp_shard must be at least 1"),
+        (dict(zero_stage=3, pp=2, schedule="zb_h1"), "use parallel.schedule=1f1b"),
+    ],
+)
+def test_unsupported_zero_layouts_are_rejected(overrides: dict, message: str) -> None:
+    job = JobConfig()
+    for key, value in overrides.items():
+        setattr(job.parallel, key, value)
+    with pytest.raises(ConfigError, match=message):
+        validate(job)
+
+
+def test_dp_shard_must_divide_dp() -> None:
+    job = JobConfig()
+    job.parallel.zero_stage, job.parallel.dp_shard = 3, 3
+    job.train.global_batch_size, job.train.micro_batch_size = 16, 1
+    with pytest.raises(ConfigError, match="parallel.dp_shard=3 does not divide the data-parallel degree 4"):
+        validate_world(job, 4)
