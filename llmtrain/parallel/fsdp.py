@@ -199,24 +199,3 @@ class FSDPOptimizer(LossScaledOptimizer):
         # FSDP's reduction finished with the backward; TP partial gradients are summed over their shards.
         with torch.no_grad():
             reduce_tp_grads(self._tp_reduced, self.topo, lambda p: local_tensor(p.grad))
-
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's optimizer state: its shards of AdamW's moments (DTensors) and the scalar state."""
-        return {
-            **self.scalar_state(),
-            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
-            "zero_stage": self.job.parallel.zero_stage,
-            "dp": self.topo.dp,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a state saved by state_dict on the same layout (other layouts: llmtrain.checkpoint)."""
-        if state["dp"] != self.topo.dp or state["zero_stage"] != self.job.parallel.zero_stage:
-            raise ValueError(
-                f"optimizer state was saved with zero_stage={state['zero_stage']} dp={state['dp']} but "
-                f"this run has zero_stage={self.job.parallel.zero_stage} dp={self.topo.dp}; "
-                "load it through a checkpoint (llmtrain.checkpoint), which reshards"
-            )
-        if self.optimizer is not None:
-            self.optimizer.load_state_dict(state["optimizer"])
-        self.load_scalar_state(state)

@@ -217,6 +217,33 @@ class LossScaledOptimizer:
             "group_step": groups[0].get("step") if groups else None,
         }
 
+    @property
+    def zero_stage(self) -> int:
+        """The ZeRO stage this optimizer's state is sharded by."""
+        return self.job.parallel.zero_stage
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's optimizer state (its shards when sharded) and the scalar state; it loads back on the
+        same layout only (llmtrain.checkpoint reshards between layouts)."""
+        return {
+            **self.scalar_state(),
+            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+            "zero_stage": self.zero_stage,
+            "dp": self.topo.dp,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a state saved by state_dict on the same layout."""
+        if state["zero_stage"] != self.zero_stage or state["dp"] != self.topo.dp:
+            raise ValueError(
+                f"optimizer state was saved with zero_stage={state['zero_stage']} dp={state['dp']} but "
+                f"this run has zero_stage={self.zero_stage} dp={self.topo.dp}; "
+                "load it through a checkpoint (llmtrain.checkpoint), which reshards"
+            )
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.load_scalar_state(state)
+
     def load_scalar_state(self, state: dict[str, Any]) -> None:
         """Restore what scalar_state returned (a checkpoint without an entry keeps the current value)."""
         self.loss_scale = state.get("loss_scale", self.loss_scale)
@@ -320,29 +347,22 @@ class ModelOptimizer(LossScaledOptimizer):
         total = self.master_flat.numel() * 4 if self.master_flat is not None else 0
         return total + super().state_bytes()
 
+    @property
+    def zero_stage(self) -> int:
+        return self.buffers.zero_stage
+
     def state_dict(self) -> dict[str, Any]:
-        """This rank's optimizer state (its shard under zero_stage 1)."""
+        """This rank's optimizer state (its shard under zero_stage 1), with the fp32 master copy."""
         return {
-            **self.scalar_state(),
-            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+            **super().state_dict(),
             "master": self.master_flat.clone() if self.master_flat is not None else None,
-            "zero_stage": self.buffers.zero_stage,
-            "dp": self.topo.dp,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a state saved by state_dict on the same layout."""
-        if state["zero_stage"] != self.buffers.zero_stage or state["dp"] != self.topo.dp:
-            raise ValueError(
-                f"optimizer state was saved with zero_stage={state['zero_stage']} dp={state['dp']} but "
-                f"this run has zero_stage={self.buffers.zero_stage} dp={self.topo.dp}; "
-                "reshard it with the checkpoint converter"
-            )
-        if self.optimizer is not None:
-            self.optimizer.load_state_dict(state["optimizer"])
+        """Restore a state saved by state_dict on the same layout, fp32 master copy included."""
+        super().load_state_dict(state)
         if self.master_flat is not None:
             self.master_flat.copy_(state["master"])
-        self.load_scalar_state(state)
 
 
 def build_optimizer(
