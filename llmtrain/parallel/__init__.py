@@ -18,17 +18,24 @@ from llmtrain.parallel.topology import Topology
 
 def parallelize(model: nn.Module, topo: Topology, job: JobConfig) -> nn.Module:
     """apply_tp -> apply_float8 -> apply_recompute -> [materialize] -> apply_data_parallel (flat buffers for
-    zero_stage 0/1, FSDP2 for 2/3), in place. A meta model (built under torch.device("meta")) is sharded on
-    meta, then this rank's slices are allocated on topo.device and initialised from train.seed. With pp > 1
-    the pipeline splits stages first, materialises them and applies the data-parallel layout to them
-    (llmtrain.pipeline.executor.build_pipeline, build_optimizer)."""
+    zero_stage 0/1), or -> apply_data_parallel -> [materialize] (FSDP2 for 2/3), in place. A meta model
+    (built under torch.device("meta")) is sharded on meta, then this rank's slices (at zero_stage 2/3 its
+    FSDP shards of them) are allocated on topo.device and initialised from train.seed. With pp > 1 the
+    pipeline splits stages first, then does the same to them (llmtrain.pipeline.executor.build_pipeline;
+    build_optimizer applies the zero_stage 0/1 layout)."""
     apply_tp(model, topo, job.parallel.sequence_parallel, job.train.seed)
     apply_float8(model, job.train.precision)
     apply_recompute(model, job.model.recompute)
     if topo.pp == 1:
+        # FSDP2 (zero_stage 2/3) shards meta parameters, so each rank then allocates only its shards;
+        # GradBuffers (0/1) copy the parameters' values into their flat buffers, so they come after.
+        shards_first = job.parallel.zero_stage >= 2
+        if shards_first:
+            apply_data_parallel(model, topo, job)
         if is_meta(model):
             materialize(model, topo, job.model, job.train.seed, topo.device)
-        apply_data_parallel(model, topo, job)
+        if not shards_first:
+            apply_data_parallel(model, topo, job)
     return model
 
 

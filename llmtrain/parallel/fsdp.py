@@ -86,7 +86,8 @@ def _blocks(root: nn.Module) -> list[nn.Module]:
 
 def apply_fsdp(model: nn.Module, topo: Topology, job: JobConfig) -> nn.Module:
     """Shard ``model`` (a CausalLM or PipelineStages, fp32, TP applied) with FSDP2 in place: each block,
-    then each root; see the module docstring."""
+    then each root; see the module docstring. On a meta model the shards stay meta until
+    llmtrain.parallel.materialize allocates and fills only this rank's."""
     zero_stage = job.parallel.zero_stage
     if zero_stage not in (2, 3):
         raise ValueError(f"apply_fsdp serves zero_stage 2 and 3; got {zero_stage}")

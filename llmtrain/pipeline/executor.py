@@ -31,7 +31,7 @@ from torch import nn
 
 from llmtrain.config.schema import JobConfig
 from llmtrain.parallel import comm
-from llmtrain.parallel.data_parallel import grad_sync
+from llmtrain.parallel.data_parallel import apply_data_parallel, grad_sync
 from llmtrain.parallel.materialize import is_meta, materialize
 from llmtrain.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, gather_sequence
 from llmtrain.parallel.topology import Topology
@@ -473,11 +473,14 @@ def build_pipeline(
     """This rank's chunks of a (tensor-parallel) model and the executor of ``job.parallel.schedule``; hand
     the stages to build_optimizer and both to PipelineStepRunner. ``head_cost``: the output layer's cost
     in layers, which the split balances against (0: an even split). A meta ``model`` is materialised here,
-    once only this rank's chunks are left (llmtrain.parallel.materialize)."""
+    once only this rank's chunks are left (llmtrain.parallel.materialize); at zero_stage 2/3 the chunks are
+    sharded by FSDP2 first, so only this rank's shards of them are."""
     p, t = job.parallel, job.train
     stages = build_stages(
         model, topo, p.virtual_stages, head_cost=head_cost, sequence_parallel=p.sequence_parallel
     )
+    if p.zero_stage >= 2:  # FSDP2 shards the meta stages: materialize then allocates only this rank's shards
+        apply_data_parallel(stages, topo, job)
     if is_meta(stages):
         materialize(stages, topo, job.model, t.seed, topo.device)
     per_rank = t.global_batch_size // topo.dp

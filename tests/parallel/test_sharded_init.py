@@ -3,7 +3,7 @@ the slices of all ranks put together are the single-process model (`models.build
 
 Reference: `models.build(cfg, seed)` on one process. Each rank's tensors are placed by the checkpoint
 layout (describe_model) into full tensors that start as NaN, so a region no rank holds, or two replicas
-that disagree, fails the comparison.
+that disagree, fails the comparison. At zero_stage 3 a rank's tensors are its FSDP2 shards of its TP slices.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -23,7 +24,8 @@ from llmtrain.checkpoint.layout import ParamLayout
 from llmtrain.checkpoint.state import describe_model
 from llmtrain.config import JobConfig
 from llmtrain.models import init
-from llmtrain.parallel import Topology, apply_tp, materialize, parallelize
+from llmtrain.parallel import Topology, apply_data_parallel, apply_tp, materialize, parallelize
+from llmtrain.parallel.fsdp import local_tensor
 from llmtrain.parallel.materialize import fill_local
 from llmtrain.pipeline.executor import build_pipeline
 from llmtrain.pipeline.stages import build_stages
@@ -35,7 +37,10 @@ SMALL_BLOCK = 200
 
 
 class LiveBytes(TorchDispatchMode):
-    """Peak bytes of the non-meta storages created by tensor operations while active (alive at once)."""
+    """Peak bytes of the non-meta storages created by tensor operations while active (alive at once).
+
+    An operation on DTensors reaches this mode once, with DTensor results (the operations on their local
+    tensors run below it), so a DTensor result counts as the storage of its local tensor."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -50,7 +55,8 @@ class LiveBytes(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and not t.is_meta:
-                storage = t.untyped_storage()
+                # A DTensor's own storage is a placeholder of the logical size: its local shard is the memory.
+                storage = local_tensor(t).untyped_storage()
                 if id(storage) not in self.tracked:
                     self.tracked.add(id(storage))
                     self.live += storage.nbytes()
@@ -64,19 +70,38 @@ def _pieces(model: nn.Module, topo: Any, job: JobConfig) -> dict[str, tuple[tupl
     return {
         name: (
             m.layout.global_shape,
-            [(p.offsets, p.tensor.clone()) for p in m.layout.pieces(m.tensor.detach())],
+            [(p.offsets, p.tensor.clone()) for p in m.pieces(m.tensor.detach())],
         )
         for name, m in describe_model(model, topo, job.model.tied_embeddings).items()
     }
 
 
 def _unique_bytes(model: nn.Module) -> int:
+    """Bytes of the parameters as tensors (an FSDP-sharded one counts whole: its TP-local size)."""
     return sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
 
 
+def _held_bytes(model: nn.Module) -> int:
+    """Bytes of the storage this rank's parameters live in (FSDP: its padded shards)."""
+    storages = {}
+    for p in model.parameters():
+        storage = local_tensor(p).untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def _largest_shard_bytes(model: nn.Module) -> int:
+    """Bytes of the largest FSDP2 shard (padded) of `model`; 0 without FSDP. FSDP2's allocation of meta
+    shards (``to_empty``) holds one shard twice at a time: a tied weight is allocated once per module that
+    owns it, the first copy freed after the second; an uneven shard is copied into a padded buffer."""
+    sharded = [local_tensor(p) for p in model.parameters() if isinstance(p, DTensor)]
+    return max((t.untyped_storage().nbytes() for t in sharded), default=0)
+
+
 def _construct(rank: int, world: int, job: JobConfig, block_numel: int) -> dict[str, Any]:
-    """On one rank: (a) meta model -> apply_tp -> build_stages -> materialize under a live-bytes counter;
-    (b) the trainer's path (parallelize, then build_pipeline with pp > 1, data parallelism included)."""
+    """On one rank: (a) meta model -> apply_tp -> build_stages -> [FSDP2 at zero_stage 2/3] -> materialize
+    under a live-bytes counter; (b) the trainer's path (parallelize, then build_pipeline with pp > 1, data
+    parallelism included)."""
     init.BLOCK_NUMEL = block_numel
     topo = Topology(job.parallel, world, rank)
     seed = job.train.seed
@@ -85,15 +110,22 @@ def _construct(rank: int, world: int, job: JobConfig, block_numel: int) -> dict[
         apply_tp(model, topo, job.parallel.sequence_parallel, seed)
         if topo.pp > 1:
             model = build_stages(model, topo, job.parallel.virtual_stages)
+        if job.parallel.zero_stage >= 2:
+            apply_data_parallel(model, topo, job)
         materialize(model, topo, job.model, seed, "cpu")
-    trainer_model = parallelize(models.empty_model(job.model, device="meta"), topo, job)
-    if topo.pp > 1:
-        trainer_model, _ = build_pipeline(trainer_model, topo, job)
+    with LiveBytes() as trainer_live:
+        trainer_model = parallelize(models.empty_model(job.model, device="meta"), topo, job)
+        if topo.pp > 1:
+            trainer_model, _ = build_pipeline(trainer_model, topo, job)
     return {
         "pieces": _pieces(model, topo, job),
         "trainer_pieces": _pieces(trainer_model, topo, job),
         "peak": live.peak,
-        "local_bytes": _unique_bytes(model),
+        # GradBuffers (zero_stage 0/1) copy the parameters into flat buffers: only FSDP2's is bounded here.
+        "trainer_peak": trainer_live.peak,
+        "local_bytes": _held_bytes(model),
+        "tp_local_bytes": _unique_bytes(model),
+        "largest_shard_bytes": _largest_shard_bytes(model),
     }
 
 
@@ -133,6 +165,23 @@ LAYOUTS = {
         dict(pp=2, virtual_stages=2, schedule="interleaved_1f1b", num_layers=4),
     ),
     "llama-tp4-kv2": ("llama", 4, dict(tp=4)),
+    "gpt-zero3-dp4": ("gpt", 4, dict(zero_stage=3)),
+    "llama-zero3-tp2-dp2": ("llama", 4, dict(tp=2, zero_stage=3)),
+    "llama-zero3-pp2-dp2-virtual2-tied": (
+        "llama",
+        4,
+        dict(
+            pp=2,
+            virtual_stages=2,
+            schedule="interleaved_1f1b",
+            num_layers=4,
+            tie_word_embeddings=True,
+            zero_stage=3,
+        ),
+    ),
+    "llama-zero3-hybrid-dp_shard2": ("llama", 4, dict(zero_stage=3, dp_shard=2)),
+    # 130 vocabulary rows over 4 shards: 33, 33, 33, 31; 5 learned positions: 2, 2, 1 and an empty shard.
+    "gpt-zero3-dp4-uneven": ("gpt", 4, dict(zero_stage=3, vocab_size=130, seq_length=5)),
 }
 
 
@@ -157,15 +206,21 @@ def test_shards_of_every_rank_are_the_single_process_model(layout: str, monkeypa
         for name, tensor in want.items():
             assert torch.equal(got[name], tensor), f"{key}: {name} differs from the single-process model"
 
-    # Memory: a rank's peak is its own tensors plus one row block; that bound is below the full model, so
-    # building the whole model on any rank would fail here.
-    bound_slack = _largest_block_bytes(reference)
+    # Memory: a rank's peak is its own tensors plus one row block, or at zero_stage 3 one shard twice
+    # (_largest_shard_bytes); that bound is below the full model, and at zero_stage 3 below this rank's
+    # TP-local model, so building either on any rank would fail here.
     for rank, r in enumerate(results):
-        assert r["local_bytes"] + bound_slack < full_bytes, "the layout is too small to tell"
+        bound_slack = max(_largest_block_bytes(reference), r["largest_shard_bytes"])
+        ceiling = r["tp_local_bytes"] if job.parallel.zero_stage >= 2 else full_bytes
+        assert r["local_bytes"] + bound_slack < ceiling, "the layout is too small to tell"
         assert r["peak"] <= r["local_bytes"] + bound_slack, (
             f"rank {rank} held {r['peak']} bytes at once; its parameters are {r['local_bytes']} "
-            f"(+ one block of {bound_slack}), the full model {full_bytes}"
+            f"(+ {bound_slack}), its TP-local model {r['tp_local_bytes']}, the full model {full_bytes}"
         )
+        if job.parallel.zero_stage >= 2:
+            assert r["trainer_peak"] <= r["local_bytes"] + bound_slack, (
+                f"rank {rank}: the trainer's construction held {r['trainer_peak']} bytes at once"
+            )
 
 
 def test_a_tensor_starts_the_same_whatever_else_is_built() -> None:
