@@ -7,8 +7,8 @@ memory_tracking). The planner's memory model (llmtrain.planner.memory, through C
 fullest rank's peaks for the same config and layout on a device with no reserved memory (a CPU holds no
 runtime context among its tensors). The table shows both and their ratio; the target is within 10%.
 
-A row is a set of config overrides; ZeRO-2/3, hybrid sharding and offload layouts are added as rows once the
-trainer accepts them (the model already covers them).
+A row is a set of config overrides: plain, ZeRO-1/2/3, hybrid sharding, TP, PP (each schedule, the trainer's
+FLOP-balanced stage split) and DeepSpeed offload layouts.
 
   python benchmarks/bench_memory.py                 # every row, 2 steps each
   python benchmarks/bench_memory.py --rows dp2-zero1 tp2-sp --steps 4
@@ -66,10 +66,7 @@ class Row:
         return tp * pp * int(values.get("parallel.dp", 1))
 
 
-# The planner splits layers evenly over pipeline stages (as its time model does); the trainer's default
-# balances them by FLOPs with the output layer counted on the last stage, which here moves a layer to the
-# first stage (pp=2 1f1b balanced: step peak 0.92 and startup 0.83 of measured). Pipeline rows split evenly.
-EVEN_PP = ("parallel.pp=2", "parallel.balance_stages=false")
+PP = ("parallel.pp=2",)
 
 ROWS = [
     Row("single", ()),
@@ -81,11 +78,11 @@ ROWS = [
     Row(
         "tp2-sp-selective", ("parallel.tp=2", "parallel.sequence_parallel=true", "model.recompute=selective")
     ),
-    Row("pp2-1f1b", (*EVEN_PP, "train.micro_batch_size=2")),
+    Row("pp2-1f1b", (*PP, "train.micro_batch_size=2")),
     Row(
         "pp2-interleaved",
         (
-            *EVEN_PP,
+            *PP,
             "parallel.schedule=interleaved_1f1b",
             "parallel.virtual_stages=2",
             "train.micro_batch_size=2",
@@ -93,9 +90,18 @@ ROWS = [
     ),
     Row(
         "pp2-zb_h1-full-rc",
-        (*EVEN_PP, "parallel.schedule=zb_h1", "model.recompute=full", "train.micro_batch_size=2"),
+        (*PP, "parallel.schedule=zb_h1", "model.recompute=full", "train.micro_batch_size=2"),
     ),
     Row("tp2-dp2-zero1", ("parallel.tp=2", "parallel.dp=2", "parallel.zero_stage=1")),
+    Row("dp2-zero2", ("parallel.dp=2", "parallel.zero_stage=2")),
+    Row("dp2-zero3", ("parallel.dp=2", "parallel.zero_stage=3")),
+    Row("dp4-zero3-hsdp2", ("parallel.dp=4", "parallel.zero_stage=3", "parallel.dp_shard=2")),
+    Row("tp2-dp2-zero3", ("parallel.tp=2", "parallel.dp=2", "parallel.zero_stage=3")),
+    Row("pp2-dp2-zero3", (*PP, "parallel.dp=2", "parallel.zero_stage=3", "train.micro_batch_size=2")),
+    Row(
+        "dp2-zero2-offload",
+        ("parallel.dp=2", "parallel.zero_stage=2", "parallel.engine=deepspeed", "parallel.offload=optimizer"),
+    ),
 ]
 
 # This machine as the planner sees it: only the memory fields matter here; no memory is reserved.
@@ -116,8 +122,14 @@ def predict(overrides: list[str], world: int) -> dict[str, float]:
     job = load(CONFIG, overrides)
     view = cluster_from_dict(CPU_CLUSTER).view(world)
     # On CPU the model's kernels are PyTorch's reference ops, and ZeRO-1 exchanges shards over gloo.
-    model = CostModel(Workload.from_job(job), view, Software(fused_kernels=False, gloo_shard_exchange=True))
-    return model.evaluate(layout_of_job(job, world)).memory
+    software = Software(
+        fused_kernels=False, gloo_shard_exchange=True, balance_stages=job.parallel.balance_stages
+    )
+    model = CostModel(Workload.from_job(job), view, software)
+    memory = dict(model.evaluate(layout_of_job(job, world)).memory)
+    # On a CPU the "host" that offload moves state to is the same memory the tracker counts.
+    memory["steady"] += memory["host"]
+    return memory
 
 
 def measure(overrides: list[str], world: int, steps: int, workdir: Path) -> dict[str, float]:

@@ -7,7 +7,7 @@
     python tools/plan.py --config MODEL.yaml --cluster a100-80gb --gpus 64 --write best.yaml --plot plan.png
     # memory per rank of the config's own layout (settings changeable with --evaluate):
     python tools/plan.py --config configs/llama3-70b.yaml --cluster h100-80gb --gpus 64 --memory \\
-        --software llmtrain-sharded --evaluate "parallel.tp=4 parallel.zero_stage=3 model.recompute=full"
+        --evaluate "parallel.tp=4 parallel.zero_stage=3 model.recompute=full"
     python tools/plan.py --profile-local --output my-cluster.yaml   # measure this machine
     python tools/plan.py --config MODEL.yaml --cluster my-cluster.yaml --gpus 2
 
@@ -20,9 +20,9 @@ import argparse
 
 from llmtrain.cli import add_debug_flag, run_tool
 
-SOFTWARE = ("llmtrain", "llmtrain-sharded", "megatron-2021")
-"""Framework behaviours the cost model knows (llmtrain.planner.Software, Software.sharded: sharded
-construction, ZeRO-2/3, hybrid sharding and offload, and Software.megatron_2021)."""
+SOFTWARE = ("llmtrain", "llmtrain-whole-model", "megatron-2021")
+"""Framework behaviours the cost model knows (llmtrain.planner.Software: llmtrain as it is;
+Software.whole_model_init: llmtrain before sharded construction and ZeRO-2/3; Software.megatron_2021)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -124,9 +124,8 @@ def main(argv: list[str]) -> int:
         if path:
             check_new_file(path, args.overwrite)
     job = load(args.config, args.overrides)
-    software = {"megatron-2021": Software.megatron_2021, "llmtrain-sharded": Software.sharded}.get(
-        args.software, Software
-    )()
+    presets = {"megatron-2021": Software.megatron_2021, "llmtrain-whole-model": Software.whole_model_init}
+    software = presets.get(args.software, Software)()
     if args.memory:
         return print_memory(job, args, software)
     result = plan_job(

@@ -26,7 +26,6 @@ from __future__ import annotations
 import functools
 from dataclasses import asdict, dataclass, replace
 
-from llmtrain.config.errors import ConfigError
 from llmtrain.config.schema import JobConfig, ModelConfig
 from llmtrain.config.validate import pipeline_problem, tensor_parallel_problem
 from llmtrain.planner import flops as F
@@ -37,6 +36,7 @@ from llmtrain.planner.memory import (
     rank_memory,
     shard_group,
     sharding_problem,
+    stage_layers,
 )
 from llmtrain.planner.pipeline_time import PipelineTime, pipeline_time
 
@@ -96,30 +96,43 @@ class Software:
     gloo_shard_exchange: bool = False
     """ZeRO-1 reduce-scatters by point-to-point exchange into separate receive buffers (gloo, CPU) instead
     of NCCL's in-place reduce-scatter."""
-    sharded_init: bool = False
+    sharded_init: bool = True
     """Each rank builds only its own shards on the meta device; false: every rank first builds the whole model
     in fp32 and then slices it, which bounds the startup peak."""
+    balance_stages: bool = True
+    """Pipeline stages split by FLOPs with the output layer counted on the last (the trainer's default
+    parallel.balance_stages); false: an even split."""
     zero3_prefetch: int = 1
     """Blocks gathered ahead of the one computing under ZeRO-3 (FSDP2's implicit prefetch: one)."""
-    zero_stages: tuple[int, ...] = (0, 1)
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     """ZeRO stages the framework runs (the search considers these)."""
-    hybrid_sharding: bool = False
+    hybrid_sharding: bool = True
     """The framework shards inside a group and replicates across groups (HSDP; the search tries one node)."""
-    offload: bool = False
-    """The framework offloads optimizer state (and ZeRO-3 parameters) to the host."""
+    offload: bool = True
+    """The framework offloads optimizer state (and ZeRO-3 parameters) to the host (llmtrain: through the
+    DeepSpeed engine, which runs data parallelism only: tp=1, pp=1, no hybrid sharding)."""
 
     @classmethod
-    def sharded(cls) -> Software:
-        """llmtrain with issue 15 in: sharded construction, ZeRO-2/3 through FSDP2, hybrid sharding, offload.
-        (The defaults describe the trainer before it: whole-model construction, ZeRO 0/1.)"""
-        return cls(sharded_init=True, zero_stages=(0, 1, 2, 3), hybrid_sharding=True, offload=True)
+    def whole_model_init(cls) -> Software:
+        """llmtrain before issue 15: every rank builds the whole model, ZeRO 0/1 only (what sharded
+        construction and parameter sharding buy, compared)."""
+        return cls(sharded_init=False, zero_stages=(0, 1), hybrid_sharding=False, offload=False)
 
     @classmethod
     def megatron_2021(cls) -> Software:
         """Megatron-LM as run in Narayanan et al. 2021: materialised softmax, non-overlapped fp16 gradient
-        all-reduce, scatter/gather pipeline sends; each rank initialises only its own shards."""
+        all-reduce, scatter/gather pipeline sends, layers split evenly over stages, ZeRO 0/1 at most; each
+        rank initialises only its own shards."""
         return cls(
-            flash_attention=False, dp_overlap=False, p2p_scatter_gather=True, grad_bytes=2, sharded_init=True
+            flash_attention=False,
+            dp_overlap=False,
+            p2p_scatter_gather=True,
+            grad_bytes=2,
+            sharded_init=True,
+            balance_stages=False,
+            zero_stages=(0, 1),
+            hybrid_sharding=False,
+            offload=False,
         )
 
 
@@ -346,6 +359,7 @@ class CostModel:
             inflight=inflight,
             num_micro=num_micro,
             reserved_bytes=self.dev.reserved_gb * GIB,
+            bucket_bytes=self.w.dp_bucket_mb * 2**20,
         )
 
     # ------------------------------------------------------------------------------------ evaluate
@@ -453,17 +467,11 @@ class CostModel:
         layer = self._layer(tp, b, layout.sequence_parallel, layout.recompute)
         first, last = self._extras(tp, b, layout.sequence_parallel)
         chunks = pp * v
-        layers_total = self.w.model.num_layers
-        # Per-rank per-chunk costs; uneven splits give the first chunks one more layer.
+        # Per-rank per-chunk costs, from the trainer's stage split (even, or balanced by FLOPs).
+        stages = stage_layers(self.w.model, chunks, self.sw.balance_stages)
         fwd, bwd, wgt, tpc = [], [], [], []
         for r in range(pp):
-            n = (
-                sum(
-                    layers_total // chunks + (1 if c * pp + r < layers_total % chunks else 0)
-                    for c in range(v)
-                )
-                / v
-            )
+            n = sum(stages[c * pp + r] for c in range(v)) / v
             f = n * (layer.fwd + layer.tp_fwd)
             bk = n * (layer.bwd + layer.tp_bwd)
             wg = n * layer.wgrad
@@ -527,12 +535,13 @@ class CostModel:
 
 
 def sharding_overrides(layout: Layout) -> dict[str, object]:
-    """The config overrides of a layout's hybrid sharding and offload, only when it uses them (the config
-    keys parallel.dp_shard and parallel.offload come with issue 15's sharded data parallelism)."""
+    """The config overrides of a layout's hybrid sharding and offload, only when it uses them (offload runs
+    through the DeepSpeed engine)."""
     out: dict[str, object] = {}
     if layout.dp_shard is not None:
         out["parallel.dp_shard"] = layout.dp_shard
     if layout.offload != "none":
+        out["parallel.engine"] = "deepspeed"
         out["parallel.offload"] = layout.offload
     return out
 
@@ -540,16 +549,11 @@ def sharding_overrides(layout: Layout) -> dict[str, object]:
 def with_layout(job: JobConfig, layout: Layout, global_batch: int | None = None) -> JobConfig:
     """A copy of `job` running `layout` (and `global_batch` if given): what --write produces."""
     model = replace(job.model, recompute=layout.recompute)
-    extra = {key.split(".", 1)[1]: value for key, value in sharding_overrides(layout).items()}
-    missing = [key for key in extra if not hasattr(job.parallel, key)]
-    if missing:
-        raise ConfigError(
-            f"layout {layout.short()} needs parallel.{missing[0]}, which this build's config does not have; "
-            "plan with the software the trainer runs (--software llmtrain)"
-        )
     parallel = replace(
         job.parallel,
-        **extra,
+        dp_shard=layout.dp_shard,
+        engine="deepspeed" if layout.offload != "none" else job.parallel.engine,
+        offload=layout.offload,
         tp=layout.tp,
         pp=layout.pp,
         dp=layout.dp,
@@ -581,6 +585,8 @@ def layout_of_job(job: JobConfig, gpus: int, fixed: dict[str, object] | None = N
         recompute=job.model.recompute,
         sequence_parallel=p.sequence_parallel,
         zero_stage=p.zero_stage,
+        dp_shard=None if p.dp_shard in (None, gpus // (p.tp * p.pp)) else p.dp_shard,  # dp_shard = dp: plain
+        offload=p.offload,
     )
     layout = replace(layout, **(fixed or {}))
     if "dp" not in (fixed or {}):

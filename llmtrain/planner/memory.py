@@ -18,32 +18,49 @@ rows (master and Adam moments) and, at zero 2/3, the gradient shard to host memo
 
 Gathered buffers: ZeRO-3 holds the unsharded 16-bit parameters of the block being computed and of the
 prefetched ones (Software.zero3_prefetch) plus, in the backward, the unsharded gradient of one block before
-its reduce-scatter; ZeRO-2 holds that unsharded gradient. The largest block (a layer, the embedding or the
-output layer) sizes them.
+its reduce-scatter; ZeRO-2 holds that unsharded gradient; at zero 0/1 the same place is taken by the weight
+gradient autograd produces before a hook adds it into the flat main gradient. The largest block (a layer, the
+embedding or the output layer) sizes them.
+
+Pipelines: the measured peaks that the model once missed (pp=2 interleaved 0.81, zb_h1 0.72) were, by
+MemTracker's categories, not activations but backward temporaries ("Temp": 11-47 MiB at the peak) and, for
+zb_h1, the inputs deferred weight gradients keep (below): the interleaved gap stayed ~20-27 MiB when the
+micro-batch halved, so it is not saved activations but the largest block's 8 MiB autograd weight gradient on
+each rank plus layer backward temporaries, the part left unmodelled.
 
 Activations (llmtrain's fused kernels; PyTorch's reference ops save a little more, see
 activation_bytes_per_layer): Korthikanti et al. 2022 per layer (generalised to GQA, gated MLPs, flash
 attention; recompute none/selective/full; sequence parallelism) times the layers of a rank's chunk times the
 micro-batches the schedule keeps in flight on that rank (pipeline_time's peak: 1f1b pp, interleaved more,
-zb_h1 as 1f1b, gpipe all), plus the last stage's logits.
+zb_h1 as 1f1b, gpipe all), plus the last stage's logits. zb_h1 also defers rank r's weight gradients by r
+micro-batches: each owed one keeps its layers' linear inputs and output gradients and, on the last stage, the
+logits' gradient (measured: the 24 MiB the pp=2 zb_h1 full-recompute row missed on its last rank, 16 MiB of
+them that fp32 logits' gradient of 512 tokens x 8192 words).
 
 Buffers: the pipeline's send and receive of one micro-batch's activation and sequence parallelism's gathered
-layer input; data-parallel reductions run in place on the flat gradient buffer (NCCL), except gloo's ZeRO-1
-shard exchange (Software.gloo_shard_exchange), whose received copies outlive the activations.
+layer input; under offload, DeepSpeed's contiguous gradient bucket (parallel.dp_bucket_mb). Data-parallel
+reductions run in place on the flat gradient buffer (NCCL), except gloo's ZeRO-1 shard exchange
+(Software.gloo_shard_exchange), whose received copies outlive the activations.
 
-Startup peak: without sharded construction every rank builds the whole model in fp32 before slicing it
-(4 bytes x all parameters, plus the TP slice cut from it), then holds its fp32 modules while it fills the
-flat parameter and gradient buffers (and, in 16-bit training, the fp32 initial values for the master copy);
-with it a rank holds its own shard plus one block being initialised in fp32 at its full (unsliced) size,
-since initialising the full block then slicing is what keeps values bitwise equal to one process.
+Startup peak: with sharded construction (llmtrain.parallel.materialize) a rank allocates and initialises only
+its own TP slice of its own stages, in fp32 (one row block at a time beyond that), then keeps those modules
+while it copies them into the flat parameter and gradient buffers (and, in 16-bit training, the exact fp32
+initial values for the master copy): 4P + held. At zero 2/3 it still materialises the whole TP-local model
+before FSDP2 cuts its fp32 shards from it: 4P + 4P/N (once materialisation is shard-only: 4P/N plus one
+block). Without sharded construction (Software.whole_model_init) every rank first builds the whole model in
+fp32 (4 bytes x all parameters, plus the TP slice cut from it). Offload runs through the DeepSpeed engine,
+which is handed the model built whole in fp32 (4 x all parameters) and flattens it into a contiguous copy
+(e x P) before its fp32 master and gradient partitions exist ((4 + g) x P/N, host bytes).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from llmtrain.config.schema import ModelConfig
+from llmtrain.pipeline.partition import partition_layers
 from llmtrain.planner import flops as F
 from llmtrain.planner.pipeline_time import peak_inflight_closed
 
@@ -67,7 +84,8 @@ class MemoryBreakdown:
     activations: float
     """Saved activations of the micro-batches in flight, and the last stage's logits."""
     gathered: float
-    """Unsharded parameters and gradients of the blocks in flight (zero 2/3)."""
+    """Unsharded parameters and gradients of the blocks in flight (zero 2/3); one block's weight gradient
+    before it joins the main gradient (zero 0/1)."""
     buffers: float
     """Communication buffers: pipeline sends, data-parallel buckets, the sequence-parallel gather."""
     reserved: float
@@ -150,6 +168,39 @@ def activation_bytes_per_layer(
     return replicated / (tp if sp else 1) + split / tp
 
 
+def stage_layers(model: ModelConfig, num_stages: int, balance: bool) -> tuple[int, ...]:
+    """Layers per pipeline stage as the trainer splits them (llmtrain.pipeline.partition): even, or with
+    `balance` by FLOPs with the output layer counted on the last stage, which moves layers forward."""
+    head_cost = F.head_cost_in_layers(model) if balance and num_stages > 1 else 0.0
+    return _stage_layers(model.num_layers, num_stages, head_cost)
+
+
+@functools.lru_cache(maxsize=1024)
+def _stage_layers(num_layers: int, num_stages: int, head_cost: float) -> tuple[int, ...]:
+    # Cached: the search asks again for every layout with the same pipeline depth.
+    return tuple(len(r) for r in partition_layers(num_layers, num_stages, head_cost=head_cost))
+
+
+def pending_weight_grads(schedule: str, pp: int, num_micro: int, rank: int) -> int:
+    """Micro-batches whose weight gradient (W) a rank still owes when it computes an input gradient (I):
+    zb_h1 defers rank r's W by r micro-batches to fill the bubble (replayed from its generator: 0 on the
+    first rank, 1 on the second, ..., at most m - 1); the other schedules run the whole backward at once."""
+    return min(rank, num_micro - 1) if schedule == "zb_h1" else 0
+
+
+def weight_grad_inputs_per_layer(model: ModelConfig, tokens: int, act_bytes: int, tp: int) -> float:
+    """What one layer keeps for a deferred weight gradient: each linear's input and output gradient (the
+    recomputed inputs under full recompute; the inputs are the activations already counted otherwise, but
+    the input gradient has freed the rest of the micro-batch's activations)."""
+    m = model
+    h, d, f = m.hidden_size, m.head_size, m.ffn_size
+    qkv = (m.num_attention_heads + 2 * max(m.kv_heads / tp, 1) * tp) * d
+    up = (2 if F.is_gated(m) else 1) * f
+    outputs = (qkv + h + up + h) / tp  # q/k/v, out-projection, gate/up, down
+    inputs = 2 * h + (m.num_attention_heads * d + f) / tp
+    return tokens * act_bytes * (outputs + inputs)
+
+
 def shard_group(layout: Layout) -> int:
     """Ranks the model state is sharded over: 1 at zero 0, dp_shard (hybrid) or dp otherwise."""
     if layout.zero_stage == 0:
@@ -175,6 +226,11 @@ def sharding_problem(layout: Layout) -> str:
         return f"offload={offload} runs through a ZeRO-2/3 engine: needs zero_stage 2 or 3"
     if offload == "optimizer+params" and z != 3:
         return "offloading parameters needs zero_stage 3 (only sharded parameters can live on the host)"
+    if offload != "none" and (layout.tp > 1 or layout.pp > 1 or shard is not None):
+        return (
+            f"offload={offload} runs through the DeepSpeed engine, which shards over data parallelism only: "
+            "needs tp=1, pp=1 and no dp_shard"
+        )
     return ""
 
 
@@ -212,21 +268,25 @@ def rank_memory(
     inflight: int,
     num_micro: int,
     reserved_bytes: float,
+    bucket_bytes: float = 25 * 2**20,
 ) -> MemoryBreakdown:
     """Bytes on the fullest rank of `layout` (the first pipeline rank, or the last when its output layer and
     logits dominate), with the higher startup peak of the two; `inflight` is the schedule's peak of
-    micro-batches in flight on the first rank."""
+    micro-batches in flight on the first rank; `bucket_bytes` the data-parallel bucket (parallel.dp_bucket_mb,
+    counted in fp32 bytes)."""
     e = 4 if precision == "fp32" else 2
     counts = F.parameter_counts(model)
     tp, pp, v, b = layout.tp, layout.pp, layout.virtual_stages, layout.micro_batch
     s, h = model.seq_length, model.hidden_size
-    layers_chunk = -(-model.num_layers // (pp * v))
-    body = layers_chunk * v * counts.per_layer / tp
+    stages = stage_layers(model, pp * v, software.balance_stages)  # rank r holds stages r, r + pp, ...
+    first_layers, last_layers = ([stages[c * pp + r] for c in range(v)] for r in (0, pp - 1))
     if pp == 1:
+        body = model.num_layers * counts.per_layer / tp
         first_p, last_p = body + (counts.embedding + counts.head + counts.final_norm) / tp, body
     else:
         head = (counts.head or model.vocab_size * h) / tp  # tied: a copy on the last stage
-        first_p, last_p = body + counts.embedding / tp, body + head + counts.final_norm
+        first_p = sum(first_layers) * counts.per_layer / tp + counts.embedding / tp
+        last_p = sum(last_layers) * counts.per_layer / tp + head + counts.final_norm
 
     per_layer = activation_bytes_per_layer(
         model, s, e, software.flash_attention, tp, b, layout.sequence_parallel, layout.recompute,
@@ -234,7 +294,7 @@ def rank_memory(
     )  # fmt: skip
     tok = b * s
     sp_div = tp if layout.sequence_parallel else 1
-    act_first = inflight * layers_chunk * per_layer + inflight * e * tok * h / sp_div
+    act_first = inflight * max(first_layers) * per_layer + inflight * e * tok * h / sp_div
     # Last rank: the micro-batches its schedule keeps in flight plus one micro-batch's logits at the start of
     # its backward. Fused cross-entropy: the logits and an fp32 copy. PyTorch's: the fp32 log-probabilities
     # it saves, their gradient and the fp32 logits' gradient (16-bit logits are cast up and not kept), and
@@ -242,7 +302,13 @@ def rank_memory(
     per_logit = (e + 4) if software.fused_kernels else 12 + (e if pp > 1 else 0)
     logits = tok * model.vocab_size / tp * per_logit
     last_inflight = peak_inflight_closed(layout.schedule, pp, num_micro, v, rank=pp - 1)
-    act_last = last_inflight * layers_chunk * per_layer + logits
+    act_last = last_inflight * max(last_layers) * per_layer + logits
+    # zb_h1's deferred weight gradients: per owed micro-batch, its layers' linear inputs and output
+    # gradients and, on the last stage, the output layer's: the logits' gradient and the final hidden state.
+    wgrad = weight_grad_inputs_per_layer(model, tok, e, tp)
+    act_first += pending_weight_grads(layout.schedule, pp, num_micro, 0) * sum(first_layers) * wgrad
+    owed_last = pending_weight_grads(layout.schedule, pp, num_micro, pp - 1)
+    act_last += owed_last * (sum(last_layers) * wgrad + tok * (model.vocab_size / tp + h) * e)
     if pp == 1:
         act_first, act_last = act_first + logits, 0.0
 
@@ -258,13 +324,20 @@ def rank_memory(
         gathered = e * (1 + software.zero3_prefetch) * largest + software.grad_bytes * largest
     elif layout.zero_stage == 2:
         gathered = software.grad_bytes * largest
+    else:
+        # The largest block's weight gradient as autograd produces it, alive until a hook adds it into the
+        # flat main gradient (FSDP2's unsharded gradient above plays this part at zero 2/3).
+        gathered = e * largest
 
     total_params = counts.total
-    full_block = max(counts.per_layer, counts.embedding, counts.head)
 
     def one(params: float, activations: float) -> MemoryBreakdown:
         state = state_bytes(params, layout, precision, software.grad_bytes)
         exchange = 0.0
+        if layout.offload != "none":
+            # DeepSpeed's contiguous gradient bucket on the device, in the parameters' dtype (its elements:
+            # the bucket's fp32 bytes / 4), allocated whole once the model outgrows it.
+            exchange = e * min(bucket_bytes / 4, params)
         if software.gloo_shard_exchange and layout.zero_stage == 1:
             # The copies arrive as buckets complete and live until the step's end, when the backward has
             # freed the activations: they raise the peak only by what they exceed them.
@@ -272,8 +345,15 @@ def rank_memory(
         held = state["params"] + state["grads"]
         if e == 2 and layout.zero_stage <= 1:
             held += 4 * params  # exact fp32 initial values, kept until the optimizer copies its master
-        if software.sharded_init:
-            startup = held + 4 * full_block
+        if layout.offload != "none":
+            # DeepSpeed is handed the model built whole in fp32; it flattens the parameters into one
+            # contiguous copy while the modules still hold theirs, and creates the fp32 master and gradient
+            # partitions (host memory here, but on a CPU the same memory; measured at zero 2 on CPU).
+            startup = 4 * total_params + e * params + (4 + software.grad_bytes) * params / shard_group(layout)
+        elif software.sharded_init:
+            # The rank's own fp32 modules, materialised on it, alive while their values are copied into the
+            # flat buffers (zero 0/1) or while FSDP2 cuts its fp32 shards from them (zero 2/3).
+            startup = 4 * params + (held if layout.zero_stage <= 1 else 4 * params / shard_group(layout))
         else:
             # First the whole model and, under TP, the rank's slice cut from it; then the rank's fp32
             # modules while their values are copied into the flat buffers.

@@ -223,10 +223,16 @@ def build_space(model: CostModel, fixed: dict[str, object] | None = None) -> Spa
     )
 
 
+OFFLOAD_RANK = 1e6
+"""Added to the score of a fitting layout that offloads: offload is the fallback for state that does not fit
+on the device, not a speed-up (its host Adam and transfer times are the model's least validated part)."""
+
+
 def score(est: Estimate) -> float:
-    """Lower is better: step time for fitting layouts; above every fitting one, memory overflow otherwise."""
+    """Lower is better: step time for fitting layouts, those that offload after those that do not; above
+    every fitting one, memory overflow otherwise."""
     if est.fits:
-        return est.step_time
+        return est.step_time + (OFFLOAD_RANK if est.layout.offload != "none" else 0.0)
     return 1e9 * est.memory["total"] / est.capacity
 
 

@@ -193,16 +193,24 @@ def test_memory_prints_the_per_rank_breakdown_of_the_configs_layout(capsys):
     for row in ("parameters", "gradients", "optimizer state", "activations", "gathered buffers",
                 "communication buffers", "steady state", "startup peak", "of 80 GiB"):  # fmt: skip
         assert row in whole
-    assert "DOES NOT FIT" in whole and "needs sharded construction" in whole
-    offload = zero3 + " parallel.offload=optimizer+params"
-    sharded = ["--software", "llmtrain-sharded", "--evaluate", offload, "--json"]
+    assert "fits" in whole
+    old = ["--software", "llmtrain-whole-model", "--evaluate", zero3]
+    cluster = ["--config", config, "--cluster", "h100-80gb", "--gpus", "64", "--memory"]
+    assert plan_tool.main([*cluster, *old]) == 0
+    assert "DOES NOT FIT" in (out := capsys.readouterr().out) and "needs sharded construction" in out
+    # Offload runs through the DeepSpeed engine: data parallelism only.
+    offload = "parallel.tp=1 parallel.sequence_parallel=false parallel.zero_stage=3 model.recompute=full "
+    offload += "parallel.offload=optimizer+params"
+    sharded = ["--evaluate", offload, "--json"]
     assert (
         plan_tool.main(["--config", config, "--cluster", "h100-80gb", "--gpus", "64", "--memory", *sharded])
         == 0
     )
     record = json.loads(capsys.readouterr().out)
-    assert record["fits"] and record["offload"] == "optimizer+params"
+    assert record["offload"] == "optimizer+params"
     assert record["memory_breakdown_gb"]["optimizer"] == 0 and record["memory_breakdown_gb"]["host"] > 16
+    # ...but DeepSpeed is handed the model built whole in fp32 on every rank: 70.6e9 x 4 bytes do not start.
+    assert not record["fits"] and record["memory_breakdown_gb"]["startup"] > 263
     with pytest.raises(ConfigError, match="needs zero_stage 2 or 3"):
         plan_tool.main(
             ["--config", config, "--gpus", "64", "--memory", "--evaluate", "parallel.offload=optimizer"]

@@ -1,17 +1,20 @@
 """The per-rank memory model (llmtrain.planner.memory) against hand-derived bytes, the 70B case, and the
 search's fit decisions (steady state and startup peak both under the device's capacity)."""
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from llmtrain.config import load
 from llmtrain.config.schema import ModelConfig
+from llmtrain.pipeline.partition import partition_layers
 from llmtrain.pipeline.schedules import build_schedule
 from llmtrain.planner import Software, Workload, load_cluster, plan, plan_job
-from llmtrain.planner.cost_model import CostModel, Layout
-from llmtrain.planner.flops import parameter_counts
-from llmtrain.planner.memory import rank_memory, sharding_problem
+from llmtrain.planner.auto import layout_overrides
+from llmtrain.planner.cost_model import CostModel, Layout, with_layout
+from llmtrain.planner.flops import head_cost_in_layers, parameter_counts
+from llmtrain.planner.memory import pending_weight_grads, rank_memory, sharding_problem
 from llmtrain.planner.pipeline_time import peak_inflight_closed
 
 GIB = 2**30
@@ -65,9 +68,9 @@ def test_zero3_components_by_hand():
     embedding output another 4096, and the logits 32 x 256 / 2 = 4096 elements in bf16 and fp32 (6 bytes):
     4 x 4096 + 4096 + 24576 = 45056.
     Buffers: none (no pipeline sends at pp=1; TP all-reduces and FSDP reduce-scatters work in place).
-    Startup without sharded construction: the whole model in fp32 (4 x 197184) and the rank's fp32 TP slice
-    cut from it (4P), more than the slice with the sharded state (4P + 2P) later; with it: the sharded
-    params and gradients plus one whole layer in fp32 (4 x 41088).
+    Startup with sharded construction: the rank's fp32 TP slice (4P), alive while FSDP2 cuts its fp32
+    shard (4P/4 = P) from it; without it: the whole model in fp32 (4 x 197184) and the rank's fp32 TP slice
+    cut from it (4P).
     """
     layout = Layout(tp=2, pp=1, dp=4, micro_batch=1, recompute="full", zero_stage=3)
     mem = tiny(layout)
@@ -75,10 +78,11 @@ def test_zero3_components_by_hand():
     assert mem.gathered == 2 * 2 * LARGEST + 4 * LARGEST
     assert mem.activations == 4 * 4096 + 4096 + 24576
     assert mem.buffers == 0
-    assert mem.startup == 4 * TOTAL + 4 * P
-    assert tiny(layout, Software(sharded_init=True)).startup == 2 * P + 4 * PER_LAYER
+    assert mem.startup == 4 * P + P
+    whole = tiny(layout, Software.whole_model_init())
+    assert whole.startup == 4 * TOTAL + 4 * P
     assert mem.steady == pytest.approx(4 * P + 8 * LARGEST + 45056)
-    assert mem.peak == mem.startup  # whole-model construction dominates this tiny case
+    assert whole.peak == whole.startup  # whole-model construction dominates this tiny case
 
 
 def test_zero_stages_hybrid_sharding_and_offload_by_hand():
@@ -87,22 +91,26 @@ def test_zero_stages_hybrid_sharding_and_offload_by_hand():
     gradient. Offload at zero 3: the optimizer rows and the gradient shard (and with params the fp32 shard)
     leave the device for the host: P + 2P (+ P)."""
     base = Layout(tp=2, pp=1, dp=4, micro_batch=1, recompute="full")
-    z0, z1 = tiny(base), tiny(Layout(**{**base.__dict__, "zero_stage": 1}))
+    z0, z1 = tiny(base), tiny(Layout(**{**base.__dict__, "zero_stage": 1}), Software.whole_model_init())
     assert (z0.params, z0.grads, z0.optimizer) == (2 * P, 4 * P, 12 * P)
     assert (z1.params, z1.grads, z1.optimizer) == (2 * P, 4 * P, 3 * P)
     # Startup: the whole fp32 model and the TP slice (4 x 2P + 4P), then the fp32 slice with the flat bf16
     # parameters, fp32 gradients and the exact fp32 initial values for the master copy (4P + 2P + 4P + 4P).
     assert z1.startup == max(4 * TOTAL + 4 * P, 14 * P) == 14 * P
+    # Sharded construction: the fp32 slice alone, then the same copy into the flat buffers.
+    assert tiny(Layout(**{**base.__dict__, "zero_stage": 1})).startup == 14 * P
     assert z1.buffers == 0  # NCCL reduce-scatters in place on the flat gradient buffer
     gloo = tiny(Layout(**{**base.__dict__, "zero_stage": 1}), Software(gloo_shard_exchange=True))
     # 3 peers' fp32 copies of this rank's quarter of the gradients, alive once the activations are freed
     assert gloo.buffers == 4 * P * 3 / 4 - gloo.activations
     hsdp = tiny(Layout(**{**base.__dict__, "zero_stage": 2, "dp_shard": 2}))
     assert (hsdp.params, hsdp.grads, hsdp.optimizer, hsdp.gathered) == (2 * P, 2 * P, 6 * P, 4 * LARGEST)
-    off = tiny(Layout(**{**base.__dict__, "zero_stage": 3, "offload": "optimizer"}))
-    assert (off.params, off.grads, off.optimizer, off.host) == (P, 0, 0, 3 * P)
-    both = tiny(Layout(**{**base.__dict__, "zero_stage": 3, "offload": "optimizer+params"}))
-    assert (both.params, both.grads, both.optimizer, both.host) == (0, 0, 0, 4 * P)
+    # Offload runs through the DeepSpeed engine (tp=1): the whole model per rank, 2P parameters.
+    flat = Layout(**{**base.__dict__, "tp": 1, "zero_stage": 3, "offload": "optimizer"})
+    off = tiny(flat)
+    assert (off.params, off.grads, off.optimizer, off.host) == (2 * P, 0, 0, 6 * P)
+    both = tiny(Layout(**{**flat.__dict__, "offload": "optimizer+params"}))
+    assert (both.params, both.grads, both.optimizer, both.host) == (0, 0, 0, 8 * P)
     fp32 = tiny(Layout(**{**base.__dict__, "zero_stage": 1}), precision="fp32")
     assert (fp32.params, fp32.grads, fp32.optimizer) == (4 * P, 4 * P, 2 * P)  # the params are the master
 
@@ -116,6 +124,7 @@ def test_zero_stages_hybrid_sharding_and_offload_by_hand():
         ({"zero_stage": 1, "offload": "optimizer"}, "needs zero_stage 2 or 3"),
         ({"zero_stage": 2, "offload": "optimizer+params"}, "needs zero_stage 3"),
         ({"zero_stage": 3, "offload": "disk"}, "offload must be one of"),
+        ({"zero_stage": 3, "offload": "optimizer"}, "runs through the DeepSpeed engine"),
     ],
 )
 def test_impossible_sharding_is_named(changes, message):
@@ -126,9 +135,9 @@ def seventy_b():
     return load(CONFIGS / "llama3-70b.yaml")
 
 
-def test_70b_on_64_h100_needs_sharded_construction_today():
+def test_70b_on_64_h100_needs_sharded_construction():
     """Built whole in fp32 on every rank first, 70.6e9 x 4 bytes = 263 GiB: no layout starts on 80 GiB."""
-    result = plan_job(seventy_b(), load_cluster("h100-80gb"), 64, top=3)
+    result = plan_job(seventy_b(), load_cluster("h100-80gb"), 64, software=Software.whole_model_init(), top=3)
     assert not result.fitting()
     assert result.best.memory["startup"] > 263 * GIB
     assert "needs sharded construction" in result.best.why
@@ -137,10 +146,12 @@ def test_70b_on_64_h100_needs_sharded_construction_today():
 def test_70b_on_64_h100_fits_with_zero3_and_sharded_construction():
     """With sharded construction and ZeRO-3 the state is 16 bytes per parameter over the shard group: at
     tp=4, dp=16, 70.6e9 / 4 / 16 x 16 bytes = 16.4 GiB, leaving the rest for activations."""
-    result = plan_job(seventy_b(), load_cluster("h100-80gb"), 64, software=Software.sharded(), top=5)
+    result = plan_job(seventy_b(), load_cluster("h100-80gb"), 64, top=5)
     best = result.best
     assert best.fits and best.layout.zero_stage == 3
-    assert best.memory["total"] <= 80 * GIB and best.memory["startup"] < best.memory["steady"]
+    # The startup peak is each rank's fp32 TP-local model, materialised whole before FSDP2 shards it.
+    tp_local = 4 * 70.55e9 / (best.layout.tp * best.layout.pp)
+    assert best.memory["total"] <= 80 * GIB and best.memory["startup"] >= tp_local
     per_rank = 70.55e9 / (best.layout.tp * best.layout.pp) / (best.layout.dp_shard or best.layout.dp)
     state = best.memory["params"] + best.memory["grads"] + best.memory["optimizer"] + best.memory["host"]
     assert state == pytest.approx(16 * per_rank, rel=0.02)
@@ -156,8 +167,9 @@ def test_70b_on_64_h100_fits_with_zero3_and_sharded_construction():
             256,
             Software(),
         ),
-        ("70b", 64, 512, Software.sharded()),
-        ("70b", 16, 64, Software.sharded()),
+        ("70b", 64, 512, Software()),
+        ("70b", 16, 64, Software()),
+        ("70b", 64, 512, Software.whole_model_init()),
     ],
 )
 def test_search_never_calls_an_overflowing_layout_fitting(model, gpus, batch, software):
@@ -178,10 +190,9 @@ def test_startup_peak_alone_makes_a_layout_not_fit():
     model = ModelConfig(arch="gpt", num_layers=48, hidden_size=6144, num_attention_heads=48)  # 22B
     work = Workload(model, 64, "bf16")
     layout = Layout(tp=8, pp=1, dp=8, micro_batch=1, recompute="full", zero_stage=1)
-    whole = CostModel(work, load_cluster("h100-80gb").view(64)).evaluate(layout)
-    sharded = CostModel(work, load_cluster("h100-80gb").view(64), Software(sharded_init=True)).evaluate(
-        layout
-    )
+    view = load_cluster("h100-80gb").view(64)
+    whole = CostModel(work, view, Software.whole_model_init()).evaluate(layout)
+    sharded = CostModel(work, view).evaluate(layout)
     assert whole.memory["steady"] < 80 * GIB < whole.memory["startup"]
     assert not whole.fits and "startup peak" in whole.why
     assert sharded.fits
@@ -206,3 +217,57 @@ def test_in_flight_micro_batches_of_first_and_last_rank_match_the_schedules(sche
     for rank in (0, pp - 1):
         closed = peak_inflight_closed(schedule, pp, m, v, rank)
         assert closed == generated_peak_inflight(schedule, pp, m, v, rank)
+
+
+def generated_owed_weight_grads(schedule: str, pp: int, m: int, rank: int) -> int:
+    """Most weight gradients (W) a rank still owes, from earlier micro-batches, when it computes an I."""
+    owed, peak = set(), 0
+    for action in build_schedule(schedule, pp, m, 1).actions[rank]:
+        if action.kind == "I":
+            peak = max(peak, len(owed))
+            owed.add(action.microbatch)
+        elif action.kind == "W":
+            owed.discard(action.microbatch)
+    return peak
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
+@pytest.mark.parametrize(("pp", "m"), [(2, 1), (2, 8), (4, 2), (4, 16), (8, 8)])
+def test_owed_weight_gradients_match_the_schedules(schedule, pp, m):
+    for rank in range(pp):
+        owed = generated_owed_weight_grads(schedule, pp, m, rank)
+        assert pending_weight_grads(schedule, pp, m, rank) == owed
+
+
+def test_pipeline_ranks_hold_the_trainers_flop_balanced_split():
+    """With a 4096-word vocabulary the output layer costs several layers' FLOPs, so the trainer's balanced
+    split (its default) puts 3 of TINY's 4 layers on the first of pp=2 stages; the even split 2 + 2. The
+    startup peak (fp32, zero 0: the rank's modules, flat parameters and gradients, 12 bytes a parameter)
+    of the fuller rank shows which."""
+    big = replace(TINY, vocab_size=4096)
+    vocab = 4096 * 64
+    assert [len(r) for r in partition_layers(4, 2, head_cost=head_cost_in_layers(big))] == [3, 1]
+    layout = Layout(tp=1, pp=2, dp=1, micro_batch=1)
+
+    def startup(software: Software) -> float:
+        return rank_memory(big, "fp32", layout, software, inflight=2, num_micro=4, reserved_bytes=0.0).startup
+
+    assert startup(Software()) == 12 * (3 * PER_LAYER + vocab)
+    assert startup(Software(balance_stages=False)) == 12 * (2 * PER_LAYER + vocab + 64)
+
+
+def test_layouts_become_the_config_fields_the_trainer_reads():
+    job = load(CONFIGS / "llama3-70b.yaml")
+    hsdp = Layout(tp=4, pp=1, dp=16, micro_batch=1, zero_stage=3, dp_shard=8)
+    offload = Layout(tp=1, pp=1, dp=64, micro_batch=1, zero_stage=3, offload="optimizer+params")
+    assert layout_overrides(hsdp)["parallel.dp_shard"] == 8
+    assert "parallel.engine" not in layout_overrides(hsdp)
+    assert layout_overrides(offload)["parallel.engine"] == "deepspeed"
+    assert layout_overrides(offload)["parallel.offload"] == "optimizer+params"
+    written = with_layout(job, offload)
+    assert (written.parallel.engine, written.parallel.offload, written.parallel.dp_shard) == (
+        "deepspeed",
+        "optimizer+params",
+        None,
+    )
+    assert with_layout(job, hsdp).parallel.dp_shard == 8
