@@ -64,6 +64,10 @@ from llmtrain.pipeline.partition import partition_layers
 from llmtrain.planner import flops as F
 from llmtrain.planner.pipeline_time import peak_inflight_closed
 
+# llmtrain.models.init.BLOCK_NUMEL, the elements drawn at once by the initialisation; repeated here so the
+# planner needs no torch (tests/planner/test_memory_model.py checks the two agree).
+INIT_BLOCK_NUMEL = 1 << 20
+
 if TYPE_CHECKING:
     from llmtrain.planner.cost_model import Layout, Software
 
@@ -350,10 +354,18 @@ def rank_memory(
             # contiguous copy while the modules still hold theirs, and creates the fp32 master and gradient
             # partitions (host memory here, but on a CPU the same memory; measured at zero 2 on CPU).
             startup = 4 * total_params + e * params + (4 + software.grad_bytes) * params / shard_group(layout)
+        elif software.sharded_init and layout.zero_stage >= 2:
+            # FSDP2 shards the meta model and the rank allocates only its fp32 shards; on top of them, at
+            # most one initialisation block drawn whole (llmtrain.models.init.BLOCK_NUMEL elements, or the
+            # largest tensor if smaller) or one shard that FSDP2's to_empty briefly holds twice. An upper
+            # bound: the measured extra lies between the two (see benchmarks/bench_memory.py).
+            startup = 4 * params / shard_group(layout) + 4 * max(
+                min(INIT_BLOCK_NUMEL, largest), largest / shard_group(layout)
+            )
         elif software.sharded_init:
             # The rank's own fp32 modules, materialised on it, alive while their values are copied into the
-            # flat buffers (zero 0/1) or while FSDP2 cuts its fp32 shards from them (zero 2/3).
-            startup = 4 * params + (held if layout.zero_stage <= 1 else 4 * params / shard_group(layout))
+            # flat buffers.
+            startup = 4 * params + held
         else:
             # First the whole model and, under TP, the rank's slice cut from it; then the rank's fp32
             # modules while their values are copied into the flat buffers.
