@@ -290,16 +290,20 @@ def run_benchmarks(
     compile_ok: bool,
     bandwidth_gbps: float | None = None,
     seconds: float | None = None,
+    first: tuple[str, ...] = (),
 ) -> list[dict]:
     """Print one table per kernel: times, throughput, peak memory, and time/memory ratios vs Triton; return
     the rows. GB/s are shown as a fraction of `bandwidth_gbps` (default: the GPU's datasheet HBM figure).
-    Cases that would start after `seconds` are listed as skipped."""
+    Cases that would start after `seconds` are listed as skipped; the kernels named in `first` run first,
+    in that order, so a short budget still measures them."""
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     hbm = bandwidth_gbps or next((bw for key, bw in HBM_GBPS.items() if key in name), None)
     print(f"device: {name}, dtype: {dtype}, shapes: {shape}")
     deadline = time.monotonic() + seconds if seconds is not None else None
     rows: list[dict] = []
-    for case in build_cases(shape, device, dtype, compile_ok):
+    cases = build_cases(shape, device, dtype, compile_ok)
+    rank = {name: i for i, name in enumerate(first)}
+    for case in sorted(cases, key=lambda c: rank.get(c.name, len(first))):
         print(f"\n== {case.name} ==")
         if deadline is not None and time.monotonic() > deadline:
             print("skipped: the step's time budget is spent")

@@ -158,8 +158,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     budget = Budget(args.budget_s)
     rows = []
-    grid = itertools.product(args.configs, args.precision, args.recompute, args.compile, args.micro_batch)
-    for config, precision, recompute, compile_mode, micro in grid:
+    # Precision-major: every config's bf16 rows (the MFU targets) run before any fp8 row.
+    grid = itertools.product(args.precision, args.configs, args.recompute, args.compile, args.micro_batch)
+    for precision, config, recompute, compile_mode, micro in grid:
         overrides = [*base, f"train.precision={precision}"]
         overrides += [] if recompute == "config" else [f"model.recompute={recompute}"]
         overrides += [] if micro == "config" else [f"train.micro_batch_size={micro}"]
