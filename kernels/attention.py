@@ -57,6 +57,9 @@ def _attn_fwd_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
+    # torch.compile passes Python floats to user-defined kernels as fp64 scalars; the loop-carried
+    # row max must stay fp32 (Triton rejects a loop variable that changes type).
+    scale_log2 = tl.cast(scale_log2, tl.float32)
     start_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // HQ).to(tl.int64)
@@ -155,6 +158,9 @@ def _attn_bwd_dkdv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
+    # fp32, not the fp64 scalars torch.compile passes (see _attn_fwd_kernel).
+    scale = tl.cast(scale, tl.float32)
+    scale_log2 = tl.cast(scale_log2, tl.float32)
     start_n = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // HK).to(tl.int64)
@@ -253,6 +259,9 @@ def _attn_bwd_dq_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
+    # fp32, not the fp64 scalars torch.compile passes (see _attn_fwd_kernel).
+    scale = tl.cast(scale, tl.float32)
+    scale_log2 = tl.cast(scale_log2, tl.float32)
     start_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // HQ).to(tl.int64)

@@ -63,7 +63,7 @@ def _norm_fwd_kernel(
         tl.store(MEAN + rows, mean, mask=row_ok)
         xc = tl.where(mask, x - mean[:, None], 0.0)
         var = tl.sum(xc * xc, axis=1) / N
-    rstd = 1.0 / tl.sqrt(var + eps)
+    rstd = 1.0 / tl.sqrt(var + tl.cast(eps, tl.float32))  # torch.compile passes Python floats as fp64
     tl.store(RSTD + rows, rstd, mask=row_ok)
     w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
     xhat = xc * rstd[:, None]

@@ -8,6 +8,9 @@ fp32 master weights) and trained for a few optimizer steps on random tokens; the
 (llmtrain.training.peak: datasheet by device name, else measured), FLOPs from llmtrain.planner.flops
 (attention included, recomputation not counted), as the trainer's progress line computes them.
 
+Each variant runs in its own Python process: a variant that fails (out of memory, a compile error) leaves
+its memory and torch.compile caches behind in its process, and the next variant must not inherit them.
+
 torchtitan's llama3 trainer, the named peer, has the same 1B and 3B flavors; its side-by-side needs
 torchtitan installed with its dataset and tokenizer assets, so without torchtitan the peer is reported
 as "not installed" (see README, "First run on a GPU").
@@ -20,9 +23,11 @@ as "not installed" (see README, "First run on a GPU").
 from __future__ import annotations
 
 import argparse
-import gc
 import itertools
+import json
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -114,6 +119,32 @@ def run_variant(
     }
 
 
+def run_isolated(spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    """run_variant(**spec) in a child process (this script with --variant); its row, or why it failed."""
+    with tempfile.TemporaryDirectory() as tmp:
+        row_file = Path(tmp) / "row.json"
+        command = [sys.executable, __file__, "--variant", json.dumps(spec), "--out", str(row_file)]
+        try:
+            proc = subprocess.run(command, timeout=timeout_s, check=False)
+        except subprocess.TimeoutExpired:
+            return {"status": f"failed: still running after {timeout_s:.0f} s"}
+        if row_file.exists():
+            return json.loads(row_file.read_text())
+        return {"status": f"failed: the variant's process exited with status {proc.returncode}"}
+
+
+def run_one(spec_json: str, out: Path) -> int:
+    """The child side of run_isolated: one variant, its row (or its exception) written to `out`."""
+    spec = json.loads(spec_json)
+    spec["config"] = Path(spec["config"])
+    try:
+        row = run_variant(**spec) | {"status": "ok"}
+    except Exception as exc:  # out of memory or a compile failure: reported in the row, not as a crash
+        row = {"status": f"failed: {type(exc).__name__}: {exc}"[:400]}
+    out.write_text(json.dumps(row, default=str))
+    return 0
+
+
 def torchtitan_status() -> str:
     """What became of the torchtitan side-by-side: 'not installed', or why the installed one did not run.
 
@@ -147,7 +178,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--budget-s", type=float, default=240.0, help="start no new variant after this")
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1")
+    parser.add_argument("--variant", help=argparse.SUPPRESS)  # internal: one variant (see run_isolated)
     args = parser.parse_args(argv)
+    if args.variant:
+        return run_one(args.variant, args.out)
 
     if args.dry_run:
         device, base, steps, warmup = "cpu", DRY_RUN_OVERRIDES, 3, 1
@@ -158,9 +192,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     budget = Budget(args.budget_s)
     rows = []
-    # Precision-major: every config's bf16 rows (the MFU targets) run before any fp8 row.
-    grid = itertools.product(args.precision, args.configs, args.recompute, args.compile, args.micro_batch)
-    for precision, config, recompute, compile_mode, micro in grid:
+    # Uncompiled rows first (they start in seconds), bf16 (the MFU target) before fp8; the compiled rows,
+    # which spend tens of seconds compiling, come last, so a short budget cuts those first.
+    grid = itertools.product(args.compile, args.precision, args.configs, args.recompute, args.micro_batch)
+    for compile_mode, precision, config, recompute, micro in grid:
         overrides = [*base, f"train.precision={precision}"]
         overrides += [] if recompute == "config" else [f"model.recompute={recompute}"]
         overrides += [] if micro == "config" else [f"train.micro_batch_size={micro}"]
@@ -171,16 +206,18 @@ def main(argv: list[str] | None = None) -> int:
             row["status"] = "skipped (torchao not installed)"
         else:
             print(f"== {config.name} {' '.join(overrides)} compile={compile_mode}", flush=True)
-            try:
-                row |= run_variant(config, overrides, compile_mode, steps, warmup, device)
-                row["status"] = "ok"
-            except Exception as exc:  # out of memory or a compile failure must not hide the other variants
-                row["status"] = f"failed: {type(exc).__name__}: {exc}"[:400]
+            spec = dict(
+                config=str(config),
+                overrides=overrides,
+                compile_mode=compile_mode,
+                steps=steps,
+                warmup=warmup,
+                device=device,
+            )
+            # A variant started just before the budget ends may still finish within run_all.sh's margin.
+            row |= run_isolated(spec, timeout_s=budget.left() + 40)
             print({k: v for k, v in row.items() if k != "losses"}, flush=True)
         rows.append(row)
-        gc.collect()
-        if device == "cuda":
-            torch.cuda.empty_cache()
     write_json(
         args.out,
         {

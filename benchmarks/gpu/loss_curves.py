@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -70,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU")
     args = parser.parse_args(argv)
     if args.dry_run:
@@ -83,7 +84,15 @@ def main(argv: list[str] | None = None) -> int:
     # fp8 needs torchao; without it the fp8 curve is reported as not installed rather than failing the step.
     fp8 = peer_version("torchao") != "not installed"
     precisions = ("fp32", "bf16", "fp8") if fp8 else ("fp32", "bf16")
-    curves = {p: curve(p, overrides, steps, device) for p in precisions}
+    curves = {}
+    for precision in precisions:
+        start = time.perf_counter()
+        curves[precision] = curve(precision, overrides, steps, device)
+        print(
+            f"{precision}: {steps} steps in {time.perf_counter() - start:.1f} s, "
+            f"final loss {curves[precision][-1]:.4f}",
+            flush=True,
+        )
     gaps = {
         p: max(abs(a - b) / b for a, b in zip(curves[p], curves["fp32"], strict=True)) for p in precisions[1:]
     }

@@ -13,6 +13,8 @@
 #   --results-root  where the new folder <date>-<device> goes (default benchmarks/results; a dry run's
 #                   default is ${TMPDIR:-/tmp}/llmtrain-results, so it never lands among real results)
 #   LLMTRAIN_WHEELS=DIR  install the vendored wheels in DIR first (pip --no-index --no-deps)
+#   STEPS="tests-kernels e2e"  run only these steps (env always runs), e.g. to rerun what a budget cut
+#   KERNEL_TESTS="tests/kernels/test_attention.py ..."  the kernel test files to run (default: all)
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -51,11 +53,12 @@ else
   FLAG=
   # Budgets (s), each overridable from the environment (e.g. B_E2E=300 for a longer sweep); they sum to
   # 540 s, leaving room for start-up and the report within ten minutes.
-  B_ENV=${B_ENV:-20}; B_TESTS_KERNELS=${B_TESTS_KERNELS:-130}; B_TESTS_TRAIN=${B_TESTS_TRAIN:-50}
-  B_KERNELS=${B_KERNELS:-130}; B_E2E=${B_E2E:-170}; B_CURVES=${B_CURVES:-40}
+  B_ENV=${B_ENV:-20}; B_TESTS_KERNELS=${B_TESTS_KERNELS:-170}; B_TESTS_TRAIN=${B_TESTS_TRAIN:-40}
+  B_KERNELS=${B_KERNELS:-100}; B_E2E=${B_E2E:-150}; B_CURVES=${B_CURVES:-60}
   # Left out: the vocab-parallel cross-entropy test (4 gloo ranks on CPU: one GPU cannot host 4 NCCL ranks)
   # and bench_kernels' interpreter smoke run (CPU only); the kernels step benchmarks on the GPU instead.
-  TESTS_KERNELS=(tests/kernels -k "not gloo and not smoke_run")
+  read -r -a KERNEL_TEST_PATHS <<<"${KERNEL_TESTS:-tests/kernels}"
+  TESTS_KERNELS=("${KERNEL_TEST_PATHS[@]}" -k "not gloo and not smoke_run")
   # Compiling every kernel variant is CPU-bound: spread the tests over 8 workers where pytest-xdist is.
   if "$PY" -c "import xdist" 2>/dev/null; then TESTS_KERNELS+=(-n 8); fi
   TESTS_TRAIN=(tests/models tests/training/test_fp8.py tests/training/test_lr_schedule.py -m "not slow")
@@ -80,6 +83,10 @@ echo "run_all.sh: results go to $OUT"
 step() {
   local name="$1" budget="$2"
   shift 2
+  if [ -n "${STEPS:-}" ] && [ "$name" != env ] && [[ " $STEPS " != *" $name "* ]]; then
+    echo "== $name: not in STEPS, skipped"
+    return
+  fi
   local command
   command="$(printf '%q ' "$@")"  # quoted, so the recorded command can be pasted as it is
   echo "== $name (budget ${budget}s): $command"
