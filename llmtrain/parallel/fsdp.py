@@ -1,9 +1,10 @@
 """ZeRO-2 and ZeRO-3 (and hybrid sharding) through PyTorch FSDP2.
 
-``apply_fsdp`` calls ``fully_shard`` on every transformer block and then on each root (the model, or each
-pipeline chunk) over a DeviceMesh of this rank's DP ranks: 1-D ``(shard,)`` built on ``topo.dp_group``
-itself, or 2-D ``(replicate, shard)`` for hybrid sharding (HSDP: ``parallel.dp_shard`` ranks share the
-shards of one replica, gradients are all-reduced across replicas). The parameters FSDP shards are the fp32
+``apply_fsdp`` calls ``fully_shard`` on every transformer block, on the input embedding and the output
+layer (unless tied), and then on each root (the model, or each pipeline chunk) over a DeviceMesh of this
+rank's DP ranks: 1-D ``(shard,)`` built on ``topo.dp_group`` itself, or 2-D ``(replicate, shard)`` for
+hybrid sharding (HSDP: ``parallel.dp_shard`` ranks share the shards of one replica, gradients are
+all-reduced across replicas). The parameters FSDP shards are the fp32
 model parameters, so they are the optimizer's master weights; bf16/fp16 compute comes from
 ``MixedPrecisionPolicy(param_dtype, reduce_dtype=fp32)``, which casts each gathered block.
 
@@ -84,6 +85,23 @@ def _blocks(root: nn.Module) -> list[nn.Module]:
     return list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
 
 
+def _edge_units(root: nn.Module, zero_stage: int) -> list[tuple[nn.Module | list[nn.Module], bool]]:
+    """The input embedding and the output layer (final norm + head) as FSDP units of their own, each with
+    its reshard_after_forward, as torchtitan wraps them: in the root they would stay gathered from the
+    forward's first layer to the backward's last, beside every block; a vocabulary-sized matrix each.
+    The embedding reshards after the forward at zero 3; the output layer does not, since the backward
+    starts with it. A tied embedding and head share one weight, hence one unit: the root."""
+    embed, head = getattr(root, "embed_tokens", None), getattr(root, "lm_head", None)
+    if embed is not None and head is not None and head.weight is embed.weight:
+        return []
+    units: list[tuple[nn.Module | list[nn.Module], bool]] = []
+    if embed is not None:
+        units.append((embed, zero_stage == 3))
+    if head is not None:
+        units.append(([root.final_norm, head], False))
+    return units
+
+
 def apply_fsdp(model: nn.Module, topo: Topology, job: JobConfig) -> nn.Module:
     """Shard ``model`` (a CausalLM or PipelineStages, fp32, TP applied) with FSDP2 in place: each block,
     then each root; see the module docstring. On a meta model the shards stay meta until
@@ -109,7 +127,9 @@ def apply_fsdp(model: nn.Module, topo: Topology, job: JobConfig) -> nn.Module:
     for root in _roots(model):
         for block in _blocks(root):
             fully_shard(block, reshard_after_forward=zero_stage == 3, **options)
-        # The root's own parameters (embeddings, final norm, head) are needed first and last anyway.
+        for unit, reshard in _edge_units(root, zero_stage):
+            fully_shard(unit, reshard_after_forward=reshard, **options)
+        # What is left on the root (a tied embedding and head, position embeddings) is needed first and last.
         fully_shard(root, reshard_after_forward=False, **options)
     if tied_name is not None:
         model.tied_param = model.get_parameter(tied_name)
