@@ -22,9 +22,11 @@ at once instead of leaving the other ranks blocked in their next collective unti
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import datetime
 import json
 import os
+import signal
 import socket
 import sys
 import threading
@@ -487,6 +489,10 @@ class Watchdog:
 
     def _hang(self, cause: str, raise_flag: bool) -> None:
         self.hang_found.set()
+        if self.on_hang == self._report_and_exit:
+            # This rank reports and exits 124 from here; the first rank to exit makes the launcher
+            # (torchrun, mp.spawn) SIGTERM the others, which would cut their reports short.
+            _ignore_sigterm()
         peers: dict[int, dict[str, Any]] = {}
         if self.exchange is not None:
             try:
@@ -528,6 +534,13 @@ class Watchdog:
         # os._exit, not sys.exit: the main thread is stuck inside a C++ collective and never returns
         # to Python, so only ending the process here frees the job (torchrun then stops the others).
         os._exit(HANG_EXIT_CODE)
+
+
+def _ignore_sigterm() -> None:
+    """Ignore SIGTERM process-wide from a thread that is not the main one (Python's signal.signal may only
+    be called from the main thread, which is stuck in a collective): libc's signal() with SIG_IGN."""
+    with contextlib.suppress(OSError, AttributeError):  # no libc (not Linux/macOS): the report may be cut
+        ctypes.CDLL(None).signal(signal.SIGTERM, ctypes.c_void_p(1))  # 1 is SIG_IGN
 
 
 def _stack(frame: Any, indent: str) -> list[str]:

@@ -131,9 +131,9 @@ def test_reported_training_says_what_and_how_long_then_beats(tmp_path, docs, mon
 
 @pytest.mark.slow
 def test_sentencepiece_releases_the_gil_while_training(tmp_path, docs):
-    """The heartbeat relies on it: a unigram model on three copies of the test corpus trains for about a
-    second on an idle machine (one copy took only 0.3 s there)."""
-    corpus = [f"{i}: {doc}" for i in range(3) for doc in docs]
+    """The heartbeat relies on it: a unigram model on six copies of the test corpus trains for about half a
+    second on an idle machine (three copies once took only 0.23 s), longer on a busy one."""
+    corpus = [f"{i}: {doc}" for i in range(6) for doc in docs]
     lines, start = [], time.monotonic()
     train_sentencepiece_reported(
         corpus,
@@ -146,8 +146,10 @@ def test_sentencepiece_releases_the_gil_while_training(tmp_path, docs):
     )
     seconds = time.monotonic() - start
     beats = [line for line in lines if "still training" in line]
-    # Held for the whole call, the GIL would allow no beat; released, one per 0.05 s (scheduling permitting).
-    assert seconds > 0.25 and len(beats) >= 3, (seconds, lines)
+    # Held for the whole call, the GIL would allow no beat; released, one per 0.05 s (scheduling permitting:
+    # a third of them is plenty on a busy machine). Judged against the time it took, not a fixed count.
+    assert seconds > 0.15, (seconds, lines)
+    assert len(beats) >= max(2, seconds / 0.05 / 3), (seconds, lines)
 
 
 def _hold(path, rank, held, release):
