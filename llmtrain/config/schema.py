@@ -17,10 +17,11 @@ Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zb_h1"]
 Precision = Literal["fp32", "bf16", "fp16", "fp8"]
 LrDecay = Literal["cosine", "linear", "constant"]
 OnSaveError = Literal["continue", "stop"]
-MOE_ARCHS = ("mixtral", "qwen3_moe", "ernie_moe")
-"""The architectures whose MLPs are (partly) mixtures of experts."""
 Engine = Literal["llmtrain", "deepspeed"]
 Offload = Literal["none", "optimizer", "optimizer+params"]
+
+MOE_ARCHS = ("mixtral", "qwen3_moe", "ernie_moe")
+"""The architectures whose MLPs are (partly) mixtures of experts (llmtrain.models.moe)."""
 
 
 @dataclass

@@ -219,7 +219,8 @@ def moe_problem(job: JobConfig) -> str:
     """Why the mixture-of-experts fields of `job` cannot run ("" if they can, or the arch is dense).
 
     The experts are implemented single-device for now: every parallel layout that splits or shards a
-    model, and fp8, is refused here rather than failing (or silently mis-training) later.
+    model, and fp8, is refused here rather than failing (or silently mis-training) later; tp is refused by
+    tensor_parallel_problem, which checkpoint conversion and the planner ask too.
     """
     m, p = job.model, job.parallel
     if not m.is_moe:
@@ -248,7 +249,6 @@ def moe_problem(job: JobConfig) -> str:
             f"{m.num_layers}); list existing layers only"
         )
     unsupported = [
-        (p.tp > 1, f"parallel.tp={p.tp}", "parallel.tp=1"),
         (p.pp > 1, f"parallel.pp={p.pp}", "parallel.pp=1"),
         (p.zero_stage >= 2, f"parallel.zero_stage={p.zero_stage}", "parallel.zero_stage 0 or 1"),
         (p.engine == "deepspeed", "parallel.engine=deepspeed", "parallel.engine=llmtrain"),
@@ -331,6 +331,11 @@ def tensor_parallel_problem(model: ModelConfig, tp: int, sequence_parallel: bool
     """
     if tp < 1:
         return f"parallel.tp must be at least 1; got {tp}"
+    if model.is_moe and tp > 1:
+        return (
+            f"model.arch={model.arch} (mixture of experts) does not support parallel.tp={tp} yet; use "
+            "parallel.tp=1, or a dense arch"
+        )
     heads, kv = model.num_attention_heads, model.kv_heads
     if heads % tp:
         return (

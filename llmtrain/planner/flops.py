@@ -55,17 +55,18 @@ def layer_flops_per_token(model: ModelConfig, seq_length: int | None = None) -> 
         model.ffn_size,
     )
     mlp_mats = 3 if is_gated(model) else 2
-    mlp = [2.0 * mlp_mats * h * f] * model.num_layers
-    for i in range(model.num_layers):
-        if model.is_moe_layer(i):
-            active = model.num_experts_per_tok + model.num_shared_experts
-            mlp[i] = 2.0 * h * model.num_experts + 2.0 * 3 * h * model.expert_ffn_size * active
+    mlp = 2.0 * mlp_mats * h * f
+    moe_layers = sum(model.is_moe_layer(i) for i in range(model.num_layers))
+    if moe_layers:
+        # The mean layer's: the router's scores, then the top-k and the shared experts' gated MLPs.
+        active = model.num_experts_per_tok + model.num_shared_experts
+        moe = 2.0 * h * model.num_experts + 2.0 * 3 * h * model.expert_ffn_size * active
+        mlp = (mlp * (model.num_layers - moe_layers) + moe * moe_layers) / model.num_layers
     return LayerFlops(
         qkv=2.0 * h * (a + 2 * kv) * d,
         attention_core=4.0 * s * a * d,
         out_proj=2.0 * a * d * h,
-        # The mean layer's: MoE layers run other MLP FLOPs than dense ones.
-        mlp=sum(mlp) / model.num_layers,
+        mlp=mlp,
     )
 
 

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from llmtrain.config import JobConfig, to_dict
 from llmtrain.errors import UserError
 from llmtrain.faults import injected
+from llmtrain.models.moe import expert_load, load_balancing_loss
 from llmtrain.parallel import comm
 from llmtrain.training.interrupt import StopRequest, exit_code
 from llmtrain.training.lr_schedule import learning_rate
@@ -100,8 +101,6 @@ class LocalStepRunner:
 
     def _router_figures(self) -> list[RouterFigures]:
         """The RouterFigures of the forward that just ran, detached; [] for a dense model."""
-        from llmtrain.models.moe import expert_load, load_balancing_loss
-
         stats = self.model.router_stats() if hasattr(self.model, "router_stats") else []
         if not stats:
             return []
