@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-Arch = Literal["gpt", "llama", "ernie"]
+Arch = Literal["gpt", "llama", "ernie", "mixtral", "qwen3_moe", "ernie_moe"]
 KernelImpl = Literal["auto", "triton", "torch"]
 Recompute = Literal["none", "selective", "full"]
 Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zb_h1"]
@@ -20,13 +20,16 @@ OnSaveError = Literal["continue", "stop"]
 Engine = Literal["llmtrain", "deepspeed"]
 Offload = Literal["none", "optimizer", "optimizer+params"]
 
+MOE_ARCHS = ("mixtral", "qwen3_moe", "ernie_moe")
+"""The architectures whose MLPs are (partly) mixtures of experts (llmtrain.models.moe)."""
+
 
 @dataclass
 class ModelConfig:
     """The architecture and its size."""
 
     arch: Arch = "ernie"
-    """Architecture from the model zoo: gpt (GPT-2), llama (LLaMA-2/3) or ernie (ERNIE-4.5 dense)."""
+    """Architecture: gpt (GPT-2), llama (LLaMA-2/3), ernie (ERNIE-4.5), MoE: mixtral, qwen3_moe, ernie_moe."""
     num_layers: int = 4
     """Number of transformer blocks."""
     hidden_size: int = 256
@@ -63,6 +66,24 @@ class ModelConfig:
     """Kernel implementation: auto (Triton on CUDA, PyTorch elsewhere), triton (forced) or torch."""
     recompute: Recompute = "none"
     """Activation recomputation: none, selective (attention core) or full (whole layers)."""
+    num_experts: int = 8
+    """MoE archs (mixtral, qwen3_moe, ernie_moe): routed experts per MoE layer."""
+    num_experts_per_tok: int = 2
+    """MoE archs: experts each token is routed to (top-k); routing is dropless (no capacity limit)."""
+    moe_ffn_hidden_size: int | None = None
+    """MoE archs: inner width of one expert's SwiGLU MLP; null means the resolved ffn_hidden_size."""
+    num_shared_experts: int = 0
+    """ernie_moe: experts every token goes through, as one SwiGLU MLP of num_shared x moe_ffn_hidden_size."""
+    norm_topk_prob: bool = True
+    """MoE archs: renormalise the top-k router probabilities to sum to 1 (mixtral and ernie_moe always do)."""
+    router_aux_loss_coef: float = 0.001
+    """MoE archs: weight of the load-balancing loss added to the training loss (0 disables it)."""
+    moe_layer_start: int = 0
+    """MoE archs: first layer (0-based) that may be an MoE layer; the layers before it are dense."""
+    moe_layer_interval: int = 1
+    """MoE archs: layer i at or after moe_layer_start is MoE when (i + 1) is a multiple of this."""
+    dense_layers: list[int] = field(default_factory=list)
+    """MoE archs: layers (0-based) that keep a dense MLP of ffn_hidden_size whatever the rules above say."""
 
     # Resolved values of the fields whose null means "derive it"; downstream code reads these.
     @property
@@ -82,6 +103,23 @@ class ModelConfig:
         return -(-(8 * self.hidden_size // 3) // 64) * 64
 
     @property
+    def is_moe(self) -> bool:
+        return self.arch in MOE_ARCHS
+
+    @property
+    def expert_ffn_size(self) -> int:
+        return self.moe_ffn_hidden_size or self.ffn_size
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether block `index` (0-based) has routed experts instead of a dense MLP."""
+        return (
+            self.is_moe
+            and index >= self.moe_layer_start
+            and (index + 1) % self.moe_layer_interval == 0
+            and index not in self.dense_layers
+        )
+
+    @property
     def max_positions(self) -> int:
         return self.max_position_embeddings or self.seq_length
 
@@ -89,7 +127,7 @@ class ModelConfig:
     def tied_embeddings(self) -> bool:
         if self.tie_word_embeddings is not None:
             return self.tie_word_embeddings
-        return self.arch in ("gpt", "ernie")
+        return self.arch in ("gpt", "ernie", "ernie_moe")
 
     @property
     def bias(self) -> bool:

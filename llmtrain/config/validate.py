@@ -53,6 +53,7 @@ def validate(job: JobConfig) -> None:
     for name in ("hidden_dropout", "attention_dropout"):
         value = getattr(m, name)
         _require(0.0 <= value < 1.0, f"model.{name} must be in [0, 1); got {value}")
+    raise_if_problem(moe_problem(job))
 
     _require(p.dp is None or p.dp >= 1, f"parallel.dp must be at least 1 or null; got {p.dp}")
     _require(p.zero_stage in (0, 1, 2, 3), f"parallel.zero_stage must be 0, 1, 2 or 3; got {p.zero_stage}")
@@ -147,6 +148,10 @@ _POSITIVE = frozenset(
         "model.num_kv_heads",
         "model.head_dim",
         "model.ffn_hidden_size",
+        "model.moe_ffn_hidden_size",
+        "model.num_experts",
+        "model.num_experts_per_tok",
+        "model.moe_layer_interval",
         "model.max_position_embeddings",
         "model.norm_eps",
         "model.rope_theta",
@@ -208,6 +213,57 @@ def _check_ranges(section: object, prefix: str = "") -> None:
             _require(
                 type(item) is float or item <= _INT64_MAX, f"{where} must be at most 2**63-1; got {item}"
             )
+
+
+def moe_problem(job: JobConfig) -> str:
+    """Why the mixture-of-experts fields of `job` cannot run ("" if they can, or the arch is dense).
+
+    The experts are implemented single-device for now: every parallel layout that splits or shards a
+    model, and fp8, is refused here rather than failing (or silently mis-training) later; tp is refused by
+    tensor_parallel_problem, which checkpoint conversion and the planner ask too.
+    """
+    m, p = job.model, job.parallel
+    if not m.is_moe:
+        return ""
+    for name in ("num_experts", "num_experts_per_tok", "moe_layer_interval"):
+        if getattr(m, name) < 1:
+            return f"model.{name} must be at least 1 for model.arch={m.arch}; got {getattr(m, name)}"
+    if m.num_experts_per_tok > m.num_experts:
+        return (
+            f"model.num_experts_per_tok={m.num_experts_per_tok} exceeds model.num_experts={m.num_experts}; "
+            "route each token to at most num_experts experts"
+        )
+    if m.num_shared_experts and m.arch != "ernie_moe":
+        return (
+            f"model.num_shared_experts={m.num_shared_experts}: model.arch={m.arch} has no shared experts "
+            "(ernie_moe has); set model.num_shared_experts=0"
+        )
+    if m.use_bias:
+        return (
+            f"model.arch={m.arch} has no biases (its experts and router have none); set model.use_bias=false"
+        )
+    bad = [i for i in m.dense_layers if not 0 <= i < m.num_layers]
+    if bad:
+        return (
+            f"model.dense_layers names layer {bad[0]}, outside 0..{m.num_layers - 1} (model.num_layers="
+            f"{m.num_layers}); list existing layers only"
+        )
+    unsupported = [
+        (p.pp > 1, f"parallel.pp={p.pp}", "parallel.pp=1"),
+        (p.zero_stage >= 2, f"parallel.zero_stage={p.zero_stage}", "parallel.zero_stage 0 or 1"),
+        (p.engine == "deepspeed", "parallel.engine=deepspeed", "parallel.engine=llmtrain"),
+        (job.train.precision == "fp8", "train.precision=fp8", "train.precision bf16 or fp32"),
+        # Reentrant checkpointing runs the forward without autograd, so the router statistics the
+        # load-balancing loss is built from would carry no gradient.
+        (m.recompute == "full", "model.recompute=full", "model.recompute none or selective"),
+    ]
+    for is_set, setting, fix in unsupported:
+        if is_set:
+            return (
+                f"model.arch={m.arch} (mixture of experts) does not support {setting} yet; use {fix}, "
+                "or a dense arch"
+            )
+    return ""
 
 
 def engine_problem(job: JobConfig) -> str:
@@ -275,6 +331,11 @@ def tensor_parallel_problem(model: ModelConfig, tp: int, sequence_parallel: bool
     """
     if tp < 1:
         return f"parallel.tp must be at least 1; got {tp}"
+    if model.is_moe and tp > 1:
+        return (
+            f"model.arch={model.arch} (mixture of experts) does not support parallel.tp={tp} yet; use "
+            "parallel.tp=1, or a dense arch"
+        )
     heads, kv = model.num_attention_heads, model.kv_heads
     if heads % tp:
         return (

@@ -9,6 +9,7 @@ import kernels
 from llmtrain.config import JobConfig, ModelConfig, validate
 from llmtrain.models.init import init_weights
 from llmtrain.models.layers import Rope, TransformerBlock, make_norm
+from llmtrain.models.moe import MoEMLP, RouterStats, load_balancing_loss
 from llmtrain.models.registry import get_arch
 
 
@@ -28,7 +29,7 @@ class CausalLM(nn.Module):
             nn.Embedding(cfg.max_positions, cfg.hidden_size) if self.spec.learned_positions else None
         )
         self.embed_dropout = nn.Dropout(cfg.hidden_dropout)
-        self.layers = nn.ModuleList(TransformerBlock(self.spec, cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(TransformerBlock(self.spec, cfg, i) for i in range(cfg.num_layers))
         self.final_norm = make_norm(self.spec, cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.loss_tp_group = None
@@ -101,8 +102,28 @@ class CausalLM(nn.Module):
         return self.lm_head(self.final_norm(hidden))
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy (fp32) over labels != -100; labels are aligned with logits (already shifted)."""
-        return kernels.cross_entropy(logits, labels, tp_group=self.loss_tp_group, impl=self.config.kernels)
+        """Mean cross-entropy (fp32) over labels != -100; labels are aligned with logits (already shifted).
+
+        In training mode an MoE model adds router_aux_loss_coef times the load-balancing loss of its
+        layers' last forward (as transformers does with output_router_logits); evaluation reports the
+        cross-entropy alone, comparable with dense models.
+        """
+        loss = kernels.cross_entropy(logits, labels, tp_group=self.loss_tp_group, impl=self.config.kernels)
+        coef = self.config.router_aux_loss_coef
+        if self.training and coef > 0 and self.router_stats():
+            loss = loss + coef * self.aux_loss()
+        return loss
+
+    def router_stats(self) -> list[RouterStats]:
+        """The RouterStats of every MoE layer's last forward, in layer order (empty for a dense model)."""
+        stats = [layer.mlp.stats for layer in self.layers if isinstance(layer.mlp, MoEMLP)]
+        if any(s is None for s in stats):
+            raise RuntimeError("the MoE layers have not run a forward yet; call the model first")
+        return stats
+
+    def aux_loss(self) -> torch.Tensor:
+        """The load-balancing loss (transformers' load_balancing_loss_func) of the last forward."""
+        return load_balancing_loss(self.router_stats(), self.config.num_experts)
 
     def forward(
         self,

@@ -4,7 +4,10 @@ Two directory formats:
 - llmtrain: `llmtrain_config.yaml` (`model:` section, readable by llmtrain.config.load) + `model.safetensors`
   with llmtrain parameter names (a tied lm_head is not stored).
 - Hugging Face: `config.json` + `model.safetensors` (or a sharded `model.safetensors.index.json`), as
-  `transformers`' GPT2LMHeadModel / LlamaForCausalLM / Ernie4_5ForCausalLM write and read them.
+  `transformers`' GPT2LMHeadModel / LlamaForCausalLM / Ernie4_5ForCausalLM / MixtralForCausalLM /
+  Qwen3MoeForCausalLM / Ernie4_5_MoeForCausalLM write and read them (experts one tensor per expert and
+  projection, the checkpoint layout; `hf_to_llmtrain_state` also takes the stacked in-memory layout of
+  transformers >= 5).
 The conversion is pure renaming, transposing, splitting and concatenating, so round trips are bitwise.
 transformers itself is not needed here.
 """
@@ -30,8 +33,11 @@ from safetensors.torch import load_file, save_file
 
 from llmtrain.config import ConfigError, ModelConfig
 from llmtrain.config.loader import dump_yaml, from_dict, load_yaml
+from llmtrain.config.schema import MOE_ARCHS
 from llmtrain.errors import UserError
 from llmtrain.models.causal_lm import CausalLM, check_config, empty_model
+from llmtrain.models.moe import NORM_MIN
+from llmtrain.models.registry import get_arch
 
 LLMTRAIN_CONFIG = "llmtrain_config.yaml"
 HF_CONFIG = "config.json"
@@ -40,9 +46,23 @@ WEIGHTS = "model.safetensors"
 HF_INDEX = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 
-MODEL_TYPE_TO_ARCH = {"gpt2": "gpt", "llama": "llama", "ernie4_5": "ernie"}
+MODEL_TYPE_TO_ARCH = {
+    "gpt2": "gpt",
+    "llama": "llama",
+    "ernie4_5": "ernie",
+    "mixtral": "mixtral",
+    "qwen3_moe": "qwen3_moe",
+    "ernie4_5_moe": "ernie_moe",
+}
 ARCH_TO_MODEL_TYPE = {v: k for k, v in MODEL_TYPE_TO_ARCH.items()}
-HF_CLASSES = {"gpt": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "ernie": "Ernie4_5ForCausalLM"}
+HF_CLASSES = {
+    "gpt": "GPT2LMHeadModel",
+    "llama": "LlamaForCausalLM",
+    "ernie": "Ernie4_5ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "ernie_moe": "Ernie4_5_MoeForCausalLM",
+}
 # GPT-2's "gelu_new" and these aliases are all the tanh approximation our GPT MLP computes.
 GELU_TANH = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast", "gelu_python_tanh")
 # Buffers some checkpoints carry (GPT-2 causal masks, old LLaMA inv_freq): recomputed, not loaded.
@@ -60,7 +80,8 @@ class ModelFormatError(UserError, ValueError):
 
 
 def from_hf_config(hf_config: Mapping[str, Any] | Any) -> ModelConfig:
-    """ModelConfig of a transformers config (object or config.json dict) of gpt2, llama or ernie4_5."""
+    """ModelConfig of a transformers config (object or config.json dict) of a model type in
+    MODEL_TYPE_TO_ARCH."""
     hf = dict(hf_config) if isinstance(hf_config, Mapping) else hf_config.to_dict()
     model_type = hf.get("model_type")
     if model_type not in MODEL_TYPE_TO_ARCH:
@@ -73,6 +94,8 @@ def from_hf_config(hf_config: Mapping[str, Any] | Any) -> ModelConfig:
         fields = _gpt2_fields(hf)
     else:
         fields = _llama_like_fields(hf, arch)
+    if arch in MOE_ARCHS:
+        fields |= _moe_fields(hf, arch)
     heads, hidden = fields["num_attention_heads"], fields["hidden_size"]
     if fields.get("num_kv_heads") == heads:
         fields["num_kv_heads"] = None
@@ -137,9 +160,20 @@ def _llama_like_fields(hf: dict[str, Any], arch: str) -> dict[str, Any]:
                 "llmtrain's use_bias covers both"
             )
         defaults = {"eps": 1e-6, "theta": 10000.0, "tie": False, "max_pos": 2048, "head_dim": None}
-    else:
+    elif arch in ("ernie", "ernie_moe"):
         bias = hf.get("use_bias", False)
-        defaults = {"eps": 1e-5, "theta": 500000.0, "tie": True, "max_pos": 131072, "head_dim": 128}
+        head_dim = 128 if arch == "ernie" else None
+        defaults = {"eps": 1e-5, "theta": 500000.0, "tie": True, "max_pos": 131072, "head_dim": head_dim}
+    elif arch == "mixtral":
+        bias = False
+        defaults = {"eps": 1e-5, "theta": 1e6, "tie": False, "max_pos": 4096 * 32, "head_dim": None}
+    else:
+        if hf.get("attention_bias", False):
+            raise ModelFormatError(
+                "qwen3_moe attention_bias=True is not supported; llmtrain's qwen3_moe has no biases"
+            )
+        bias = False
+        defaults = {"eps": 1e-6, "theta": 10000.0, "tie": False, "max_pos": 32768, "head_dim": None}
     heads = hf.get("num_attention_heads", 32)
     return {
         "num_layers": hf.get("num_hidden_layers", 32),
@@ -156,6 +190,56 @@ def _llama_like_fields(hf: dict[str, Any], arch: str) -> dict[str, Any]:
         "init_std": hf.get("initializer_range", 0.02),
         "tie_word_embeddings": hf.get("tie_word_embeddings", defaults["tie"]),
         "use_bias": bias,
+    }
+
+
+def _moe_fields(hf: dict[str, Any], arch: str) -> dict[str, Any]:
+    model_type = hf["model_type"]
+    window = hf.get("sliding_window") if hf.get("use_sliding_window", arch == "mixtral") else None
+    if window is not None:
+        raise ModelFormatError(
+            f"{model_type} sliding_window={window} is not supported; llmtrain attends over the whole sequence"
+        )
+    # Mixtral names the expert count num_local_experts; transformers writes Qwen3-MoE's under that name too.
+    experts = hf.get("num_experts", hf.get("num_local_experts"))
+    fields = {
+        "num_experts": experts if experts is not None else (8 if arch == "mixtral" else 128),
+        "num_experts_per_tok": hf.get("num_experts_per_tok", 2 if arch == "mixtral" else 8),
+        "router_aux_loss_coef": float(hf.get("router_aux_loss_coef", 0.001)),
+    }
+    if arch == "ernie_moe":
+        return fields | _ernie_moe_fields(hf)
+    if arch == "mixtral":
+        if hf.get("router_jitter_noise", 0.0):
+            raise ModelFormatError(
+                f"mixtral router_jitter_noise={hf['router_jitter_noise']} is not supported; set it to 0"
+            )
+        return fields
+    return fields | {
+        "moe_ffn_hidden_size": hf.get("moe_intermediate_size", 768),
+        "norm_topk_prob": bool(hf.get("norm_topk_prob", False)),
+        "moe_layer_interval": hf.get("decoder_sparse_step", 1),
+        "dense_layers": sorted(hf.get("mlp_only_layers") or []),
+    }
+
+
+def _ernie_moe_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    if hf.get("moe_norm_min", NORM_MIN) != NORM_MIN:
+        raise ModelFormatError(
+            f"ernie4_5_moe moe_norm_min={hf['moe_norm_min']} is not supported; llmtrain uses {NORM_MIN}"
+        )
+    layers = hf.get("num_hidden_layers", 32)
+    end = hf.get("moe_layer_end_index", -1)
+    end = layers - 1 if end is None or end == -1 else end
+    return {
+        "num_experts": hf.get("moe_num_experts", hf.get("num_experts", 64)),
+        "num_experts_per_tok": hf.get("moe_k", hf.get("num_experts_per_tok", 6)),
+        "moe_ffn_hidden_size": hf.get("moe_intermediate_size", 1536),
+        "num_shared_experts": hf.get("moe_num_shared_experts") or 0,
+        "moe_layer_start": hf.get("moe_layer_start_index", 1),
+        "moe_layer_interval": hf.get("moe_layer_interval", 1),
+        # ERNIE's end index becomes the dense layers after it.
+        "dense_layers": list(range(end + 1, layers)),
     }
 
 
@@ -219,9 +303,82 @@ def to_hf_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[s
             "mlp_bias": cfg.bias,
             "attention_dropout": cfg.attention_dropout,
         }
-    else:
+    elif cfg.arch == "ernie":
         fields |= {"use_bias": cfg.bias}
+    elif cfg.arch == "ernie_moe":
+        fields |= _ernie_moe_hf_fields(cfg)
+    else:
+        fields |= _moe_hf_fields(cfg)
     return common | fields
+
+
+def _ernie_moe_hf_fields(cfg: ModelConfig) -> dict[str, Any]:
+    if not cfg.norm_topk_prob:
+        raise ModelFormatError(
+            "ERNIE-4.5-MoE in transformers always renormalises the top-k router probabilities; set "
+            "model.norm_topk_prob=true to convert this ernie_moe model"
+        )
+    # ERNIE has a last MoE layer (moe_layer_end_index) instead of a list of dense layers.
+    end = cfg.num_layers - 1
+    while end in cfg.dense_layers:
+        end -= 1
+    if set(cfg.dense_layers) != set(range(end + 1, cfg.num_layers)):
+        raise ModelFormatError(
+            f"model.dense_layers={cfg.dense_layers}: ERNIE-4.5-MoE in transformers can only make the last "
+            "layers dense (moe_layer_end_index); list a run of layers up to the last one, or none"
+        )
+    return {
+        "use_bias": False,
+        "moe_num_experts": cfg.num_experts,
+        "moe_k": cfg.num_experts_per_tok,
+        "moe_intermediate_size": cfg.expert_ffn_size,
+        "moe_num_shared_experts": cfg.num_shared_experts,
+        "moe_layer_start_index": cfg.moe_layer_start,
+        "moe_layer_interval": cfg.moe_layer_interval,
+        "moe_layer_end_index": end,
+        "moe_norm_min": NORM_MIN,
+        "router_aux_loss_coef": cfg.router_aux_loss_coef,
+        "output_router_logits": False,
+    }
+
+
+def _moe_hf_fields(cfg: ModelConfig) -> dict[str, Any]:
+    moe = {
+        "num_experts_per_tok": cfg.num_experts_per_tok,
+        "router_aux_loss_coef": cfg.router_aux_loss_coef,
+        # Inference default; training with transformers adds the aux loss once this is turned on.
+        "output_router_logits": False,
+        "attention_dropout": cfg.attention_dropout,
+    }
+    if cfg.arch == "mixtral":
+        if not cfg.norm_topk_prob:
+            raise ModelFormatError(
+                "Mixtral in transformers always renormalises the top-k router probabilities; set "
+                "model.norm_topk_prob=true to convert this mixtral model"
+            )
+        if not all(cfg.is_moe_layer(i) for i in range(cfg.num_layers)):
+            raise ModelFormatError(
+                "Mixtral in transformers has experts in every layer; set model.moe_layer_start=0, "
+                "model.moe_layer_interval=1 and model.dense_layers=[] to convert this mixtral model"
+            )
+        return moe | {
+            "num_local_experts": cfg.num_experts,
+            "intermediate_size": cfg.expert_ffn_size,
+            "sliding_window": None,
+            "router_jitter_noise": 0.0,
+        }
+    # Qwen3-MoE has no start index: the layers before moe_layer_start are listed as dense.
+    dense = sorted(set(cfg.dense_layers) | set(range(min(cfg.moe_layer_start, cfg.num_layers))))
+    return moe | {
+        "num_experts": cfg.num_experts,
+        "moe_intermediate_size": cfg.expert_ffn_size,
+        "norm_topk_prob": cfg.norm_topk_prob,
+        "decoder_sparse_step": cfg.moe_layer_interval,
+        "mlp_only_layers": dense,
+        "attention_bias": False,
+        "use_sliding_window": False,
+        "sliding_window": None,
+    }
 
 
 # ---------------------------------------------------------------- weight-name mapping
@@ -264,6 +421,116 @@ def _qkv_to_conv1d(ts: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def _rename(hf: str, ours: str) -> _Rule:
     return _Rule((hf,), (ours,), _same, _same)
+
+
+def _stack_gate_up(ts: list[torch.Tensor]) -> list[torch.Tensor]:
+    # ts: gate_0, up_0, gate_1, up_1, ...: expert e's rows are [gate_e; up_e].
+    return [torch.stack([torch.cat(ts[i : i + 2], dim=0) for i in range(0, len(ts), 2)])]
+
+
+def _unstack_gate_up(ts: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [t.contiguous() for expert in ts[0] for t in expert.chunk(2, dim=0)]
+
+
+def _stack(ts: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [torch.stack(ts)]
+
+
+def _unstack(ts: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [t.contiguous() for t in ts[0]]
+
+
+# Checkpoint names of one MoE layer's router and of expert e's (gate, up, down) projections.
+_MOE_HF_NAMES = {
+    "mixtral": (
+        "block_sparse_moe.gate.weight",
+        tuple(f"block_sparse_moe.experts.{{e}}.{w}.weight" for w in ("w1", "w3", "w2")),
+    ),
+    "qwen3_moe": (
+        "mlp.gate.weight",
+        tuple(f"mlp.experts.{{e}}.{p}_proj.weight" for p in ("gate", "up", "down")),
+    ),
+}
+_MOE_HF_NAMES["ernie_moe"] = _MOE_HF_NAMES["qwen3_moe"]
+# ERNIE's router score bias, shaped (1, experts), in the checkpoint and in transformers' memory.
+_SCORE_BIAS = "mlp.moe_statics.e_score_correction_bias"
+_SCORE_BIAS_IN_MEMORY = "mlp.gate.moe_statics.e_score_correction_bias"
+
+
+def _row(ts: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [ts[0].reshape(1, -1)]
+
+
+def _flat(ts: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [ts[0].reshape(-1)]
+
+
+def _moe_rules(cfg: ModelConfig, h: str, o: str) -> list[_Rule]:
+    router, (gate, up, down) = _MOE_HF_NAMES[cfg.arch]
+    experts = range(cfg.num_experts)
+    rules = []
+    if get_arch(cfg.arch).router_score_bias:
+        rules.append(_Rule((f"{h}{_SCORE_BIAS}",), (f"{o}mlp.router.score_bias",), _flat, _row))
+    if cfg.num_shared_experts:
+        s, t = f"{h}mlp.shared_experts.", f"{o}mlp.shared_experts."
+        rules += [
+            _Rule(
+                (f"{s}gate_proj.weight", f"{s}up_proj.weight"),
+                (f"{t}gate_up_proj.weight",),
+                _concat,
+                _splitter(2),
+            ),
+            _rename(f"{s}down_proj.weight", f"{t}down_proj.weight"),
+        ]
+    return rules + [
+        _rename(f"{h}{router}", f"{o}mlp.router.weight"),
+        _Rule(
+            tuple(f"{h}{name.format(e=e)}" for e in experts for name in (gate, up)),
+            (f"{o}mlp.experts.gate_up_proj",),
+            _stack_gate_up,
+            _unstack_gate_up,
+        ),
+        _Rule(
+            tuple(f"{h}{down.format(e=e)}" for e in experts),
+            (f"{o}mlp.experts.down_proj",),
+            _stack,
+            _unstack,
+        ),
+    ]
+
+
+_STACKED_MOE_KEY = re.compile(
+    r"(model\.layers\.\d+\.)mlp\.(gate\.weight|experts\.gate_up_proj|experts\.down_proj)"
+)
+
+
+def _from_stacked_experts(cfg: ModelConfig, hf_state: Tensors) -> Tensors:
+    """`hf_state` with transformers >= 5's in-memory MoE tensors (`mlp.gate.weight`,
+    `mlp.experts.gate_up_proj` (experts, 2 * ffn, hidden), `mlp.experts.down_proj`) under their checkpoint
+    names, one tensor per expert and projection; other tensors unchanged."""
+    if cfg.arch not in _MOE_HF_NAMES:
+        return hf_state
+    router, (gate, up, down) = _MOE_HF_NAMES[cfg.arch]
+    out: Tensors = {}
+    for key, value in hf_state.items():
+        match = _STACKED_MOE_KEY.fullmatch(key)
+        if key.endswith(_SCORE_BIAS_IN_MEMORY):
+            out[key.replace(_SCORE_BIAS_IN_MEMORY, _SCORE_BIAS)] = value
+            continue
+        if match is None:
+            out[key] = value
+            continue
+        h, what = match.groups()
+        if what == "gate.weight":
+            out[f"{h}{router}"] = value
+        elif what == "experts.gate_up_proj":
+            halves = iter(_unstack_gate_up([value]))
+            for e in range(value.shape[0]):
+                out[f"{h}{gate.format(e=e)}"] = next(halves)
+                out[f"{h}{up.format(e=e)}"] = next(halves)
+        else:
+            out.update((f"{h}{down.format(e=e)}", t) for e, t in enumerate(_unstack([value])))
+    return out
 
 
 def mapping(cfg: ModelConfig) -> list[_Rule]:
@@ -310,7 +577,12 @@ def mapping(cfg: ModelConfig) -> list[_Rule]:
             rules += [
                 _rename(f"{h}self_attn.{p}_proj.{k}", f"{o}attn.{p}_proj.{k}") for p in "qkvo" for k in kinds
             ]
+            if get_arch(cfg.arch).qk_norm:
+                rules += [_rename(f"{h}self_attn.{p}_norm.weight", f"{o}attn.{p}_norm.weight") for p in "qk"]
             rules.append(_rename(f"{h}post_attention_layernorm.weight", f"{o}post_attn_norm.weight"))
+            if cfg.is_moe_layer(i):
+                rules += _moe_rules(cfg, h, o)
+                continue
             rules += [
                 _Rule(
                     (f"{h}mlp.gate_proj.{k}", f"{h}mlp.up_proj.{k}"),
@@ -342,7 +614,7 @@ def hf_to_llmtrain_state(
         del hf_state[key]
     if cfg.tied_embeddings:
         hf_state.pop("lm_head.weight", None)  # a tied head duplicates the embedding
-    return _apply_rules(cfg, hf_state, source, to_hf=False)
+    return _apply_rules(cfg, _from_stacked_experts(cfg, hf_state), source, to_hf=False)
 
 
 def llmtrain_to_hf_state(

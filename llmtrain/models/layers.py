@@ -13,6 +13,7 @@ from torch import nn
 
 import kernels
 from llmtrain.config import ModelConfig
+from llmtrain.models.moe import MoEMLP
 from llmtrain.models.registry import ArchSpec
 
 Rope = tuple[torch.Tensor, torch.Tensor] | None
@@ -73,11 +74,15 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=cfg.bias)
         self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=cfg.bias)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=cfg.bias)
+        self.q_norm = RMSNorm(d, cfg.norm_eps, cfg.kernels) if spec.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.norm_eps, cfg.kernels) if spec.qk_norm else None
 
     def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
         if rope is not None:
             cos, sin = rope
@@ -101,11 +106,12 @@ class Attention(nn.Module):
 class GatedMLP(nn.Module):
     """SwiGLU MLP with the gate and up projections fused: gate_up_proj rows [0:ffn] gate, [ffn:2ffn] up."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, ffn_size: int | None = None) -> None:
         super().__init__()
         self.impl = cfg.kernels
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.ffn_size, bias=cfg.bias)
-        self.down_proj = nn.Linear(cfg.ffn_size, cfg.hidden_size, bias=cfg.bias)
+        ffn = ffn_size or cfg.ffn_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * ffn, bias=cfg.bias)
+        self.down_proj = nn.Linear(ffn, cfg.hidden_size, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -124,15 +130,23 @@ class GeluMLP(nn.Module):
         return self.down_proj(F.gelu(self.up_proj(x), approximate="tanh"))
 
 
+def make_mlp(spec: ArchSpec, cfg: ModelConfig, layer_index: int) -> GatedMLP | GeluMLP | MoEMLP:
+    """The MLP of block `layer_index`: routed experts where the config makes it an MoE layer."""
+    if cfg.is_moe_layer(layer_index):
+        shared = cfg.num_shared_experts * cfg.expert_ffn_size
+        return MoEMLP(spec, cfg, GatedMLP(cfg, shared) if shared else None)
+    return GatedMLP(cfg) if spec.mlp == "swiglu" else GeluMLP(cfg)
+
+
 class TransformerBlock(nn.Module):
     """Pre-norm block: x + attn(input_norm(x)), then x + mlp(post_attn_norm(x))."""
 
-    def __init__(self, spec: ArchSpec, cfg: ModelConfig) -> None:
+    def __init__(self, spec: ArchSpec, cfg: ModelConfig, layer_index: int) -> None:
         super().__init__()
         self.input_norm = make_norm(spec, cfg)
         self.attn = Attention(spec, cfg)
         self.post_attn_norm = make_norm(spec, cfg)
-        self.mlp = GatedMLP(cfg) if spec.mlp == "swiglu" else GeluMLP(cfg)
+        self.mlp = make_mlp(spec, cfg, layer_index)
         self.dropout = nn.Dropout(cfg.hidden_dropout)
 
     def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:

@@ -25,6 +25,10 @@ class ArchSpec:
     """A learned position table added to the token embeddings (GPT-2)."""
     rope_fp32: bool
     """cos/sin stay fp32 whatever the activation dtype (ERNIE) instead of being cast to it (LLaMA)."""
+    qk_norm: bool = False
+    """An RMSNorm over each query and key head before the rotary embedding (Qwen3)."""
+    router_score_bias: bool = False
+    """ERNIE-4.5-MoE router: fp32 scores, top-k chosen by probability plus a fixed per-expert bias."""
 
 
 ARCHS: dict[str, ArchSpec] = {}
@@ -57,5 +61,31 @@ register_arch(
 register_arch(
     ArchSpec(
         "ernie", norm="rmsnorm", mlp="swiglu", rotary="interleaved", learned_positions=False, rope_fp32=True
+    )
+)
+# Mixtures of experts: which layers are MoE and the expert sizes come from ModelConfig (llmtrain.models.moe).
+register_arch(
+    ArchSpec("mixtral", norm="rmsnorm", mlp="swiglu", rotary="half", learned_positions=False, rope_fp32=False)
+)
+register_arch(
+    ArchSpec(
+        "qwen3_moe",
+        norm="rmsnorm",
+        mlp="swiglu",
+        rotary="half",
+        learned_positions=False,
+        rope_fp32=False,
+        qk_norm=True,
+    )
+)
+register_arch(
+    ArchSpec(
+        "ernie_moe",
+        norm="rmsnorm",
+        mlp="swiglu",
+        rotary="interleaved",
+        learned_positions=False,
+        rope_fp32=True,
+        router_score_bias=True,
     )
 )

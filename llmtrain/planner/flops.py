@@ -9,7 +9,10 @@ layers run their forward once more (4 passes) while the logits do not, which giv
 
 Architecture facts that change the counts: grouped-query attention (k/v projections of kv_heads*head_dim),
 gated MLPs (gate and up projections: 3 matrices of h x ffn), LayerNorm (weight and bias, gpt) versus RMSNorm
-(weight only), learned position table (gpt), tied input/output embeddings.
+(weight only), learned position table (gpt), tied input/output embeddings. A mixture-of-experts layer counts
+the FLOPs its tokens run (router, top-k experts, shared experts) and holds every expert's parameters; the
+per-layer figures are those of a dense layer, MoE layers' differences going to the totals (the planner's
+layer-uniform memory model does not cover MoE, which runs unsplit only).
 """
 
 from __future__ import annotations
@@ -52,11 +55,18 @@ def layer_flops_per_token(model: ModelConfig, seq_length: int | None = None) -> 
         model.ffn_size,
     )
     mlp_mats = 3 if is_gated(model) else 2
+    mlp = 2.0 * mlp_mats * h * f
+    moe_layers = sum(model.is_moe_layer(i) for i in range(model.num_layers))
+    if moe_layers:
+        # The mean layer's: the router's scores, then the top-k and the shared experts' gated MLPs.
+        active = model.num_experts_per_tok + model.num_shared_experts
+        moe = 2.0 * h * model.num_experts + 2.0 * 3 * h * model.expert_ffn_size * active
+        mlp = (mlp * (model.num_layers - moe_layers) + moe * moe_layers) / model.num_layers
     return LayerFlops(
         qkv=2.0 * h * (a + 2 * kv) * d,
         attention_core=4.0 * s * a * d,
         out_proj=2.0 * a * d * h,
-        mlp=2.0 * mlp_mats * h * f,
+        mlp=mlp,
     )
 
 
@@ -109,10 +119,13 @@ class ParamCounts:
     head: int
     final_norm: int
     num_layers: int
+    moe_extra: int = 0
+    """What the MoE layers hold beyond a dense layer's per_layer (routers, experts, shared experts)."""
 
     @property
     def total(self) -> int:
-        return self.num_layers * self.per_layer + self.embedding + self.head + self.final_norm
+        body = self.num_layers * self.per_layer + self.moe_extra
+        return body + self.embedding + self.head + self.final_norm
 
 
 def parameter_counts(model: ModelConfig) -> ParamCounts:
@@ -134,7 +147,14 @@ def parameter_counts(model: ModelConfig) -> ParamCounts:
         mlp = 2 * h * f + (f + h if bias else 0)
     embedding = v * h + (model.max_positions * h if model.arch == "gpt" else 0)
     head = 0 if model.tied_embeddings else v * h
-    return ParamCounts(attn + mlp + 2 * norm, embedding, head, norm, model.num_layers)
+    # MoE: router, experts and shared experts (no biases) instead of the dense MLP; qwen3_moe's q/k norms.
+    experts = model.num_experts + model.num_shared_experts
+    moe_mlp = model.num_experts * h + 3 * h * model.expert_ffn_size * experts
+    moe_layers = sum(model.is_moe_layer(i) for i in range(model.num_layers))
+    qk_norm = 2 * d if model.arch == "qwen3_moe" else 0
+    return ParamCounts(
+        attn + mlp + 2 * norm + qk_norm, embedding, head, norm, model.num_layers, moe_layers * (moe_mlp - mlp)
+    )
 
 
 def num_parameters(model: ModelConfig) -> int:

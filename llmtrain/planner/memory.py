@@ -66,7 +66,7 @@ from llmtrain.planner.pipeline_time import peak_inflight_closed
 
 # llmtrain.models.init.BLOCK_NUMEL, the elements drawn at once by the initialisation; repeated here so the
 # planner needs no torch (tests/planner/test_memory_model.py checks the two agree).
-INIT_BLOCK_NUMEL = 1 << 20
+INIT_BLOCK_NUMEL = 1 << 16
 
 if TYPE_CHECKING:
     from llmtrain.planner.cost_model import Layout, Software
@@ -203,6 +203,30 @@ def weight_grad_inputs_per_layer(model: ModelConfig, tokens: int, act_bytes: int
     outputs = (qkv + h + up + h) / tp  # q/k/v, out-projection, gate/up, down
     inputs = 2 * h + (m.num_attention_heads * d + f) / tp
     return tokens * act_bytes * (outputs + inputs)
+
+
+def doubled_shard(model: ModelConfig, tp: int, group: int) -> float:
+    """Elements of the shard FSDP2's to_empty holds twice while materialising: the largest shard of a tied
+    weight or of a tensor whose first dimension (per TP rank) does not divide over `group`; 0 if none."""
+    h, d, v = model.hidden_size, model.head_size, model.vocab_size
+    q, kv = model.num_attention_heads * d, model.kv_heads * d
+    up = 2 * model.ffn_size if F.is_gated(model) else model.ffn_size
+    # (first dimension on a TP rank, elements of the rank's whole tensor): column-parallel weights split
+    # their rows, row-parallel ones (o_proj, down_proj) their columns; KV heads replicate below one per rank.
+    kv_rows = max(kv // tp, d)
+    tensors = [
+        (v // tp, v // tp * h),
+        (q // tp, q // tp * h),
+        (kv_rows, kv_rows * h),
+        (h, h * q // tp),
+        (up // tp, up // tp * h),
+        (h, h * model.ffn_size // tp),
+        (h, h),
+    ]
+    uneven = [numel for rows, numel in tensors if rows % group]
+    if model.tied_embeddings:
+        uneven.append(v // tp * h)
+    return max(uneven, default=0) / group
 
 
 def shard_group(layout: Layout) -> int:
@@ -355,13 +379,13 @@ def rank_memory(
             # partitions (host memory here, but on a CPU the same memory; measured at zero 2 on CPU).
             startup = 4 * total_params + e * params + (4 + software.grad_bytes) * params / shard_group(layout)
         elif software.sharded_init and layout.zero_stage >= 2:
-            # FSDP2 shards the meta model and the rank allocates only its fp32 shards; on top of them, at
-            # most one initialisation block drawn whole (llmtrain.models.init.BLOCK_NUMEL elements, or the
-            # largest tensor if smaller) or one shard that FSDP2's to_empty briefly holds twice. An upper
-            # bound: the measured extra lies between the two (see benchmarks/bench_memory.py).
-            startup = 4 * params / shard_group(layout) + 4 * max(
-                min(INIT_BLOCK_NUMEL, largest), largest / shard_group(layout)
-            )
+            # FSDP2 shards the meta model and the rank allocates only its fp32 shards; on top of them, one
+            # initialisation block drawn whole where a shard cuts it (llmtrain.models.init.BLOCK_NUMEL
+            # elements at most), and one shard FSDP2's to_empty briefly holds twice when a weight is tied
+            # or a shard is padded (its first dimension does not divide over the shard group).
+            group = shard_group(layout)
+            startup = 4 * params / group + 4 * min(INIT_BLOCK_NUMEL, largest)
+            startup += 4 * doubled_shard(model, tp, group)
         elif software.sharded_init:
             # The rank's own fp32 modules, materialised on it, alive while their values are copied into the
             # flat buffers.

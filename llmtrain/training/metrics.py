@@ -29,6 +29,8 @@ from llmtrain.training.metrics_file import METRICS_FILE
 from llmtrain.training.peak import Peak, device_peak
 
 # JSONL key -> TensorBoard tag; keys absent from an entry (or None) are not written.
+# Logged for a mixture of experts only (trainer.RouterFigures.metrics): this step's, from rank 0's routers.
+MOE_METRICS = ("aux_loss", "expert_load_max", "expert_load_mean")
 _TB_TAGS = {
     "loss": "train/loss",
     "loss_avg": "train/loss_avg",
@@ -46,6 +48,9 @@ _TB_TAGS = {
     "tflops_per_device": "perf/tflops_per_device",
     "mfu": "perf/mfu",
     "peak_memory_gb": "perf/peak_memory_gb",
+    "aux_loss": "moe/aux_loss",
+    "expert_load_max": "moe/expert_load_max",
+    "expert_load_mean": "moe/expert_load_mean",
     "eval_loss": "eval/loss",
     "eval_ppl": "eval/ppl",
 }
@@ -175,7 +180,8 @@ class MetricsLogger:
         skipped_steps (running count), skip_reason (why this step's update was skipped, or None), tokens
         and samples (whole job, this step), step_time and data_time (seconds), optional breakdown
         {section: seconds} from StepTimer.pop(), rank_step_times (every rank's compute time, by rank) and
-        rank_peak_memory / rank_startup_memory (every rank's measured peak bytes) with memory_source.
+        rank_peak_memory / rank_startup_memory (every rank's measured peak bytes) with memory_source, and
+        for a mixture of experts the MOE_METRICS of this step.
         """
         if not self.is_main:
             return
@@ -232,6 +238,7 @@ class MetricsLogger:
                 breakdown[name] = breakdown.get(name, 0.0) + seconds
         for name, seconds in breakdown.items():
             entry[f"time_{name}_s"] = seconds / len(window)
+        entry |= {key: current[key] for key in MOE_METRICS if key in current}
         self._emit(entry)
         self._print_line(entry)
 
@@ -302,6 +309,9 @@ class MetricsLogger:
             median_ms = 1e3 * e["rank_step_time_median_s"]
             slow = ", ".join(f"{rank} ({ratio:.1f}x)" for rank, ratio in e["slow_ranks"].items())
             parts.append(f"slow rank {slow} vs median {median_ms:.0f} ms")
+        if "aux_loss" in e:
+            load = e["expert_load_max"] / e["expert_load_mean"]
+            parts.append(f"aux {e['aux_loss']:.3f} | expert load max/mean {load:.2f}")
         parts.append(f"{_si(e['tokens_per_sec'])} tok/s")
         parts.append(f"{e['tflops_per_device']:.3g} TFLOP/s/dev")
         if e["mfu"] is not None:

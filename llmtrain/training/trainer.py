@@ -17,6 +17,7 @@ import torch.distributed as dist
 from llmtrain.config import JobConfig, to_dict
 from llmtrain.errors import UserError
 from llmtrain.faults import injected
+from llmtrain.models.moe import expert_load, load_balancing_loss
 from llmtrain.parallel import comm
 from llmtrain.training.interrupt import StopRequest, exit_code
 from llmtrain.training.lr_schedule import learning_rate
@@ -36,6 +37,25 @@ class StepRunner(Protocol):
         """Mean loss of `batch` without gradients."""
 
 
+@dataclass
+class RouterFigures:
+    """What a mixture-of-experts model's routers did in one train_step (on this rank)."""
+
+    aux_loss: torch.Tensor
+    """Mean over micro-batches of the load-balancing loss (before router_aux_loss_coef), 0-d."""
+    expert_load: torch.Tensor
+    """(MoE layers, experts) tokens routed to each expert over the step's micro-batches."""
+
+    def metrics(self) -> dict[str, float]:
+        """aux_loss, and expert_load_max / expert_load_mean: the busiest expert's tokens over all MoE layers
+        and the mean tokens per expert (their ratio is 1 when the routers balance perfectly)."""
+        return {
+            "aux_loss": float(self.aux_loss),
+            "expert_load_max": float(self.expert_load.max()),
+            "expert_load_mean": float(self.expert_load.mean()),
+        }
+
+
 class LocalStepRunner:
     """Gradient accumulation over micro-batches for a model that lives whole on this pipeline rank."""
 
@@ -52,21 +72,41 @@ class LocalStepRunner:
         self.micro_batch_size = micro_batch_size
         self.grad_sync = grad_sync
         self.device = torch.device(device)
+        self.router_figures: RouterFigures | None = None
+        """The last train_step's RouterFigures; None for a dense model."""
 
     def train_step(self, batch: torch.Tensor, timer: StepTimer) -> torch.Tensor:
         self.model.train()
         micro_batches = batch.to(self.device).split(self.micro_batch_size)
         # Summed on the device: one host sync per step (the trainer's), not one per micro-batch.
         total = torch.zeros((), dtype=torch.float32, device=self.device)
+        figures: list[RouterFigures] = []
         for index, micro in enumerate(micro_batches):
             # Data-parallel gradient reduction only runs with the last micro-batch's backward.
             with self.grad_sync(self.model, enabled=index == len(micro_batches) - 1):
                 with timer.section("forward"):
                     loss = self.model(micro[:, :-1], labels=micro[:, 1:])
+                    figures += self._router_figures()
                 with timer.section("backward"):
                     self.optimizer.backward(loss / len(micro_batches))
             total += loss.detach().float()
+        self.router_figures = (
+            RouterFigures(
+                torch.stack([f.aux_loss for f in figures]).mean(), sum(f.expert_load for f in figures)
+            )
+            if figures
+            else None
+        )
         return total / len(micro_batches)
+
+    def _router_figures(self) -> list[RouterFigures]:
+        """The RouterFigures of the forward that just ran, detached; [] for a dense model."""
+        stats = self.model.router_stats() if hasattr(self.model, "router_stats") else []
+        if not stats:
+            return []
+        with torch.no_grad():
+            aux = load_balancing_loss(stats, self.model.config.num_experts)
+        return [RouterFigures(aux, expert_load(stats))]
 
     @torch.no_grad()
     def eval_step(self, batch: torch.Tensor) -> torch.Tensor:
@@ -305,6 +345,7 @@ class Trainer:
             time.sleep(float(slow.params.get("seconds", "1")))
         lr = learning_rate(train, self.step)
         loss = self.runner.train_step(batch, self.timer)
+        router = getattr(self.runner, "router_figures", None)
         local_loss = _with_loss_faults(self._host_float(loss, self._tp_or_local, "step loss"), step, rank)
         # This rank's own time: the waits for the others start with the gradient reduction below.
         compute_time = time.perf_counter() - start
@@ -356,6 +397,8 @@ class Trainer:
             "step_time": time.perf_counter() - start,
             "data_time": data_time,
             "breakdown": self.timer.pop(),
+            # This rank's routers (a mixture of experts only): one data-parallel replica's view of the step.
+            **(router.metrics() if router is not None else {}),
         }
 
     def _diverged(self) -> TrainingDiverged:

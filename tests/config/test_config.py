@@ -68,7 +68,7 @@ def test_dump_round_trips(tmp_path):
         ("train.stesp=3", "did you mean train.steps"),
         ("modle.num_layers=3", "did you mean model"),
         ("model.num_layers=two", "model.num_layers must be an integer"),
-        ("model.arch=bert", "model.arch must be one of gpt, llama, ernie"),
+        ("model.arch=bert", "model.arch must be one of gpt, llama, ernie, mixtral, qwen3_moe, ernie_moe"),
         ("parallel.sequence_parallel=3", "must be true or false"),
         ("model.num_kv_heads=3", "num_attention_heads=4 is not divisible by model.num_kv_heads=3"),
         ("model.hidden_size=250", "hidden_size=250 is not divisible by model.num_attention_heads"),
@@ -84,6 +84,53 @@ def test_dump_round_trips(tmp_path):
 def test_bad_values_name_field_and_fix(override, expected):
     with pytest.raises(ConfigError, match=expected.replace("[", r"\[").replace("]", r"\]")):
         load(None, [override])
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["parallel.tp=2"], "does not support parallel.tp=2 yet; use parallel.tp=1"),
+        (["parallel.pp=2"], "does not support parallel.pp=2 yet; use parallel.pp=1"),
+        (
+            ["parallel.zero_stage=2"],
+            "does not support parallel.zero_stage=2 yet; use parallel.zero_stage 0 or 1",
+        ),
+        (["parallel.zero_stage=3"], "does not support parallel.zero_stage=3 yet"),
+        (
+            ["parallel.engine=deepspeed", "parallel.zero_stage=1"],
+            "does not support parallel.engine=deepspeed",
+        ),
+        (["train.precision=fp8"], "does not support train.precision=fp8 yet"),
+        (["model.recompute=full"], "does not support model.recompute=full yet"),
+    ],
+)
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "ernie_moe"])
+def test_moe_rejects_layouts_it_does_not_support(arch, overrides, expected):
+    """The experts run on one device for now: layouts that split or shard the model fail at config time."""
+    with pytest.raises(ConfigError, match=re.escape(f"model.arch={arch} (mixture of experts) {expected}")):
+        load(None, [f"model.arch={arch}", *overrides])
+    # The same layouts (but DeepSpeed, which may not be installed) stay fine for a dense model.
+    dense = [o for o in overrides if not o.startswith("parallel.engine")]
+    assert load(None, ["model.arch=llama", *dense]).model.arch == "llama"
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (
+            ["model.num_experts=3", "model.num_experts_per_tok=5"],
+            "num_experts_per_tok=5 exceeds model.num_experts=3",
+        ),
+        (["model.moe_layer_interval=0"], "model.moe_layer_interval must be at least 1"),
+        (["model.num_experts_per_tok=0"], "model.num_experts_per_tok must be at least 1"),
+        (["model.arch=qwen3_moe", "model.num_shared_experts=1"], "qwen3_moe has no shared experts"),
+        (["model.use_bias=true"], "set model.use_bias=false"),
+        (["model.dense_layers=[4]"], "model.dense_layers names layer 4, outside 0..3"),
+    ],
+)
+def test_bad_moe_fields_name_the_field(overrides, expected):
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        load(None, ["model.arch=mixtral", *overrides])
 
 
 def test_pipeline_chunks_need_layers():

@@ -1,8 +1,9 @@
 """Whole models with model.kernels=triton vs the same weights with kernels=torch and vs transformers.
 
 References: the PyTorch kernel path (kernels/reference.py) and transformers' GPT2LMHeadModel,
-LlamaForCausalLM and Ernie4_5ForCausalLM (tests/models/hf_models.py), in fp32. Tolerance 2e-5 absolute and
-relative: the Triton kernels reorder fp32 sums (online softmax, blocked reductions), nothing more.
+LlamaForCausalLM, Ernie4_5ForCausalLM and Qwen3MoeForCausalLM (tests/models/hf_models.py), in fp32.
+Tolerance 2e-5 absolute and relative: the Triton kernels reorder fp32 sums (online softmax, blocked
+reductions), nothing more.
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ import kernels.rotary
 from llmtrain.models import from_hf_config
 from llmtrain.models.hf import hf_to_llmtrain_state, model_from_state
 from tests.kernels.conftest import DEVICE
-from tests.models.hf_models import hf_model
+from tests.models.hf_models import MOE_ARCHS, hf_model
 
 TOL = dict(atol=2e-5, rtol=2e-5)
-# One GQA config per architecture (index 0), plus ERNIE's MQA one: the interpreter is slow.
-CASES = [("gpt", 0), ("llama", 0), ("ernie", 0), ("ernie", 2)]
+# One GQA config per dense architecture (index 0), plus ERNIE's MQA one, and Qwen3-MoE (its q/k norms run
+# the RMSNorm kernel on 4-D heads, its experts the SwiGLU kernel on row slices): the interpreter is slow.
+CASES = [("gpt", 0), ("llama", 0), ("ernie", 0), ("ernie", 2), ("qwen3_moe", 0)]
 
 
 def _run(model, ids, labels):
@@ -66,7 +68,8 @@ def test_triton_kernels_match_torch_kernels_and_transformers(arch: str, index: i
     )
     assert expected_calls <= set(calls), f"Triton kernels not reached: {expected_calls - set(calls)}"
     torch_logits, torch_loss, torch_grads = _run(ours["torch"], ids, labels)
-    out = ref(input_ids=ids, labels=ids)  # transformers shifts the labels inside
+    # transformers shifts the labels inside; a mixture of experts adds its load-balancing loss, as ours does.
+    out = ref(input_ids=ids, labels=ids, **({"output_router_logits": True} if arch in MOE_ARCHS else {}))
     out.loss.backward()
     hf_grads = hf_to_llmtrain_state(cfg, {n: p.grad for n, p in ref.named_parameters()})
 

@@ -24,7 +24,9 @@ from llmtrain.models import (
     RMSNorm,
     build,
     fill_region,
+    init_kinds,
 )
+from llmtrain.models.moe import MoEMLP
 
 SMALL = dict(
     num_layers=2, hidden_size=48, num_attention_heads=6, vocab_size=101, ffn_hidden_size=40, seq_length=10
@@ -55,8 +57,16 @@ def test_module_tree_follows_the_contract(arch: str) -> None:
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
             assert isinstance(getattr(attn, name), nn.Linear)
             assert (getattr(attn, name).bias is not None) == (arch == "gpt")
+        assert (attn.q_norm is not None) == (attn.k_norm is not None) == (arch == "qwen3_moe")
         if arch == "gpt":
             assert isinstance(block.mlp, GeluMLP) and block.mlp.up_proj.out_features == 40
+        elif cfg.is_moe:
+            # Experts stacked: gate_up (experts, 2 * ffn, hidden), down (experts, hidden, ffn); no biases.
+            assert isinstance(block.mlp, MoEMLP)
+            assert block.mlp.router.weight.shape == (8, 48)
+            assert block.mlp.experts.gate_up_proj.shape == (8, 80, 48)
+            assert block.mlp.experts.down_proj.shape == (8, 48, 40)
+            continue
         else:
             assert isinstance(block.mlp, GatedMLP) and block.mlp.gate_up_proj.out_features == 80
         assert block.mlp.down_proj.in_features == 40
@@ -65,12 +75,40 @@ def test_module_tree_follows_the_contract(arch: str) -> None:
     assert model(ids, labels=ids).shape == ()
 
 
+@pytest.mark.parametrize(
+    ("overrides", "moe_layers"),
+    [
+        (dict(), [0, 1, 2, 3, 4]),
+        (dict(moe_layer_interval=2), [1, 3]),
+        (dict(moe_layer_start=1, moe_layer_interval=2, dense_layers=[3]), [1]),
+        (dict(moe_layer_start=2, moe_ffn_hidden_size=24, num_experts=3), [2, 3, 4]),
+    ],
+)
+def test_moe_layers_follow_start_interval_and_dense_layers(overrides: dict, moe_layers: list[int]) -> None:
+    """Layer i is MoE when i >= moe_layer_start, (i + 1) % moe_layer_interval == 0 and i is not in
+    dense_layers (transformers' Qwen3-MoE / ERNIE-4.5-MoE rule); dense layers keep ffn_hidden_size."""
+    cfg = _cfg("qwen3_moe", num_layers=5, **overrides)
+    with torch.device("meta"):
+        model = build(cfg)
+    assert [i for i, b in enumerate(model.layers) if isinstance(b.mlp, MoEMLP)] == moe_layers
+    for i, block in enumerate(model.layers):
+        if i in moe_layers:
+            ffn = overrides.get("moe_ffn_hidden_size", 40)
+            assert block.mlp.experts.down_proj.shape == (overrides.get("num_experts", 8), 48, ffn)
+        else:
+            assert isinstance(block.mlp, GatedMLP) and block.mlp.down_proj.in_features == 40
+    kinds = init_kinds(model)
+    moe = model.layers[moe_layers[0]].mlp
+    assert {kinds[id(p)] for p in moe.parameters()} == {"normal"}
+    assert kinds[id(model.layers[0].attn.q_norm.weight)] == "ones"
+
+
 def _documented_init(name: str, shape: tuple[int, ...], seed: int, std: float) -> torch.Tensor:
     """The normal init as llmtrain.models.init documents it, written out independently: blocks of
-    max(1, 2**20 // row size) rows, each drawn whole from a generator seeded with the first 8 bytes
+    max(1, 2**16 // row size) rows, each drawn whole from a generator seeded with the first 8 bytes
     (little-endian) of blake2b("<seed>/<name>/<block>")."""
     row = math.prod(shape[1:])
-    per_block = max(1, 2**20 // row)
+    per_block = max(1, 2**16 // row)
     blocks = []
     for b, start in enumerate(range(0, shape[0], per_block)):
         digest = hashlib.blake2b(f"{seed}/{name}/{b}".encode(), digest_size=8).digest()
@@ -103,14 +141,14 @@ def test_init_is_a_function_of_seed_name_and_row_block(arch: str) -> None:
 
 
 def test_init_spans_several_blocks_with_the_requested_statistics() -> None:
-    """An embedding of 4096 x 768 (blocks of 1365, 1365, 1365 and 1 rows): the documented draw, mean 0
+    """An embedding of 4096 x 768 (48 blocks of 85 rows and one of 16): the documented draw, mean 0
     and std init_std (3.1M samples: standard errors 1.1e-5 of the mean and 8e-6 of the std at std 0.02,
     bounds of 1e-4 are 9 and 12 of them), and no two blocks repeat a stream."""
     cfg = ModelConfig(arch="llama", num_layers=1, hidden_size=768, num_attention_heads=12, vocab_size=4096)
     w = build(cfg, seed=3).embed_tokens.weight.detach()
     assert torch.equal(w, _documented_init("embed_tokens.weight", (4096, 768), 3, 0.02))
     assert abs(w.mean().item()) < 1e-4 and abs(w.std().item() - 0.02) < 1e-4
-    assert not torch.equal(w[:100], w[1365:1465]) and not torch.equal(w[:100], w[2730:2830])
+    assert not torch.equal(w[:80], w[85:165]) and not torch.equal(w[:80], w[4080:4096].repeat(5, 1))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -176,6 +214,24 @@ def test_rope_returns_none_for_gpt_and_position_ids_match_lengths() -> None:
 def test_bad_configs_name_the_field(overrides: dict[str, int], field: str) -> None:
     with pytest.raises(ConfigError, match=field):
         build(_cfg("llama", **overrides))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        (
+            dict(num_experts=3, num_experts_per_tok=4),
+            "model.num_experts_per_tok=4 exceeds model.num_experts=3",
+        ),
+        (dict(num_experts=0), "model.num_experts must be at least 1"),
+        (dict(use_bias=True), "model.use_bias=false"),
+        (dict(dense_layers=[2]), "model.dense_layers names layer 2"),
+        (dict(recompute="full"), "model.recompute none or selective"),
+    ],
+)
+def test_bad_moe_configs_name_the_field(overrides: dict[str, object], field: str) -> None:
+    with pytest.raises(ConfigError, match=field):
+        build(_cfg("mixtral", **overrides))
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))

@@ -85,6 +85,44 @@ def test_mfu_gpt_matches_megatron_closed_form_on_published_row(tmp_path):
     assert entry["tokens_per_sec"] == pytest.approx(B * s / step_time)
 
 
+def test_moe_router_metrics_reach_jsonl_and_console(tmp_path):
+    """aux_loss and the expert load are logged when the step has them (a mixture of experts) and absent
+    otherwise, so a dense run's metrics.jsonl keeps its keys."""
+    job = job_for(tmp_path, steps=2, interval=1, arch="mixtral", num_experts=3)
+    job.logging.tensorboard = False
+    stream = io.StringIO()
+    logger = MetricsLogger(job, True, 1.0, 1, stream=stream)
+    logger.log_step(1, step_values(1, aux_loss=2.5, expert_load_max=30.0, expert_load_mean=20.0))
+    logger.log_step(2, step_values(2))
+    logger.close()
+    first, second = read_jsonl(job)
+    assert (first["aux_loss"], first["expert_load_max"], first["expert_load_mean"]) == (2.5, 30.0, 20.0)
+    assert not {"aux_loss", "expert_load_max", "expert_load_mean"} & set(second)
+    assert "aux 2.500 | expert load max/mean 1.50" in stream.getvalue().splitlines()[0]
+
+
+def test_moe_flops_count_the_routed_experts_only(tmp_path):
+    """Qwen3-MoE with a dense first layer: an MoE layer's MLP runs its router, then top-k experts of
+    moe_ffn_hidden_size; the dense layer its ffn_hidden_size MLP. Counted by hand against llama's."""
+    h, f, fe, experts, k, layers = 64, 96, 24, 7, 3, 3
+    sizes = dict(num_layers=layers, hidden_size=h, num_attention_heads=4, vocab_size=300, ffn_hidden_size=f)
+    dense = job_for(tmp_path, steps=1, arch="llama", **sizes).model
+    moe = job_for(
+        tmp_path,
+        steps=1,
+        arch="qwen3_moe",
+        num_experts=experts,
+        num_experts_per_tok=k,
+        moe_ffn_hidden_size=fe,
+        dense_layers=[0],
+        **sizes,
+    ).model
+    dense_mlp = 2 * 3 * h * f
+    moe_mlp = 2 * h * experts + k * 2 * 3 * h * fe  # router scores + k gated experts
+    expected = model_flops_per_token(dense) + 3 * (layers - 1) * (moe_mlp - dense_mlp)
+    assert model_flops_per_token(moe) == pytest.approx(expected, rel=1e-12)
+
+
 def test_mfu_llama_gqa_counted_by_hand(tmp_path):
     """LLaMA with grouped-query attention and a gated MLP, each matmul counted by hand (2 FLOPs per MAC)."""
     h, heads, kv, d, f, V, s, layers = 256, 8, 2, 32, 704, 1000, 64, 3

@@ -246,12 +246,22 @@ def test_wall_clock_interval_saves_between_step_intervals(
 
 
 def test_model_parameter_count_matches_the_module() -> None:
-    """The startup block's count (planner.flops.num_parameters) against the built module, for each arch."""
+    """The startup block's count (planner.flops.num_parameters) against the built module's trainable
+    parameters (ERNIE-MoE's router score bias is frozen), for each arch, MoE layouts with dense layers too."""
     from llmtrain.planner.flops import num_parameters
 
-    for arch in ("gpt", "llama", "ernie"):
-        model = load(CONFIG, [*TINY, f"model.arch={arch}"]).model
-        assert num_parameters(model) == sum(p.numel() for p in build(model).parameters()), arch
+    moe = ["model.num_layers=3", "model.num_experts=5", "model.moe_ffn_hidden_size=24"]
+    for arch, extra in [
+        ("gpt", []),
+        ("llama", []),
+        ("ernie", []),
+        ("mixtral", moe),
+        ("qwen3_moe", [*moe, "model.dense_layers=[1]", "model.num_experts_per_tok=3"]),
+        ("ernie_moe", [*moe, "model.moe_layer_start=1", "model.num_shared_experts=2"]),
+    ]:
+        model = load(CONFIG, [*TINY, f"model.arch={arch}", *extra]).model
+        trainable = sum(p.numel() for p in build(model).parameters() if p.requires_grad)
+        assert num_parameters(model) == trainable, arch
 
 
 @pytest.mark.slow

@@ -50,6 +50,45 @@ def test_gradient_accumulation_equals_one_big_batch():
         torch.testing.assert_close(p.grad, reference[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_moe_step_reports_aux_loss_and_expert_load():
+    """The training loss of a mixture of experts is cross-entropy + router_aux_loss_coef * aux loss; the
+    runner reports the micro-batches' mean aux loss and the tokens each expert got (top-k per token)."""
+    job = load(
+        "configs/ernie.yaml", [*TINY, "model.vocab_size=128", "model.arch=mixtral", "model.num_experts=3"]
+    )
+    torch.manual_seed(0)
+    model = build(job.model)
+    batch = torch.randint(0, 128, (8, 33))
+    runner = LocalStepRunner(model, _AutogradOptimizer(), micro_batch_size=4, grad_sync=grad_sync)
+    loss = runner.train_step(batch, StepTimer(enabled=False))
+    figures = runner.router_figures
+    assert figures.expert_load.shape == (2, 3)
+    assert figures.expert_load.sum(dim=1).tolist() == [8 * 32 * 2] * 2  # every token reaches its top-2
+    aux, ce = [], []
+    with torch.no_grad():
+        for micro in batch.split(4):
+            logits = model(micro[:, :-1])
+            aux.append(model.aux_loss())
+            ce.append(torch.nn.functional.cross_entropy(logits.flatten(0, 1), micro[:, 1:].flatten()))
+    torch.testing.assert_close(figures.aux_loss, torch.stack(aux).mean())
+    expected = torch.stack(ce).mean() + job.model.router_aux_loss_coef * torch.stack(aux).mean()
+    torch.testing.assert_close(loss, expected)
+    metrics = figures.metrics()
+    assert metrics["expert_load_mean"] == pytest.approx(8 * 32 * 2 / 3)
+    assert metrics["expert_load_mean"] <= metrics["expert_load_max"] <= 8 * 32
+
+
+@pytest.mark.slow
+def test_moe_run_logs_router_metrics(tmp_path):
+    run(
+        tiny_job(tmp_path, "model.arch=mixtral", "model.num_experts=3", "train.steps=2", "logging.interval=1")
+    )
+    train = [e for e in read_metrics(tmp_path) if "eval_loss" not in e]
+    assert [e["step"] for e in train] == [1, 2]
+    for entry in train:
+        assert entry["aux_loss"] > 0 and entry["expert_load_max"] >= entry["expert_load_mean"] > 0
+
+
 @pytest.mark.slow
 def test_run_writes_metrics_and_learns(tmp_path):
     result = run(tiny_job(tmp_path, "train.steps=12", "logging.interval=5", "train.eval_interval=6"))
