@@ -657,6 +657,7 @@ def _die(rank: int, exc: BaseException, stream: TextIO | None) -> None:
         # A peer that ended after its hang report breaks this rank's collective: a consequence, not the
         # cause. The watchdog thread is writing this rank's report and ends the process when it is done.
         print(f"[rank {rank}] {type(exc).__name__} after the hang reported above: {exc}", file=sys.stderr)
+        _ignore_sigterm()  # again: unwinding to here may have restored a handler (training's StopRequest)
         time.sleep(2 * GATHER_S + 5)
         os._exit(HANG_EXIT_CODE)
     print(format_failure(rank, exc), file=stream if stream is not None else sys.stderr, flush=True)

@@ -22,14 +22,17 @@ def _init(rank: int, world: int, port: int) -> None:
 
 
 def straggler(rank: int, world: int, port: int, timeout_s: float) -> None:
-    """Rank 1 sleeps inside the all-reduce every other rank waits in."""
-    _init(rank, world, port)
-    watchdog = Watchdog(timeout_s, rank, world).start()
-    grads = torch.ones(4)
-    with watchdog.waiting("dp", "all_reduce", detail="grad bucket 0"):
-        if rank == 1:
-            time.sleep(GROUP_TIMEOUT_S)
-        dist.all_reduce(grads)
+    """Rank 1 sleeps inside the all-reduce every other rank waits in. fail_fast, as the trainer has it: the
+    first rank to exit after its report breaks the others' all-reduce, an error that must not end them
+    before their own reports (it would exit 1 instead of 124)."""
+    with fail_fast(rank):
+        _init(rank, world, port)
+        watchdog = Watchdog(timeout_s, rank, world).install().start()  # installed: fail_fast sees it
+        grads = torch.ones(4)
+        with watchdog.waiting("dp", "all_reduce", detail="grad bucket 0"):
+            if rank == 1:
+                time.sleep(GROUP_TIMEOUT_S)
+            dist.all_reduce(grads)
 
 
 def crash(rank: int, world: int, port: int) -> None:

@@ -71,8 +71,13 @@ def test_one_rank_of_four_hangs_before_a_collective(tmp_path):
         assert f"[watchdog rank {r}/4] every rank (4 of 4 reported their progress):" in text[r]
         assert f"[watchdog rank {r}/4]   ranks 0-1,3: in all_reduce #3 on group 'dp' ({size}; " in text[r]
         assert f"[watchdog rank {r}/4] report: {reports / f'rank{r}.txt'}" in proc.stderr
-    # Every rank ended itself through the watchdog (torchrun lists each worker's exit code).
-    assert proc.stderr.count("exitcode  : 124") == 4, proc.stderr[-3000:]
+    # Every rank wrote its whole report (above); the watchdog then ends it with 124. torchrun lists each
+    # worker's code; once the first exits it SIGTERMs the rest, and a rank still unwinding its
+    # broken collective (a handler restored on the way) may end by that SIGTERM a moment before its own
+    # exit, its report already written: the launcher's doing, so -15 is accepted beside 124. The first
+    # rank to end is always the watchdog's (124): no other code and no SIGTERM before any report.
+    codes = re.findall(r"exitcode  : (-?\d+)", proc.stderr)
+    assert len(codes) == 4 and set(codes) <= {"124", "-15"} and "124" in codes, proc.stderr[-3000:]
 
     # PyTorch's record: ranks 0, 1, 3 are inside the dp group's third all-reduce of 598,336 floats
     # (2.3 MiB), rank 2 never started it.
