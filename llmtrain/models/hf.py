@@ -22,7 +22,7 @@ import re
 import secrets
 import shutil
 import stat
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -419,6 +419,16 @@ def _qkv_to_conv1d(ts: list[torch.Tensor]) -> list[torch.Tensor]:
     return [torch.cat(ts, dim=0).t().contiguous()]
 
 
+def _gated_mlp_rules(hf: str, ours: str, kinds: Sequence[str]) -> list[_Rule]:
+    """A gated MLP under prefixes `hf` / `ours`: HF's gate_proj and up_proj fused into our gate_up_proj
+    (concatenated in that order), down_proj renamed; for each of `kinds` (weight, bias)."""
+    fused = [
+        _Rule((f"{hf}gate_proj.{k}", f"{hf}up_proj.{k}"), (f"{ours}gate_up_proj.{k}",), _concat, _splitter(2))
+        for k in kinds
+    ]
+    return fused + [_rename(f"{hf}down_proj.{k}", f"{ours}down_proj.{k}") for k in kinds]
+
+
 def _rename(hf: str, ours: str) -> _Rule:
     return _Rule((hf,), (ours,), _same, _same)
 
@@ -473,15 +483,7 @@ def _moe_rules(cfg: ModelConfig, h: str, o: str) -> list[_Rule]:
         rules.append(_Rule((f"{h}{_SCORE_BIAS}",), (f"{o}mlp.router.score_bias",), _flat, _row))
     if cfg.num_shared_experts:
         s, t = f"{h}mlp.shared_experts.", f"{o}mlp.shared_experts."
-        rules += [
-            _Rule(
-                (f"{s}gate_proj.weight", f"{s}up_proj.weight"),
-                (f"{t}gate_up_proj.weight",),
-                _concat,
-                _splitter(2),
-            ),
-            _rename(f"{s}down_proj.weight", f"{t}down_proj.weight"),
-        ]
+        rules += _gated_mlp_rules(s, t, ("weight",))
     return rules + [
         _rename(f"{h}{router}", f"{o}mlp.router.weight"),
         _Rule(
@@ -583,16 +585,7 @@ def mapping(cfg: ModelConfig) -> list[_Rule]:
             if cfg.is_moe_layer(i):
                 rules += _moe_rules(cfg, h, o)
                 continue
-            rules += [
-                _Rule(
-                    (f"{h}mlp.gate_proj.{k}", f"{h}mlp.up_proj.{k}"),
-                    (f"{o}mlp.gate_up_proj.{k}",),
-                    _concat,
-                    _splitter(2),
-                )
-                for k in kinds
-            ]
-            rules += [_rename(f"{h}mlp.down_proj.{k}", f"{o}mlp.down_proj.{k}") for k in kinds]
+            rules += _gated_mlp_rules(f"{h}mlp.", f"{o}mlp.", kinds)
         rules.append(_rename("model.norm.weight", "final_norm.weight"))
     if not cfg.tied_embeddings:
         rules.append(_rename("lm_head.weight", "lm_head.weight"))
