@@ -110,7 +110,8 @@ class CausalLM(nn.Module):
         """
         loss = kernels.cross_entropy(logits, labels, tp_group=self.loss_tp_group, impl=self.config.kernels)
         coef = self.config.router_aux_loss_coef
-        if self.training and coef > 0 and self.router_stats():
+        # Dense models first: pipeline chunks call this on a shell that is no Module (MoE has no pp yet).
+        if self.config.is_moe and coef > 0 and self.training and self.router_stats():
             loss = loss + coef * self.aux_loss()
         return loss
 

@@ -105,7 +105,7 @@ def test_damaged_metadata_is_named(checkpoint: Path) -> None:
     step = checkpoint / "checkpoints" / "step_1"
     meta = json.loads((step / "meta.json").read_text())
     with pytest.raises(CheckpointError, match="records a model config this version does not know"):
-        saved_model_config(step, {**meta, "model": {**meta["model"], "num_experts": 8}})
+        saved_model_config(step, {**meta, "model": {**meta["model"], "a_field_from_a_newer_version": 8}})
     (step / "meta.json").write_text("{not json")
     with pytest.raises(CheckpointError, match=r"meta.json is missing or corrupt .*load an earlier step_<N>"):
         read_meta(step)
