@@ -160,35 +160,29 @@ def _plain_fsdp2(job: JobConfig, reshard_after_forward: bool) -> Variant:
     for block in model.layers:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, reshard_after_forward=False)
-    t = job.train
-    opt = torch.optim.AdamW(
-        _adamw_groups(model, t.weight_decay), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps
-    )
-
-    def step(batch: torch.Tensor) -> None:
-        opt.zero_grad()
-        model(batch[:, :-1], batch[:, 1:]).backward()
-        nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
-        opt.step()
-
-    return step, _nothing_in_flight, lambda: _state_bytes(opt)
+    return _torch_adamw(model, model, job, fused=False)
 
 
 def _ddp(job: JobConfig, topo: Topology) -> Variant:
     model = _fresh_model(job)
-    ddp = nn.parallel.DistributedDataParallel(model)
+    return _torch_adamw(nn.parallel.DistributedDataParallel(model), model, job, fused=True)
+
+
+def _torch_adamw(wrapped: nn.Module, model: nn.Module, job: JobConfig, fused: bool) -> Variant:
+    """A step as torch's own users write it: `wrapped` (DDP or the FSDP2 model itself) forward and backward,
+    clip_grad_norm_ and torch's AdamW over `model`'s parameters (fused where they are plain tensors)."""
     t = job.train
     opt = torch.optim.AdamW(
         _adamw_groups(model, t.weight_decay),
         lr=t.lr,
         betas=(t.adam_beta1, t.adam_beta2),
         eps=t.adam_eps,
-        fused=True,
+        fused=fused,
     )
 
     def step(batch: torch.Tensor) -> None:
         opt.zero_grad()
-        ddp(batch[:, :-1], batch[:, 1:]).backward()
+        wrapped(batch[:, :-1], batch[:, 1:]).backward()
         nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
         opt.step()
 
