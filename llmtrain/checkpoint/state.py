@@ -130,7 +130,10 @@ def tp_layout(name: str, tensor: torch.Tensor, tp: int, tp_rank: int) -> ParamLa
 
 
 def _dp_rank(topo: Any) -> int:
-    return getattr(topo, "dp_rank", 0) if topo is not None else 0
+    """This rank's index among the replicas of its parameters: DP ranks, and CP ranks inside them."""
+    if topo is None:
+        return 0
+    return getattr(topo, "dp_cp_rank", getattr(topo, "dp_rank", 0))
 
 
 def model_entries(params: dict[str, ModelTensor], topo: Any) -> dict[str, GlobalTensor]:

@@ -19,6 +19,7 @@ LrDecay = Literal["cosine", "linear", "constant"]
 OnSaveError = Literal["continue", "stop"]
 Engine = Literal["llmtrain", "deepspeed"]
 Offload = Literal["none", "optimizer", "optimizer+params"]
+CpComm = Literal["ring", "all_to_all"]
 
 MOE_ARCHS = ("mixtral", "qwen3_moe", "ernie_moe")
 """The architectures whose MLPs are (partly) mixtures of experts (llmtrain.models.moe)."""
@@ -143,7 +144,11 @@ class ParallelConfig:
     pp: int = 1
     """Pipeline-parallel degree (splits the layers into stages)."""
     dp: int | None = None
-    """Data-parallel degree; null means world_size / (tp * pp)."""
+    """Data-parallel degree; null means world_size / (tp * cp * pp)."""
+    cp: int = 1
+    """Context-parallel degree: each sequence split over cp ranks, two mirrored chunks each (balanced)."""
+    cp_comm: CpComm = "ring"
+    """Context-parallel attention: ring (K/V passed around) or all_to_all (Ulysses, heads scattered)."""
     sequence_parallel: bool = False
     """Shard activations outside attention/MLP along the sequence (needs tp > 1 to have an effect)."""
     zero_stage: int = 0
@@ -157,7 +162,7 @@ class ParallelConfig:
     balance_stages: bool = True
     """Split layers over pipeline stages by FLOPs, the output layer counted on the last (false: evenly)."""
     order: str = "tp-dp-pp"
-    """Rank order of the parallel dimensions, innermost first."""
+    """Rank order of the parallel dimensions, innermost first; cp, unless named, sits just inside dp."""
     dp_bucket_mb: float = 25.0
     """Size of a data-parallel gradient-reduction bucket in MiB."""
     overlap_param_gather: bool = True

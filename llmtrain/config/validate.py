@@ -66,6 +66,7 @@ def validate(job: JobConfig) -> None:
     )
     raise_if_problem(tensor_parallel_problem(m, p.tp, p.sequence_parallel))
     raise_if_problem(pipeline_problem(m.num_layers, p.pp, p.virtual_stages, p.schedule))
+    raise_if_problem(context_parallel_problem(job))
     raise_if_problem(float8_problem(job))
 
     _require(t.steps >= 1, f"train.steps must be at least 1; got {t.steps}")
@@ -438,6 +439,57 @@ def pipeline_problem(num_layers: int, pp: int, virtual_stages: int = 1, schedule
     return ""
 
 
+def context_parallel_problem(job: JobConfig) -> str:
+    """Why the sequence cannot be split over parallel.cp context-parallel ranks, naming the field and the fix
+    ("" if it can, or cp is 1). The one statement of these rules (llmtrain.parallel.context_parallel)."""
+    m, p = job.model, job.parallel
+    cp = p.cp
+    if cp < 1:
+        return f"parallel.cp must be at least 1; got {cp}"
+    if cp == 1:
+        return ""
+    if m.seq_length % (2 * cp):
+        return (
+            f"model.seq_length={m.seq_length} is not divisible by 2 * parallel.cp = {2 * cp} (each CP rank "
+            f"holds two mirrored chunks of the sequence); make seq_length a multiple of {2 * cp} or change cp"
+        )
+    if p.sequence_parallel and (m.seq_length // cp) % p.tp:
+        return (
+            f"parallel.sequence_parallel shards each CP rank's {m.seq_length // cp} tokens (model.seq_length "
+            f"/ parallel.cp) over parallel.tp={p.tp}; make seq_length a multiple of cp * tp = {cp * p.tp}"
+        )
+    heads = m.num_attention_heads // max(p.tp, 1)
+    if p.cp_comm == "all_to_all" and heads % cp:
+        return (
+            f"parallel.cp_comm=all_to_all scatters the attention heads over parallel.cp={cp} ranks, but "
+            f"model.num_attention_heads={m.num_attention_heads} gives {heads} per tensor-parallel rank "
+            f"(parallel.tp={p.tp}); choose a cp dividing {heads}, or parallel.cp_comm=ring"
+        )
+    if p.cp_comm == "ring" and m.kernels == "triton":
+        return (
+            "model.kernels=triton: ring attention (parallel.cp > 1, parallel.cp_comm=ring) needs each "
+            "block's log-sum-exp and block offsets, which the Triton flash-attention kernel does not give "
+            "yet; use model.kernels=auto or torch (ring attention runs in PyTorch), or "
+            "parallel.cp_comm=all_to_all"
+        )
+    if m.attention_dropout > 0:
+        return (
+            f"model.attention_dropout={m.attention_dropout}: context-parallel attention (parallel.cp={cp}) "
+            "has no attention dropout; set model.attention_dropout=0 or parallel.cp=1"
+        )
+    unsupported = [
+        (m.is_moe, f"model.arch={m.arch} (mixture of experts)", "a dense arch"),
+        (p.zero_stage >= 2, f"parallel.zero_stage={p.zero_stage}", "parallel.zero_stage 0 or 1"),
+        (p.engine == "deepspeed", "parallel.engine=deepspeed", "parallel.engine=llmtrain"),
+        (job.train.precision == "fp8", "train.precision=fp8", "train.precision bf16 or fp32"),
+        (p.auto, "parallel.auto=true (the planner does not know cp yet)", "explicit degrees"),
+    ]
+    for is_set, setting, fix in unsupported:
+        if is_set:
+            return f"parallel.cp={cp} (context parallelism) does not support {setting} yet; use {fix} or cp=1"
+    return ""
+
+
 def zero_problem(p: ParallelConfig) -> str:
     """Why the zero stage cannot run with the rest of the layout ("" when it can)."""
     if p.dp_shard is not None and p.dp_shard < 1:
@@ -457,29 +509,34 @@ def zero_problem(p: ParallelConfig) -> str:
 
 
 def rank_order(p: ParallelConfig) -> list[str]:
-    """parallel.order as a list of dimensions, innermost first; it must name tp, dp and pp once each."""
+    """parallel.order as a list of dimensions, innermost first; it must name tp, dp and pp once each, and may
+    name cp. An unnamed cp goes just inside dp: a CP group's ranks sit between a TP group's and a DP group's
+    (tp-dp-pp reads as tp-cp-dp-pp)."""
     named = p.order.split("-")
     _require(
-        sorted(named) == ["dp", "pp", "tp"],
-        f"parallel.order must name tp, dp and pp once each, innermost first (e.g. tp-dp-pp); got {p.order!r}",
+        sorted(named) in (["dp", "pp", "tp"], ["cp", "dp", "pp", "tp"]),
+        f"parallel.order must name tp, dp and pp once each (and cp at most once), innermost first "
+        f"(e.g. tp-dp-pp or tp-cp-dp-pp); got {p.order!r}",
     )
+    if "cp" not in named:
+        named.insert(named.index("dp"), "cp")
     return named
 
 
 def resolve_dp(p: ParallelConfig, world_size: int) -> int:
     """The data-parallel degree for `world_size` processes, checking that the degrees multiply out."""
-    model_parallel = p.tp * p.pp
+    model_parallel = p.tp * p.cp * p.pp
     if p.dp is None:
         _require(
             world_size % model_parallel == 0,
-            f"world size {world_size} is not divisible by parallel.tp * parallel.pp = {model_parallel}; "
-            "launch a multiple of that many processes or change the degrees",
+            f"world size {world_size} is not divisible by parallel.tp * parallel.cp * parallel.pp = "
+            f"{model_parallel}; launch a multiple of that many processes or change the degrees",
         )
         return world_size // model_parallel
     _require(
         model_parallel * p.dp == world_size,
-        f"parallel.tp * parallel.pp * parallel.dp = {p.tp}*{p.pp}*{p.dp} = {model_parallel * p.dp} "
-        f"but the job runs on {world_size} processes; "
+        f"parallel.tp * parallel.cp * parallel.pp * parallel.dp = {p.tp}*{p.cp}*{p.pp}*{p.dp} = "
+        f"{model_parallel * p.dp} but the job runs on {world_size} processes; "
         "make the product equal the world size (or set parallel.dp=null)",
     )
     return p.dp

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -33,6 +35,9 @@ class CausalLM(nn.Module):
         self.final_norm = make_norm(self.spec, cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.loss_tp_group = None
+        # Context parallelism (set by llmtrain.parallel.context_parallel.apply_cp): splits whole sequences'
+        # inputs into this rank's chunks (split_inputs) and sums the loss over the split (reduce_loss).
+        self.context: Any = None
         self.tie_weights()
         # cos/sin per (seq_len, device, dtype): recomputing them every step costs as much as a small kernel.
         self._rope_cache: dict[tuple[int, str, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -109,6 +114,8 @@ class CausalLM(nn.Module):
         cross-entropy alone, comparable with dense models.
         """
         loss = kernels.cross_entropy(logits, labels, tp_group=self.loss_tp_group, impl=self.config.kernels)
+        if self.context is not None:  # this rank's tokens are part of each sequence: the whole one's mean
+            loss = self.context.reduce_loss(loss, labels)
         coef = self.config.router_aux_loss_coef
         # Dense models first: pipeline chunks call this on a shell that is no Module (MoE has no pp yet).
         if self.config.is_moe and coef > 0 and self.training and self.router_stats():
@@ -132,7 +139,10 @@ class CausalLM(nn.Module):
         labels: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Logits (b, s, vocab), or the scalar loss when `labels` (b, s) are given."""
+        """Logits (b, s, vocab), or the scalar loss when `labels` (b, s) are given. Under context parallelism
+        the inputs are whole sequences and the logits this rank's part of them (model.context)."""
+        if self.context is not None:
+            input_ids, labels, position_ids = self.context.split_inputs(input_ids, labels, position_ids)
         x = self.embed(input_ids, position_ids)
         rope = self.rope(input_ids.shape[1] if position_ids is None else position_ids, x.device, x.dtype)
         for layer in self.layers:

@@ -116,6 +116,21 @@ def reduce_scatter_single(
     )
 
 
+def all_to_all_single(
+    output: torch.Tensor, input: torch.Tensor, group: Any = None, async_op: bool = False, detail: str = ""
+) -> Pending | None:
+    """all_to_all_single with equal splits along dim 0 (piece i goes to the group's rank i), numbered and
+    watched."""
+    return _collective(
+        "all_to_all",
+        group,
+        input,
+        detail,
+        async_op,
+        lambda: dist.all_to_all_single(output, input, group=group, async_op=async_op),
+    )
+
+
 def broadcast(
     tensor: torch.Tensor, src: int, group: Any = None, async_op: bool = False, detail: str = ""
 ) -> Pending | None:

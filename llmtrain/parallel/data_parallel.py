@@ -71,8 +71,12 @@ class GradBuffers:
     ) -> None:
         self.dtype = torch_dtype(precision)
         self.topo = topo
-        self.dp = topo.dp
-        self.dp_group = topo.dp_group
+        # Context-parallel ranks hold the same parameters as DP replicas, each the gradient of its part of
+        # the sequences' loss: reduced (and ZeRO-1 sharded) over cp x dp, summed over cp and averaged over dp.
+        self.dp = topo.dp_cp
+        self.dp_group = topo.dp_cp_group
+        self.mean_over = topo.dp
+        self.shard_index = topo.dp_cp_rank
         self.zero_stage = zero_stage
         # On gloo (17 MB, dp=2, 2 CPU cores) reduce_scatter_tensor takes 23 ms and all_gather_into_tensor
         # 17 ms, against 6 ms for sending one shard to each peer, so there zero_stage 1 reduce-scatters
@@ -195,8 +199,8 @@ class GradBuffers:
             bucket.received = [torch.empty_like(self.shard(grad, bucket)) for _ in range(self.dp - 1)]
             bucket.handle = self._exchange_shards(grad, bucket, 2 * bucket.index + 1, bucket.received)
             return
-        # Pre-divide so the sum is the mean over DP ranks (gloo has no AVG).
-        grad.div_(self.dp)
+        # Pre-divide so the sum is the mean over DP ranks (gloo has no AVG); CP ranks' parts add up.
+        grad.div_(self.mean_over)
         if self.zero_stage == 1:
             shard = self.shard(grad, bucket)
             bucket.handle = [
@@ -208,7 +212,7 @@ class GradBuffers:
     def shard(self, flat_bucket: torch.Tensor, bucket: Bucket) -> torch.Tensor:
         """This DP rank's slice of a bucket-sized tensor."""
         size = bucket.shard_size
-        return flat_bucket[self.topo.dp_rank * size : (self.topo.dp_rank + 1) * size]
+        return flat_bucket[self.shard_index * size : (self.shard_index + 1) * size]
 
     def finish(self, launch: bool = True) -> None:
         """Launch the buckets still waiting (unused parameters) and wait for every reduction."""
@@ -224,7 +228,7 @@ class GradBuffers:
                 shard = self.shard(self.grad_buffer[bucket.start : bucket.end], bucket)
                 for theirs in bucket.received:
                     shard.add_(theirs)
-                shard.div_(self.dp)
+                shard.div_(self.mean_over)
                 bucket.received = None
 
     def all_gather_params(self) -> None:
@@ -259,10 +263,11 @@ class GradBuffers:
         Reduce-scatter: send each peer its shard of ``flat`` and receive the peers' copies of this rank's
         shard into ``into``."""
         ops = []
-        peers = [r for r in range(self.dp) if r != self.topo.dp_rank]
-        for i, dp_rank in enumerate(peers):
-            peer = self.topo.rank_of(dp_rank=dp_rank)
-            theirs = flat[dp_rank * bucket.shard_size : (dp_rank + 1) * bucket.shard_size]
+        ranks = self.topo.dp_cp_ranks()
+        peers = [r for r in range(self.dp) if r != self.shard_index]
+        for i, index in enumerate(peers):
+            peer = ranks[index]
+            theirs = flat[index * bucket.shard_size : (index + 1) * bucket.shard_size]
             if into is None:
                 send, recv = self.shard(flat, bucket), theirs
             else:
@@ -290,7 +295,7 @@ class GradBuffers:
             if self.zero_stage == 0:
                 lo, hi = bucket.start, bucket.end
             else:
-                lo = bucket.start + self.topo.dp_rank * bucket.shard_size
+                lo = bucket.start + self.shard_index * bucket.shard_size
                 hi = lo + bucket.shard_size
             for p in bucket.params:
                 start, end = self.offsets[p], self.offsets[p] + p.numel()

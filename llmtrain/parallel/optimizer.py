@@ -302,7 +302,7 @@ class ModelOptimizer(LossScaledOptimizer):
         buffers.fp32_init = None
         # zero_stage 0: every DP replica holds the same full gradient, so the norm is summed over the
         # model-parallel ranks only (none at all for pure DP); zero_stage 1: over everyone's shards.
-        if buffers.zero_stage == 1 and topo.dp > 1:
+        if buffers.zero_stage == 1 and buffers.dp > 1:
             self._norm_group, self._norm_ranks = None, topo.world_size
         else:
             self._norm_group, self._norm_ranks = topo.mp_group, topo.tp * topo.pp

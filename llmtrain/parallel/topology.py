@@ -1,4 +1,10 @@
-"""The process grid: which global rank holds which (tp, dp, pp) coordinate, and the groups along each axis."""
+"""The process grid: which global rank holds which (tp, cp, dp, pp) coordinate, and the groups along each
+axis.
+
+Context-parallel ranks (cp) split each sequence; they hold the same parameters as data-parallel replicas do,
+so gradients are reduced, and ZeRO-1 shards the optimizer, over the cp x dp group (`dp_cp_group`). Unless
+parallel.order names cp, it sits just inside dp: with the default tp-dp-pp the numbering is tp-cp-dp-pp.
+"""
 
 from __future__ import annotations
 
@@ -14,10 +20,11 @@ from llmtrain.config.schema import ParallelConfig, TrainConfig
 from llmtrain.config.validate import rank_order, resolve_dp
 from llmtrain.parallel.watchdog import Watchdog
 
-# Dimensions the grid knows about. cp (context) and ep (expert) have size 1 until the config grows fields for
-# them; they already take part in the rank arithmetic so adding them later changes no caller.
+# Dimensions the grid knows about. ep (expert) has size 1 until the config grows a field for it; it already
+# takes part in the rank arithmetic so adding it later changes no caller.
 DIMS = ("tp", "cp", "ep", "dp", "pp")
-GROUP_NAMES = {("tp", "pp"): "mp"}  # how reports call a group spanning several dimensions (Megatron's name)
+# How reports call a group spanning several dimensions (Megatron's names).
+GROUP_NAMES = {("tp", "pp"): "mp", ("cp", "dp"): "dp+cp"}
 
 
 class Topology:
@@ -42,7 +49,13 @@ class Topology:
         self.rank = rank
         # What this rank waits on and the collectives it issued; the launcher starts its hang thread.
         self.watchdog = Watchdog(hang_timeout_s, rank, world_size, report_dir=report_dir)
-        self.sizes: dict[str, int] = {"tp": parallel.tp, "cp": 1, "ep": 1, "dp": dp, "pp": parallel.pp}
+        self.sizes: dict[str, int] = {
+            "tp": parallel.tp,
+            "cp": parallel.cp,
+            "ep": 1,
+            "dp": dp,
+            "pp": parallel.pp,
+        }
         # Unnamed size-1 dimensions go innermost; they do not change the numbering of the named ones.
         self.order: list[str] = [d for d in DIMS if d not in named] + named
         self.strides: dict[str, int] = {}
@@ -63,7 +76,10 @@ class Topology:
             # llmtrain.parallel.comm numbers this process's collectives in this watchdog.
             self.watchdog.install()
             self.watchdog.name_group(None, "world")
-            for dims in (("tp",), ("dp",), ("pp",), ("tp", "pp")):
+            dims_list = [("tp",), ("dp",), ("pp",), ("tp", "pp")]
+            if self.sizes["cp"] > 1:
+                dims_list += [("cp",), ("cp", "dp")]
+            for dims in dims_list:
                 self._groups[dims] = self._new_groups(dims)
                 self.watchdog.name_group(self._groups[dims], GROUP_NAMES.get(dims, "+".join(dims)))
 
@@ -110,14 +126,44 @@ class Topology:
 
     # Plain attributes of the contract, derived from the grid.
     tp = property(lambda self: self.sizes["tp"])
+    cp = property(lambda self: self.sizes["cp"])
     pp = property(lambda self: self.sizes["pp"])
     dp = property(lambda self: self.sizes["dp"])
     tp_rank = property(lambda self: self.coords["tp"])
+    cp_rank = property(lambda self: self.coords["cp"])
     pp_rank = property(lambda self: self.coords["pp"])
     dp_rank = property(lambda self: self.coords["dp"])
     tp_group = property(lambda self: self._groups.get(("tp",)))
+    cp_group = property(lambda self: self._groups.get(("cp",)))
     pp_group = property(lambda self: self._groups.get(("pp",)))
     dp_group = property(lambda self: self._groups.get(("dp",)))
+    dp_cp = property(lambda self: self.sizes["dp"] * self.sizes["cp"])
+    """Ranks holding the same parameters (data-parallel replicas and context-parallel ranks)."""
+
+    @property
+    def dp_cp_group(self) -> Any:
+        """The group gradients are reduced over: cp x dp (the dp group itself when cp is 1)."""
+        return self._groups.get(("cp", "dp")) if self.cp > 1 else self.dp_group
+
+    def dp_cp_ranks(self) -> list[int]:
+        """Global ranks of this rank's cp x dp group, in the group's own rank order (sorted)."""
+        return sorted(self._rank_with(cp=c, dp=d) for c in range(self.cp) for d in range(self.dp))
+
+    @property
+    def dp_cp_rank(self) -> int:
+        """This rank's index in dp_cp_ranks(): which ZeRO-1 shard it owns."""
+        return self.dp_cp_ranks().index(self.rank)
+
+    @property
+    def next_cp_rank(self) -> int:
+        """Global rank of the next context-parallel rank on the ring (wrapping around)."""
+        return self._rank_with(cp=(self.cp_rank + 1) % self.cp)
+
+    @property
+    def prev_cp_rank(self) -> int:
+        """Global rank of the previous context-parallel rank on the ring (wrapping around)."""
+        return self._rank_with(cp=(self.cp_rank - 1) % self.cp)
+
     mp_group = property(lambda self: self._groups.get(("tp", "pp")))
     is_first_stage = property(lambda self: self.coords["pp"] == 0)
     is_last_stage = property(lambda self: self.coords["pp"] == self.sizes["pp"] - 1)
@@ -146,5 +192,5 @@ class Topology:
 
     def __repr__(self) -> str:
         dims = " ".join(f"{d}={self.sizes[d]}/{self.coords[d]}" for d in DIMS if self.sizes[d] > 1)
-        order = "-".join(self.order[-3:])
+        order = "-".join(d for d in self.order if d in ("tp", "dp", "pp") or self.sizes[d] > 1)
         return f"Topology(rank={self.rank}/{self.world_size} order={order} {dims or 'single'})"

@@ -486,5 +486,5 @@ def build_pipeline(
     per_rank = t.global_batch_size // topo.dp
     schedule = build_schedule(p.schedule, topo.pp, per_rank // t.micro_batch_size, p.virtual_stages)
     shape = activation_shape(t.micro_batch_size, job.model.seq_length, job.model.hidden_size, topo.tp,
-                             p.sequence_parallel)  # fmt: skip
+                             p.sequence_parallel, topo.cp)  # fmt: skip
     return stages, PipelineExecutor(stages, schedule, topo, shape, torch_dtype(t.precision))

@@ -36,6 +36,7 @@ class _ModelShell:
         self.config = model.config
         self.spec = model.spec
         self.loss_tp_group = model.loss_tp_group
+        self.context = model.context  # context parallelism's split (None without it)
         self._rope_cache: dict = {}
         # apply_tp may have replaced the loss by a vocabulary-parallel one: bind the same function here.
         self.loss = types.MethodType(model.loss.__func__, self)
@@ -69,18 +70,26 @@ class StageModule(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Token ids (b, s) on the first stage, hidden states otherwise -> hidden states, or logits on the
         last stage."""
+        context, positions = self.shell.context, None
         if self.is_first:
+            if context is not None:  # whole sequences in, this CP rank's chunks on
+                x, _, positions = context.split_inputs(x, None, None)
             seq = x.shape[1]
-            x = CausalLM.embed(self, x)  # type: ignore[arg-type]  # uses embed_tokens/positions/dropout only
+            x = CausalLM.embed(self, x, positions)  # type: ignore[arg-type]  # embed_tokens/positions/dropout
         else:
             seq = x.shape[1] * self.seq_shards  # sequence-parallel hidden states hold 1/tp of the sequence
-        rope = self.shell.rope(seq, x.device, x.dtype)
+            if context is not None:
+                positions = context.positions(seq, x.device)
+        rope = self.shell.rope(seq if positions is None else positions, x.device, x.dtype)
         for layer in self.layers.values():
             x = layer(x, rope)
         return self.lm_head(self.final_norm(x)) if self.is_last else x
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """The model's loss (mean fp32 cross-entropy over labels != -100, vocabulary-parallel under TP)."""
+        """The model's loss (mean fp32 cross-entropy over labels != -100, vocabulary-parallel under TP) of
+        whole sequences' `labels`: under context parallelism the logits are this rank's chunks of them."""
+        if self.shell.context is not None:
+            labels = self.shell.context.local(labels)
         return self.shell.loss(logits, labels)
 
 
@@ -121,14 +130,17 @@ class PipelineStages(nn.Module):
 
 
 def _tied_pair_group(topo: Topology) -> Any:
-    """The group {first stage, last stage} of this rank's (tp, dp) coordinate; every rank joins the calls."""
+    """The group {first stage, last stage} of this rank's (tp, cp, dp) coordinate; every rank joins the
+    calls."""
     mine = None
     for tp_rank in range(topo.tp):
-        for dp_rank in range(topo.dp):
-            pair = [topo.rank_of(tp_rank=tp_rank, dp_rank=dp_rank, pp_rank=p) for p in (0, topo.pp - 1)]
-            group = dist.new_group(pair)
-            if topo.rank in pair:
-                mine = group
+        for cp_rank in range(topo.cp):
+            for dp_rank in range(topo.dp):
+                at = dict(tp_rank=tp_rank, cp_rank=cp_rank, dp_rank=dp_rank)
+                pair = [topo.rank_of(**at, pp_rank=p) for p in (0, topo.pp - 1)]
+                group = dist.new_group(pair)
+                if topo.rank in pair:
+                    mine = group
     return mine
 
 
@@ -181,9 +193,16 @@ def build_stages(
 
 
 def activation_shape(
-    micro_batch_size: int, seq_length: int, hidden_size: int, tp: int = 1, sequence_parallel: bool = False
+    micro_batch_size: int,
+    seq_length: int,
+    hidden_size: int,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    cp: int = 1,
 ) -> tuple[int, int, int]:
-    """Shape of the hidden states passed between stages: (b, s, h), s / tp with sequence parallelism."""
+    """Shape of the hidden states passed between stages: (b, s / cp, h), divided by tp again with sequence
+    parallelism."""
+    seq = seq_length // cp
     if sequence_parallel:
-        raise_if_problem(sequence_parallel_problem(seq_length, tp))
-    return (micro_batch_size, seq_length // tp if sequence_parallel else seq_length, hidden_size)
+        raise_if_problem(sequence_parallel_problem(seq, tp))
+    return (micro_batch_size, seq // tp if sequence_parallel else seq, hidden_size)

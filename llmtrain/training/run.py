@@ -175,7 +175,9 @@ def startup_block(job: JobConfig, topo: Topology, launch: Launch) -> str:
         ),
         (
             "layout",
-            f"tp {topo.tp} x pp {topo.pp} x dp {topo.dp} = {topo.world_size} "
+            f"tp {topo.tp} x "
+            + (f"cp {topo.cp} ({p.cp_comm}) x " if topo.cp > 1 else "")
+            + f"pp {topo.pp} x dp {topo.dp} = {topo.world_size} "
             f"{'process' if topo.world_size == 1 else 'processes'}, "
             f"zero stage {p.zero_stage}"
             + (f", engine deepspeed (offload {p.offload})" if p.engine == "deepspeed" else "")

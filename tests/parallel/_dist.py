@@ -19,6 +19,7 @@ from llmtrain import models
 from llmtrain.config import JobConfig, ModelConfig
 from llmtrain.parallel import (
     Topology,
+    apply_cp,
     apply_recompute,
     apply_tp,
     build_optimizer,
@@ -99,6 +100,7 @@ def parallel_run(
     if pipelined:
         # parallelize without apply_dp, which build_optimizer installs on the stages.
         apply_tp(model, topo, job.parallel.sequence_parallel, job.train.seed)
+        apply_cp(model, topo, job.parallel.cp_comm)
         apply_recompute(model, job.model.recompute)
         model, executor = build_pipeline(model, topo, job)
     else:

@@ -1,0 +1,425 @@
+"""Context parallelism: each sequence split over the cp ranks, attention across the split, one loss.
+
+Layout. A sequence of S tokens is cut into 2*cp chunks of S/(2*cp); CP rank r holds chunks r and 2*cp-1-r,
+in that order. Under a causal mask the early chunks attend to little and the late ones to much, so every
+rank gets the same amount of work. Token ids, labels and position ids follow the split
+(`ContextSplit.split_inputs`, called by CausalLM.forward and the first pipeline stage), so rotary and learned
+positions see each token's original position. Every CP rank of a data-parallel replica reads the same
+samples; the split is a view of them, made where the model takes its inputs.
+
+Attention (each block's `attn.core` is replaced, as apply_tp and apply_recompute replace it):
+
+* ``ring``: K/V travel around the CP ring by point-to-point transfers (batch_isend_irecv), each transfer
+  overlapped with attention on the K/V block in hand. Each (query chunk, key chunk) pair is fully visible,
+  fully masked (skipped) or diagonal (causal); the partial outputs are merged by their log-sum-exp. The
+  backward recomputes each block's probabilities from the final log-sum-exp and passes dK/dV around the
+  ring with the K/V they belong to, so they arrive home after cp transfers. Plain PyTorch, any backend.
+* ``all_to_all`` (Ulysses): an all-to-all scatters the heads and gathers the sequence, each rank runs causal
+  attention over the whole sequence for cp-th of the heads, and the reverse all-to-all brings its tokens
+  back. Grouped-query K/V with fewer heads than cp ranks are replicated up to a multiple of cp first.
+
+Loss. Each rank's mean cross-entropy over its tokens is weighted by its share of the labelled tokens of the
+micro-batch, and the shares are summed over the CP group in forward (identity in backward): every CP rank
+holds the loss of the whole sequence, and the gradient of its own part. GradBuffers sums the parts over cp
+while averaging over dp (the cp x dp group of llmtrain.parallel.topology).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import kernels
+from llmtrain.parallel import comm
+from llmtrain.parallel.topology import Topology
+
+FULL, DIAGONAL, MASKED = "full", "diagonal", "masked"
+
+
+def chunk_ids(cp: int, rank: int) -> tuple[int, int]:
+    """The two chunks (of 2*cp) CP rank `rank` holds: r and its mirror 2*cp-1-r."""
+    return rank, 2 * cp - 1 - rank
+
+
+def local_positions(seq: int, cp: int, rank: int, device: Any = None) -> torch.Tensor:
+    """Original positions of the tokens CP rank `rank` holds of a sequence of `seq` tokens."""
+    c = seq // (2 * cp)
+    return torch.cat([torch.arange(i * c, (i + 1) * c, device=device) for i in chunk_ids(cp, rank)])
+
+
+def split_sequence(x: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.Tensor:
+    """CP rank `rank`'s two chunks of `x` along `dim` (a whole sequence), concatenated."""
+    if x.shape[dim] % (2 * cp):
+        raise ValueError(
+            f"a sequence of {x.shape[dim]} tokens does not split into 2 * cp = {2 * cp} equal chunks; "
+            "make model.seq_length a multiple of 2 * parallel.cp"
+        )
+    chunks = x.chunk(2 * cp, dim)
+    return torch.cat([chunks[i] for i in chunk_ids(cp, rank)], dim)
+
+
+def merge_sequence(parts: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
+    """The whole sequence from every CP rank's split_sequence, in rank order (the inverse of the split)."""
+    cp = len(parts)
+    halves = [p.chunk(2, dim) for p in parts]
+    ordered = [halves[i][0] for i in range(cp)] + [halves[i][1] for i in reversed(range(cp))]
+    return torch.cat(ordered, dim)
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """Forward: the sum over `group`; backward: the gradient of this rank's own term (identity)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        total = x.clone()
+        comm.all_reduce(total, group=group, detail="context-parallel loss")
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+@dataclass(eq=False)
+class ContextSplit:
+    """This rank's place in the context-parallel split and the group attention and the loss talk over."""
+
+    cp: int
+    """Context-parallel degree."""
+    rank: int
+    """This rank's index in the CP group."""
+    group: Any
+    """The CP process group."""
+    next_rank: int
+    """Global rank K/V are sent to (the next CP rank on the ring)."""
+    prev_rank: int
+    """Global rank K/V are received from (the previous CP rank on the ring)."""
+    comm: str = "ring"
+    """ring or all_to_all (parallel.cp_comm)."""
+
+    def local(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's chunks of a whole sequence `x` along `dim`."""
+        return split_sequence(x, self.cp, self.rank, dim)
+
+    def positions(self, local_seq: int, device: Any = None) -> torch.Tensor:
+        """Original positions of this rank's `local_seq` tokens (of a sequence cp times as long)."""
+        return local_positions(local_seq * self.cp, self.cp, self.rank, device)
+
+    def split_inputs(
+        self, input_ids: torch.Tensor, labels: torch.Tensor | None, position_ids: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """This rank's token ids (b, s/cp), labels and 1-D position ids (the original ones) of whole
+        sequences (b, s); `position_ids` None means 0..s-1."""
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
+        local_labels = self.local(labels) if labels is not None else None
+        return self.local(input_ids), local_labels, self.local(position_ids, dim=-1)
+
+    def reduce_loss(self, loss: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+        """The mean loss of the whole sequences from this rank's mean over its (local) `labels`: each rank's
+        mean weighted by its share of the labelled tokens, summed over the CP group."""
+        count = (labels != ignore_index).sum().to(torch.float32)
+        total = count.clone()
+        comm.all_reduce(total, group=self.group, detail="context-parallel label count")
+        # A rank without labelled tokens has a NaN mean (0/0) and adds nothing.
+        share = torch.where(count > 0, loss, 0.0) * (count / total)
+        return _SumOverGroup.apply(share, self.group)
+
+
+# --- Ring attention ---------------------------------------------------------------------------------------
+
+
+def pair_kind(q_chunk: int, kv_chunk: int) -> str:
+    """How a query chunk sees a key chunk under the causal mask: full, diagonal (causal inside) or masked."""
+    if kv_chunk < q_chunk:
+        return FULL
+    return DIAGONAL if kv_chunk == q_chunk else MASKED
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """At least fp32 (bf16/fp16 inputs accumulate in fp32; float64 stays float64)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, kind: str) -> torch.Tensor:
+    """q (b, hk, g, n, d), k (b, hk, m, d) -> scaled scores (b, hk, g, n, m), causal on the diagonal."""
+    s = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)) * scale
+    if kind == DIAGONAL:
+        n, m = s.shape[-2:]
+        s = s.masked_fill(torch.ones(n, m, dtype=torch.bool, device=s.device).triu(1), -math.inf)
+    return s
+
+
+def block_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, kind: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of one block: q (b, hk, g, n, d) against k/v (b, hk, m, d) (g query heads per kv head),
+    fully visible or causal (`kind` diagonal). Returns the output (b, hk, g, n, d) and its log-sum-exp
+    (b, hk, g, n)."""
+    s = _scores(q, k, scale, kind)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse.unsqueeze(-1))
+    return torch.matmul(p, v.unsqueeze(2)), lse
+
+
+def block_attention_grads(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dout: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    scale: float,
+    kind: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv of one block, its probabilities recomputed from the final log-sum-exp `lse` of the rows;
+    `delta` is rowsum(dout * out) of the final output (the softmax's backward)."""
+    p = torch.exp(_scores(q, k, scale, kind) - lse.unsqueeze(-1))
+    dv = torch.matmul(p.transpose(-1, -2), dout).sum(2)
+    dp = torch.matmul(dout, v.unsqueeze(2).transpose(-1, -2))
+    ds = p * (dp - delta.unsqueeze(-1))
+    dq = torch.matmul(ds, k.unsqueeze(2)) * scale
+    dk = torch.matmul(ds.transpose(-1, -2), q).sum(2) * scale
+    return dq, dk, dv
+
+
+def _merge(
+    out: torch.Tensor | None, lse: torch.Tensor | None, o: torch.Tensor, lo: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine two partial attentions of the same rows by their log-sum-exps."""
+    if out is None or lse is None:
+        return o, lo
+    new = torch.logaddexp(lse, lo)
+    return out * torch.exp(lse - new).unsqueeze(-1) + o * torch.exp(lo - new).unsqueeze(-1), new
+
+
+def _exchange(split: ContextSplit, sends: list[torch.Tensor], detail: str) -> tuple[list, list[torch.Tensor]]:
+    """Send each tensor to the next CP rank and receive one like it from the previous, asynchronously."""
+    received = [torch.empty_like(t) for t in sends]
+    ops = []
+    for tag, (send, recv) in enumerate(zip(sends, received, strict=True)):
+        ops.append(dist.P2POp(dist.isend, send, split.next_rank, split.group, tag))
+        ops.append(dist.P2POp(dist.irecv, recv, split.prev_rank, split.group, tag))
+    return comm.batch_isend_irecv(ops, "cp", detail), received
+
+
+def _chunks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two chunks of a rank's sequence dimension (-2)."""
+    front, back = x.chunk(2, dim=-2)
+    return front, back
+
+
+class _RingAttention(torch.autograd.Function):
+    """Causal ring attention over the CP group; q (b, h, s, d), k/v (b, hk, s, d), this rank's two chunks."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: ContextSplit, scale: float
+    ) -> torch.Tensor:
+        b, h, s, d = q.shape
+        hk = k.shape[1]
+        dtype = _compute_dtype(q.dtype)
+        qg = q.to(dtype).reshape(b, hk, h // hk, s, d)
+        q_parts = _chunks(qg)
+        mine = chunk_ids(split.cp, split.rank)
+        outs: list[torch.Tensor | None] = [None, None]
+        lses: list[torch.Tensor | None] = [None, None]
+        kv = torch.stack((k.to(dtype), v.to(dtype)))
+        for step in range(split.cp):
+            source = (split.rank - step) % split.cp
+            pending: list = []
+            if step < split.cp - 1:  # the next block travels while this one is computed
+                pending, received = _exchange(split, [kv], f"ring attention K/V, step {step}")
+            k_parts, v_parts = _chunks(kv[0]), _chunks(kv[1])
+            for i, qi in enumerate(mine):
+                for j, kj in enumerate(chunk_ids(split.cp, source)):
+                    kind = pair_kind(qi, kj)
+                    if kind == MASKED:
+                        continue
+                    o, lo = block_attention(q_parts[i], k_parts[j], v_parts[j], scale, kind)
+                    outs[i], lses[i] = _merge(outs[i], lses[i], o, lo)
+            for work in pending:
+                work.wait()
+            if pending:
+                kv = received[0]
+        out = torch.cat(outs, dim=-2)  # type: ignore[arg-type]
+        lse = torch.cat(lses, dim=-1)  # type: ignore[arg-type]
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.split, ctx.scale = split, scale
+        return out.reshape(b, h, s, d).to(q.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple:
+        q, k, v, out, lse = ctx.saved_tensors
+        split: ContextSplit = ctx.split
+        scale = ctx.scale
+        b, h, s, d = q.shape
+        hk = k.shape[1]
+        dtype = out.dtype
+        qg = q.to(dtype).reshape(b, hk, h // hk, s, d)
+        do = dout.to(dtype).reshape(qg.shape)
+        delta = (do * out).sum(-1)
+        q_parts, do_parts = _chunks(qg), _chunks(do)
+        lse_parts, delta_parts = lse.chunk(2, dim=-1), delta.chunk(2, dim=-1)
+        dq = torch.zeros_like(qg)
+        dq_parts = _chunks(dq)
+        mine = chunk_ids(split.cp, split.rank)
+        kv = torch.stack((k.to(dtype), v.to(dtype)))
+        dkv: torch.Tensor | None = None  # gradient of the block in hand, from the ranks it has visited
+        for step in range(split.cp):
+            source = (split.rank - step) % split.cp
+            sends = []
+            if step < split.cp - 1:
+                sends.append(kv)
+            if dkv is not None:  # the previous block's gradient moves on with it
+                sends.append(dkv)
+            pending, received = _exchange(split, sends, f"ring attention backward, step {step}")
+            own = torch.zeros_like(kv)
+            k_parts, v_parts = _chunks(kv[0]), _chunks(kv[1])
+            dk_parts, dv_parts = _chunks(own[0]), _chunks(own[1])
+            for i, qi in enumerate(mine):
+                for j, kj in enumerate(chunk_ids(split.cp, source)):
+                    kind = pair_kind(qi, kj)
+                    if kind == MASKED:
+                        continue
+                    dq_ij, dk_ij, dv_ij = block_attention_grads(
+                        q_parts[i],
+                        k_parts[j],
+                        v_parts[j],
+                        do_parts[i],
+                        lse_parts[i],
+                        delta_parts[i],
+                        scale,
+                        kind,
+                    )
+                    dq_parts[i].add_(dq_ij)
+                    dk_parts[j].add_(dk_ij)
+                    dv_parts[j].add_(dv_ij)
+            for work in pending:
+                work.wait()
+            if step < split.cp - 1:
+                kv = received.pop(0)
+            dkv = own if dkv is None else received[0] + own
+        # After cp - 1 steps each rank holds the complete gradient of its successor's block: send it home.
+        pending, received = _exchange(split, [dkv], "ring attention dK/dV home")
+        for work in pending:
+            work.wait()
+        dkv = received[0]
+        return dq.reshape(b, h, s, d).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+
+
+def ring_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: ContextSplit, softmax_scale: float | None = None
+) -> torch.Tensor:
+    """Causal attention of this CP rank's queries over the whole sequence's keys: q (b, heads, s, d), k/v
+    (b, kv_heads, s, d), each this rank's two chunks (split_sequence) -> context (b, heads, s, d)."""
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} kv heads")
+    if q.shape[2] % 2:
+        raise ValueError(f"a CP rank holds two equal chunks; got {q.shape[2]} tokens")
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    return _RingAttention.apply(q, k, v, split, scale)
+
+
+# --- All-to-all (Ulysses) ---------------------------------------------------------------------------------
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single over dim 0 (cp equal pieces); its own adjoint, so backward is the same exchange."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any, detail: str) -> torch.Tensor:
+        ctx.group, ctx.detail = group, detail
+        x = x.contiguous()
+        out = torch.empty_like(x)  # like a contiguous x: empty_like keeps a transposed one's strides
+        comm.all_to_all_single(out, x, group=group, detail=detail)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        grad = grad.contiguous()
+        out = torch.empty_like(grad)
+        comm.all_to_all_single(out, grad, group=ctx.group, detail=ctx.detail + " (backward)")
+        return out, None, None
+
+
+def _heads_to_sequence(x: torch.Tensor, split: ContextSplit) -> torch.Tensor:
+    """(b, h, s, d) this rank's tokens of every head -> (b, h/cp, S, d) every token of this rank's heads."""
+    b, h, s, d = x.shape
+    pieces = x.reshape(b, split.cp, h // split.cp, s, d).transpose(0, 1)
+    gathered = _AllToAll.apply(pieces, split.group, "all-to-all attention: heads to sequence")
+    return merge_sequence(list(gathered.unbind(0)), dim=2)
+
+
+def _sequence_to_heads(x: torch.Tensor, split: ContextSplit) -> torch.Tensor:
+    """The inverse of _heads_to_sequence: (b, h/cp, S, d) -> (b, h, s, d)."""
+    b, hs, _, d = x.shape
+    pieces = torch.stack([split_sequence(x, split.cp, r, dim=2) for r in range(split.cp)])
+    back = _AllToAll.apply(pieces, split.group, "all-to-all attention: sequence to heads")
+    return back.transpose(0, 1).reshape(b, split.cp * hs, -1, d)
+
+
+def replicate_kv_heads(k: torch.Tensor, heads: int, cp: int) -> torch.Tensor:
+    """k (b, kv_heads, s, d) with each head repeated so that cp divides their number (and it still divides
+    `heads`): grouped-query K/V with fewer heads than CP ranks."""
+    kv = k.shape[1]
+    if kv % cp == 0:
+        return k
+    repeat = cp // math.gcd(kv, cp)
+    if heads % (kv * repeat):
+        raise ValueError(f"{heads} query heads cannot share {kv} kv heads replicated {repeat} times")
+    return k.repeat_interleave(repeat, dim=1)
+
+
+def all_to_all_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: ContextSplit, impl: str = "torch"
+) -> torch.Tensor:
+    """Causal attention by head scattering: the same contract as ring_attention, with the whole sequence's
+    attention for h/cp heads run by kernels.flash_attention(impl=`impl`) on each rank."""
+    heads = q.shape[1]
+    if heads % split.cp:
+        raise ValueError(
+            f"all-to-all attention scatters {heads} heads over {split.cp} CP ranks; choose a cp dividing "
+            "the heads per tensor-parallel rank, or parallel.cp_comm=ring"
+        )
+    k, v = replicate_kv_heads(k, heads, split.cp), replicate_kv_heads(v, heads, split.cp)
+    full = [_heads_to_sequence(t, split) for t in (q, k, v)]
+    out = kernels.flash_attention(*full, causal=True, impl=impl)
+    return _sequence_to_heads(out, split)
+
+
+# --- Applying it ------------------------------------------------------------------------------------------
+
+
+def _core(split: ContextSplit, impl: str) -> Any:
+    def core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if split.comm == "all_to_all":
+            return all_to_all_attention(q, k, v, split, impl)
+        return ring_attention(q, k, v, split)
+
+    return core
+
+
+def context_split(topo: Topology, cp_comm: str = "ring") -> ContextSplit | None:
+    """This rank's ContextSplit; None when cp is 1."""
+    if topo.cp == 1:
+        return None
+    return ContextSplit(topo.cp, topo.cp_rank, topo.cp_group, topo.next_cp_rank, topo.prev_cp_rank, cp_comm)
+
+
+def apply_cp(model: nn.Module, topo: Topology, cp_comm: str = "ring") -> nn.Module:
+    """Split a CausalLM's sequences over the CP group in place: the model takes this rank's chunks of its
+    inputs (`model.context`), every attention core attends across the split, and the loss is the whole
+    sequence's. After apply_tp (heads are then this TP rank's), before apply_recompute."""
+    split = context_split(topo, cp_comm)
+    if split is None:
+        return model
+    model.context = split
+    for block in model.layers:
+        block.attn.core = _core(split, block.attn.impl)
+    return model
