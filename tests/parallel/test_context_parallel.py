@@ -9,7 +9,6 @@ import functools
 import pytest
 import torch
 
-from llmtrain.config import ConfigError, JobConfig, ModelConfig, ParallelConfig, validate
 from llmtrain.parallel import Topology
 from llmtrain.parallel.context_parallel import (
     ContextSplit,
@@ -31,7 +30,8 @@ def test_split_is_mirrored_and_merge_inverts_it(cp: int) -> None:
     c = seq // (2 * cp)
     for r, part in enumerate(parts):
         # Rank r holds chunk r and chunk 2cp-1-r, and the positions of exactly those tokens.
-        want = torch.cat([torch.arange(r * c, (r + 1) * c), torch.arange((2 * cp - 1 - r) * c, (2 * cp - r) * c)])
+        mirror = 2 * cp - 1 - r
+        want = torch.cat([torch.arange(r * c, (r + 1) * c), torch.arange(mirror * c, (mirror + 1) * c)])
         assert torch.equal(part[0], want)
         assert torch.equal(local_positions(seq, cp, r), want)
     assert torch.equal(merge_sequence(parts), x)
@@ -88,7 +88,8 @@ def _attention_against_full(rank: int, world: int) -> list[str]:
             e = split_sequence(e, world, rank, dim=2)
             err = (a - e).abs().max().item()
             if not err <= 1e-12:
-                failures.append(f"{comm} heads={heads} kv={kv} cp={world} rank {rank}: {name} off by {err:.2e}")
+                case = f"{comm} heads={heads} kv={kv} cp={world} rank {rank}"
+                failures.append(f"{case}: {name} off by {err:.2e}")
     return failures
 
 
@@ -101,4 +102,57 @@ def _attention_results(world: int) -> list[list[str]]:
 @pytest.mark.parametrize("world", [2, 4])
 def test_cp_attention_matches_full_attention_in_float64(world: int) -> None:
     failures = [f for r in _attention_results(world) for f in r]
+    assert not failures, "\n".join(failures)
+
+
+STEPS = 3
+LR = 1e-3
+REL_GAP = 1e-4  # worst relative gap of the losses and gradient norms to the single-process run
+# (arch, parallel settings) per world size: the layouts of issue 17, GQA with kv heads fewer than cp ranks,
+# sequence parallelism and learned positions (gpt) among them.
+LAYOUTS = {
+    2: [
+        ("llama", dict(cp=2)),
+        ("gpt", dict(cp=2)),
+        ("llama", dict(cp=2, cp_comm="all_to_all")),
+    ],
+    4: [
+        ("llama", dict(cp=4)),
+        ("ernie", dict(cp=4, cp_comm="all_to_all")),
+        ("llama", dict(cp=4, cp_comm="all_to_all")),
+        ("llama", dict(cp=2, tp=2, sequence_parallel=True)),
+        ("gpt", dict(cp=2, pp=2)),
+        ("llama", dict(cp=2, dp=2, zero_stage=1)),
+    ],
+}
+
+
+def _train_layouts(rank: int, world: int) -> list[str]:
+    failures = []
+    references = {}
+    for arch, settings in LAYOUTS[world]:
+        job = tiny_job(arch, **settings)
+        data = batches(job, STEPS)
+        run = parallel_run(job, Topology(job.parallel, world, rank), data, LR)
+        if rank != 0:
+            continue
+        if arch not in references:
+            references[arch] = torch_reference(job, data, LR)
+        ref = references[arch]
+        name = f"{arch} {' '.join(f'{k}={v}' for k, v in settings.items())}"
+        failures += ref.check(name, run["losses"], run["grad_norms"], run["state"])
+        for kind, got, want in (
+            ("loss", run["losses"], ref.losses),
+            ("grad norm", run["grad_norms"], ref.grad_norms),
+        ):
+            gap = max(abs(a - b) / abs(b) for a, b in zip(got, want, strict=True))
+            if not gap <= REL_GAP:
+                failures.append(f"{name}: {kind} relative gap {gap:.1e} to one process")
+    return failures
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_cp_layouts_train_like_one_process(world: int) -> None:
+    failures = [f for r in spawn(world, _train_layouts) for f in r]
     assert not failures, "\n".join(failures)
