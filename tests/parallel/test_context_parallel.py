@@ -5,10 +5,13 @@ training like one process, and the config errors of impossible splits."""
 from __future__ import annotations
 
 import functools
+import re
 
 import pytest
 import torch
 
+from llmtrain.config import ConfigError, ParallelConfig, load, validate_world
+from llmtrain.config.validate import rank_order
 from llmtrain.parallel import Topology
 from llmtrain.parallel.context_parallel import (
     ContextSplit,
@@ -156,3 +159,68 @@ def _train_layouts(rank: int, world: int) -> list[str]:
 def test_cp_layouts_train_like_one_process(world: int) -> None:
     failures = [f for r in spawn(world, _train_layouts) for f in r]
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (
+            ["parallel.cp=3", "model.seq_length=64"],
+            "model.seq_length=64 is not divisible by 2 * parallel.cp = 6",
+        ),
+        (["parallel.cp=0"], "parallel.cp must be at least 1"),
+        (
+            ["parallel.cp=8", "parallel.cp_comm=all_to_all", "model.num_attention_heads=4"],
+            "parallel.cp_comm=all_to_all scatters the attention heads over parallel.cp=8",
+        ),
+        (
+            ["parallel.cp=2", "parallel.tp=2", "parallel.cp_comm=all_to_all", "model.num_attention_heads=2"],
+            "1 per tensor-parallel rank (parallel.tp=2); choose a cp dividing 1, or parallel.cp_comm=ring",
+        ),
+        (
+            ["parallel.cp=2", "parallel.tp=4", "parallel.sequence_parallel=true", "model.seq_length=12"],
+            "make seq_length a multiple of cp * tp = 8",
+        ),
+        (["parallel.cp=2", "model.kernels=triton"], "use model.kernels=auto or torch"),
+        (["parallel.cp=2", "model.attention_dropout=0.1"], "set model.attention_dropout=0"),
+        (["parallel.cp=2", "parallel.zero_stage=2"], "does not support parallel.zero_stage=2 yet"),
+        (["parallel.cp=2", "model.arch=mixtral"], "does not support model.arch=mixtral"),
+        (["parallel.order=tp-dp-pp-cp-cp"], "parallel.order must name tp, dp and pp once each"),
+    ],
+)
+def test_bad_cp_settings_name_the_field_and_the_fix(overrides: list[str], expected: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        load(None, overrides)
+
+
+def test_cp_takes_its_share_of_the_world() -> None:
+    job = load(
+        None, ["parallel.cp=2", "parallel.tp=2", "train.global_batch_size=8", "train.micro_batch_size=2"]
+    )
+    assert validate_world(job, 8) == 2  # dp = 8 / (tp * cp)
+    # GQA with fewer kv heads than CP ranks: all_to_all replicates them.
+    gqa = load(None, ["parallel.cp=4", "parallel.cp_comm=all_to_all", "model.num_kv_heads=1"])
+    assert gqa.parallel.cp == 4
+    with pytest.raises(ConfigError, match=re.escape("parallel.tp * parallel.cp * parallel.pp = 4")):
+        validate_world(job, 6)
+
+
+def test_cp_sits_inside_dp_unless_named() -> None:
+    """Rank numbering (no processes needed for the arithmetic): tp innermost, then cp, dp, pp."""
+    coords = []
+    for rank in range(8):
+        topo = Topology.__new__(Topology)
+        # The grid arithmetic of Topology.__init__ without process groups.
+        topo.sizes = {"tp": 2, "cp": 2, "ep": 1, "dp": 2, "pp": 1}
+        order = rank_order(ParallelConfig(tp=2, cp=2, dp=2))
+        assert order == ["tp", "cp", "dp", "pp"]
+        topo.strides, stride = {}, 1
+        for d in ["ep", *order]:
+            topo.strides[d], stride = stride, stride * topo.sizes[d]
+        topo.coords = {d: (rank // topo.strides[d]) % topo.sizes[d] for d in topo.sizes}
+        topo.rank = rank
+        coords.append((topo.tp_rank, topo.cp_rank, topo.dp_rank, topo.dp_cp_ranks(), topo.next_cp_rank))
+    assert [c[:3] for c in coords] == [(t, c, d) for d in range(2) for c in range(2) for t in range(2)]
+    # The cp x dp group of rank 0 (tp rank 0): ranks 0, 2, 4, 6; the CP ring of rank 0 goes to rank 2.
+    assert coords[0][3] == [0, 2, 4, 6] and coords[0][4] == 2
+    assert rank_order(ParallelConfig(order="cp-tp-dp-pp")) == ["cp", "tp", "dp", "pp"]
