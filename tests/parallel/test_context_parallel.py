@@ -118,6 +118,8 @@ LAYOUTS = {
         ("llama", dict(cp=2)),
         ("gpt", dict(cp=2)),
         ("llama", dict(cp=2, cp_comm="all_to_all")),
+        ("llama", dict(cp=2, recompute="selective")),
+        ("ernie", dict(cp=2, recompute="full")),
     ],
     4: [
         ("llama", dict(cp=4)),
@@ -125,6 +127,8 @@ LAYOUTS = {
         ("llama", dict(cp=4, cp_comm="all_to_all")),
         ("llama", dict(cp=2, tp=2, sequence_parallel=True)),
         ("gpt", dict(cp=2, pp=2)),
+        ("llama", dict(cp=2, pp=2, schedule="zb_h1")),
+        ("gpt", dict(cp=2, pp=2, schedule="interleaved_1f1b", virtual_stages=2, num_layers=4)),
         ("llama", dict(cp=2, dp=2, zero_stage=1)),
     ],
 }
@@ -139,9 +143,10 @@ def _train_layouts(rank: int, world: int) -> list[str]:
         run = parallel_run(job, Topology(job.parallel, world, rank), data, LR)
         if rank != 0:
             continue
-        if arch not in references:
-            references[arch] = torch_reference(job, data, LR)
-        ref = references[arch]
+        key = (arch, job.model.num_layers)
+        if key not in references:
+            references[key] = torch_reference(job, data, LR)
+        ref = references[key]
         name = f"{arch} {' '.join(f'{k}={v}' for k, v in settings.items())}"
         failures += ref.check(name, run["losses"], run["grad_norms"], run["state"])
         for kind, got, want in (
