@@ -249,6 +249,8 @@ class DataConfig:
     """Where prepared corpora, tokenizers and index files are cached."""
     num_workers: int = 0
     """DataLoader worker processes per rank."""
+    reset_attention_mask: bool = False
+    """Packed documents: attention stays inside each document (ended by its eod token), positions restart."""
 
 
 @dataclass

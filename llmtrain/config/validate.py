@@ -97,6 +97,11 @@ def validate(job: JobConfig) -> None:
     )
 
     d = job.data
+    _require(
+        not d.reset_attention_mask or p.pp == 1,
+        f"data.reset_attention_mask (packed documents) is not supported with pipeline stages yet "
+        f"(parallel.pp={p.pp}); set parallel.pp=1 or data.reset_attention_mask=false",
+    )
     if d.weights:
         _require(
             len(d.weights) == len(d.prefixes),

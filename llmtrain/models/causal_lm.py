@@ -9,6 +9,7 @@ from torch import nn
 
 import kernels
 from llmtrain.config import JobConfig, ModelConfig, validate
+from llmtrain.models.documents import document_ids, document_positions
 from llmtrain.models.init import init_weights
 from llmtrain.models.layers import Rope, TransformerBlock, make_norm
 from llmtrain.models.moe import MoEMLP, RouterStats, load_balancing_loss
@@ -38,6 +39,9 @@ class CausalLM(nn.Module):
         # Context parallelism (set by llmtrain.parallel.context_parallel.apply_cp): splits whole sequences'
         # inputs into this rank's chunks (split_inputs) and sums the loss over the split (reduce_loss).
         self.context: Any = None
+        # Packed documents (data.reset_attention_mask; the trainer sets it): the end-of-document token id.
+        # Attention then stays inside documents and positions restart after each one.
+        self.document_separator: int | None = None
         self.tie_weights()
         # cos/sin per (seq_len, device, dtype): recomputing them every step costs as much as a small kernel.
         self._rope_cache: dict[tuple[int, str, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -70,7 +74,8 @@ class CausalLM(nn.Module):
     ) -> Rope:
         """Rotary (cos, sin), each (s, head_dim) as kernels.apply_rotary takes them; None without rotary.
 
-        `positions` is a sequence length (positions 0..s-1) or 1-D position ids. Half layout repeats
+        `positions` is a sequence length (positions 0..s-1), 1-D position ids, or (b, s) position ids of each
+        sample (packed documents), which give (b, s, head_dim) tables. Half layout repeats
         the s x d/2 angles as [angles, angles], interleaved as [a0, a0, a1, a1, ...] (ERNIE).
         """
         if self.spec.rotary == "none":
@@ -81,8 +86,10 @@ class CausalLM(nn.Module):
                 pos = torch.arange(positions, device=device)
                 self._rope_cache[key] = self._rope_from_positions(pos, dtype)
             return self._rope_cache[key]
-        if positions.dim() != 1:
-            raise ValueError(f"rope: position ids must be 1-D (seq,); got shape {tuple(positions.shape)}")
+        if positions.dim() not in (1, 2):
+            raise ValueError(
+                f"rope: position ids must be (seq,) or (batch, seq); got shape {tuple(positions.shape)}"
+            )
         return self._rope_from_positions(positions.to(device) if device is not None else positions, dtype)
 
     @torch.no_grad()
@@ -92,7 +99,7 @@ class CausalLM(nn.Module):
         d = self.config.head_size
         # Same expression as transformers' default rope (fp32 angles), so cos/sin match bit for bit.
         inv_freq = 1.0 / (self.config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float) / d))
-        angles = pos.float()[:, None] * inv_freq.to(pos.device)[None, :]
+        angles = pos.float()[..., None] * inv_freq.to(pos.device)
         if self.spec.rotary == "interleaved":
             angles = angles.repeat_interleave(2, dim=-1)
         else:
@@ -141,12 +148,17 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """Logits (b, s, vocab), or the scalar loss when `labels` (b, s) are given. Under context parallelism
         the inputs are whole sequences and the logits this rank's part of them (model.context)."""
+        documents = None
+        if self.document_separator is not None:  # packed documents, numbered over the whole sequences
+            documents = document_ids(input_ids, self.document_separator)
+            if position_ids is None:
+                position_ids = document_positions(documents)
         if self.context is not None:
             input_ids, labels, position_ids = self.context.split_inputs(input_ids, labels, position_ids)
         x = self.embed(input_ids, position_ids)
         rope = self.rope(input_ids.shape[1] if position_ids is None else position_ids, x.device, x.dtype)
         for layer in self.layers:
-            x = layer(x, rope)
+            x = layer(x, rope, documents)
         logits = self.head(x)
         return logits if labels is None else self.loss(logits, labels)
 

@@ -13,10 +13,24 @@ from torch import nn
 
 import kernels
 from llmtrain.config import ModelConfig
+from llmtrain.models.documents import document_attention
 from llmtrain.models.moe import MoEMLP
 from llmtrain.models.registry import ArchSpec
 
 Rope = tuple[torch.Tensor, torch.Tensor] | None
+"""Rotary (cos, sin): (s, head_dim) shared by the batch, or (b, s, head_dim) per sample (packed documents)."""
+
+
+def _rotary(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, impl: str
+) -> torch.Tensor:
+    """kernels.apply_rotary of x (b, s, heads, d); per-sample tables go through it as one long sequence."""
+    if cos.dim() == 2:
+        return kernels.apply_rotary(x, cos, sin, interleaved=interleaved, impl=impl)
+    b, s = x.shape[:2]
+    flat = x.reshape(1, b * s, *x.shape[2:])
+    cos, sin = cos.reshape(b * s, -1), sin.reshape(b * s, -1)
+    return kernels.apply_rotary(flat, cos, sin, interleaved=interleaved, impl=impl).view_as(x)
 
 
 class RMSNorm(nn.Module):
@@ -77,7 +91,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(d, cfg.norm_eps, cfg.kernels) if spec.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.norm_eps, cfg.kernels) if spec.qk_norm else None
 
-    def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, documents: torch.Tensor | None = None) -> torch.Tensor:
+        """`documents` (b, S): packed documents' ids of the whole sequences (llmtrain.models.documents)."""
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
@@ -87,14 +102,19 @@ class Attention(nn.Module):
         if rope is not None:
             cos, sin = rope
             interleaved = self.rotary == "interleaved"
-            q = kernels.apply_rotary(q, cos, sin, interleaved=interleaved, impl=self.impl)
-            k = kernels.apply_rotary(k, cos, sin, interleaved=interleaved, impl=self.impl)
+            q = _rotary(q, cos, sin, interleaved, self.impl)
+            k = _rotary(k, cos, sin, interleaved, self.impl)
         # (b, s, heads, d) -> (b, heads, s, d) as strided views: SDPA takes them without a copy.
-        context = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        context = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), documents)
         return self.o_proj(context.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
 
-    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal attention: q (b, heads, s, d), k/v (b, kv_heads, s, d) -> context (b, heads, s, d)."""
+    def core(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Causal attention: q (b, heads, s, d), k/v (b, kv_heads, s, d) -> context (b, heads, s, d); with
+        `documents` (b, s) only inside each packed document."""
+        if documents is not None:
+            return document_attention(q, k, v, documents, self.dropout_p if self.training else 0.0)
         if self.training and self.dropout_p > 0:
             # kernels.flash_attention has no dropout; attention dropout is a rarely used pretraining option.
             return F.scaled_dot_product_attention(
@@ -149,9 +169,11 @@ class TransformerBlock(nn.Module):
         self.mlp = make_mlp(spec, cfg, layer_index)
         self.dropout = nn.Dropout(cfg.hidden_dropout)
 
-    def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, documents: torch.Tensor | None = None) -> torch.Tensor:
         # post_attn_norm also forms the residual stream x + attn(...), in one pass with the Triton kernel.
-        normed, x = self.post_attn_norm(self._drop(self.attn(self.input_norm(x), rope)), residual=x)
+        normed, x = self.post_attn_norm(
+            self._drop(self.attn(self.input_norm(x), rope, documents)), residual=x
+        )
         return x + self._drop(self.mlp(normed))
 
     def _drop(self, x: torch.Tensor) -> torch.Tensor:

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 import kernels
+from llmtrain.models.documents import document_attention, same_document
 from llmtrain.parallel import comm
 from llmtrain.parallel.topology import Topology
 
@@ -146,24 +147,35 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, kind: str) -> torch.Tensor:
-    """q (b, hk, g, n, d), k (b, hk, m, d) -> scaled scores (b, hk, g, n, m), causal on the diagonal."""
+def _scores(
+    q: torch.Tensor, k: torch.Tensor, scale: float, kind: str, allowed: torch.Tensor | None = None
+) -> torch.Tensor:
+    """q (b, hk, g, n, d), k (b, hk, m, d) -> scaled scores (b, hk, g, n, m), causal on the diagonal, and
+    -inf where `allowed` (b, n, m), if given, is false (packed documents)."""
     s = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)) * scale
     if kind == DIAGONAL:
         n, m = s.shape[-2:]
         s = s.masked_fill(torch.ones(n, m, dtype=torch.bool, device=s.device).triu(1), -math.inf)
+    if allowed is not None:
+        s = s.masked_fill(~allowed[:, None, None], -math.inf)
     return s
 
 
 def block_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, kind: str
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    kind: str,
+    allowed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one block: q (b, hk, g, n, d) against k/v (b, hk, m, d) (g query heads per kv head),
-    fully visible or causal (`kind` diagonal). Returns the output (b, hk, g, n, d) and its log-sum-exp
-    (b, hk, g, n)."""
-    s = _scores(q, k, scale, kind)
+    fully visible or causal (`kind` diagonal), restricted to `allowed` (b, n, m) pairs if given. Returns the
+    output (b, hk, g, n, d) and its log-sum-exp (b, hk, g, n); a row that sees no key has output 0 and
+    log-sum-exp -inf, which the merge then ignores."""
+    s = _scores(q, k, scale, kind, allowed)
     lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - lse.unsqueeze(-1))
+    p = torch.exp(s - lse.masked_fill(lse == -math.inf, 0.0).unsqueeze(-1))
     return torch.matmul(p, v.unsqueeze(2)), lse
 
 
@@ -176,10 +188,11 @@ def block_attention_grads(
     delta: torch.Tensor,
     scale: float,
     kind: str,
+    allowed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv of one block, its probabilities recomputed from the final log-sum-exp `lse` of the rows;
     `delta` is rowsum(dout * out) of the final output (the softmax's backward)."""
-    p = torch.exp(_scores(q, k, scale, kind) - lse.unsqueeze(-1))
+    p = torch.exp(_scores(q, k, scale, kind, allowed) - lse.unsqueeze(-1))
     dv = torch.matmul(p.transpose(-1, -2), dout).sum(2)
     dp = torch.matmul(dout, v.unsqueeze(2).transpose(-1, -2))
     ds = p * (dp - delta.unsqueeze(-1))
@@ -219,7 +232,13 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: ContextSplit, scale: float
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        split: ContextSplit,
+        scale: float,
+        documents: torch.Tensor | None,
     ) -> torch.Tensor:
         b, h, s, d = q.shape
         hk = k.shape[1]
@@ -241,7 +260,8 @@ class _RingAttention(torch.autograd.Function):
                     kind = pair_kind(qi, kj)
                     if kind == MASKED:
                         continue
-                    o, lo = block_attention(q_parts[i], k_parts[j], v_parts[j], scale, kind)
+                    allowed = _allowed(documents, qi, kj, s // 2)
+                    o, lo = block_attention(q_parts[i], k_parts[j], v_parts[j], scale, kind, allowed)
                     outs[i], lses[i] = _merge(outs[i], lses[i], o, lo)
             for work in pending:
                 work.wait()
@@ -249,13 +269,13 @@ class _RingAttention(torch.autograd.Function):
                 kv = received[0]
         out = torch.cat(outs, dim=-2)  # type: ignore[arg-type]
         lse = torch.cat(lses, dim=-1)  # type: ignore[arg-type]
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, documents)
         ctx.split, ctx.scale = split, scale
         return out.reshape(b, h, s, d).to(q.dtype)
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple:
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, documents = ctx.saved_tensors
         split: ContextSplit = ctx.split
         scale = ctx.scale
         b, h, s, d = q.shape
@@ -296,6 +316,7 @@ class _RingAttention(torch.autograd.Function):
                         delta_parts[i],
                         scale,
                         kind,
+                        _allowed(documents, qi, kj, s // 2),
                     )
                     dq_parts[i].add_(dq_ij)
                     dk_parts[j].add_(dk_ij)
@@ -310,20 +331,35 @@ class _RingAttention(torch.autograd.Function):
         for work in pending:
             work.wait()
         dkv = received[0]
-        return dq.reshape(b, h, s, d).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+        dq = dq.reshape(b, h, s, d).to(q.dtype)
+        return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+
+
+def _allowed(documents: torch.Tensor | None, q_chunk: int, kv_chunk: int, size: int) -> torch.Tensor | None:
+    """(b, n, m) same-document pairs of two chunks of `size` tokens; None without packed documents."""
+    if documents is None:
+        return None
+    q_docs = documents[:, q_chunk * size : (q_chunk + 1) * size]
+    return same_document(q_docs, documents[:, kv_chunk * size : (kv_chunk + 1) * size])
 
 
 def ring_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: ContextSplit, softmax_scale: float | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    split: ContextSplit,
+    softmax_scale: float | None = None,
+    documents: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of this CP rank's queries over the whole sequence's keys: q (b, heads, s, d), k/v
-    (b, kv_heads, s, d), each this rank's two chunks (split_sequence) -> context (b, heads, s, d)."""
+    (b, kv_heads, s, d), each this rank's two chunks (split_sequence) -> context (b, heads, s, d). With
+    `documents` (b, S), the packed documents' ids of the whole sequences, only inside each document."""
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} kv heads")
     if q.shape[2] % 2:
         raise ValueError(f"a CP rank holds two equal chunks; got {q.shape[2]} tokens")
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-    return _RingAttention.apply(q, k, v, split, scale)
+    return _RingAttention.apply(q, k, v, split, scale, documents)
 
 
 # --- All-to-all (Ulysses) ---------------------------------------------------------------------------------
@@ -377,10 +413,16 @@ def replicate_kv_heads(k: torch.Tensor, heads: int, cp: int) -> torch.Tensor:
 
 
 def all_to_all_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: ContextSplit, impl: str = "torch"
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    split: ContextSplit,
+    impl: str = "torch",
+    documents: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention by head scattering: the same contract as ring_attention, with the whole sequence's
-    attention for h/cp heads run by kernels.flash_attention(impl=`impl`) on each rank."""
+    attention for h/cp heads run by kernels.flash_attention(impl=`impl`) on each rank (inside documents:
+    llmtrain.models.documents)."""
     heads = q.shape[1]
     if heads % split.cp:
         raise ValueError(
@@ -389,7 +431,10 @@ def all_to_all_attention(
         )
     k, v = replicate_kv_heads(k, heads, split.cp), replicate_kv_heads(v, heads, split.cp)
     full = [_heads_to_sequence(t, split) for t in (q, k, v)]
-    out = kernels.flash_attention(*full, causal=True, impl=impl)
+    if documents is None:
+        out = kernels.flash_attention(*full, causal=True, impl=impl)
+    else:
+        out = document_attention(*full, documents)
     return _sequence_to_heads(out, split)
 
 
@@ -397,10 +442,12 @@ def all_to_all_attention(
 
 
 def _core(split: ContextSplit, impl: str) -> Any:
-    def core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def core(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None = None
+    ) -> torch.Tensor:
         if split.comm == "all_to_all":
-            return all_to_all_attention(q, k, v, split, impl)
-        return ring_attention(q, k, v, split)
+            return all_to_all_attention(q, k, v, split, impl, documents)
+        return ring_attention(q, k, v, split, documents=documents)
 
     return core
 

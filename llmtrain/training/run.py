@@ -92,6 +92,8 @@ def build_trainer(
     data = build_data(job, dp_rank=topo.dp_rank, dp_size=topo.dp)
     parts = _deepspeed_parts if job.parallel.engine == "deepspeed" else _llmtrain_parts
     model, optimizer, runner = parts(job, topo)
+    if job.data.reset_attention_mask:  # packed documents end at the tokenizer's end-of-document token
+        model.document_separator = data.tokenizer.eod_id
     metrics = MetricsLogger(
         job,
         is_main=topo.rank == 0,

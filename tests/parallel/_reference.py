@@ -144,13 +144,16 @@ def torch_reference(
     dtype: torch.dtype = torch.float64,
     sgd: bool = False,
     held_out: torch.Tensor | None = None,
+    document_separator: int | None = None,
 ) -> Reference:
     """Plain torch on one process: the model on each whole global batch (b, s+1) token ids, the llmtrain
     weight-decay groups under AdamW (or ``sgd``: plain SGD over the same groups), clip_grad_norm_ at
-    ``job.train.grad_clip`` (0: none), constant ``lr``. In float64 it also derives the fp32 bounds."""
+    ``job.train.grad_clip`` (0: none), constant ``lr``. In float64 it also derives the fp32 bounds.
+    ``document_separator``: packed documents split at that token (the model's document_separator)."""
     t = job.train
     torch.manual_seed(t.seed)
     model = models.build(job.model).to(dtype)
+    model.document_separator = document_separator
     named = dict(model.named_parameters())
     params = list(named.values())
     decay = [p for n, p in named.items() if not no_weight_decay(n, p)]

@@ -10,6 +10,7 @@ import re
 import pytest
 import torch
 
+from llmtrain import models
 from llmtrain.config import ConfigError, ParallelConfig, load, validate_world
 from llmtrain.config.validate import rank_order
 from llmtrain.parallel import Topology
@@ -43,23 +44,36 @@ def test_split_is_mirrored_and_merge_inverts_it(cp: int) -> None:
     assert len(work) == 1
 
 
-def _full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Plain causal attention in the input dtype: the reference."""
+def _full_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Plain causal attention in the input dtype (inside documents, if given): the reference."""
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     s = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
     n = s.shape[-1]
     s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    if documents is not None:
+        s = s.masked_fill((documents[:, :, None] != documents[:, None, :])[:, None], float("-inf"))
     return s.softmax(-1) @ v
 
 
-ATTENTION_CASES = [  # (comm, heads, kv heads): MHA, GQA, and kv heads fewer than cp ranks (replicated)
-    ("ring", 4, 4),
-    ("ring", 4, 2),
-    ("ring", 4, 1),
-    ("all_to_all", 4, 4),
-    ("all_to_all", 4, 2),
-    ("all_to_all", 4, 1),
+def _documents(b: int, seq: int, g: torch.Generator) -> torch.Tensor:
+    """Random packed-document ids (b, seq): documents of 1 to seq/2 tokens."""
+    ends = torch.rand(b, seq, generator=g) < 4 / seq
+    return ends.long().cumsum(-1) - ends.long()
+
+
+# (comm, heads, kv heads, packed documents): MHA, GQA, kv heads fewer than cp ranks (replicated), documents.
+ATTENTION_CASES = [
+    ("ring", 4, 4, False),
+    ("ring", 4, 2, False),
+    ("ring", 4, 1, False),
+    ("ring", 4, 2, True),
+    ("all_to_all", 4, 4, False),
+    ("all_to_all", 4, 2, False),
+    ("all_to_all", 4, 1, False),
+    ("all_to_all", 4, 2, True),
 ]
 
 
@@ -69,21 +83,22 @@ def _attention_against_full(rank: int, world: int) -> list[str]:
     group = new_group(list(range(world)))
     split = ContextSplit(world, rank, group, (rank + 1) % world, (rank - 1) % world)
     failures = []
-    for comm, heads, kv in ATTENTION_CASES:
+    for comm, heads, kv, packed in ATTENTION_CASES:
         g = torch.Generator().manual_seed(heads * 10 + kv)
         b, seq, d = 2, 8 * world, 8
         q = torch.randn(b, heads, seq, d, generator=g, dtype=torch.float64, requires_grad=True)
         k = torch.randn(b, kv, seq, d, generator=g, dtype=torch.float64, requires_grad=True)
         v = torch.randn(b, kv, seq, d, generator=g, dtype=torch.float64, requires_grad=True)
         dout = torch.randn(b, heads, seq, d, generator=g, dtype=torch.float64)
-        want = _full_attention(q, k, v)
+        documents = _documents(b, seq, g) if packed else None
+        want = _full_attention(q, k, v, documents)
         want.backward(dout)
         mine = [split_sequence(t.detach(), world, rank, dim=2).requires_grad_() for t in (q, k, v)]
         split.comm = comm
         if comm == "ring":
-            out = ring_attention(*mine, split)
+            out = ring_attention(*mine, split, documents=documents)
         else:
-            out = all_to_all_attention(*mine, split, impl="torch")
+            out = all_to_all_attention(*mine, split, impl="torch", documents=documents)
         out.backward(split_sequence(dout, world, rank, dim=2))
         got = [out] + [t.grad for t in mine]
         expected = [want] + [t.grad for t in (q, k, v)]
@@ -91,7 +106,7 @@ def _attention_against_full(rank: int, world: int) -> list[str]:
             e = split_sequence(e, world, rank, dim=2)
             err = (a - e).abs().max().item()
             if not err <= 1e-12:
-                case = f"{comm} heads={heads} kv={kv} cp={world} rank {rank}"
+                case = f"{comm} heads={heads} kv={kv} packed={packed} cp={world} rank {rank}"
                 failures.append(f"{case}: {name} off by {err:.2e}")
     return failures
 
@@ -109,6 +124,7 @@ def test_cp_attention_matches_full_attention_in_float64(world: int) -> None:
 
 
 STEPS = 3
+EOD = 3  # the end-of-document token of the packed-document runs
 LR = 1e-3
 REL_GAP = 1e-4  # worst relative gap of the losses and gradient norms to the single-process run
 # (arch, parallel settings) per world size: the layouts of issue 17, GQA with kv heads fewer than cp ranks,
@@ -120,6 +136,8 @@ LAYOUTS = {
         ("llama", dict(cp=2, cp_comm="all_to_all")),
         ("llama", dict(cp=2, recompute="selective")),
         ("ernie", dict(cp=2, recompute="full")),
+        ("llama", dict(cp=2, packed=True)),
+        ("gpt", dict(cp=2, cp_comm="all_to_all", packed=True)),
     ],
     4: [
         ("llama", dict(cp=4)),
@@ -130,6 +148,7 @@ LAYOUTS = {
         ("llama", dict(cp=2, pp=2, schedule="zb_h1")),
         ("gpt", dict(cp=2, pp=2, schedule="interleaved_1f1b", virtual_stages=2, num_layers=4)),
         ("llama", dict(cp=2, dp=2, zero_stage=1)),
+        ("ernie", dict(cp=2, tp=2, sequence_parallel=True, packed=True)),
     ],
 }
 
@@ -138,14 +157,24 @@ def _train_layouts(rank: int, world: int) -> list[str]:
     failures = []
     references = {}
     for arch, settings in LAYOUTS[world]:
-        job = tiny_job(arch, **settings)
+        packed = settings.get("packed", False)
+        job = tiny_job(arch, **{k: v for k, v in settings.items() if k != "packed"})
         data = batches(job, STEPS)
-        run = parallel_run(job, Topology(job.parallel, world, rank), data, LR)
+        separator = None
+        if packed:  # documents of a few tokens each, ended by token EOD
+            g = torch.Generator().manual_seed(5)
+            data = [torch.where(torch.rand(b.shape, generator=g) < 0.2, EOD, b) for b in data]
+            separator = EOD
+
+        def setup(model: torch.nn.Module, separator: int | None = separator) -> None:
+            model.document_separator = separator
+
+        run = parallel_run(job, Topology(job.parallel, world, rank), data, LR, setup=setup)
         if rank != 0:
             continue
-        key = (arch, job.model.num_layers)
+        key = (arch, job.model.num_layers, packed)
         if key not in references:
-            references[key] = torch_reference(job, data, LR)
+            references[key] = torch_reference(job, data, LR, document_separator=separator)
         ref = references[key]
         name = f"{arch} {' '.join(f'{k}={v}' for k, v in settings.items())}"
         failures += ref.check(name, run["losses"], run["grad_norms"], run["state"])
@@ -191,6 +220,10 @@ def test_cp_layouts_train_like_one_process(world: int) -> None:
         (["parallel.cp=2", "parallel.zero_stage=2"], "does not support parallel.zero_stage=2 yet"),
         (["parallel.cp=2", "model.arch=mixtral"], "does not support model.arch=mixtral"),
         (["parallel.order=tp-dp-pp-cp-cp"], "parallel.order must name tp, dp and pp once each"),
+        (
+            ["data.reset_attention_mask=true", "parallel.pp=2"],
+            "set parallel.pp=1 or data.reset_attention_mask",
+        ),
     ],
 )
 def test_bad_cp_settings_name_the_field_and_the_fix(overrides: list[str], expected: str) -> None:
@@ -229,3 +262,22 @@ def test_cp_sits_inside_dp_unless_named() -> None:
     # The cp x dp group of rank 0 (tp rank 0): ranks 0, 2, 4, 6; the CP ring of rank 0 goes to rank 2.
     assert coords[0][3] == [0, 2, 4, 6] and coords[0][4] == 2
     assert rank_order(ParallelConfig(order="cp-tp-dp-pp")) == ["cp", "tp", "dp", "pp"]
+
+
+@pytest.mark.parametrize("arch", ["gpt", "llama", "ernie"])
+def test_packed_documents_equal_separate_runs(arch: str) -> None:
+    """With model.document_separator, a packed sequence gives each document the logits it gets alone."""
+    job = tiny_job(arch, seq_length=24)
+    torch.manual_seed(0)
+    model = models.build(job.model).double()
+    lengths = [5, 9, 10]  # each ends with EOD but the last
+    g = torch.Generator().manual_seed(1)
+    docs = [torch.randint(4, job.model.vocab_size, (2, n), generator=g) for n in lengths]
+    for d in docs[:-1]:
+        d[:, -1] = EOD
+    alone = torch.cat([model(d) for d in docs], dim=1)
+    model.document_separator = EOD
+    packed = model(torch.cat(docs, dim=1))
+    assert torch.allclose(packed, alone, rtol=0, atol=1e-10)
+    model.document_separator = None
+    assert not torch.allclose(model(torch.cat(docs, dim=1)), alone, rtol=0, atol=1e-3)
