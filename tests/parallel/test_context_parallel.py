@@ -281,3 +281,17 @@ def test_packed_documents_equal_separate_runs(arch: str) -> None:
     assert torch.allclose(packed, alone, rtol=0, atol=1e-10)
     model.document_separator = None
     assert not torch.allclose(model(torch.cat(docs, dim=1)), alone, rtol=0, atol=1e-3)
+
+
+def test_cp_attention_refuses_bad_shapes() -> None:
+    """Shape errors are raised before any communication (no process group needed)."""
+    split = ContextSplit(2, 0, None, 1, 1)
+    q, k = torch.zeros(1, 4, 8, 8), torch.zeros(1, 3, 8, 8)
+    with pytest.raises(ValueError, match="not a multiple of 3 kv heads"):
+        ring_attention(q, k, k, split)
+    with pytest.raises(ValueError, match="two equal chunks"):
+        ring_attention(q[:, :, :7], q[:, :, :7], q[:, :, :7], split)
+    with pytest.raises(ValueError, match="scatters 4 heads over 8 CP ranks"):
+        all_to_all_attention(q, q, q, ContextSplit(8, 0, None, 1, 1))
+    with pytest.raises(ValueError, match="make model.seq_length a multiple of 2 \\* parallel.cp"):
+        split_sequence(torch.zeros(1, 6), 2, 0)
