@@ -100,15 +100,17 @@ step() {
 }
 
 step env "$B_ENV" "$PY" "$HERE/env_info.py" --out "$OUT/env.json" $FLAG
-step tests-kernels "$B_TESTS_KERNELS" "$PY" -m pytest -q -p no:cacheprovider "${TESTS_KERNELS[@]}" \
+# Correctness steps skip autotuning (LLMTRAIN_AUTOTUNE=0: each kernel's first config), which would compile
+# and time every config for every test shape; test_attention.py runs each attention config on its own.
+step tests-kernels "$B_TESTS_KERNELS" env LLMTRAIN_AUTOTUNE=0 "$PY" -m pytest -q -p no:cacheprovider "${TESTS_KERNELS[@]}" \
   --junitxml "$OUT/tests-kernels.xml"
-step tests-train "$B_TESTS_TRAIN" "$PY" -m pytest -q -p no:cacheprovider "${TESTS_TRAIN[@]}" \
+step tests-train "$B_TESTS_TRAIN" env LLMTRAIN_AUTOTUNE=0 "$PY" -m pytest -q -p no:cacheprovider "${TESTS_TRAIN[@]}" \
   --junitxml "$OUT/tests-train.xml"
 # Each Python step stops starting new cases 40 s before its budget, so it can still write its JSON.
 step kernels "$B_KERNELS" "$PY" "$HERE/bench_kernels_peers.py" --out "$OUT/kernels.json" \
   --budget-s $((B_KERNELS - 40)) $FLAG
 step e2e "$B_E2E" "$PY" "$HERE/bench_e2e.py" --out "$OUT/e2e.json" --budget-s $((B_E2E - 40)) \
   "${E2E_ARGS[@]}" $FLAG
-step loss_curves "$B_CURVES" "$PY" "$HERE/loss_curves.py" --out "$OUT/loss_curves.json" $FLAG
+step loss_curves "$B_CURVES" env LLMTRAIN_AUTOTUNE=0 "$PY" "$HERE/loss_curves.py" --out "$OUT/loss_curves.json" $FLAG
 "$PY" "$HERE/report.py" "$OUT"
 echo "run_all.sh: done in ${SECONDS}s; results in $OUT (README.md, results.json, one .log per step)"
