@@ -15,6 +15,7 @@
 #   LLMTRAIN_WHEELS=DIR  install the vendored wheels in DIR first (pip --no-index --no-deps)
 #   STEPS="tests-kernels e2e"  run only these steps (env always runs), e.g. to rerun what a budget cut
 #   KERNEL_TESTS="tests/kernels/test_attention.py ..."  the kernel test files to run (default: all)
+#   E2E_ARGS="--configs configs/llama-1b.yaml --compile blocks"  bench_e2e.py's sweep (default: its own)
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -62,7 +63,7 @@ else
   # Compiling every kernel variant is CPU-bound: spread the tests over 8 workers where pytest-xdist is.
   if "$PY" -c "import xdist" 2>/dev/null; then TESTS_KERNELS+=(-n 8); fi
   TESTS_TRAIN=(tests/models tests/training/test_fp8.py tests/training/test_lr_schedule.py -m "not slow")
-  E2E_ARGS=()
+  read -r -a E2E_ARGS <<<"${E2E_ARGS:-}"
 fi
 
 # Optional peers vendored as wheels (the GPU machine has no network): LLMTRAIN_WHEELS=DIR installs every
