@@ -14,13 +14,15 @@ log-sum-exps, for the weight gradient of that vocab slice.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 import triton
 import triton.language as tl
 
 from kernels import chunked_ce
-from kernels._utils import check_same_device
+from kernels._utils import check_same_device, tuned
 from kernels.checks import check_ce_args
 
 
@@ -89,6 +91,26 @@ def _block_v(v: int) -> int:
     return min(4096, triton.next_power_of_2(v))
 
 
+def _warps(v: int) -> int:
+    return 8 if v >= 8192 else 4
+
+
+def _tuned_warps(kernel: triton.JITFunction) -> dict[int, Callable]:
+    # CUDA autotunes the warps per vocab size, the untuned heuristic first (the one the interpreter runs).
+    return {
+        w: tuned(
+            kernel, [triton.Config({}, num_warps=x) for x in dict.fromkeys([w, 4, 8, 16])], ["V", "BLOCK_V"]
+        )
+        for w in (4, 8)
+    }
+
+
+# Only launches that overwrite all their outputs are autotuned (autotuning reruns them): the statistics
+# kernel, and the gradient kernel when it does not write over its own logits (the fused linear variant).
+_FWD = _tuned_warps(_ce_fwd_kernel)
+_BWD = _tuned_warps(_ce_bwd_kernel)
+
+
 def _row_stats(logits: torch.Tensor, target: torch.Tensor, vocab_start: int) -> tuple[torch.Tensor, ...]:
     """Per-row (max, sum of exp(logit - max), target logit or 0 when outside this vocab slice), fp32."""
     rows, vocab = logits.shape
@@ -96,7 +118,7 @@ def _row_stats(logits: torch.Tensor, target: torch.Tensor, vocab_start: int) -> 
     se = torch.empty_like(mx)
     tg = torch.empty_like(mx)
     if rows:
-        _ce_fwd_kernel[(rows,)](
+        _FWD[_warps(vocab)](logits.device)[(rows,)](
             logits,
             target,
             mx,
@@ -106,7 +128,6 @@ def _row_stats(logits: torch.Tensor, target: torch.Tensor, vocab_start: int) -> 
             logits.stride(0),
             vocab_start,
             BLOCK_V=_block_v(vocab),
-            num_warps=8 if vocab >= 8192 else 4,
         )
     return mx, se, tg
 
@@ -120,20 +141,13 @@ def _logit_grad(
     vocab_start: int,
 ) -> None:
     rows, vocab = logits.shape
-    if rows:
-        _ce_bwd_kernel[(rows,)](
-            logits,
-            out,
-            target,
-            lse,
-            scale,
-            vocab,
-            logits.stride(0),
-            out.stride(0),
-            vocab_start,
-            BLOCK_V=_block_v(vocab),
-            num_warps=8 if vocab >= 8192 else 4,
-        )
+    if not rows:
+        return
+    args = (logits, out, target, lse, scale, vocab, logits.stride(0), out.stride(0), vocab_start)
+    if out is logits:  # in place (fused linear CE): a rerun would read gradients, so never autotuned
+        _ce_bwd_kernel[(rows,)](*args, BLOCK_V=_block_v(vocab), num_warps=_warps(vocab))
+    else:
+        _BWD[_warps(vocab)](logits.device)[(rows,)](*args, BLOCK_V=_block_v(vocab))
 
 
 def _combine(

@@ -30,9 +30,14 @@ def test_report_gathers_every_step(tmp_path: Path) -> None:
         "time_vs_triton": 1.0,
         "fwd_bwd_gbps": 2900.0,
         "fraction_of_bandwidth": 0.9,
+        "fwd_fraction_of_bandwidth": 0.8,
+        "timing": "cuda graph",
+        "eager_fwd_bwd_ms": 0.5,
     }
+    fallback_row = kernel_row | {"impl": "liger", "timing": "eager launches"}
+    fallback_row["timing_note"] = "cuda graph failed: RuntimeError: capture | sync"
     kernels = {"shape": {"tokens": 8192}, "dtype": "torch.bfloat16", "copy_bandwidth_gbps": 3000.0}
-    kernels |= {"peers": {"liger_kernel": "not installed"}, "targets": {}, "rows": [kernel_row]}
+    kernels |= {"peers": {"liger_kernel": "not installed"}, "targets": {}, "rows": [kernel_row, fallback_row]}
     e2e_row = {"config": "llama-1b.yaml", "overrides": ["train.precision=fp8"], "compile": "blocks"}
     e2e_row |= {"tokens_per_s": 30000.0, "tflops": 400.0, "mfu_vs_bf16_peak": 0.404, "status": "ok"}
     e2e = {"rows": [e2e_row], "torchtitan": "not installed", "targets": {}}
@@ -48,7 +53,9 @@ def test_report_gathers_every_step(tmp_path: Path) -> None:
     assert "passed 1, failed 1, errors 0, skipped 1" in md
     assert "- FAILED tests.kernels.test_attention::test_b" in md
     assert "| kernels | 124 | 140 | 140 |" in md  # a step stopped at its budget shows exit 124
-    assert "| rms_norm | triton | 0.1 | 0.3 | 2900 | 90% | 64 | 1.00 | ok |" in md
+    row = "| rms_norm | triton | 0.1 | 0.3 | 2900 | 90% (fwd 80%) | 64 | 1.00 | cuda graph | 0.5 | ok |"
+    assert row in md
+    assert "| eager launches (cuda graph failed: RuntimeError: capture / sync) | 0.5 | ok |" in md
     assert "| llama-1b.yaml | train.precision=fp8 | blocks | 30000 | 400.0 | 40.4% |" in md
     assert "fp8: worst per-step relative gap 0.2000, OUTSIDE the bound 0.0800" in md
     assert "no env.json" not in md and json.loads((tmp_path / "results.json").read_text())["env"] is None

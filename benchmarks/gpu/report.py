@@ -77,9 +77,10 @@ def markdown(results: dict[str, Any]) -> str:
         lines.append(f"peers: {kern['peers']}; targets: {kern['targets']}")
         lines += [
             "",
-            "| kernel | impl | fwd ms | fwd+bwd ms | rate | of copy bw | peak MiB | t/triton | status |",
+            "| kernel | impl | fwd ms | fwd+bwd ms | rate | of copy bw | peak MiB | t/triton | timing "
+            "| eager fwd+bwd ms | status |",
         ]
-        lines.append("|---|---|---|---|---|---|---|---|---|")
+        lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
         for r in kern["rows"]:
             rate = r.get("fwd_bwd_tflops")
             rate = (
@@ -88,8 +89,17 @@ def markdown(results: dict[str, Any]) -> str:
                 else _fmt(r.get("fwd_bwd_gbps"), ".0f")
             )
             cells = [r["kernel"], r["impl"], _fmt(r.get("fwd_ms")), _fmt(r.get("fwd_bwd_ms")), rate]
-            cells += [_fmt(r.get("fraction_of_bandwidth"), ".0%") if r.get("fraction_of_bandwidth") else "-"]
-            cells += [_fmt(r.get("peak_mib"), ".0f"), _fmt(r.get("time_vs_triton"), ".2f"), r["status"]]
+            frac = _fmt(r.get("fraction_of_bandwidth"), ".0%") if r.get("fraction_of_bandwidth") else "-"
+            if r.get("fwd_fraction_of_bandwidth"):
+                frac += f" (fwd {r['fwd_fraction_of_bandwidth']:.0%})"
+            cells += [frac]
+            cells += [_fmt(r.get("peak_mib"), ".0f"), _fmt(r.get("time_vs_triton"), ".2f")]
+            # How the times were taken: "cuda graph" (GPU time), "eager launches" (graph capture failed,
+            # the note says why) or "wall clock" (CPU); the eager column keeps the launch overhead in.
+            timing = _fmt(r.get("timing"))
+            if r.get("timing_note"):
+                timing += " (" + r["timing_note"][:80].replace("|", "/") + ")"
+            cells += [timing, _fmt(r.get("eager_fwd_bwd_ms")), r["status"]]
             lines.append("| " + " | ".join(cells) + " |")
     else:
         lines.append("no kernels.json")
