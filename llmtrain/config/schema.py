@@ -63,7 +63,7 @@ class ModelConfig:
     init_std: float = 0.02
     """Standard deviation of the normal initialisation of weights."""
     kernels: KernelImpl = "auto"
-    """Kernel implementation: auto (Triton on CUDA, PyTorch elsewhere), triton (forced) or torch."""
+    """Kernel implementation: auto (Triton on CUDA but SDPA attention, PyTorch elsewhere), triton or torch."""
     recompute: Recompute = "none"
     """Activation recomputation: none, selective (attention core) or full (whole layers)."""
     num_experts: int = 8
