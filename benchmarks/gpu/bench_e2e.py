@@ -224,7 +224,9 @@ def run_row(spec: dict[str, Any], extra: dict[str, Any], budget: Budget) -> dict
         what = f"{row['config']} {' '.join(row['overrides'])} compile={row['compile']}"
         print(f"== {row['impl']}: {what}", flush=True)
         # A variant started just before the budget ends may still finish within run_all.sh's margin.
+        start = time.monotonic()
         row |= run_isolated(spec, timeout_s=budget.left() + 40)
+        row["wall_s"] = time.monotonic() - start  # the process: start-up, build, compile, all steps
         print({k: v for k, v in row.items() if k != "losses"}, flush=True)
     return row
 
