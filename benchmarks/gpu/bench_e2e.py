@@ -11,15 +11,14 @@ fp32 master weights) and trained for a few optimizer steps on random tokens; the
 Each variant runs in its own Python process: a variant that fails (out of memory, a compile error) leaves
 its memory and torch.compile caches behind in its process, and the next variant must not inherit them.
 
-The named peer is torchtitan's LLaMA-3 (its "1B" and "3B" flavors have our configs' dimensions). Its own
-trainer needs a Hugging Face tokenizer and dataset the GPU machine (no network) does not have, so a
-"torchtitan" row trains torchtitan's model with torchtitan's single-GPU recipe (its parallelize_llama:
-its activation checkpointing matching the config's recompute, its per-block torch.compile, FSDP2 with
-shard degree 1 for bf16 mixed precision; its loss; torch AdamW, fused) in this script's loop on the same
-random tokens (titan_peer.py). It runs, in its own process, right after our bf16 uncompiled row of the
-same config; the JSON's "vs_torchtitan" is our best bf16 tokens/s over torchtitan's (target >= 1.1).
-Without torchtitan (and its pure-Python imports spmd_types, tyro, docstring_parser, typeguard) the row
-says "not installed".
+The named peer is torchtitan's LLaMA-3 at our configs' dimensions. Its own trainer needs a Hugging Face
+tokenizer and dataset the GPU machine (no network) does not have, so a "torchtitan" row trains
+torchtitan's model with torchtitan's single-GPU recipe (its parallelize_llama: its activation checkpointing
+matching the config's recompute, its per-block torch.compile and compiled loss; its bf16 autocast; torch
+AdamW, fused) in this script's loop on the same random tokens (titan_peer.py). It runs, in its own
+process, right after our first bf16 row of the same config; the JSON's "vs_torchtitan" is our best bf16
+tokens/s over torchtitan's (target >= 1.1). Without torchtitan the row says "not installed"; an import
+or version mismatch is the row's "failed: ..." reason.
 
   python benchmarks/gpu/bench_e2e.py --out e2e.json                         # the default sweep, on a GPU
   python benchmarks/gpu/bench_e2e.py --configs configs/llama-1b.yaml --precision bf16 fp8 --compile blocks
@@ -128,7 +127,7 @@ def run_variant(
 
 # torchtitan's activation checkpointing for the config's recompute (none: its AC off, as ours is off).
 TITAN_AC = {"none": "none", "selective": "selective", "full": "full"}
-TITAN_IMPL = "torchtitan {version} model + its AC/compile/FSDP, our loop"
+TITAN_IMPL = "torchtitan {version} model + its AC/compile/AMP, our loop"
 
 
 def run_titan_variant(
@@ -138,7 +137,6 @@ def run_titan_variant(
     steps: int,
     warmup: int,
     device: str,
-    attention: str = "flex",
 ) -> dict[str, Any]:
     """torchtitan's LLaMA-3 at the job's dimensions in this loop (titan_peer.run), as run_variant's row."""
     import titan_peer
@@ -156,7 +154,6 @@ def run_titan_variant(
         lr=job.train.lr,
         compile_model=compile_mode == "blocks",
         ac=TITAN_AC[job.model.recompute],
-        attn_backend=attention,
     )
     tokens_per_s = batch * seq / result["median_step_s"]
     flops = model_flops_per_token(job.model, seq) * tokens_per_s  # our formula, as for our rows
@@ -261,11 +258,6 @@ def main(argv: list[str] | None = None) -> int:
         default="blocks",
         help="torchtitan's per-block torch.compile (its recommended setting) or none",
     )
-    parser.add_argument(
-        "--torchtitan-attention",
-        choices=["flex", "sdpa"],
-        help="torchtitan's attention: flex (its default) on CUDA; sdpa on CPU (flex has no CPU backward)",
-    )
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1")
     parser.add_argument("--variant", help=argparse.SUPPRESS)  # internal: one variant (see run_isolated)
     args = parser.parse_args(argv)
@@ -281,7 +273,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     budget = Budget(args.budget_s)
     titan = args.torchtitan == "auto" and peer_version("torchtitan") != "not installed"
-    attention = args.torchtitan_attention or ("flex" if device == "cuda" else "sdpa")
     rows = []
     # Uncompiled rows first (they start in seconds), bf16 (the MFU target) before fp8; the compiled rows,
     # which spend tens of seconds compiling, come last, so a short budget cuts those first. torchtitan's
@@ -301,15 +292,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         rows.append(run_row(spec, {"impl": "llmtrain"}, budget))
         if precision == "bf16" and compile_mode == args.compile[0] and args.torchtitan != "off":
-            titan_spec = spec | {
-                "kind": "torchtitan",
-                "compile_mode": args.torchtitan_compile,
-                "attention": attention,
-            }
+            titan_spec = spec | {"kind": "torchtitan", "compile_mode": args.torchtitan_compile}
             if not titan:
                 rows.append(base_row(titan_spec) | {"impl": "torchtitan", "status": "not installed"})
                 continue
-            peer = {"impl": TITAN_IMPL.format(version=peer_version("torchtitan")), "attention": attention}
+            peer = {"impl": TITAN_IMPL.format(version=peer_version("torchtitan"))}
             rows.append(run_row(titan_spec, peer, budget))
     write_json(
         args.out,

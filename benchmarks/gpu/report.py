@@ -161,7 +161,7 @@ def markdown(results: dict[str, Any]) -> str:
             cells += [
                 _fmt(r.get("mfu_vs_bf16_peak"), ".1%"),
                 _fmt(r.get("peak_memory_gib"), ".1f"),
-                r.get("impl", "llmtrain") + (f" ({r['attention']} attention)" if r.get("attention") else ""),
+                r.get("impl", "llmtrain"),
                 r["status"],
             ]
             lines.append("| " + " | ".join(cells) + " |")

@@ -4,36 +4,39 @@ torchtitan's own trainer (torchtitan.train) needs a Hugging Face tokenizer and d
 GPU machine (no network) does not have; so this builds torchtitan's model and applies torchtitan's own
 single-GPU recipe to it, and trains it in the same loop, on the same random tokens, as our variants:
 
-- the model: torchtitan's Llama3Model, its "1B"/"3B" flavor when the job's dimensions are that flavor's
-  (configs/llama-1b.yaml and llama-3b.yaml are), else the same builder at the job's dimensions (dry run);
-  built on the meta device, then materialized and initialized with its own init_weights, as its trainer does;
-- its parallelize_llama: activation checkpointing (its SelectiveAC, as its llama3 8B recipe, or none),
-  torch.compile of each TransformerBlock (its apply_compile) and FSDP2 with shard degree 1 for bf16 mixed
-  precision (fp32 parameters and optimizer state, bf16 compute), on a one-rank process group;
-- its default attention (FlexAttention with the causal + packed-document block mask its dataloader implies;
-  one document per sequence here);
-- its loss (CrossEntropyLoss, sum over tokens / valid tokens, compiled with the model when compile is on)
-  and torch.optim.AdamW (fused on CUDA), as its default_adamw builds.
+- the model: torchtitan's llama3 Transformer (TransformerModelArgs at the job's dimensions: hidden, layers,
+  heads, kv heads, vocab, rope theta 500000, its FFN rule set to give the job's FFN width), built on the meta
+  device, then materialized and initialized with its own init_weights, as its trainer does. torchtitan 0.2.x
+  has no weight tying, so its output projection is a separate matrix (0.26 B more parameters at 1B, same
+  FLOPs);
+- its parallelize_llama with its JobConfig: its activation checkpointing (mode from the config's recompute:
+  none/selective/full; its selective default is per-op), its per-TransformerBlock torch.compile and compiled
+  loss (compile.enable, torchtitan's recommended setting); on one GPU it applies no FSDP, and its trainer
+  runs forward and loss under its maybe_enable_amp (torch.autocast to bf16 over fp32 parameters), as here;
+- its attention: its default for llama3 in 0.2.x, SDPA with is_causal (flash/cuDNN/efficient per PyTorch);
+- its cross_entropy_loss (sum) over the valid-token count, and torch.optim.AdamW (fused on CUDA), as its
+  optimizer builder defaults to.
 
-Nothing of torchtitan is copied: everything is imported from the installed package (0.3.0 is what this was
-written against; its imports need the pure-Python wheels spmd_types, tyro, docstring_parser and typeguard).
+Nothing of torchtitan is copied: everything is imported from the installed package. torchtitan 0.3.0 needs a
+nightly torch (torch.distributed.fsdp.DataParallelMeshDims, absent from torch 2.11), so this targets 0.2.x
+(written against 0.2.2). Its modules import, beyond torch: tyro (+ docstring_parser), torchdata,
+tokenizers and tensorboard (the last two come with transformers and torch's usual installs), and
+`datasets` through torchtitan.hf_datasets, which is only used to load a dataset: without it, a stand-in
+module that raises when called is registered so the model's imports succeed (datasets needs pyarrow, too
+large to carry).
 """
 
 from __future__ import annotations
 
-import os
+import importlib.util
+import sys
 import tempfile
 import time
+import types
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-
-# torchtitan's flavors our configs mirror: (hidden, layers, heads, kv heads, ffn, vocab) -> flavor name.
-FLAVORS = {
-    (2048, 16, 32, 8, 8192, 128256): "1B",
-    (3072, 28, 24, 8, 8192, 128256): "3B",
-}
 
 
 @dataclass
@@ -44,10 +47,11 @@ class TitanDims:
     kv_heads: int
     ffn: int
     vocab: int
+    rope_theta: float = 500000.0
 
 
 def dims_of(model_cfg: Any) -> TitanDims:
-    """Our ModelConfig's dimensions, as torchtitan's builders take them."""
+    """Our ModelConfig's dimensions, as torchtitan's TransformerModelArgs takes them."""
     return TitanDims(
         hidden=model_cfg.hidden_size,
         layers=model_cfg.num_layers,
@@ -55,126 +59,76 @@ def dims_of(model_cfg: Any) -> TitanDims:
         kv_heads=model_cfg.num_kv_heads or model_cfg.num_attention_heads,
         ffn=model_cfg.ffn_hidden_size,
         vocab=model_cfg.vocab_size,
+        rope_theta=model_cfg.rope_theta,
     )
 
 
-def flavor_of(dims: TitanDims) -> str | None:
-    key = (dims.hidden, dims.layers, dims.heads, dims.kv_heads, dims.ffn, dims.vocab)
-    return FLAVORS.get(key)
+def ffn_rule(hidden: int, ffn: int) -> dict[str, Any]:
+    """torchtitan's FFN width: multiple_of * ceil(int(multiplier * int(8 * hidden / 3)) / multiple_of). With
+    multiple_of = ffn it is ffn whenever the product is in (0, ffn]; the multiplier brings a larger base
+    under it. Returns the TransformerModelArgs fields (1B/3B: multiple_of=8192, no multiplier)."""
+    base = int(2 * (4 * hidden) / 3)
+    return {"multiple_of": ffn, "ffn_dim_multiplier": None if base <= ffn else ffn / base}
 
 
-def titan_model_config(dims: TitanDims, attn_backend: str) -> tuple[Any, str]:
-    """torchtitan's Llama3Model.Config for these dimensions: its named flavor where one matches, else its
-    flavor builder's pieces at these dimensions (the dry run's tiny model). Returns (config, label)."""
-    import torchtitan.models.llama3 as tl3
+def stand_in_datasets() -> bool:
+    """Register a `datasets` stand-in (calls raise) when the real one is absent; True if it did."""
+    if importlib.util.find_spec("datasets") is not None:
+        return False
 
-    flavor = flavor_of(dims)
-    backend = "flex" if attn_backend == "sdpa" else attn_backend
-    if flavor is not None:
-        config, label = tl3.llama3_configs[flavor](attn_backend=backend), flavor
-    else:
-        config, label = _custom_config(tl3, dims, backend), f"at {dims}"
-    if attn_backend == "sdpa":
-        # torchtitan's ScaledDotProductAttention (cuDNN, then flash, then math; causal, no block mask):
-        # the same attention as its flex default for one document per sequence.
-        from torchtitan.models.common.attention import ScaledDotProductAttention
+    def absent(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("the datasets package is not installed (stand-in for torchtitan's imports)")
 
-        for layer in config.layers:
-            layer.attention.inner_attention = ScaledDotProductAttention.Config()
-    return config, f"{label}, {attn_backend} attention"
-
-
-def _custom_config(tl3: Any, dims: TitanDims, attn_backend: str) -> Any:
-    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
-
-    init_norm = {"weight": torch.nn.init.ones_}
-    init_emb = {"weight": lambda w: torch.nn.init.normal_(w, std=1.0)}
-    config = tl3.Llama3Model.Config(
-        dim=dims.hidden,
-        vocab_size=dims.vocab,
-        enable_weight_tying=True,
-        tok_embeddings=Embedding.Config(
-            num_embeddings=dims.vocab, embedding_dim=dims.hidden, param_init=init_emb
-        ),
-        norm=RMSNorm.Config(normalized_shape=dims.hidden, param_init=init_norm),
-        lm_head=Linear.Config(in_features=dims.hidden, out_features=dims.vocab),
-        layers=tl3._build_llama3_layers(
-            n_layers=dims.layers,
-            dim=dims.hidden,
-            n_heads=dims.heads,
-            n_kv_heads=dims.kv_heads,
-            hidden_dim=dims.ffn,
-            rope=ComplexRoPE.Config(
-                dim=dims.hidden // dims.heads, max_seq_len=131072, theta=500000, scaling="llama"
-            ),
-            attn_backend=attn_backend,
-        ),
-    )
-    return config
-
-
-def _init_one_rank(device: str) -> None:
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        return
-    store = tempfile.mkstemp(prefix="titan_pg_")[1]
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if device == "cuda":
-        torch.cuda.set_device(0)
-    dist.init_process_group(
-        backend="nccl" if device == "cuda" else "gloo",
-        init_method=f"file://{store}",
-        rank=0,
-        world_size=1,
-        device_id=torch.device("cuda", 0) if device == "cuda" else None,
-    )
+    mod, dist = types.ModuleType("datasets"), types.ModuleType("datasets.distributed")
+    mod.Dataset = type("Dataset", (), {})  # type: ignore[attr-defined]
+    mod.load_dataset = absent  # type: ignore[attr-defined]
+    dist.split_dataset_by_node = absent  # type: ignore[attr-defined]
+    mod.distributed = dist  # type: ignore[attr-defined]
+    sys.modules["datasets"], sys.modules["datasets.distributed"] = mod, dist
+    return True
 
 
 def build(
-    dims: TitanDims, seq: int, device: str, *, compile_model: bool, ac: str, attn_backend: str
-) -> tuple[torch.nn.Module, Any, str]:
-    """torchtitan's model with its single-GPU recipe applied: (model, loss_fn, flavor label)."""
+    dims: TitanDims, seq: int, batch: int, device: str, *, compile_model: bool, ac: str
+) -> tuple[torch.nn.Module, Any, Any, str]:
+    """torchtitan's model with its single-GPU recipe applied: (model, loss_fn, amp context, label)."""
+    stand_in_datasets()
     import torchtitan
-    from torchtitan.components.loss import CrossEntropyLoss
-    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.components.loss import build_cross_entropy_loss
+    from torchtitan.config import JobConfig
     from torchtitan.distributed import ParallelDims
-    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
-    from torchtitan.models.llama3 import parallelize_llama
+    from torchtitan.distributed import utils as dist_utils
+    from torchtitan.models.llama3 import Transformer, TransformerModelArgs, parallelize_llama
 
-    _init_one_rank(device)
-    if device == "cpu":  # torchtitan picks "cuda" for its meshes when no accelerator is found (dry run)
-        import torchtitan.distributed.parallel_dims as titan_parallel_dims
-
-        titan_parallel_dims.device_type = "cpu"
-    config, label = titan_model_config(dims, attn_backend)
-    parallelism = ParallelismConfig()
-    # (its update_from_config imports torchtitan.trainer, hence torchdata; it only resizes RoPE caches for
-    # seq_len > 131072 and sets tensor-parallel sharding, neither of which applies here)
-    with torch.device("meta"):
-        model = config.build()
-    parallel_dims = ParallelDims.from_config(parallelism, world_size=1)
-    parallel_dims.build_mesh()
-    ac_config = {"selective": SelectiveAC.Config(), "full": FullAC.Config(), "none": None}[ac]
-    training = TrainingConfig(local_batch_size=1, seq_len=seq)
-    compile_config = CompileConfig(enable=compile_model)
-    model = parallelize_llama(
-        model,
-        parallel_dims=parallel_dims,
-        training=training,
-        parallelism=parallelism,
-        compile_config=compile_config,
-        ac_config=ac_config,
-        dump_folder=tempfile.mkdtemp(prefix="titan_dump_"),
+    job = JobConfig()
+    job.training.seq_len, job.training.local_batch_size = seq, batch
+    job.compile.enable = compile_model
+    job.activation_checkpoint.mode = ac
+    job.job.dump_folder = tempfile.mkdtemp(prefix="titan_dump_")
+    args = TransformerModelArgs(
+        dim=dims.hidden,
+        n_layers=dims.layers,
+        n_heads=dims.heads,
+        n_kv_heads=dims.kv_heads,
+        vocab_size=dims.vocab,
+        rope_theta=dims.rope_theta,
+        max_seq_len=max(seq, 8192),
+        **ffn_rule(dims.hidden, dims.ffn),
     )
+    with torch.device("meta"):
+        model = Transformer(args)
+    width = model.layers["0"].feed_forward.w1.out_features
+    if width != dims.ffn:
+        raise ValueError(f"torchtitan's FFN came out {width} wide, not {dims.ffn}")
+    parallel_dims = ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
+    model = parallelize_llama(model, parallel_dims, job)
     model.to_empty(device=device)
     with torch.no_grad():
         model.init_weights(buffer_device=None)
     model.train()
-    loss_fn = CrossEntropyLoss.Config().build()
-    if compile_model and "loss" in compile_config.components:
-        loss_fn = torch.compile(loss_fn, backend=compile_config.backend)
-    return model, loss_fn, f"torchtitan {torchtitan.__version__} {label}"
+    amp = dist_utils.maybe_enable_amp(parallel_dims, job.training.mixed_precision_param, device)
+    label = f"torchtitan {torchtitan.__version__} llama3, {args.attn_type} attention, AC {ac}"
+    return model, build_cross_entropy_loss(job), amp, label
 
 
 def run(
@@ -188,21 +142,14 @@ def run(
     lr: float,
     compile_model: bool,
     ac: str,
-    attn_backend: str,
 ) -> dict[str, Any]:
     """Train `steps` steps of one micro-batch of random tokens; the timed steps' figures (as run_variant)."""
-    model, loss_fn, label = build(
-        dims, seq, device, compile_model=compile_model, ac=ac, attn_backend=attn_backend
-    )
+    model, loss_fn, amp, label = build(dims, seq, batch, device, compile_model=compile_model, ac=ac)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=device == "cuda"
     )
     tokens = torch.randint(0, dims.vocab, (batch, seq + 1), device=device)
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
-    # One document per sequence: positions 0..seq-1 on every row, as torchtitan's dataloader emits them.
-    positions = torch.arange(seq, device=device).expand(batch, seq).contiguous()
-    masks = None if attn_backend == "sdpa" else model.get_attention_masks(positions)
-    valid = torch.tensor(labels.numel(), device=device)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     losses, times = [], []
@@ -211,9 +158,9 @@ def run(
             torch.cuda.synchronize()
         start = time.perf_counter()
         optimizer.zero_grad()
-        pred = model(inputs, positions=positions, attention_masks=masks)
-        loss = loss_fn(pred, labels, valid)
-        loss = loss[0] if isinstance(loss, tuple) else loss
+        with amp:  # as torchtitan's train step: forward and loss under its AMP context, backward outside
+            pred = model(inputs)
+            loss = loss_fn(pred, labels) / labels.numel()
         del pred
         loss.backward()
         optimizer.step()
@@ -222,10 +169,9 @@ def run(
         if step >= warmup:
             times.append(time.perf_counter() - start)
         losses.append(loss.item())
-    params = sum(p.numel() for p in model.parameters())
     return {
         "peer": label,
-        "params_b": params / 1e9,
+        "params_b": sum(p.numel() for p in model.parameters()) / 1e9,
         "median_step_s": sorted(times)[len(times) // 2],
         "losses": losses,
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
