@@ -201,7 +201,7 @@ def torchtitan_status(rows: list[dict[str, Any]]) -> str:
         return version
     ours = [r for r in rows if r.get("impl", "").startswith("torchtitan")]
     ok = sum(r["status"] == "ok" for r in ours)
-    return f"{version}: {TITAN_IMPL.format(version=version)}; {ok} of {len(ours)} rows ok"
+    return f"{version}, {ok} of {len(ours)} rows ok ({TITAN_IMPL.format(version=version)})"
 
 
 def base_row(spec: dict[str, Any]) -> dict[str, Any]:
