@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -115,3 +116,37 @@ def test_report_prints_the_torchtitan_ratio(tmp_path: Path) -> None:
     assert "- llama-3b.yaml: llmtrain / torchtitan tokens/s = - (15000 / -; target >= 1.1: -" in md
     assert "torchtitan: not installed)" in md
     assert f"| 40000 | - | - | - | {titan} | ok |" in md
+
+
+def test_titan_peer_ffn_rule_gives_the_configs_width() -> None:
+    sys.path.insert(0, str(GPU))
+    from titan_peer import ffn_rule
+
+    # torchtitan's rule: multiple_of * ceil(int(multiplier * int(8 * hidden / 3)) / multiple_of)
+    def width(hidden: int, multiple_of: int, ffn_dim_multiplier: float | None) -> int:
+        base = int(2 * (4 * hidden) / 3)
+        base = int(ffn_dim_multiplier * base) if ffn_dim_multiplier is not None else base
+        return multiple_of * ((base + multiple_of - 1) // multiple_of)
+
+    for hidden, ffn in ((2048, 8192), (3072, 8192), (64, 128), (4096, 14336)):
+        rule = ffn_rule(hidden, ffn)
+        assert width(hidden, **rule) == ffn
+    assert ffn_rule(2048, 8192) == {"multiple_of": 8192, "ffn_dim_multiplier": None}
+
+
+@pytest.mark.slow
+def test_e2e_dry_run_reports_torchtitan_not_installed(tmp_path: Path) -> None:
+    if importlib.util.find_spec("torchtitan") is not None:
+        pytest.skip("torchtitan is installed here: its row runs instead")
+    out = tmp_path / "e2e.json"
+    args = ["--dry-run", "--configs", str(ROOT / "configs/llama-1b.yaml"), "--precision", "bf16"]
+    args += ["--compile", "none", "--out", str(out)]
+    subprocess.run(
+        [sys.executable, str(GPU / "bench_e2e.py"), *args], check=True, capture_output=True, timeout=300
+    )
+    payload = json.loads(out.read_text())
+    ours, titan = payload["rows"]
+    assert ours["status"] == "ok" and ours["impl"] == "llmtrain"
+    assert titan["impl"] == "torchtitan" and titan["status"] == "not installed"
+    assert payload["torchtitan"] == "not installed"
+    assert payload["vs_torchtitan"]["llama-1b.yaml"]["why"] == "torchtitan: not installed"
