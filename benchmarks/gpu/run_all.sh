@@ -67,7 +67,8 @@ else
 fi
 
 # Optional peers vendored as wheels (the GPU machine has no network): LLMTRAIN_WHEELS=DIR installs every
-# DIR/*.whl without dependencies or an index (e.g. torchao and liger-kernel, which are pure Python).
+# DIR/*.whl without dependencies or an index (e.g. torchao and liger-kernel, which are pure Python; and the
+# e2e peer torchtitan 0.2.2 with what its model imports need: torchdata, tyro, docstring_parser, typeguard).
 if [ -n "${LLMTRAIN_WHEELS:-}" ]; then
   "$PY" -m pip install --no-index --no-deps "$LLMTRAIN_WHEELS"/*.whl || echo "run_all.sh: some wheels did not install"
 fi
