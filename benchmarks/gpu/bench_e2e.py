@@ -1,12 +1,13 @@
 """End-to-end training throughput on one device: tokens/s, TFLOP/s, MFU and peak memory per variant.
 
 Each variant is a config (configs/llama-1b.yaml, configs/llama-3b.yaml) with overrides from the sweep
-(precision, model.recompute, torch.compile of the transformer blocks, micro-batch size). It is built the
-way tools/pretrain.py builds a run (models.build -> parallelize -> build_optimizer, flat bf16 buffers with
-fp32 master weights) and trained for a few optimizer steps on random tokens; the first `--warmup` steps
-(compilation, autotuning, allocator) are not timed. MFU is against the device's bf16 dense peak
-(llmtrain.training.peak: datasheet by device name, else measured), FLOPs from llmtrain.planner.flops
-(attention included, recomputation not counted), as the trainer's progress line computes them.
+(torch.compile of the transformer blocks, model.kernels, precision, model.recompute, micro-batch size). It is
+built the way tools/pretrain.py builds a run (models.build -> parallelize -> build_optimizer, flat bf16
+buffers with fp32 master weights) and trained for a few optimizer steps on random tokens; the first
+`--warmup` steps (compilation, autotuning, allocator) are not timed. MFU is against the device's bf16
+dense peak (llmtrain.training.peak: datasheet by device name, else measured), FLOPs from
+llmtrain.planner.flops (attention included, recomputation not counted), as the trainer's progress line
+computes them.
 
 Each variant runs in its own Python process: a variant that fails (out of memory, a compile error) leaves
 its memory and torch.compile caches behind in its process, and the next variant must not inherit them.
@@ -241,7 +242,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--precision", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8", "fp32"])
     parser.add_argument("--recompute", nargs="+", default=["config"], help="none/selective/full or config")
-    parser.add_argument("--compile", nargs="+", default=["none", "blocks"], choices=["none", "blocks"])
+    parser.add_argument("--compile", nargs="+", default=["blocks", "none"], choices=["none", "blocks"])
+    parser.add_argument(
+        "--kernels",
+        nargs="+",
+        default=["auto"],
+        choices=["auto", "triton", "torch"],
+        help="model.kernels: auto (Triton, with SDPA attention on CUDA), triton (our attention too) or torch",
+    )
     parser.add_argument("--micro-batch", nargs="+", default=["config"], help="sizes, or config")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=3)
@@ -267,19 +275,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         device, base, steps, warmup = "cpu", DRY_RUN_OVERRIDES, 3, 1
     elif torch.cuda.is_available():
-        device, base, steps, warmup = "cuda", ["model.kernels=triton"], args.steps, args.warmup
+        device, base, steps, warmup = "cuda", [], args.steps, args.warmup
     else:
         print("bench_e2e.py needs a CUDA GPU (or --dry-run on CPU); none found.")
         return 2
     budget = Budget(args.budget_s)
     titan = args.torchtitan == "auto" and peer_version("torchtitan") != "not installed"
     rows = []
-    # Uncompiled rows first (they start in seconds), bf16 (the MFU target) before fp8; the compiled rows,
-    # which spend tens of seconds compiling, come last, so a short budget cuts those first. torchtitan's
-    # row follows our first bf16 row of its config, so the side-by-side is measured before the budget ends.
-    grid = itertools.product(args.compile, args.precision, args.configs, args.recompute, args.micro_batch)
-    for compile_mode, precision, config, recompute, micro in grid:
+    # Compiled rows first (the fastest setting measured, torchtitan's own recipe too), bf16 (the MFU target)
+    # before fp8, so a short budget cuts the uncompiled and fp8 rows first. torchtitan's row follows our
+    # first bf16 row of its config, so the side-by-side is measured before the budget ends. The dry run
+    # keeps its PyTorch kernels (DRY_RUN_OVERRIDES).
+    kernel_choices = [None] if args.dry_run else args.kernels
+    grid = itertools.product(
+        args.compile, kernel_choices, args.precision, args.configs, args.recompute, args.micro_batch
+    )
+    for compile_mode, kernel_impl, precision, config, recompute, micro in grid:
         overrides = [*base, f"train.precision={precision}"]
+        overrides += [] if kernel_impl is None else [f"model.kernels={kernel_impl}"]
         overrides += [] if recompute == "config" else [f"model.recompute={recompute}"]
         overrides += [] if micro == "config" else [f"train.micro_batch_size={micro}"]
         spec = dict(
@@ -291,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
             device=device,
         )
         rows.append(run_row(spec, {"impl": "llmtrain"}, budget))
-        if precision == "bf16" and compile_mode == args.compile[0] and args.torchtitan != "off":
+        first_of_config = compile_mode == args.compile[0] and kernel_impl == kernel_choices[0]
+        if precision == "bf16" and first_of_config and args.torchtitan != "off":
             titan_spec = spec | {"kind": "torchtitan", "compile_mode": args.torchtitan_compile}
             if not titan:
                 rows.append(base_row(titan_spec) | {"impl": "torchtitan", "status": "not installed"})
