@@ -27,6 +27,23 @@ from kernels.checks import check_ce_args
 
 
 @triton.jit
+def _row_max_and_sum(base, V, BLOCK_V: tl.constexpr):
+    """Online softmax statistics of one row of V logits at `base`: its max and sum(exp(x - max)), fp32."""
+    m = tl.full((BLOCK_V,), float("-inf"), dtype=tl.float32)
+    s = tl.zeros((BLOCK_V,), dtype=tl.float32)
+    for start in range(0, V, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        x = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, x)
+        # Lanes that have only seen -inf keep a 0 reference so exp() never sees (-inf) - (-inf).
+        ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        s = s * tl.exp(m - ref) + tl.exp(x - ref)
+        m = m_new
+    row_max = tl.max(m, axis=0)
+    return row_max, tl.sum(s * tl.exp(m - row_max), axis=0)
+
+
+@triton.jit
 def _ce_fwd_kernel(
     LOGITS,
     TARGET,
@@ -40,18 +57,7 @@ def _ce_fwd_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     base = LOGITS + row * stride_row
-    m = tl.full((BLOCK_V,), float("-inf"), dtype=tl.float32)
-    s = tl.zeros((BLOCK_V,), dtype=tl.float32)
-    for start in range(0, V, BLOCK_V):
-        cols = start + tl.arange(0, BLOCK_V)
-        x = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
-        m_new = tl.maximum(m, x)
-        # Lanes that have only seen -inf keep a 0 reference so exp() never sees (-inf) - (-inf).
-        ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        s = s * tl.exp(m - ref) + tl.exp(x - ref)
-        m = m_new
-    row_max = tl.max(m, axis=0)
-    row_sum = tl.sum(s * tl.exp(m - row_max), axis=0)
+    row_max, row_sum = _row_max_and_sum(base, V, BLOCK_V)
     local = tl.load(TARGET + row) - vocab_start
     in_slice = (local >= 0) & (local < V)
     tgt = tl.load(base + local, mask=in_slice, other=0.0).to(tl.float32)
@@ -222,17 +228,8 @@ def _flce_rows_kernel(
     WRITE_GRAD its d(mean loss)/d(logits) written over the logits (a second sweep of the row)."""
     row = tl.program_id(0).to(tl.int64)
     base = LOGITS + row * stride_row
-    m = tl.full((BLOCK_V,), float("-inf"), dtype=tl.float32)
-    s = tl.zeros((BLOCK_V,), dtype=tl.float32)
-    for start in range(0, V, BLOCK_V):
-        cols = start + tl.arange(0, BLOCK_V)
-        x = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
-        m_new = tl.maximum(m, x)
-        ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        s = s * tl.exp(m - ref) + tl.exp(x - ref)
-        m = m_new
-    row_max = tl.max(m, axis=0)
-    lse = row_max + tl.log(tl.sum(s * tl.exp(m - row_max), axis=0))
+    row_max, row_sum = _row_max_and_sum(base, V, BLOCK_V)
+    lse = row_max + tl.log(row_sum)
     tgt = tl.load(TARGET + row)
     valid = tgt != ignore_index
     in_range = valid & (tgt >= 0) & (tgt < V)
