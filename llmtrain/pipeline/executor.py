@@ -32,6 +32,7 @@ from torch import nn
 from llmtrain.config.schema import JobConfig
 from llmtrain.parallel import comm
 from llmtrain.parallel.data_parallel import apply_data_parallel, grad_sync
+from llmtrain.parallel.fsdp import is_fsdp, reduce_gradients
 from llmtrain.parallel.materialize import is_meta, materialize
 from llmtrain.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, gather_sequence
 from llmtrain.parallel.topology import Topology
@@ -193,12 +194,21 @@ class PipelineExecutor:
             )
         self.trace: list[dict] | None = None
         self._loss_scale = 1.0
-        # The last action that adds to each chunk's gradients: data-parallel reduction runs with it.
+        # The actions that complete a chunk's gradients: data-parallel reduction runs with them. Flat
+        # buffers (zero 0/1) reduce each parameter once its last gradient is in, so the last action of each
+        # kind counts (I and W fill different parameters). FSDP2 reduces a whole unit (a block: norms filled
+        # by I, linear weights by W) in the post-backward hook of the unit's autograd backward; under a split
+        # backward that is I's, before the deferred W. So with FSDP every I only accumulates, and the chunk's
+        # last W reduces every unit explicitly (fsdp.reduce_gradients) once the last weight gradient is in.
+        # The alternative, reduce-scattering W's gradients ourselves into the sharded .grad, would
+        # re-implement FSDP2's padding, divide factors, casts and HSDP all-reduce.
+        self._fsdp = is_fsdp(stages)
         self._final: set[Action] = set()
-        seen: set[tuple[str, int]] = set()
+        seen: set[tuple[str, int] | int] = set()
         for a in reversed(self.actions):
-            if a.kind in (B, I, W) and (a.kind, a.chunk) not in seen:
-                seen.add((a.kind, a.chunk))
+            unit = a.chunk if self._fsdp else (a.kind, a.chunk)
+            if a.kind in (B, I, W) and unit not in seen:
+                seen.add(unit)
                 self._final.add(a)
         if topo.pp == 1 and schedule.virtual_stages > 1:
             raise ValueError(
@@ -361,6 +371,8 @@ class PipelineExecutor:
                     with self._grad_sync(a):
                         if a.kind == W:
                             _accumulate(deferred.pop(key))
+                            if self._fsdp and a in self._final:
+                                reduce_gradients(chunk)
                         else:
                             self._backward(a, key, chunk, outputs, grads_in, deferred, m)
             finally:
