@@ -28,11 +28,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from llmtrain.config.schema import JobConfig
 from llmtrain.parallel import comm
 from llmtrain.parallel.data_parallel import apply_data_parallel, grad_sync
-from llmtrain.parallel.fsdp import is_fsdp, reduce_gradients
+from llmtrain.parallel.fsdp import finish_backward, is_fsdp
 from llmtrain.parallel.materialize import is_meta, materialize
 from llmtrain.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, gather_sequence
 from llmtrain.parallel.topology import Topology
@@ -152,6 +153,13 @@ def _split_linear(
     return _DeferrableLinear.apply(x, weight.detach(), detached_bias, shard, group, (weight, bias), split)
 
 
+def _plain_linear(module: nn.Module) -> bool:
+    """``nn.Linear`` itself, not a subclass with a forward of its own; also once fully_shard has made it
+    an FSDP unit (the output layer at zero 2/3), whose class FSDPLinear only adds FSDPModule's methods."""
+    cls = type(module)
+    return cls is nn.Linear or cls.__bases__ == (FSDPModule, nn.Linear)
+
+
 def _split_linear_forward(split: _SplitBackward, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return _split_linear(split, F.linear, None, x, module.weight, module.bias)
 
@@ -198,10 +206,10 @@ class PipelineExecutor:
         # buffers (zero 0/1) reduce each parameter once its last gradient is in, so the last action of each
         # kind counts (I and W fill different parameters). FSDP2 reduces a whole unit (a block: norms filled
         # by I, linear weights by W) in the post-backward hook of the unit's autograd backward; under a split
-        # backward that is I's, before the deferred W. So with FSDP every I only accumulates, and the chunk's
-        # last W reduces every unit explicitly (fsdp.reduce_gradients) once the last weight gradient is in.
-        # The alternative, reduce-scattering W's gradients ourselves into the sharded .grad, would
-        # re-implement FSDP2's padding, divide factors, casts and HSDP all-reduce.
+        # backward that is I's, before the deferred W. So with FSDP only the chunk's last action, a W,
+        # synchronises: every W ends as the backward it was split from would (fsdp.finish_backward), which
+        # there reduce-scatters every unit once the last weight gradient is in, and elsewhere folds the
+        # low-precision weight gradients into FSDP's fp32 accumulators, as each I does.
         self._fsdp = is_fsdp(stages)
         self._final: set[Action] = set()
         seen: set[tuple[str, int] | int] = set()
@@ -230,7 +238,7 @@ class PipelineExecutor:
         for module in modules:
             if uses.get(id(getattr(module, "weight", None)), 0) != 1:
                 continue
-            if type(module) is nn.Linear:
+            if _plain_linear(module):
                 module.forward = functools.partial(_split_linear_forward, self._split, module)
             elif isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                 module.linear = functools.partial(_split_linear, self._split, module.linear, module.group)
@@ -371,8 +379,8 @@ class PipelineExecutor:
                     with self._grad_sync(a):
                         if a.kind == W:
                             _accumulate(deferred.pop(key))
-                            if self._fsdp and a in self._final:
-                                reduce_gradients(chunk)
+                            if self._fsdp:
+                                finish_backward(chunk)
                         else:
                             self._backward(a, key, chunk, outputs, grads_in, deferred, m)
             finally:
