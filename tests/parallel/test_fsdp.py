@@ -289,6 +289,15 @@ def test_unsupported_zero_layouts_are_rejected(overrides: dict, message: str) ->
         validate(job)
 
 
+@pytest.mark.parametrize("zero_stage", [2, 3])
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b", "zb_h1"])
+def test_sharded_data_parallelism_runs_every_pipeline_schedule(zero_stage: int, schedule: str) -> None:
+    job = JobConfig()
+    job.parallel.zero_stage, job.parallel.pp, job.parallel.schedule = zero_stage, 2, schedule
+    job.parallel.virtual_stages = 2 if schedule == "interleaved_1f1b" else 1
+    validate(job)
+
+
 def test_dp_shard_must_divide_dp() -> None:
     job = JobConfig()
     job.parallel.zero_stage, job.parallel.dp_shard = 3, 3
