@@ -214,9 +214,9 @@ class PipelineExecutor:
         self._final: set[Action] = set()
         seen: set[tuple[str, int] | int] = set()
         for a in reversed(self.actions):
-            unit = a.chunk if self._fsdp else (a.kind, a.chunk)
-            if a.kind in (B, I, W) and unit not in seen:
-                seen.add(unit)
+            scope = a.chunk if self._fsdp else (a.kind, a.chunk)
+            if a.kind in (B, I, W) and scope not in seen:
+                seen.add(scope)
                 self._final.add(a)
         if topo.pp == 1 and schedule.virtual_stages > 1:
             raise ValueError(
