@@ -12,6 +12,10 @@ missed micro-batch) moves the loss by > 1e-3 in three Adam steps and fails it.
 
 Plain SGD (no clipping, no weight decay) shows a gradient wrongly scaled: the run whose FSDP gradient
 divide factor is 1 instead of dp (sums instead of averages over DP) must fail the same bounds.
+
+The zero-bubble pipeline (zb_h1) runs at zero 2 and 3: its W actions add the linear layers' weight gradients
+after FSDP2's backward of their blocks. Besides matching one process, every rank's traced step shows those
+gradients computed in W, deferred on the second pipeline rank, with the blocks' gathered weights freed.
 """
 
 from __future__ import annotations
