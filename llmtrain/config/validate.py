@@ -447,12 +447,6 @@ def zero_problem(p: ParallelConfig) -> str:
             f"parallel.dp_shard={p.dp_shard} (hybrid sharding) needs parallel.zero_stage 2 or 3 (FSDP2); "
             f"zero_stage {p.zero_stage} shards over the whole DP group: set parallel.dp_shard=null"
         )
-    if p.zero_stage >= 2 and p.pp > 1 and p.schedule == "zb_h1":
-        return (
-            f"parallel.zero_stage={p.zero_stage} cannot run parallel.schedule=zb_h1: its deferred weight "
-            "gradients arrive after FSDP2 has reduce-scattered the block's gradients; use "
-            "parallel.schedule=1f1b (or interleaved_1f1b), or parallel.zero_stage=1 with zb_h1"
-        )
     return ""
 
 
