@@ -123,6 +123,22 @@ MOE_SIZES = {
     "ernie_moe": dict(
         num_experts=3, num_experts_per_tok=2, moe_ffn_hidden_size=36, num_shared_experts=1, dense_layers=[1]
     ),
+    # DeepSeek-V3 with a low-rank query, grouped routing and a dense first layer (first_k_dense_replace).
+    "deepseek_v3": dict(
+        num_experts=6,
+        num_experts_per_tok=2,
+        moe_ffn_hidden_size=36,
+        num_shared_experts=1,
+        moe_layer_start=1,
+        num_expert_groups=3,
+        topk_expert_groups=2,
+        routed_scaling_factor=2.5,
+        q_lora_rank=20,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=6,
+        v_head_dim=10,
+    ),
 }
 
 
@@ -134,7 +150,7 @@ def test_llmtrain_model_saved_as_hf_gives_same_logits(arch: str, tmp_path: Path)
         num_layers=2,
         hidden_size=72,
         num_attention_heads=6,
-        num_kv_heads=None if arch == "gpt" else 3,
+        num_kv_heads=None if arch in ("gpt", "deepseek_v3") else 3,
         vocab_size=500,
         ffn_hidden_size=100,
         seq_length=12,
