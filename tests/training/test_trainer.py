@@ -89,6 +89,59 @@ def test_moe_run_logs_router_metrics(tmp_path):
         assert entry["aux_loss"] > 0 and entry["expert_load_max"] >= entry["expert_load_mean"] > 0
 
 
+# A tiny DeepSeek-V3: latent attention with a low-rank query, a dense first layer, grouped sigmoid routing.
+DEEPSEEK = [
+    "model.arch=deepseek_v3",
+    "model.num_kv_heads=null",
+    "model.q_lora_rank=24",
+    "model.kv_lora_rank=16",
+    "model.qk_nope_head_dim=8",
+    "model.qk_rope_head_dim=8",
+    "model.v_head_dim=16",
+    "model.num_experts=4",
+    "model.num_experts_per_tok=2",
+    "model.moe_ffn_hidden_size=32",
+    "model.num_shared_experts=1",
+    "model.num_expert_groups=2",
+    "model.topk_expert_groups=1",
+    "model.routed_scaling_factor=2.5",
+]
+
+
+def test_score_bias_update_is_checkpointed_and_resumes_exactly(tmp_path):
+    """deepseek_v3 moves its routers' score biases by +-rate per expert after every applied step (the rate
+    set high to show in few steps), the checkpoint carries them, and a resumed run equals a straight one;
+    the router figures (z-loss, dropped fraction, per-layer load) reach metrics.jsonl."""
+    common = [
+        *DEEPSEEK,
+        "model.router_bias_update_rate=0.01",
+        "model.moe_capacity_factor=1.0",
+        "logging.interval=1",
+        "train.eval_interval=0",
+        "checkpoint.interval=2",
+    ]
+    straight = build_trainer(tiny_job(tmp_path / "straight", "train.steps=4", *common), Topology.single())
+    straight.fit()
+    straight.metrics.close()
+    biases = [r.score_bias.detach().clone() for r in straight.model.routers()]
+    steps = (torch.stack(biases) / 0.01).round()  # each expert's net count of +-rate moves
+    assert torch.allclose(torch.stack(biases), steps * 0.01) and steps.abs().max() <= 4 and steps.any()
+    run(tiny_job(tmp_path / "stopped", "train.steps=2", *common))
+    resumed = build_trainer(tiny_job(tmp_path / "stopped", "train.steps=4", *common), Topology.single())
+    resumed.restore(tmp_path / "stopped" / "checkpoints" / "step_2")
+    saved = [r.score_bias.detach().clone() for r in resumed.model.routers()]
+    assert any(b.abs().sum() > 0 for b in saved), "the step-2 checkpoint holds the updated biases"
+    resumed.fit()
+    resumed.metrics.close()
+    assert all(torch.equal(a, r.score_bias) for a, r in zip(biases, resumed.model.routers(), strict=True))
+    entries = read_metrics(tmp_path / "straight")
+    resumed_losses = [e["loss"] for e in latest_per_step(read_rows(tmp_path / "stopped"))]
+    assert resumed_losses == [e["loss"] for e in entries]
+    for entry in entries:
+        assert entry["z_loss"] > 0 and 0 <= entry["dropped_fraction"] < 1
+        assert len(entry["expert_load_layers"]) == 2 and min(entry["expert_load_layers"]) >= 1
+
+
 @pytest.mark.slow
 def test_run_writes_metrics_and_learns(tmp_path):
     result = run(tiny_job(tmp_path, "train.steps=12", "logging.interval=5", "train.eval_interval=6"))
