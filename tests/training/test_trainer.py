@@ -108,6 +108,7 @@ DEEPSEEK = [
 ]
 
 
+@pytest.mark.slow
 def test_score_bias_update_is_checkpointed_and_resumes_exactly(tmp_path):
     """deepseek_v3 moves its routers' score biases by +-rate per expert after every applied step (the rate
     set high to show in few steps), the checkpoint carries them, and a resumed run equals a straight one;
