@@ -143,6 +143,33 @@ def test_score_bias_update_is_checkpointed_and_resumes_exactly(tmp_path):
         assert len(entry["expert_load_layers"]) == 2 and min(entry["expert_load_layers"]) >= 1
 
 
+def _bias_worker(rank, world, out):
+    torch.set_num_threads(1)
+    job = tiny_job(
+        out, *DEEPSEEK, "model.router_bias_update_rate=0.01", "train.steps=3", "train.eval_interval=0"
+    )
+    trainer = build_trainer(job, Topology(job.parallel, world, rank))
+    try:
+        trainer.fit()
+    finally:
+        trainer.metrics.close()
+        trainer.checkpointer.close()
+    return [r.score_bias.detach().clone() for r in trainer.model.routers()]
+
+
+@pytest.mark.slow
+def test_score_bias_update_agrees_over_data_parallel_replicas(tmp_path):
+    """dp=2: each replica routes its half of the batch, and the update follows the load summed over both, so
+    the replicas keep one bias, the one a single process makes from the whole batch."""
+    from tests.parallel._dist import spawn
+
+    two = spawn(2, _bias_worker, str(tmp_path / "dp2"))
+    one = _bias_worker(0, 1, str(tmp_path / "dp1"))
+    assert any(b.any() for b in one)
+    for replica in two:
+        assert all(torch.equal(a, b) for a, b in zip(replica, one, strict=True))
+
+
 @pytest.mark.slow
 def test_run_writes_metrics_and_learns(tmp_path):
     result = run(tiny_job(tmp_path, "train.steps=12", "logging.interval=5", "train.eval_interval=6"))
