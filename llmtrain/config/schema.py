@@ -18,6 +18,7 @@ Precision = Literal["fp32", "bf16", "fp16", "fp8"]
 LrDecay = Literal["cosine", "linear", "constant"]
 OnSaveError = Literal["continue", "stop"]
 Engine = Literal["llmtrain", "deepspeed"]
+RopeScaling = Literal["none", "yarn"]
 Offload = Literal["none", "optimizer", "optimizer+params"]
 
 MOE_ARCHS = ("mixtral", "qwen3_moe", "ernie_moe", "deepseek_v3")
@@ -52,6 +53,16 @@ class ModelConfig:
     """Epsilon of LayerNorm / RMSNorm."""
     rope_theta: float = 10000.0
     """Base of the rotary frequencies (llama, ernie)."""
+    rope_scaling: RopeScaling = "none"
+    """Rotary frequency scaling: none, or yarn (deepseek_v3 only, as DeepSeek extends its context)."""
+    rope_scaling_factor: float = 1.0
+    """yarn: how many times the original context the frequencies are stretched to."""
+    rope_original_max_positions: int = 4096
+    """yarn: the context length the rotary frequencies were first trained at."""
+    rope_mscale: float = 1.0
+    """yarn: the mscale of the cos/sin factor (DeepSeek's rope_scaling.mscale)."""
+    rope_mscale_all_dim: float = 0.0
+    """yarn: mscale_all_dim, which also scales the attention softmax (0: not)."""
     tie_word_embeddings: bool | None = None
     """Share input embedding and output head weights; null means the architecture's default."""
     use_bias: bool | None = None

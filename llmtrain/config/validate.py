@@ -38,6 +38,10 @@ def validate(job: JobConfig) -> None:
             f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads="
             f"{m.num_attention_heads}; change one of them or set model.head_dim explicitly",
         )
+    _require(
+        m.rope_scaling == "none" or m.arch == "deepseek_v3",
+        f"model.rope_scaling={m.rope_scaling} is implemented for deepseek_v3 only; set it to none",
+    )
     if m.arch == "deepseek_v3":
         _require(
             m.qk_rope_head_dim % 2 == 0,
@@ -168,6 +172,8 @@ _POSITIVE = frozenset(
         "model.max_position_embeddings",
         "model.norm_eps",
         "model.rope_theta",
+        "model.rope_scaling_factor",
+        "model.rope_original_max_positions",
         "parallel.dp_bucket_mb",
         "train.global_batch_size",
         "train.adam_eps",

@@ -11,6 +11,7 @@ from llmtrain.models.init import init_weights
 from llmtrain.models.layers import Rope, TransformerBlock, make_norm
 from llmtrain.models.moe import MoEMLP, Router, RouterStats, load_balancing_loss, z_loss
 from llmtrain.models.registry import get_arch
+from llmtrain.models.rope import cos_sin_factor, inv_freq
 
 
 class CausalLM(nn.Module):
@@ -84,15 +85,15 @@ class CausalLM(nn.Module):
     def _rope_from_positions(
         self, pos: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        d = self.config.rope_dim
-        # Same expression as transformers' default rope (fp32 angles), so cos/sin match bit for bit.
-        inv_freq = 1.0 / (self.config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float) / d))
-        angles = pos.float()[:, None] * inv_freq.to(pos.device)[None, :]
+        angles = pos.float()[:, None] * inv_freq(self.config).to(pos.device)[None, :]
         if self.spec.rotary == "interleaved":
             angles = angles.repeat_interleave(2, dim=-1)
         else:
             angles = torch.cat((angles, angles), dim=-1)
         cos, sin = angles.cos(), angles.sin()
+        factor = cos_sin_factor(self.config)
+        if factor != 1.0:
+            cos, sin = cos * factor, sin * factor
         if not self.spec.rope_fp32:
             cos, sin = cos.to(dtype), sin.to(dtype)
         return cos, sin

@@ -38,6 +38,7 @@ from llmtrain.errors import UserError
 from llmtrain.models.causal_lm import CausalLM, check_config, empty_model
 from llmtrain.models.moe import NORM_MIN
 from llmtrain.models.registry import get_arch
+from llmtrain.models.rope import YARN_BETA_FAST, YARN_BETA_SLOW
 
 LLMTRAIN_CONFIG = "llmtrain_config.yaml"
 HF_CONFIG = "config.json"
@@ -204,13 +205,6 @@ def _deepseek_fields(hf: dict[str, Any]) -> dict[str, Any]:
             f"deepseek_v3 hidden_act={hf['hidden_act']!r} is not supported; llmtrain uses silu (SwiGLU)"
         )
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise ModelFormatError(
-            f"deepseek_v3 rope {rope_type!r} ({rope!r}) is not supported; llmtrain implements the default "
-            "rotary only (DeepSeek-V3 pretrains with it; yarn is its long-context extension): drop the "
-            "rope scaling from config.json to load the weights for pretraining at the original length"
-        )
     for key, want in (("rope_interleave", True), ("attention_bias", False)):
         if hf.get(key, want) != want:
             raise ModelFormatError(
@@ -222,7 +216,7 @@ def _deepseek_fields(hf: dict[str, Any]) -> dict[str, Any]:
             f"deepseek_v3 num_key_value_heads={hf['num_key_value_heads']} differs from num_attention_heads="
             f"{heads}; latent attention expands keys and values to every head, so they must be equal"
         )
-    return {
+    return _deepseek_rope_fields(rope) | {
         "num_layers": hf.get("num_hidden_layers", 61),
         "hidden_size": hf.get("hidden_size", 7168),
         "num_attention_heads": heads,
@@ -251,6 +245,33 @@ def _deepseek_fields(hf: dict[str, Any]) -> dict[str, Any]:
         "qk_nope_head_dim": hf.get("qk_nope_head_dim", 128),
         "qk_rope_head_dim": hf.get("qk_rope_head_dim", 64),
         "v_head_dim": hf.get("v_head_dim", 128),
+    }
+
+
+def _deepseek_rope_fields(rope: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek's rope parameters: the default rotary, or YaRN with its published betas."""
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "default":
+        return {}
+    fixed = {
+        "beta_fast": YARN_BETA_FAST,
+        "beta_slow": YARN_BETA_SLOW,
+        "truncate": True,
+        "attention_factor": None,
+    }
+    off = {k: rope[k] for k, want in fixed.items() if rope.get(k) not in (None, want)}
+    if rope_type != "yarn" or off or rope.get("factor") is None:
+        raise ModelFormatError(
+            f"deepseek_v3 rope {rope!r} is not supported; llmtrain implements the default rotary and YaRN "
+            f"with a factor and beta_fast={YARN_BETA_FAST:g}, beta_slow={YARN_BETA_SLOW:g}, truncate=true, "
+            "no attention_factor"
+        )
+    return {
+        "rope_scaling": "yarn",
+        "rope_scaling_factor": float(rope["factor"]),
+        "rope_original_max_positions": rope["original_max_position_embeddings"],
+        "rope_mscale": float(rope.get("mscale") or 0.0),
+        "rope_mscale_all_dim": float(rope.get("mscale_all_dim") or 0.0),
     }
 
 
@@ -390,7 +411,7 @@ def _deepseek_hf_fields(cfg: ModelConfig) -> dict[str, Any]:
         "max_position_embeddings": cfg.max_positions,
         "rms_norm_eps": cfg.norm_eps,
         "hidden_act": "silu",
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_parameters": _deepseek_rope_parameters(cfg),
         "rope_interleave": True,
         "attention_bias": False,
         "attention_dropout": cfg.attention_dropout,
@@ -411,6 +432,21 @@ def _deepseek_hf_fields(cfg: ModelConfig) -> dict[str, Any]:
         # llmtrain exports no multi-token-prediction modules.
         "num_nextn_predict_layers": 0,
         "output_router_logits": False,
+    }
+
+
+def _deepseek_rope_parameters(cfg: ModelConfig) -> dict[str, Any]:
+    if cfg.rope_scaling == "none":
+        return {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    return {
+        "rope_type": "yarn",
+        "rope_theta": cfg.rope_theta,
+        "factor": cfg.rope_scaling_factor,
+        "original_max_position_embeddings": cfg.rope_original_max_positions,
+        "beta_fast": YARN_BETA_FAST,
+        "beta_slow": YARN_BETA_SLOW,
+        "mscale": cfg.rope_mscale,
+        "mscale_all_dim": cfg.rope_mscale_all_dim,
     }
 
 

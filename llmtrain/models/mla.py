@@ -3,7 +3,8 @@
 Per token: the query is `q_proj(x)`, or `q_b_proj(norm(q_a_proj(x)))` with a query rank (q_lora_rank);
 `kv_a_proj_with_mqa(x)` gives the key/value latent (kv_lora_rank) and one rotary key part of qk_rope_head_dim
 shared by every head; `kv_b_proj(norm(latent))` gives each head's key part without rotary (qk_nope_head_dim)
-and its value (v_head_dim). A head's query and key are [nope | rope], scaled by 1/sqrt(nope + rope).
+and its value (v_head_dim). A head's query and key are [nope | rope], scaled by 1/sqrt(nope + rope) (times
+YaRN's softmax factor, llmtrain.models.rope).
 
 The rotary embedding turns interleaved pairs (2i, 2i + 1), as DeepSeek's checkpoints lay them out.
 transformers' `rope_interleave` code writes the turned pairs back de-interleaved; queries and keys are
@@ -19,6 +20,7 @@ from torch import nn
 import kernels
 from llmtrain.config import ModelConfig
 from llmtrain.models.norms import RMSNorm
+from llmtrain.models.rope import softmax_scale_factor
 
 LATENT_NORM_EPS = 1e-6
 """Epsilon of the query and key/value latent norms: DeepSeek's fixed value, not model.norm_eps."""
@@ -36,6 +38,7 @@ class LatentAttention(nn.Module):
         self.dropout_p = cfg.attention_dropout
         self.impl = cfg.kernels
         qk = self.nope_dim + self.rope_dim
+        self.softmax_scale = qk**-0.5 * softmax_scale_factor(cfg)
         rank = cfg.q_lora_rank
         self.q_proj = nn.Linear(h, heads * qk, bias=False) if rank is None else None
         self.q_a_proj = nn.Linear(h, rank, bias=False) if rank is not None else None
@@ -66,8 +69,7 @@ class LatentAttention(nn.Module):
 
         The attention kernels take one head width, so the narrower of q/k and v is padded with zeros
         (zeros add nothing to a dot product; the padded output columns are dropped)."""
-        qk, vd = q.shape[-1], v.shape[-1]
-        scale = qk**-0.5
+        qk, vd, scale = q.shape[-1], v.shape[-1], self.softmax_scale
         if vd < qk:
             v = F.pad(v, (0, qk - vd))
         elif qk < vd:

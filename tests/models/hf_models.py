@@ -255,9 +255,10 @@ CONFIGS: dict[str, list[dict[str, Any]]] = {
             attn_implementation="sdpa",
         ),
     ],
-    # DeepSeek-V3: full and low-rank queries, value heads narrower and wider than query/key heads, shared
-    # experts off (0) and on (1, 2), group-limited routing (9 experts in 3 groups, 2 chosen), dense layers
-    # before first_k_dense_replace; its e_score_correction_bias buffer is perturbed by hf_model.
+    # DeepSeek-V3: YaRN and default rotary, full and low-rank queries, value heads narrower and wider than
+    # query/key heads, shared experts off (0) and on (1, 2), group-limited routing (9 experts in 3 groups, 2
+    # chosen), dense layers before first_k_dense_replace; its e_score_correction_bias buffer is perturbed by
+    # hf_model.
     "deepseek_v3": [
         dict(
             num_hidden_layers=2,
@@ -278,6 +279,16 @@ CONFIGS: dict[str, list[dict[str, Any]]] = {
             topk_group=1,
             routed_scaling_factor=2.5,
             first_k_dense_replace=1,
+            # YaRN as DeepSeek extends its context, with an original context shorter than the test sequence.
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 40.0,
+                "original_max_position_embeddings": 16,
+                "mscale": 1.0,
+                "mscale_all_dim": 0.8,
+            },
+            max_position_embeddings=640,
             vocab_size=1000,
             attn_implementation="eager",
         ),

@@ -135,6 +135,11 @@ def test_score_bias_update_moves_toward_balance() -> None:
             "num_shared_experts=1: model.arch=mixtral",
         ),
         (dict(q_lora_rank=0), "model.q_lora_rank must be at least 1"),
+        (dict(rope_scaling="yarn", rope_scaling_factor=0.0), "model.rope_scaling_factor must be positive"),
+        (
+            dict(arch="qwen3_moe", rope_scaling="yarn", num_expert_groups=1, topk_expert_groups=1),
+            "model.rope_scaling=yarn is implemented for deepseek_v3 only",
+        ),
     ],
 )
 def test_bad_routing_configs_name_the_field(overrides: dict, message: str) -> None:
