@@ -110,7 +110,7 @@ class ModelConfig:
     q_lora_rank: int | None = None
     """deepseek_v3: rank of the compressed query (q_a_proj, norm, q_b_proj); null: one full q_proj."""
     kv_lora_rank: int = 512
-    """deepseek_v3: rank of the compressed key/value latent (kv_a_proj_with_mqa, norm, kv_b_proj)."""
+    """deepseek_v3: rank of the compressed key/value latent (kv_a_proj, norm, kv_b_proj)."""
     qk_nope_head_dim: int = 128
     """deepseek_v3: query/key width per head without the rotary embedding."""
     qk_rope_head_dim: int = 64
