@@ -8,6 +8,7 @@ import torch
 
 from llmtrain.config import load
 from llmtrain.models import build
+from llmtrain.models.moe import z_loss
 from llmtrain.parallel import Topology, grad_sync
 from llmtrain.training import TrainingDiverged
 from llmtrain.training.metrics_file import latest_per_step, read_rows
@@ -64,18 +65,25 @@ def test_moe_step_reports_aux_loss_and_expert_load():
     figures = runner.router_figures
     assert figures.expert_load.shape == (2, 3)
     assert figures.expert_load.sum(dim=1).tolist() == [8 * 32 * 2] * 2  # every token reaches its top-2
-    aux, ce = [], []
+    aux, ce, z, loads = [], [], [], []
     with torch.no_grad():
         for micro in batch.split(4):
             logits = model(micro[:, :-1])
             aux.append(model.aux_loss())
+            z.append(z_loss(model.router_stats()))
+            loads.append(torch.stack([s.tokens_per_expert for s in model.router_stats()]))
             ce.append(torch.nn.functional.cross_entropy(logits.flatten(0, 1), micro[:, 1:].flatten()))
     torch.testing.assert_close(figures.aux_loss, torch.stack(aux).mean())
+    torch.testing.assert_close(figures.z_loss, torch.stack(z).mean())
+    assert torch.equal(figures.expert_load, sum(loads)) and figures.dropped == 0  # dropless
     expected = torch.stack(ce).mean() + job.model.router_aux_loss_coef * torch.stack(aux).mean()
     torch.testing.assert_close(loss, expected)
     metrics = figures.metrics()
     assert metrics["expert_load_mean"] == pytest.approx(8 * 32 * 2 / 3)
     assert metrics["expert_load_mean"] <= metrics["expert_load_max"] <= 8 * 32
+    per_layer = figures.expert_load.max(dim=1).values / (8 * 32 * 2 / 3)
+    assert metrics["expert_load_layers"] == pytest.approx(per_layer.tolist(), abs=1e-4)
+    assert metrics["z_loss"] > 0 and metrics["dropped_fraction"] == 0
 
 
 @pytest.mark.slow
