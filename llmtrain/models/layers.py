@@ -13,43 +13,12 @@ from torch import nn
 
 import kernels
 from llmtrain.config import ModelConfig
+from llmtrain.models.mla import LatentAttention
 from llmtrain.models.moe import MoEMLP
+from llmtrain.models.norms import LayerNorm, RMSNorm
 from llmtrain.models.registry import ArchSpec
 
 Rope = tuple[torch.Tensor, torch.Tensor] | None
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm with statistics in fp32 (as LLaMA/ERNIE compute it)."""
-
-    def __init__(self, hidden: int, eps: float, impl: str = "auto") -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(hidden))
-        self.eps = eps
-        self.impl = impl
-
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """norm(x), or (norm(x + residual), x + residual) with the add fused into the kernel."""
-        return kernels.rms_norm(x, self.weight, self.eps, impl=self.impl, residual=residual)
-
-
-class LayerNorm(nn.Module):
-    """LayerNorm with weight and bias over the last dimension."""
-
-    def __init__(self, hidden: int, eps: float, impl: str = "auto") -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(hidden))
-        self.bias = nn.Parameter(torch.empty(hidden))
-        self.eps = eps
-        self.impl = impl
-
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """norm(x), or (norm(x + residual), x + residual) with the add fused into the kernel."""
-        return kernels.layer_norm(x, self.weight, self.bias, self.eps, impl=self.impl, residual=residual)
 
 
 def make_norm(spec: ArchSpec, cfg: ModelConfig) -> RMSNorm | LayerNorm:
@@ -144,7 +113,7 @@ class TransformerBlock(nn.Module):
     def __init__(self, spec: ArchSpec, cfg: ModelConfig, layer_index: int) -> None:
         super().__init__()
         self.input_norm = make_norm(spec, cfg)
-        self.attn = Attention(spec, cfg)
+        self.attn = LatentAttention(cfg) if spec.attention == "latent" else Attention(spec, cfg)
         self.post_attn_norm = make_norm(spec, cfg)
         self.mlp = make_mlp(spec, cfg, layer_index)
         self.dropout = nn.Dropout(cfg.hidden_dropout)
