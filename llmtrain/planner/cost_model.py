@@ -394,11 +394,13 @@ class CostModel:
         forward and backward on the first rank, the windows the collectives hide behind.
 
         zero 0 all-reduces the gradients once per step, zero 1 reduce-scatters them and all-gathers the
-        updated 16-bit parameters; zero 2/3 (FSDP2) reduce-scatter at every micro-batch's backward (the
-        unsharded gradients are not kept) and zero 3 gathers each block's parameters in every forward and
-        backward. Hybrid sharding adds an all-reduce of the shard across the replicas. Offload copies the
-        gradient shard to the host and the updated parameters back, and runs Adam on the host's cores; with
-        the parameters offloaded the shards also cross the host link at every gather.
+        updated 16-bit parameters; zero 2/3 (FSDP2) reduce-scatter once per step, at the last micro-batch's
+        backward (gradient sync is off for the others, which accumulate unsharded gradients), and gather each
+        block's parameters in every micro-batch's forward, zero 3 again in its backward (traced:
+        tests/planner/test_collectives.py). Hybrid sharding adds an all-reduce of the shard across the
+        replicas. Offload copies the gradient shard to the host and the updated parameters back, and runs
+        Adam on the host's cores; with the parameters offloaded the shards also cross the host link at every
+        gather.
         """
         params = max(self._params_on_rank(layout))
         z, dp, tp, e, g = layout.zero_stage, layout.dp, layout.tp, self.act_bytes, self.sw.grad_bytes
@@ -410,14 +412,14 @@ class CostModel:
             if shard < dp:
                 reduce += self.c.all_reduce(params * g / shard, dp // shard, tp * shard)
             gather = self.c.all_gather(params * e, shard, tp)
-        reductions = num_micro if z >= 2 else 1
-        gathers = 2 * num_micro if z == 3 else 1
+        reductions = 1
+        gathers = num_micro * (2 if z == 3 else 1) if z >= 2 else 1
         reduce, gather = reduce * reductions, gather * gathers if z else 0.0
         if self.sw.dp_overlap and dp > 1:
             # The first bucket (block) of each collective waits for its data; the rest hides behind compute.
             first = min(self.w.dp_bucket_mb * 2**20 / max(params * g, 1.0), 1.0)
             exposed = reductions * max(reduce / reductions - bwd, first * reduce / reductions)
-            if z == 3:
+            if z >= 2:
                 exposed += gathers * max(gather / gathers - min(fwd, bwd), first * gather / gathers)
             else:
                 exposed += gather
@@ -480,24 +482,28 @@ class CostModel:
             if tied:
                 out[C.Comm("all_reduce", "pp", 2, 4 * m.vocab_size // tp * m.hidden_size)] += 1
         if sp and tp > 1:
-            out[C.Comm("all_reduce", "tp", tp, 4 * replicated)] += 1
+            # FSDP2 sums this rank's shards of them (dim 0 split over dp; exact when it divides).
+            shards = dp if layout.zero_stage >= 2 else 1
+            out[C.Comm("all_reduce", "tp", tp, 4 * replicated // shards)] += 1
         sharded_norm = layout.zero_stage >= 1 and dp > 1
         norm_dims = ("tp", "pp", "dp") if sharded_norm else ("tp", "pp")
         norm_size = tp * pp * (dp if sharded_norm else 1)
         if norm_size > 1:
             out[C.Comm("all_reduce", C.group_name(norm_dims, sizes), norm_size, 8)] += 1
         if dp > 1:
-            for comm, times in self._dp_collectives(layout, numel, v).items():
+            for comm, times in self._dp_collectives(layout, numel, v, pp_rank).items():
                 out[comm] += times
         return out
 
-    def _dp_collectives(self, layout: Layout, numel: int, chunks: int) -> Counter[C.Comm]:
+    def _dp_collectives(self, layout: Layout, numel: int, chunks: int, pp_rank: int) -> Counter[C.Comm]:
         """The data-parallel reduction of one step over `numel` gradients of the rank (in `chunks` buffers):
         zero 0 all-reduces each fp32 bucket; zero 1 reduce-scatters it and all-gathers the updated
         parameters, on gloo by point-to-point exchange of the shards with each peer (Software.
-        gloo_shard_exchange); zero 2/3 (FSDP2) reduce-scatter once per step (gradient sync is off for every
-        micro-batch but the last)."""
+        gloo_shard_exchange); zero 2/3 (FSDP2) gather each unit's parameters at every micro-batch's forward
+        (zero 3 again in its backward) and reduce-scatter its gradients once per step (gradient sync is off
+        for every micro-batch but the last)."""
         dp, g, e = layout.dp, self.sw.grad_bytes, self.act_bytes
+        num_micro = self.w.global_batch // (dp * layout.micro_batch)
         count = C.buckets(numel // chunks, int(self.w.dp_bucket_mb * 2**20 / 4)) * chunks
         bucket = numel // count
         out: Counter[C.Comm] = Counter()
@@ -510,8 +516,37 @@ class CostModel:
             out[C.Comm("reduce_scatter", "dp", dp, bucket * g)] = count
             out[C.Comm("all_gather", "dp", dp, bucket * e)] = count
         else:
-            out[C.Comm("reduce_scatter", "dp", dp, numel * g)] = 1
+            for unit, reshard in self._fsdp_units(layout, pp_rank):
+                out[C.Comm("all_gather", "dp", dp, unit * e)] += num_micro * (2 if reshard else 1)
+                out[C.Comm("reduce_scatter", "dp", dp, unit * 4)] += 1
         return out
+
+    def _fsdp_units(self, layout: Layout, pp_rank: int) -> list[tuple[int, bool]]:
+        """(parameters, reshard after forward) of each FSDP2 unit of a rank (llmtrain.parallel.fsdp): every
+        block (resharded at zero 3), the embedding (idem) and the final norm with the output layer as units
+        of their own unless tied in one chunk, and the root with what is left (kept gathered)."""
+        m, tp, pp, v = self.w.model, layout.tp, layout.pp, layout.virtual_stages
+        z3 = layout.zero_stage == 3
+        stages = stage_layers(m, pp * v, self.sw.balance_stages)
+        block = C.rank_parameters(m, tp, 1, False, False)[0]
+        embedding = m.vocab_size // tp * m.hidden_size
+        positions = m.max_positions * m.hidden_size if m.arch == "gpt" else 0
+        norm = 2 * m.hidden_size if m.arch == "gpt" else m.hidden_size
+        units: list[tuple[int, bool]] = []
+        for chunk in range(v):
+            stage = chunk * pp + pp_rank
+            first, last = stage == 0, stage == pp * v - 1
+            units += [(block, z3)] * stages[stage]
+            if first and last and m.tied_embeddings:
+                units.append((embedding + positions + norm, False))
+                continue
+            if first:
+                units.append((embedding, z3))
+            if last:
+                units.append((norm + embedding, False))
+            if first and positions:
+                units.append((positions, False))
+        return units
 
     def _overflow(self, mem: dict[str, float]) -> str:
         """Why a layout does not fit: its steady state and/or its startup peak, each with its cause."""

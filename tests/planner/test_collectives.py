@@ -71,28 +71,31 @@ def _predicted(arch: str, overrides: dict, world: int, pp_rank: int) -> Counter[
     return cost.collectives(layout, pp_rank)
 
 
-def _split(counts: Counter[Comm]) -> tuple[Counter[Comm], dict[str, int]]:
-    """(everything but the data-parallel buckets, the buckets' total bytes per operation)."""
+def _split(counts: Counter[Comm], buckets: bool) -> tuple[Counter[Comm], dict[str, int]]:
+    """(everything but the data-parallel buckets, the buckets' total bytes per operation); without
+    `buckets` everything is compared exactly."""
     exact: Counter[Comm] = Counter()
     totals: dict[str, int] = {}
     for c, n in counts.items():
-        if c.group == "dp" and c.op in GRAD_OPS and c.nbytes > 8:
+        if buckets and c.group == "dp" and c.op in GRAD_OPS and c.nbytes > 8:
             totals[c.op] = totals.get(c.op, 0) + c.nbytes * n
         else:
             exact[c] = n
     return exact, totals
 
 
-def _check(arch: str, world: int, overrides: dict, bucket_slack: int = 0) -> None:
+def _check(arch: str, world: int, overrides: dict, bucket_slack: int | None = None) -> None:
+    """Traced against predicted on every rank; `bucket_slack`: compare gradient buckets by total bytes,
+    to within that many bytes."""
     for pp_rank, traced in spawn(world, _traced_step, arch, overrides):
         predicted = _predicted(arch, overrides, world, pp_rank)
-        got, got_totals = _split(traced)
-        want, want_totals = _split(predicted)
+        got, got_totals = _split(traced, bucket_slack is not None)
+        want, want_totals = _split(predicted, bucket_slack is not None)
         assert got == want, f"pp rank {pp_rank}: traced {sorted(got.items(), key=str)}\n" \
             f"predicted {sorted(want.items(), key=str)}"  # fmt: skip
         assert got_totals.keys() == want_totals.keys()
         for op, total in got_totals.items():
-            assert abs(total - want_totals[op]) <= bucket_slack, (op, total, want_totals[op])
+            assert abs(total - want_totals[op]) <= (bucket_slack or 0), (op, total, want_totals[op])
 
 
 @pytest.mark.parametrize(
@@ -124,3 +127,15 @@ def test_model_parallel_collectives_match_the_trace(arch: str, world: int, overr
 def test_data_parallel_bytes_match_the_trace(zero: int) -> None:
     # Each of the ~10 buckets is padded to a multiple of dp=2 elements (4 bytes each, fp32 gradients).
     _check("llama", 2, dict(dp=2, zero_stage=zero), bucket_slack=2 * 4 * 2 * 16)
+
+
+@pytest.mark.parametrize(
+    "arch,zero,overrides",
+    [("llama", 2, {}), ("llama", 3, {}), ("gpt", 3, {}), ("llama", 3, dict(tp=2, sequence_parallel=True))],
+    ids=["zero2", "zero3", "zero3-gpt-tied", "zero3-tp-sp"],
+)
+def test_fsdp_collectives_match_the_trace(arch: str, zero: int, overrides: dict) -> None:
+    # FSDP2 units (blocks, embedding, output layer, root) are counted exactly: gathers per micro-batch,
+    # one reduce-scatter per step.
+    world = 2 * overrides.get("tp", 1)
+    _check(arch, world, dict(overrides, dp=2, zero_stage=zero))
