@@ -90,3 +90,18 @@ def test_too_many_gpus_is_a_clear_error():
 def test_cluster_dict_round_trip():
     for cl in (load_cluster("a100-80gb"), cluster_from_dict(tiny())):
         assert cluster_from_dict(cluster_to_dict(cl)) == cl
+
+
+def test_sources_must_name_constants_of_the_cluster_and_be_text():
+    raw = cluster_to_dict(load_cluster("a100-80gb"))
+    assert load_cluster("a100-80gb").sources == cluster_from_dict(raw).sources  # round trip
+    raw["sources"] = {"devices.a100-sxm4-80gb.gemm_eficiency": "typo"}
+    with pytest.raises(ConfigError, match="sources.devices.a100-sxm4-80gb.gemm_eficiency names no constant"):
+        cluster_from_dict(raw)
+    raw["sources"] = {"links.intra_node.latency_us": ""}
+    with pytest.raises(ConfigError, match="sources.links.intra_node.latency_us must be a citation string"):
+        cluster_from_dict(raw)
+    raw["sources"] = {"links.intra_node.latency_us": "vendor specification"}
+    unsourced = cluster_from_dict(raw).unsourced()
+    assert "links.intra_node.latency_us" not in unsourced
+    assert "devices.a100-sxm4-80gb.gemm_efficiency" in unsourced
