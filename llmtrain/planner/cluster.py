@@ -157,13 +157,16 @@ class Cluster:
         return sum(g.count * g.devices_per_node for g in self.nodes)
 
     def view(self, gpus: int) -> ClusterView:
-        """The part of the cluster a job on `gpus` devices uses: first nodes in order, slowest members."""
+        """The part of the cluster a job on `gpus` devices uses: first nodes in order, slowest members. A
+        cluster of one node type is that type times any count: ceil(gpus / devices_per_node) nodes,
+        whatever its file's count."""
         if gpus < 1:
             raise ConfigError(f"the number of GPUs must be at least 1; got {gpus}")
-        if gpus > self.num_devices:
+        if gpus > self.num_devices and len(self.nodes) > 1:
             raise ConfigError(
-                f"{gpus} GPUs requested but cluster {self.name} has {self.num_devices}; "
-                "pass a smaller --gpus or a bigger cluster file"
+                f"{gpus} GPUs requested but cluster {self.name} has {self.num_devices} in node groups of "
+                "different kinds (which kind to add is not given); pass a smaller --gpus or raise a node "
+                "group's count in the cluster file"
             )
         used, left = [], gpus
         for group in self.nodes:
