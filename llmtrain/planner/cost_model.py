@@ -104,6 +104,8 @@ class Software:
     balance_stages: bool = True
     """Pipeline stages split by FLOPs with the output layer counted on the last (the trainer's default
     parallel.balance_stages); false: an even split."""
+    overlap_param_gather: bool = True
+    """ZeRO-1's parameter all-gather hides behind the next step's first forward (overlap_param_gather)."""
     zero3_prefetch: int = 1
     """Blocks gathered ahead of the one computing under ZeRO-3 (FSDP2's implicit prefetch: one)."""
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
@@ -128,6 +130,7 @@ class Software:
         return cls(
             flash_attention=False,
             dp_overlap=False,
+            overlap_param_gather=False,
             p2p_scatter_gather=True,
             grad_bytes=2,
             sharded_init=True,
@@ -421,6 +424,10 @@ class CostModel:
             exposed = reductions * max(reduce / reductions - bwd, first * reduce / reductions)
             if z >= 2:
                 exposed += gathers * max(gather / gathers - min(fwd, bwd), first * gather / gathers)
+            elif self.sw.overlap_param_gather:
+                # ZeRO-1: the updated parameters' gathers are waited for by the next step's first forward,
+                # module by module (parallel.overlap_param_gather).
+                exposed += max(gather - fwd, first * gather)
             else:
                 exposed += gather
         else:
