@@ -130,3 +130,17 @@ def test_local_gpus_map_to_their_preset_by_name_and_memory(name, gib, preset):
     assert preset_for(name, gib) == preset
     if preset:
         assert load_cluster(preset).view(8).device.memory_gb == pytest.approx(gib, abs=2.0)
+
+
+def test_an_unknown_device_is_described_per_node_across_nodes(monkeypatch):
+    # CPU here: no preset. Under torchrun on 2 nodes of 2 processes each, one node is described and the
+    # 4-process job spans two of them.
+    from llmtrain.planner.profile import local_cluster
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    local_cluster.cache_clear()
+    try:
+        view = local_cluster(4).view(4)
+    finally:
+        local_cluster.cache_clear()
+    assert view.devices_per_node == 2 and view.spans_nodes(4) and not view.spans_nodes(2)
