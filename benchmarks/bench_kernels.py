@@ -44,6 +44,7 @@ class Case:
     make_inputs: Callable[[], list[torch.Tensor]]
     impls: dict[str, Callable[..., torch.Tensor]]
     bytes_moved: float = 0.0  # forward + backward HBM traffic (read + write), for GB/s
+    fwd_bytes: float = 0.0  # forward HBM traffic alone
     flops: float = 0.0  # forward + backward FLOPs, for TFLOP/s
     fwd_flops: float = 0.0  # forward FLOPs alone
 
@@ -109,8 +110,9 @@ def build_cases(shape: dict, device: str, dtype: torch.dtype, compile_ok: bool) 
             lambda: [rand(1, t, h), rand(h)],
             with_compile(impls, rms_eager),
             bytes_moved=el * t * h * 5,
+            fwd_bytes=el * t * h * 2,
         )
-    )  # fwd: x, y; bwd: x, dy, dx
+    )  # fwd: x, y; bwd: x, dy, dx (the weight and the per-row rstd are negligible)
 
     ln_eager = lambda x, w, b: reference.layer_norm(x, w, b, 1e-5)
     impls = {"triton": lambda x, w, b: kernels.layer_norm(x, w, b, 1e-5, "triton"), "eager": ln_eager}
@@ -122,8 +124,9 @@ def build_cases(shape: dict, device: str, dtype: torch.dtype, compile_ok: bool) 
             lambda: [rand(1, t, h), rand(h), rand(h)],
             with_compile(impls, ln_eager),
             bytes_moved=el * t * h * 5,
+            fwd_bytes=el * t * h * 2,
         )
-    )
+    )  # as RMSNorm: fwd x, y; bwd x, dy, dx
 
     def rope_tables():
         angles = torch.outer(
@@ -134,6 +137,7 @@ def build_cases(shape: dict, device: str, dtype: torch.dtype, compile_ok: bool) 
         return emb.cos(), emb.sin()
 
     cos, sin = rope_tables()
+    tables = 2 * t * d * cos.element_size()
     rope_eager = lambda x: reference.apply_rotary(x, cos, sin, False)
     impls = {"triton": lambda x: kernels.apply_rotary(x, cos, sin, False, "triton"), "eager": rope_eager}
     cases.append(
@@ -141,9 +145,10 @@ def build_cases(shape: dict, device: str, dtype: torch.dtype, compile_ok: bool) 
             "rotary (q)",
             lambda: [rand(1, t, nh, d)],
             with_compile(impls, rope_eager),
-            bytes_moved=el * t * nh * d * 4,
+            bytes_moved=el * t * nh * d * 4 + 2 * tables,
+            fwd_bytes=el * t * nh * d * 2 + tables,
         )
-    )
+    )  # fwd: x, out; bwd: dy, dx; each pass also reads the fp32 cos and sin tables
 
     impls = {"triton": lambda g, u: kernels.swiglu(g, u, "triton"), "eager": reference.swiglu}
     if liger is not None:
@@ -154,6 +159,7 @@ def build_cases(shape: dict, device: str, dtype: torch.dtype, compile_ok: bool) 
             lambda: [rand(1, t, ffn), rand(1, t, ffn)],
             with_compile(impls, reference.swiglu),
             bytes_moved=el * t * ffn * 7,
+            fwd_bytes=el * t * ffn * 3,
         )
     )  # fwd: g, u, out; bwd: g, u, dout, dg, du
 
@@ -203,7 +209,16 @@ def build_cases(shape: dict, device: str, dtype: torch.dtype, compile_ok: bool) 
     if compile_ok:
         compiled_ce = _compiled(ce_eager)
         impls["torch.compile"] = lambda x: compiled_ce(x, target)
-    cases.append(Case("cross_entropy", lambda: [rand(t, vocab)], impls, bytes_moved=el * t * vocab * 3))
+    # fwd: read the logits; bwd: read them again and write their gradient.
+    cases.append(
+        Case(
+            "cross_entropy",
+            lambda: [rand(t, vocab)],
+            impls,
+            bytes_moved=el * t * vocab * 3,
+            fwd_bytes=el * t * vocab,
+        )
+    )
 
     flce_eager = lambda x, w: reference.fused_linear_cross_entropy(x, w, target)
     impls = {
@@ -222,6 +237,8 @@ def build_cases(shape: dict, device: str, dtype: torch.dtype, compile_ok: bool) 
             "fused_linear_ce",
             lambda: [rand(t, h), rand(vocab, h, scale=0.02)],
             impls,
+            # The problem's 3 GEMMs (logits, grad_hidden, grad_weight) for every impl, so rates compare as
+            # times do; ours runs a 4th (pass 2 recomputes the logits, see kernels/chunked_ce.py).
             flops=3 * 2 * t * h * vocab,
             fwd_flops=3 * 2 * t * h * vocab,  # ours and Liger's compute the gradients in the forward
         )
@@ -234,48 +251,118 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _timed(step: Callable, device: str, reps: int) -> float:
-    """Median seconds of step() over reps runs (CUDA events on GPU, wall clock on CPU)."""
+@dataclasses.dataclass
+class Timing:
+    """One implementation's measurement: seconds per call and how they were taken."""
+
+    fwd: float  # forward seconds (GPU time when `method` is "cuda graph")
+    fwd_bwd: float  # forward+backward seconds
+    peak: float  # extra bytes over the inputs during one forward+backward (CUDA only, else nan)
+    method: str  # "cuda graph", "eager launches" (CUDA events around back-to-back reps) or "wall clock"
+    eager_fwd: float  # forward seconds with eager launches, launch overhead included
+    eager_fwd_bwd: float  # forward+backward seconds with eager launches
+    note: str = ""  # why a CUDA graph was not used, when it was not
+
+
+def _rounds(reps: int) -> tuple[int, int]:
+    """(rounds, calls per round): about `reps` calls in all, a median over up to 3 rounds."""
+    rounds = max(1, min(3, reps))
+    return rounds, max(1, reps // rounds)
+
+
+def _events_per_call(run: Callable, reps: int) -> float:
+    """Median seconds per call of run() over a few rounds, each timed with CUDA events around several
+    back-to-back calls and one synchronisation, so the GPU queue stays full between calls."""
+    rounds, per_round = _rounds(reps)
     times = []
-    for _ in range(reps):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - t0)
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(per_round):
+            run()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / per_round)
     return statistics.median(times)
 
 
-def measure(fn: Callable, inputs: list[torch.Tensor], device: str, reps: int) -> tuple[float, float, float]:
-    """Median forward seconds, forward+backward seconds and peak extra memory (bytes, CUDA only)."""
+def _wall_per_call(run: Callable, reps: int) -> float:
+    """Median wall-clock seconds of run() over reps calls (CPU)."""
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _graph_per_call(run: Callable, reps: int) -> float:
+    """Median GPU seconds of run() captured once in a CUDA graph and replayed back to back: no Python or
+    launch overhead, only the kernels. Raises when run() cannot be captured (host syncs, CPU work...)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up on a side stream before capture, as PyTorch's docs require
+        for _ in range(3):
+            run()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            run()
+        graph.replay()
+        torch.cuda.synchronize()
+        return _events_per_call(graph.replay, reps)
+    finally:
+        del graph
+
+
+def measure(fn: Callable, inputs: list[torch.Tensor], device: str, reps: int) -> Timing:
+    """Forward and forward+backward seconds per call, and peak extra memory (bytes, CUDA only).
+
+    The backward's incoming gradient is built once, outside the timed calls, and gradients are returned
+    (torch.autograd.grad) rather than accumulated into .grad, so a timed step is the kernels' own work.
+    On CUDA, forward and forward+backward are each captured in a CUDA graph and replayed (GPU time); an
+    implementation that cannot be captured falls back to CUDA events around back-to-back eager calls. The
+    eager-launch times (what a training step without graphs pays, launch overhead included) are kept too.
+    """
     leaves = [x for x in inputs if x.requires_grad]
 
     def forward():
         return fn(*inputs)
 
-    def step():
-        out = forward()
-        torch.autograd.backward(out, torch.ones_like(out) if out.dim() else None)
-        for x in leaves:
-            x.grad = None
+    out = forward()  # first call: compilation, autotuning
+    dy = torch.ones_like(out)
+    del out
 
-    for _ in range(2):  # warm up: compilation, autotuning, allocator
+    def step():
+        torch.autograd.grad(forward(), leaves, dy)
+
+    for _ in range(2):  # warm up: compilation and autotuning of the backward, the allocator
         step()
     _sync(device)
-    peak = float("nan")
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        step()
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - base
-    return _timed(forward, device, reps), _timed(step, device, reps), peak
+    if device != "cuda":
+        fwd, fwd_bwd = _wall_per_call(forward, reps), _wall_per_call(step, reps)
+        return Timing(fwd, fwd_bwd, float("nan"), "wall clock", fwd, fwd_bwd)
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    eager_fwd, eager_fwd_bwd = _events_per_call(forward, reps), _events_per_call(step, reps)
+    try:
+        fwd_bwd = _graph_per_call(step, reps)
+        fwd = _graph_per_call(forward, reps)
+    except Exception as exc:  # not capturable: keep the eager-launch times and say why
+        try:
+            torch.cuda.synchronize()
+        except Exception:
+            pass
+        note = f"cuda graph failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        return Timing(eager_fwd, eager_fwd_bwd, peak, "eager launches", eager_fwd, eager_fwd_bwd, note[:200])
+    finally:
+        torch.cuda.empty_cache()
+    return Timing(fwd, fwd_bwd, peak, "cuda graph", eager_fwd, eager_fwd_bwd)
 
 
 # HBM bandwidth (GB/s) of the GPUs we expect, to print memory-bound kernels as a fraction of peak.
@@ -309,18 +396,10 @@ def run_benchmarks(
             print("skipped: the step's time budget is spent")
             rows.append({"kernel": case.name, "impl": "*", "status": "skipped (time budget)"})
             continue
-        header = (
-            "impl",
-            "fwd ms",
-            "fwd+bwd ms",
-            "fwd+bwd rate",
-            "fwd rate",
-            "peak MiB",
-            "t/triton",
-            "mem/triton",
-        )
+        header = ("impl", "fwd ms", "fwd+bwd ms", "fwd+bwd rate", "fwd rate", "peak MiB", "t/triton")
+        header += ("mem/triton", "eager f+b ms", "timing")
         print(f"{header[0]:<15}" + "".join(f"{c:>14}" for c in header[1:]))
-        results = {}
+        results: dict[str, Timing] = {}
         for impl, fn in case.impls.items():
             try:
                 results[impl] = measure(fn, case.make_inputs(), device, reps)
@@ -335,20 +414,31 @@ def run_benchmarks(
                 )
             if device == "cuda":
                 torch.cuda.empty_cache()
-        _, ref_t, ref_m = results.get("triton", (float("nan"),) * 3)
-        for impl, (fwd, sec, peak) in results.items():
+        ref = results.get("triton")
+        ref_t, ref_m = (ref.fwd_bwd, ref.peak) if ref else (float("nan"), float("nan"))
+        for impl, r in results.items():
+            fwd, sec, peak = r.fwd, r.fwd_bwd, r.peak
             row = {"kernel": case.name, "impl": impl, "status": "ok", "fwd_ms": fwd * 1e3}
             row |= {"fwd_bwd_ms": sec * 1e3, "peak_mib": peak / 2**20, "time_vs_triton": sec / ref_t}
             row["mem_vs_triton"] = peak / ref_m if ref_m else float("nan")
+            row |= {"timing": r.method, "eager_fwd_ms": r.eager_fwd * 1e3}
+            row |= {"eager_fwd_bwd_ms": r.eager_fwd_bwd * 1e3}
+            if r.note:
+                row["timing_note"] = r.note
             if case.flops:
                 rate = f"{case.flops / sec / 1e12:.1f} TFLOP/s"
                 fwd_rate = f"{case.fwd_flops / fwd / 1e12:.1f} TFLOP/s"
                 row |= {"fwd_bwd_tflops": case.flops / sec / 1e12, "fwd_tflops": case.fwd_flops / fwd / 1e12}
             else:
                 gbps = case.bytes_moved / sec / 1e9
+                fwd_gbps = case.fwd_bytes / fwd / 1e9
                 rate = f"{gbps:.0f} GB/s" + (f" {gbps / hbm:.0%}" if hbm else "")
-                fwd_rate = "-"
+                fwd_rate = f"{fwd_gbps:.0f} GB/s" + (f" {fwd_gbps / hbm:.0%}" if hbm else "")
                 row |= {"fwd_bwd_gbps": gbps, "fraction_of_bandwidth": gbps / hbm if hbm else None}
+                row |= {"fwd_gbps": fwd_gbps, "fwd_fraction_of_bandwidth": fwd_gbps / hbm if hbm else None}
+                row["eager_fraction_of_bandwidth"] = (
+                    case.bytes_moved / r.eager_fwd_bwd / 1e9 / hbm if hbm else None
+                )
             rows.append(row)
             cells = (
                 f"{fwd * 1e3:.3f}",
@@ -358,8 +448,10 @@ def run_benchmarks(
                 f"{peak / 2**20:.1f}",
                 f"{sec / ref_t:.2f}",
                 f"{peak / ref_m:.2f}" if ref_m else "nan",
+                f"{r.eager_fwd_bwd * 1e3:.3f}",
+                r.method,
             )
-            print(f"{impl:<15}" + "".join(f"{c:>14}" for c in cells))
+            print(f"{impl:<15}" + "".join(f"{c:>14}" for c in cells) + (f"  ({r.note})" if r.note else ""))
     return rows
 
 

@@ -3,9 +3,11 @@
     python benchmarks/validate_planner.py [--cluster a100-80gb] [--reference PATH] [--json out.json]
 
 Prints, per published configuration, the measured and predicted TFLOP/s per GPU and the error, the
-median and max |error| (targets 5% and 10%), and the planner's own best layout with its predicted speedup
-over the published one (target >= 1). The published table ships with the package
-(llmtrain/planner/data/megatron_a100_2021.csv, its header naming the paper); --reference reads another.
+median and max |error| (targets 5% and 10%), the planner's own best layout with its predicted speedup
+over the published one (target >= 1), in how many rows the micro-batch size was fixed from the table, and
+which cluster constants, if any, were set from the table's rows (a constant whose source cites it). The
+published table ships with the package (llmtrain/planner/data/megatron_a100_2021.csv, its header naming
+the paper); --reference reads another.
 
 With --activations it also compares the predicted saved-activation bytes of one layer with the bytes the
 tensor-parallel issue's saved-tensor hooks measure (llmtrain.parallel.memory) on small CPU models.
@@ -44,7 +46,7 @@ from llmtrain.planner.local_validation import (
     predict,
     run_overrides,
 )
-from llmtrain.planner.validation import format_results, summary, validate_megatron
+from llmtrain.planner.validation import format_results, provenance, summary, validate_megatron
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -170,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(format_results(results))
+    print(provenance(args.cluster))
     if args.activations:
         print(activation_check())
     local = []

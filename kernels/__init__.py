@@ -122,8 +122,14 @@ def flash_attention(
     softmax_scale: float | None = None,
     impl: str = "auto",
 ) -> torch.Tensor:
-    """Attention over (batch, heads, seq, head_dim); k/v may have fewer heads (grouped-query)."""
-    if resolve_impl(impl, q) == "triton":
+    """Attention over (batch, heads, seq, head_dim); k/v may have fewer heads (grouped-query).
+
+    'auto' runs torch's scaled_dot_product_attention on CUDA too: its cuDNN/flash backends measured 2x our
+    Triton kernel's forward+backward on an H100 (3.8 ms against 7.7 ms at LLaMA-3-8B shapes, seq 8192;
+    benchmarks/results/20261125-164454-NVIDIA-H100-80GB-HBM3). impl='triton' still selects ours (the
+    kernel tests, and where SDPA cannot serve).
+    """
+    if resolve_impl(impl, q, auto_on_cuda="torch") == "triton":
         from kernels import attention
 
         return attention.flash_attention(q, k, v, causal, softmax_scale)
@@ -165,16 +171,23 @@ def fused_linear_cross_entropy(
     impl: str = "auto",
     *,
     chunk_tokens: int | None = None,
+    chunk_vocab: int | None = None,
 ) -> torch.Tensor:
     """cross_entropy(hidden @ weight.T, target) computed chunk by chunk so the full logits never exist.
 
-    "triton" uses the Triton loss kernels per chunk, "torch" the same chunking with PyTorch ops;
-    `chunk_tokens` defaults to a size whose logits are about as large as `hidden`.
+    Two passes (kernels/chunked_ce.py): over chunks of `chunk_tokens` tokens for the loss and
+    grad_hidden, then over chunks of `chunk_vocab` weight rows for grad_weight, each of its rows written
+    once. "triton" runs the per-chunk steps in Triton, "torch" in PyTorch ops. By default a chunk's
+    logits are no larger than `hidden` (powers of two, at least 16).
     """
     if resolve_impl(impl, hidden) == "triton":
         from kernels import loss
 
-        return loss.fused_linear_cross_entropy(hidden, weight, target, ignore_index, chunk_tokens)
+        return loss.fused_linear_cross_entropy(
+            hidden, weight, target, ignore_index, chunk_tokens, chunk_vocab
+        )
     from kernels import chunked_ce
 
-    return chunked_ce.fused_linear_cross_entropy(hidden, weight, target, ignore_index, chunk_tokens)
+    return chunked_ce.fused_linear_cross_entropy(
+        hidden, weight, target, ignore_index, chunk_tokens, chunk_vocab=chunk_vocab
+    )

@@ -30,6 +30,13 @@ def num_programs(device: torch.device, work_items: int) -> int:
     return max(1, min(work_items, 4))
 
 
+def autotuning() -> bool:
+    """False when LLMTRAIN_AUTOTUNE=0: CUDA launches then use each kernel's first config, as the
+    interpreter does. Correctness runs set it (the GPU kernel tests, loss curves) to skip compiling and
+    timing every config for every new shape; tests/kernels/test_attention.py checks each config itself."""
+    return os.environ.get("LLMTRAIN_AUTOTUNE", "1") != "0"
+
+
 def tuned(kernel: triton.JITFunction, configs: Sequence[triton.Config], key: list[str]) -> Callable:
     """The kernel autotuned over `configs` on CUDA; the interpreter gets the first config only.
 
@@ -40,7 +47,7 @@ def tuned(kernel: triton.JITFunction, configs: Sequence[triton.Config], key: lis
     cached: dict[str, Callable] = {}
 
     def pick(device: torch.device) -> Callable:
-        if device.type != "cuda":
+        if device.type != "cuda" or not autotuning():
             return interp
         if "cuda" not in cached:
             cached["cuda"] = triton.autotune(configs=list(configs), key=key)(kernel)

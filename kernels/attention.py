@@ -6,8 +6,14 @@ so k/v are never repeated. The causal mask is top-left aligned (key j is visible
 the convention of torch's scaled_dot_product_attention(is_causal=True).
 
 Forward: online softmax over key blocks in base 2; saves the output and the per-row log-sum-exp (natural
-log, fp32). Backward: delta = rowsum(dO * O); one kernel per key block accumulates dK and dV over every
-query head of its group (no atomics), a second kernel per query block accumulates dQ.
+log, fp32). Backward: delta = rowsum(dO * O) by a small kernel; one kernel per key block accumulates dK and
+dV over every query head of its group (no atomics), a second kernel per query block accumulates dQ.
+
+Every loop over blocks runs in stages: the blocks no mask can touch (fully visible to the causal mask,
+inside both sequence lengths) load and multiply without any masking, and only the few blocks on the
+diagonal or at a ragged tail pay for masks. The backward kernels compute transposed tiles directly
+(S^T = K Q^T, dS^T) from transposed loads, so no tile computed in registers is ever transposed before a
+matrix product: the GEMM operands all come from memory.
 Under the interpreter every loaded tile is cast to fp32 first: fp16/bf16 arithmetic there is unreliable.
 """
 
@@ -23,6 +29,74 @@ from kernels._utils import check_same_device, interpreting, tuned
 from kernels.checks import check_attention_args
 
 LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _load(ptrs, mask, HAS_MASK: tl.constexpr):
+    """tl.load with `mask` (zeros where false) when HAS_MASK, a plain unmasked load otherwise."""
+    if HAS_MASK:
+        tile = tl.load(ptrs, mask=mask, other=0.0)
+    else:
+        tile = tl.load(ptrs)
+    return tile
+
+
+@triton.jit
+def _fwd_blocks(
+    acc,
+    l_i,
+    m_i,
+    q,
+    k_base,
+    v_base,
+    rows,
+    offs_n,
+    offs_d,
+    d_ok,
+    start,
+    end,
+    SK,
+    sk_s,
+    sv_s,
+    scale_log2,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Key blocks [start, end) of one query block's online softmax; MASKED blocks apply the causal and
+    sequence-length masks, the others are known to be fully visible and in range."""
+    for start_n in range(start, end, BLOCK_N):
+        cols = start_n + offs_n
+        if MASKED:
+            kv_mask = (cols < SK)[:, None] & d_ok[None, :]
+        else:
+            kv_mask = d_ok[None, :]
+        k = _load(k_base + cols[:, None] * sk_s + offs_d[None, :], kv_mask, MASKED or not EVEN_D)
+        v = _load(v_base + cols[:, None] * sv_s + offs_d[None, :], kv_mask, MASKED or not EVEN_D)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        if MASKED:
+            valid = (cols < SK)[None, :]
+            if CAUSAL:
+                valid = valid & (cols[None, :] <= rows[:, None])
+            s = tl.where(valid, s * scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            p = tl.exp2(s - m_new[:, None])
+        else:
+            # Scale the row max, not the tile, then one fused multiply-add per score.
+            m_new = tl.maximum(m_i, tl.max(s, axis=1) * scale_log2)
+            p = tl.exp2(s * scale_log2 - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        # Accumulate into acc inside the matrix product (no separate product tile and add).
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
 
 
 @triton.jit
@@ -51,6 +125,7 @@ def _attn_fwd_kernel(
     so_h,
     so_s,
     CAUSAL: tl.constexpr,
+    EVEN_D: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -82,29 +157,20 @@ def _attn_fwd_kernel(
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    # Unmasked: whole key blocks before this query block's first row (causal) and inside SK.
+    full = (SK // BLOCK_N) * BLOCK_N
     hi = SK
     if CAUSAL:
+        full = tl.minimum(full, (start_m * BLOCK_M // BLOCK_N) * BLOCK_N)
         hi = tl.minimum(SK, (start_m + 1) * BLOCK_M)
-    for start_n in range(0, hi, BLOCK_N):
-        cols = start_n + offs_n
-        col_ok = cols < SK
-        kv_mask = col_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_base + cols[:, None] * sk_s + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + cols[:, None] * sv_s + offs_d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-        valid = col_ok[None, :]
-        if CAUSAL:
-            valid = valid & (cols[None, :] <= rows[:, None])
-        s = tl.where(valid, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+    acc, l_i, m_i = _fwd_blocks(
+        acc, l_i, m_i, q, k_base, v_base, rows, offs_n, offs_d, d_ok, 0, full, SK, sk_s, sv_s,
+        scale_log2, False, CAUSAL, EVEN_D, UPCAST, PRECISION, BLOCK_N,
+    )  # fmt: skip
+    acc, l_i, m_i = _fwd_blocks(
+        acc, l_i, m_i, q, k_base, v_base, rows, offs_n, offs_d, d_ok, full, hi, SK, sk_s, sv_s,
+        scale_log2, True, CAUSAL, EVEN_D, UPCAST, PRECISION, BLOCK_N,
+    )  # fmt: skip
     acc = acc / l_i[:, None]
     lse = (m_i + tl.log2(l_i)) * 0.6931471805599453
     tl.store(LSE + bh.to(tl.int64) * SQ + rows, lse, mask=row_ok)
@@ -113,6 +179,81 @@ def _attn_fwd_kernel(
         acc.to(OUT.dtype.element_ty),
         mask=row_ok[:, None] & d_ok[None, :],
     )
+
+
+@triton.jit
+def _attn_bwd_delta_kernel(
+    OUT, DO, DELTA, HQ, SQ, D, so_b, so_h, so_s, sdo_b, sdo_h, sdo_s, BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """delta[b, h, i] = sum_d O[b, h, i, d] * dO[b, h, i, d] in fp32 (the softmax backward's row term)."""
+    bh = tl.program_id(1)
+    b = (bh // HQ).to(tl.int64)
+    h = (bh % HQ).to(tl.int64)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (rows < SQ)[:, None] & (offs_d < D)[None, :]
+    o = tl.load(OUT + b * so_b + h * so_h + rows[:, None] * so_s + offs_d[None, :], mask=mask, other=0.0)
+    do = tl.load(DO + b * sdo_b + h * sdo_h + rows[:, None] * sdo_s + offs_d[None, :], mask=mask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    tl.store(DELTA + bh.to(tl.int64) * SQ + rows, delta, mask=rows < SQ)
+
+
+@triton.jit
+def _dkdv_blocks(
+    dk,
+    dv,
+    k,
+    v,
+    q_base,
+    do_base,
+    lse_base,
+    delta_base,
+    cols,
+    offs_m,
+    offs_d,
+    d_ok,
+    start,
+    end,
+    SQ,
+    sq_s,
+    sdo_s,
+    scale_log2,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """Query blocks [start, end) of one key block's dK/dV, in transposed form: S^T = K Q^T (keys x
+    queries), so dV += P^T dO and dK += dS^T Q take their operands straight from memory. Query rows past
+    SQ load as zeros (dO = 0 makes their P^T dO and dS^T vanish); MASKED blocks also apply the causal mask."""
+    for start_m in range(start, end, BLOCK_M):
+        rows = start_m + offs_m
+        row_ok = rows < SQ
+        if MASKED:
+            qt_mask = d_ok[:, None] & row_ok[None, :]
+            do_mask = row_ok[:, None] & d_ok[None, :]
+        else:
+            qt_mask = d_ok[:, None]
+            do_mask = d_ok[None, :]
+        qt = _load(q_base + offs_d[:, None] + rows[None, :] * sq_s, qt_mask, MASKED or not EVEN_D)
+        do = _load(do_base + rows[:, None] * sdo_s + offs_d[None, :], do_mask, MASKED or not EVEN_D)
+        if UPCAST:
+            qt = qt.to(tl.float32)
+            do = do.to(tl.float32)
+        lse_log2 = _load(lse_base + rows, row_ok, MASKED) * 1.4426950408889634
+        delta = _load(delta_base + rows, row_ok, MASKED)
+        st = tl.dot(k, qt, input_precision=PRECISION)
+        pt = tl.exp2(st * scale_log2 - lse_log2[None, :])
+        if MASKED and CAUSAL:
+            pt = tl.where(cols[:, None] <= rows[None, :], pt, 0.0)
+        dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=PRECISION)
+        dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+        dst = pt * (dpt - delta[None, :])
+        dk = tl.dot(dst.to(qt.dtype), tl.trans(qt), dk, input_precision=PRECISION)
+    return dk, dv
 
 
 @triton.jit
@@ -152,6 +293,7 @@ def _attn_bwd_dkdv_kernel(
     sdv_h,
     sdv_s,
     CAUSAL: tl.constexpr,
+    EVEN_D: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -169,8 +311,8 @@ def _attn_bwd_dkdv_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
-    col_ok = cols < SK
-    kv_mask = col_ok[:, None] & d_ok[None, :]
+    # Keys past SK load as zeros; their dK/dV rows are computed but never stored.
+    kv_mask = (cols < SK)[:, None] & d_ok[None, :]
     k = tl.load(K + b * sk_b + hk * sk_h + cols[:, None] * sk_s + offs_d[None, :], mask=kv_mask, other=0.0)
     v = tl.load(V + b * sv_b + hk * sv_h + cols[:, None] * sv_s + offs_d[None, :], mask=kv_mask, other=0.0)
     if UPCAST:
@@ -178,36 +320,34 @@ def _attn_bwd_dkdv_kernel(
         v = v.to(tl.float32)
     dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    # Query blocks: [lo, mid) straddle the causal diagonal (masked), [mid, full) see every key of this
+    # block and lie inside SQ (unmasked), [max(mid, full), SQ) is the ragged tail (masked).
     lo = 0
+    mid = 0
     if CAUSAL:
-        # Queries before this key block cannot see it.
+        # Queries before this key block cannot see it; from the first query block starting at or after
+        # the block's last key, every query sees every key.
         lo = (start_n * BLOCK_N // BLOCK_M) * BLOCK_M
+        mid = tl.minimum(tl.cdiv((start_n + 1) * BLOCK_N, BLOCK_M) * BLOCK_M, tl.cdiv(SQ, BLOCK_M) * BLOCK_M)
+    full = tl.maximum((SQ // BLOCK_M) * BLOCK_M, mid)
     for g in range(GROUP):
         h = hk * GROUP + g
         q_base = Q + b * sq_b + h * sq_h
         do_base = DO + b * sdo_b + h * sdo_h
-        row_base = (b * HQ + h) * SQ
-        for start_m in range(lo, SQ, BLOCK_M):
-            rows = start_m + offs_m
-            row_ok = rows < SQ
-            q_mask = row_ok[:, None] & d_ok[None, :]
-            q = tl.load(q_base + rows[:, None] * sq_s + offs_d[None, :], mask=q_mask, other=0.0)
-            do = tl.load(do_base + rows[:, None] * sdo_s + offs_d[None, :], mask=q_mask, other=0.0)
-            if UPCAST:
-                q = q.to(tl.float32)
-                do = do.to(tl.float32)
-            lse = tl.load(LSE + row_base + rows, mask=row_ok, other=0.0)
-            delta = tl.load(DELTA + row_base + rows, mask=row_ok, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-            p = tl.exp2(s * scale_log2 - lse[:, None] * 1.4426950408889634)
-            valid = row_ok[:, None] & col_ok[None, :]
-            if CAUSAL:
-                valid = valid & (cols[None, :] <= rows[:, None])
-            p = tl.where(valid, p, 0.0)
-            dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
-            dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-            ds = p * (dp - delta[:, None])
-            dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
+        lse_base = LSE + (b * HQ + h) * SQ
+        delta_base = DELTA + (b * HQ + h) * SQ
+        dk, dv = _dkdv_blocks(
+            dk, dv, k, v, q_base, do_base, lse_base, delta_base, cols, offs_m, offs_d, d_ok, lo, mid, SQ,
+            sq_s, sdo_s, scale_log2, True, CAUSAL, EVEN_D, UPCAST, PRECISION, BLOCK_M,
+        )  # fmt: skip
+        dk, dv = _dkdv_blocks(
+            dk, dv, k, v, q_base, do_base, lse_base, delta_base, cols, offs_m, offs_d, d_ok, mid, full, SQ,
+            sq_s, sdo_s, scale_log2, False, CAUSAL, EVEN_D, UPCAST, PRECISION, BLOCK_M,
+        )  # fmt: skip
+        dk, dv = _dkdv_blocks(
+            dk, dv, k, v, q_base, do_base, lse_base, delta_base, cols, offs_m, offs_d, d_ok, full, SQ, SQ,
+            sq_s, sdo_s, scale_log2, True, CAUSAL, EVEN_D, UPCAST, PRECISION, BLOCK_M,
+        )  # fmt: skip
     dk = dk * scale
     tl.store(
         DK + b * sdk_b + hk * sdk_h + cols[:, None] * sdk_s + offs_d[None, :],
@@ -219,6 +359,55 @@ def _attn_bwd_dkdv_kernel(
         dv.to(DV.dtype.element_ty),
         mask=kv_mask,
     )
+
+
+@triton.jit
+def _dq_blocks(
+    dq,
+    q,
+    do,
+    lse_log2,
+    delta,
+    k_base,
+    v_base,
+    rows,
+    offs_n,
+    offs_d,
+    d_ok,
+    start,
+    end,
+    SK,
+    sk_s,
+    sv_s,
+    scale_log2,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Key blocks [start, end) of one query block's dQ += dS K, with K^T and V^T loaded transposed.
+    Keys past SK load as zeros, so their dS K vanishes; MASKED blocks apply the causal mask."""
+    for start_n in range(start, end, BLOCK_N):
+        cols = start_n + offs_n
+        if MASKED:
+            kt_mask = d_ok[:, None] & (cols < SK)[None, :]
+        else:
+            kt_mask = d_ok[:, None]
+        kt = _load(k_base + offs_d[:, None] + cols[None, :] * sk_s, kt_mask, MASKED or not EVEN_D)
+        vt = _load(v_base + offs_d[:, None] + cols[None, :] * sv_s, kt_mask, MASKED or not EVEN_D)
+        if UPCAST:
+            kt = kt.to(tl.float32)
+            vt = vt.to(tl.float32)
+        s = tl.dot(q, kt, input_precision=PRECISION)
+        p = tl.exp2(s * scale_log2 - lse_log2[:, None])
+        if MASKED and CAUSAL:
+            p = tl.where(cols[None, :] <= rows[:, None], p, 0.0)
+        dp = tl.dot(do, vt, input_precision=PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(kt.dtype), tl.trans(kt), dq, input_precision=PRECISION)
+    return dq
 
 
 @triton.jit
@@ -253,6 +442,7 @@ def _attn_bwd_dq_kernel(
     sdq_h,
     sdq_s,
     CAUSAL: tl.constexpr,
+    EVEN_D: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -278,32 +468,25 @@ def _attn_bwd_dq_kernel(
     if UPCAST:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
-    lse = tl.load(LSE + bh.to(tl.int64) * SQ + rows, mask=row_ok, other=0.0)
+    lse_log2 = tl.load(LSE + bh.to(tl.int64) * SQ + rows, mask=row_ok, other=0.0) * 1.4426950408889634
     delta = tl.load(DELTA + bh.to(tl.int64) * SQ + rows, mask=row_ok, other=0.0)
     k_base = K + b * sk_b + hk * sk_h
     v_base = V + b * sv_b + hk * sv_h
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    # The same stages as the forward's: whole visible key blocks unmasked, the diagonal and tail masked.
+    full = (SK // BLOCK_N) * BLOCK_N
     hi = SK
     if CAUSAL:
+        full = tl.minimum(full, (start_m * BLOCK_M // BLOCK_N) * BLOCK_N)
         hi = tl.minimum(SK, (start_m + 1) * BLOCK_M)
-    for start_n in range(0, hi, BLOCK_N):
-        cols = start_n + offs_n
-        col_ok = cols < SK
-        kv_mask = col_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_base + cols[:, None] * sk_s + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + cols[:, None] * sv_s + offs_d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        p = tl.exp2(s * scale_log2 - lse[:, None] * 1.4426950408889634)
-        valid = row_ok[:, None] & col_ok[None, :]
-        if CAUSAL:
-            valid = valid & (cols[None, :] <= rows[:, None])
-        p = tl.where(valid, p, 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+    dq = _dq_blocks(
+        dq, q, do, lse_log2, delta, k_base, v_base, rows, offs_n, offs_d, d_ok, 0, full, SK, sk_s, sv_s,
+        scale_log2, False, CAUSAL, EVEN_D, UPCAST, PRECISION, BLOCK_N,
+    )  # fmt: skip
+    dq = _dq_blocks(
+        dq, q, do, lse_log2, delta, k_base, v_base, rows, offs_n, offs_d, d_ok, full, hi, SK, sk_s, sv_s,
+        scale_log2, True, CAUSAL, EVEN_D, UPCAST, PRECISION, BLOCK_N,
+    )  # fmt: skip
     dq = dq * scale
     tl.store(
         DQ + b * sdq_b + h * sdq_h + rows[:, None] * sdq_s + offs_d[None, :],
@@ -317,22 +500,19 @@ def _configs(pairs: list[tuple[int, int, int, int]]) -> list[triton.Config]:
 
 
 # The first config of each list is the one the interpreter runs (small blocks keep tests quick and still
-# exercise several blocks and ragged tails); CUDA autotunes over all of them.
-_FWD = tuned(
-    _attn_fwd_kernel,
-    _configs([(32, 16, 4, 1), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3)]),
-    key=["SQ", "SK", "D", "CAUSAL"],
+# exercise several blocks, both stage kinds and ragged tails); CUDA autotunes over all of them. The dK/dV
+# kernel keeps many keys per program and walks few queries at a time, the dQ kernel the reverse.
+FWD_CONFIGS = _configs(
+    [(32, 16, 4, 1), (128, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3)]
 )
-_DKDV = tuned(
-    _attn_bwd_dkdv_kernel,
-    _configs([(16, 32, 4, 1), (64, 64, 4, 3), (32, 128, 8, 2), (64, 128, 8, 2)]),
-    key=["SQ", "SK", "D", "CAUSAL"],
+DKDV_CONFIGS = _configs(
+    [(16, 32, 4, 1), (32, 128, 4, 3), (32, 128, 8, 3), (64, 128, 8, 2), (64, 128, 8, 3), (64, 64, 4, 3)]
 )
-_DQ = tuned(
-    _attn_bwd_dq_kernel,
-    _configs([(32, 16, 4, 1), (64, 64, 4, 3), (128, 32, 8, 2), (128, 64, 8, 2)]),
-    key=["SQ", "SK", "D", "CAUSAL"],
-)
+DQ_CONFIGS = _configs([(32, 16, 4, 1), (128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (128, 64, 8, 2)])
+_KEY = ["SQ", "SK", "D", "CAUSAL"]
+_FWD = tuned(_attn_fwd_kernel, FWD_CONFIGS, key=_KEY)
+_DKDV = tuned(_attn_bwd_dkdv_kernel, DKDV_CONFIGS, key=_KEY)
+_DQ = tuned(_attn_bwd_dq_kernel, DQ_CONFIGS, key=_KEY)
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -379,6 +559,7 @@ class _FlashAttentionFn(torch.autograd.Function):
             o.stride(1),
             o.stride(2),
             CAUSAL=causal,
+            EVEN_D=dim == block_d,
             UPCAST=interpreting(),
             PRECISION=_precision(q.dtype),
             BLOCK_D=block_d,
@@ -394,13 +575,21 @@ class _FlashAttentionFn(torch.autograd.Function):
         do = _last_dim_contiguous(do)
         bsz, hq, sq, dim = q.shape
         hk, sk = k.shape[1], k.shape[2]
-        delta = (o.float() * do.float()).sum(-1)
+        block_d = max(16, triton.next_power_of_2(dim))
+        delta = torch.empty((bsz, hq, sq), dtype=torch.float32, device=q.device)
+        delta_rows = 16 if interpreting() else 64
+        _attn_bwd_delta_kernel[(triton.cdiv(sq, delta_rows), bsz * hq)](
+            o, do, delta, hq, sq, dim, *o.stride()[:3], *do.stride()[:3], BLOCK_M=delta_rows, BLOCK_D=block_d
+        )
         dq = torch.empty_like(q)
         dk = torch.empty_like(k, memory_format=torch.contiguous_format)
         dv = torch.empty_like(v, memory_format=torch.contiguous_format)
-        block_d = max(16, triton.next_power_of_2(dim))
         common = dict(
-            CAUSAL=ctx.causal, UPCAST=interpreting(), PRECISION=_precision(q.dtype), BLOCK_D=block_d
+            CAUSAL=ctx.causal,
+            EVEN_D=dim == block_d,
+            UPCAST=interpreting(),
+            PRECISION=_precision(q.dtype),
+            BLOCK_D=block_d,
         )
         strides = (
             q.stride(0),

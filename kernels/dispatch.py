@@ -15,8 +15,9 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def resolve_impl(impl: str, tensor: torch.Tensor) -> str:
-    """'auto' -> 'triton' on CUDA tensors with Triton installed, else 'torch'; explicit ones are checked."""
+def resolve_impl(impl: str, tensor: torch.Tensor, auto_on_cuda: str = "triton") -> str:
+    """'auto' -> `auto_on_cuda` on CUDA tensors (Triton needs to be installed for 'triton'), else 'torch';
+    explicit ones are checked. An op whose PyTorch path is measured faster on GPUs passes 'torch'."""
     if impl not in IMPLS:
         raise ValueError(f"kernel impl must be one of {', '.join(IMPLS)}; got {impl!r}")
     if impl == "torch":
@@ -30,4 +31,6 @@ def resolve_impl(impl: str, tensor: torch.Tensor) -> str:
                 "set it or use impl='auto'"
             )
         return "triton"
-    return "triton" if tensor.is_cuda and triton_available() else "torch"
+    if not tensor.is_cuda:
+        return "torch"
+    return "triton" if auto_on_cuda == "triton" and triton_available() else "torch"

@@ -7,11 +7,13 @@ projection (row stride != width): the kernel walks rows with their stride instea
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
 
-from kernels._utils import check_same_device
+from kernels._utils import check_same_device, tuned
 
 
 @triton.jit
@@ -50,10 +52,12 @@ def _glu_fwd_kernel(
     IS_GELU: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    EVEN_N: tl.constexpr,
 ):
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    # EVEN_N (N a multiple of BLOCK_N): no column mask, so loads and stores vectorise along the row.
+    mask = (rows < M)[:, None] & ((cols < N) | EVEN_N)[None, :]
     g = tl.load(G + rows[:, None] * s_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     u = tl.load(U + rows[:, None] * s_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     act, _ = _act_and_grad(g, IS_GELU, False)
@@ -77,10 +81,12 @@ def _glu_bwd_kernel(
     IS_GELU: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    EVEN_N: tl.constexpr,
 ):
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    # EVEN_N (N a multiple of BLOCK_N): no column mask, so loads and stores vectorise along the row.
+    mask = (rows < M)[:, None] & ((cols < N) | EVEN_N)[None, :]
     g = tl.load(G + rows[:, None] * s_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     u = tl.load(U + rows[:, None] * s_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     do = tl.load(DO + rows[:, None] * s_do + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -94,10 +100,28 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
-def _grid_and_blocks(m: int, n: int) -> tuple[tuple[int, int], int, int]:
-    block_n = min(1024, triton.next_power_of_2(n))
-    block_m = max(1, 2048 // block_n)
-    return (triton.cdiv(m, block_m), triton.cdiv(n, block_n)), block_m, block_n
+def _block_n(n: int) -> int:
+    return min(1024, triton.next_power_of_2(n))
+
+
+def _tuned_by_block_n(kernel: triton.JITFunction) -> dict[int, Callable]:
+    """Per column block (a power of two up to 1024), the kernel autotuned on CUDA over rows per program and
+    warps; the first config is the untuned heuristic (a 2048-element tile, 4 warps), which the interpreter
+    runs. Each launch overwrites all of its outputs, so autotuning may rerun it. Built at import, so a launch
+    is a plain dict lookup."""
+    out = {}
+    for i in range(11):
+        bn = 1 << i
+        bm = max(1, 2048 // bn)
+        pairs = [(bm, 4), (bm, 8), (2 * bm, 8), (4 * bm, 8), (4 * bm, 16)]
+        out[bn] = tuned(
+            kernel, [triton.Config({"BLOCK_M": m}, num_warps=w) for m, w in pairs], ["N", "IS_GELU"]
+        )
+    return out
+
+
+_FWD = _tuned_by_block_n(_glu_fwd_kernel)
+_BWD = _tuned_by_block_n(_glu_bwd_kernel)
 
 
 class _GluFn(torch.autograd.Function):
@@ -106,8 +130,9 @@ class _GluFn(torch.autograd.Function):
         g2, u2 = _rows(gate), _rows(up)
         m, n = g2.shape
         out = torch.empty((m, n), dtype=torch.promote_types(gate.dtype, up.dtype), device=gate.device)
-        grid, bm, bn = _grid_and_blocks(m, n)
-        _glu_fwd_kernel[grid](
+        bn = _block_n(n)
+        grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, bn))
+        _FWD[bn](g2.device)[grid](
             g2,
             u2,
             out,
@@ -117,9 +142,8 @@ class _GluFn(torch.autograd.Function):
             u2.stride(0),
             out.stride(0),
             IS_GELU=is_gelu,
-            BLOCK_M=bm,
             BLOCK_N=bn,
-            num_warps=4,
+            EVEN_N=n % bn == 0,
         )
         ctx.save_for_backward(gate, up)
         ctx.is_gelu = is_gelu
@@ -132,8 +156,9 @@ class _GluFn(torch.autograd.Function):
         m, n = g2.shape
         dg = torch.empty((m, n), dtype=gate.dtype, device=gate.device)
         du = torch.empty((m, n), dtype=up.dtype, device=up.device)
-        grid, bm, bn = _grid_and_blocks(m, n)
-        _glu_bwd_kernel[grid](
+        bn = _block_n(n)
+        grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, bn))
+        _BWD[bn](g2.device)[grid](
             g2,
             u2,
             d2,
@@ -147,9 +172,8 @@ class _GluFn(torch.autograd.Function):
             dg.stride(0),
             du.stride(0),
             IS_GELU=ctx.is_gelu,
-            BLOCK_M=bm,
             BLOCK_N=bn,
-            num_warps=4,
+            EVEN_N=n % bn == 0,
         )
         return dg.view(gate.shape), du.view(up.shape), None
 

@@ -9,11 +9,13 @@ is summed afterwards (the two-stage reduction, no atomics).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
 
-from kernels._utils import check_same_device, num_programs
+from kernels._utils import check_same_device, num_programs, tuned
 
 MAX_HIDDEN = 65536
 
@@ -40,12 +42,14 @@ def _norm_fwd_kernel(
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    EVEN_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     row_ok = rows < M
-    col_ok = cols < N
+    # EVEN_N (hidden == BLOCK_N): no column mask, so loads and stores vectorise along the row.
+    col_ok = (cols < N) | EVEN_N
     mask = row_ok[:, None] & col_ok[None, :]
     rows64 = rows.to(tl.int64)
     x_raw = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
@@ -99,10 +103,11 @@ def _norm_bwd_kernel(
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    EVEN_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
-    col_ok = cols < N
+    col_ok = (cols < N) | EVEN_N
     w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
     dw_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     db_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -156,6 +161,31 @@ def _block_sizes(n: int) -> tuple[int, int, int]:
     return block_m, block_n, num_warps
 
 
+def _variants(block_n: int) -> list[tuple[int, int]]:
+    """(rows per tile, warps): the heuristic first (the interpreter runs only it), then a few neighbours
+    that CUDA autotunes over, once per hidden size."""
+    block_m, _, warps = _block_sizes(block_n)
+    pairs = [(block_m, warps), (max(1, block_m // 2), warps), (block_m, min(16, 2 * warps))]
+    pairs += [(2 * block_m, min(16, 2 * warps)), (block_m, max(1, warps // 2))]
+    return list(dict.fromkeys(pairs))  # drop duplicates, keep the order
+
+
+def _tuned_by_block_n(kernel: triton.JITFunction, key: list[str]) -> dict[int, Callable]:
+    # Built at import for every power-of-two hidden block, so launching is a plain dict lookup (no
+    # object is created while torch.compile traces the autograd.Function).
+    return {
+        1 << i: tuned(kernel, [triton.Config({"BLOCK_M": m}, num_warps=w) for m, w in _variants(1 << i)], key)
+        for i in range(MAX_HIDDEN.bit_length())
+    }
+
+
+# Every output of both kernels is overwritten by each launch (dw/db partials: one full row per program),
+# so autotuning may rerun them. The backward's persistent grid and rows per program come from the
+# heuristic tile; a tuned tile that does not divide them ends with a masked partial tile.
+_FWD = _tuned_by_block_n(_norm_fwd_kernel, ["N", "IS_RMS", "HAS_RES", "HAS_BIAS"])
+_BWD = _tuned_by_block_n(_norm_bwd_kernel, ["N", "IS_RMS", "HAS_DH", "HAS_BIAS"])
+
+
 class _NormFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, residual, eps, is_rms):
@@ -171,8 +201,9 @@ class _NormFn(torch.autograd.Function):
             h = torch.empty((m, n), dtype=x.dtype, device=x.device)
         else:
             r2, h = x2, x2
-        block_m, block_n, warps = _block_sizes(n)
-        _norm_fwd_kernel[(triton.cdiv(m, block_m),)](
+        block_n = triton.next_power_of_2(n)
+        grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]),)
+        _FWD[block_n](x.device)[grid](
             x2,
             r2,
             weight,
@@ -191,9 +222,8 @@ class _NormFn(torch.autograd.Function):
             IS_RMS=is_rms,
             HAS_RES=residual is not None,
             HAS_BIAS=bias is not None,
-            BLOCK_M=block_m,
             BLOCK_N=block_n,
-            num_warps=warps,
+            EVEN_N=n == block_n,
         )
         ctx.save_for_backward(h, weight, bias, mean, rstd)
         ctx.is_rms = is_rms
@@ -211,7 +241,7 @@ class _NormFn(torch.autograd.Function):
         dy2 = _rows(dy)
         dh2 = _rows(dh) if (ctx.has_res and dh is not None) else None
         dx = torch.empty((m, n), dtype=h.dtype, device=h.device)
-        block_m, block_n, warps = _block_sizes(n)
+        block_m, block_n, _ = _block_sizes(n)
         progs = num_programs(h.device, triton.cdiv(m, block_m))
         rows_per_program = triton.cdiv(triton.cdiv(m, progs), block_m) * block_m
         progs = triton.cdiv(m, rows_per_program)
@@ -219,7 +249,7 @@ class _NormFn(torch.autograd.Function):
         db_part = (
             torch.empty((progs, n), dtype=torch.float32, device=h.device) if bias is not None else dw_part
         )
-        _norm_bwd_kernel[(progs,)](
+        _BWD[block_n](h.device)[(progs,)](
             h,
             weight,
             dy2,
@@ -239,9 +269,8 @@ class _NormFn(torch.autograd.Function):
             IS_RMS=ctx.is_rms,
             HAS_DH=dh2 is not None,
             HAS_BIAS=bias is not None,
-            BLOCK_M=block_m,
             BLOCK_N=block_n,
-            num_warps=warps,
+            EVEN_N=n == block_n,
         )
         dweight = dw_part.sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None
         dbias = db_part.sum(0).to(bias.dtype) if bias is not None and ctx.needs_input_grad[2] else None

@@ -10,11 +10,13 @@ them; row s + position_offset rotates sequence position s (sequence-parallel / p
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
 
-from kernels._utils import check_same_device
+from kernels._utils import check_same_device, tuned
 from kernels.checks import check_rotary_args
 
 
@@ -40,6 +42,7 @@ def _rotary_kernel(
     BACKWARD: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    EVEN: tl.constexpr,  # D == BLOCK_D and H a multiple of BLOCK_H: no masks
 ):
     pid_bs = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -54,8 +57,8 @@ def _rotary_kernel(
         half = D // 2
         partner = tl.where(dims < half, dims + half, dims - half)
         sign = tl.where(dims < half, -1.0, 1.0)
-    dim_ok = dims < D
-    mask = (heads < H)[:, None] & dim_ok[None, :]
+    dim_ok = (dims < D) | EVEN
+    mask = ((heads < H) | EVEN)[:, None] & dim_ok[None, :]
     pos = (s + offset).to(tl.int64)
     cos = tl.load(COS + pos * s_cos + dims, mask=dim_ok, other=0.0).to(tl.float32)
     if BACKWARD:
@@ -71,6 +74,17 @@ def _rotary_kernel(
     tl.store(obase + dims[None, :], out.to(OUT.dtype.element_ty), mask=mask)
 
 
+def _tuned(first_warps: int) -> Callable:
+    # Blocks are fixed by the shape; CUDA autotunes the warps, the untuned heuristic first (the one the
+    # interpreter runs). Each launch overwrites its whole output, so autotuning may rerun it.
+    warps = dict.fromkeys([first_warps, 2, 4, 8])
+    configs = [triton.Config({}, num_warps=w) for w in warps]
+    return tuned(_rotary_kernel, configs, key=["H", "D", "BLOCK_H", "INTERLEAVED", "BACKWARD"])
+
+
+_KERNELS = {w: _tuned(w) for w in (2, 4)}
+
+
 def _launch(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, offset: int, backward: bool
 ):
@@ -83,7 +97,7 @@ def _launch(
     block_d = triton.next_power_of_2(dim)
     block_h = max(1, min(triton.next_power_of_2(heads), 4096 // block_d))
     grid = (bsz * seq, triton.cdiv(heads, block_h))
-    _rotary_kernel[grid](
+    _KERNELS[4 if block_h * block_d >= 2048 else 2](x.device)[grid](
         x,
         cos,
         sin,
@@ -104,7 +118,7 @@ def _launch(
         BACKWARD=backward,
         BLOCK_H=block_h,
         BLOCK_D=block_d,
-        num_warps=4 if block_h * block_d >= 2048 else 2,
+        EVEN=dim == block_d and heads % block_h == 0,
     )
     return out
 

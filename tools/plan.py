@@ -11,7 +11,8 @@
     python tools/plan.py --profile-local --output my-cluster.yaml   # measure this machine
     python tools/plan.py --config MODEL.yaml --cluster my-cluster.yaml --gpus 2
 
---cluster takes a shipped preset by name (a100-80gb, h100-80gb) or the path of a cluster YAML file.
+--cluster takes a shipped preset by name (a100-40gb, a100-80gb, h100-80gb, h200-141gb: one node type, any
+--gpus) or the path of a cluster YAML file (tools/calibrate.py writes one for this machine).
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", help="model/job YAML (the model, precision and batch come from it)")
     parser.add_argument("overrides", nargs="*", help="key.path=value overrides of the config")
     parser.add_argument(
-        "--cluster", default="a100-80gb", help="cluster YAML path or preset name (a100-80gb, h100-80gb)"
+        "--cluster",
+        default="a100-80gb",
+        help="cluster YAML path or preset name (a100-40gb, a100-80gb, h100-80gb, h200-141gb)",
     )
     parser.add_argument("--gpus", type=int, help="number of GPUs")
     parser.add_argument(

@@ -47,6 +47,42 @@ def _fmt(value: Any, spec: str = ".3g") -> str:
     return format(value, spec) if isinstance(value, int | float) else ("-" if value is None else str(value))
 
 
+def vs_torchtitan(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per config: our best bf16 tokens/s over torchtitan's (the issue's side-by-side, target >= 1.1).
+
+    Our rows are those with impl "llmtrain" (or none: results from before the peer was wired in) and
+    train.precision=bf16 that finished ok; torchtitan's are those whose impl starts with "torchtitan".
+    A config without an ok row on either side has a null ratio and says why.
+    """
+    out: dict[str, dict[str, Any]] = {}
+    for config in dict.fromkeys(r["config"] for r in rows):
+        mine = [r for r in rows if r["config"] == config]
+        ours = [
+            r
+            for r in mine
+            if r.get("impl", "llmtrain") == "llmtrain"
+            and r["status"] == "ok"
+            and "train.precision=bf16" in r["overrides"]
+        ]
+        titan = [r for r in mine if str(r.get("impl", "")).startswith("torchtitan")]
+        if not titan:
+            continue
+        best = max(ours, key=lambda r: r["tokens_per_s"], default=None)
+        peer = max((r for r in titan if r["status"] == "ok"), key=lambda r: r["tokens_per_s"], default=None)
+        entry: dict[str, Any] = {
+            "ours_tokens_per_s": best["tokens_per_s"] if best else None,
+            "ours_variant": f"{' '.join(best['overrides'])} compile={best['compile']}" if best else None,
+            "torchtitan_tokens_per_s": peer["tokens_per_s"] if peer else None,
+            "ratio": best["tokens_per_s"] / peer["tokens_per_s"] if best and peer else None,
+        }
+        if not peer:
+            entry["why"] = f"torchtitan: {titan[0]['status']}"
+        elif not best:
+            entry["why"] = "no ok bf16 llmtrain row"
+        out[config] = entry
+    return out
+
+
 def markdown(results: dict[str, Any]) -> str:
     env, lines = results.get("env") or {}, []
     lines += [f"# GPU run: {env.get('device', 'unknown device')}", ""]
@@ -77,9 +113,10 @@ def markdown(results: dict[str, Any]) -> str:
         lines.append(f"peers: {kern['peers']}; targets: {kern['targets']}")
         lines += [
             "",
-            "| kernel | impl | fwd ms | fwd+bwd ms | rate | of copy bw | peak MiB | t/triton | status |",
+            "| kernel | impl | fwd ms | fwd+bwd ms | rate | of copy bw | peak MiB | t/triton | timing "
+            "| eager fwd+bwd ms | status |",
         ]
-        lines.append("|---|---|---|---|---|---|---|---|---|")
+        lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
         for r in kern["rows"]:
             rate = r.get("fwd_bwd_tflops")
             rate = (
@@ -88,8 +125,17 @@ def markdown(results: dict[str, Any]) -> str:
                 else _fmt(r.get("fwd_bwd_gbps"), ".0f")
             )
             cells = [r["kernel"], r["impl"], _fmt(r.get("fwd_ms")), _fmt(r.get("fwd_bwd_ms")), rate]
-            cells += [_fmt(r.get("fraction_of_bandwidth"), ".0%") if r.get("fraction_of_bandwidth") else "-"]
-            cells += [_fmt(r.get("peak_mib"), ".0f"), _fmt(r.get("time_vs_triton"), ".2f"), r["status"]]
+            frac = _fmt(r.get("fraction_of_bandwidth"), ".0%") if r.get("fraction_of_bandwidth") else "-"
+            if r.get("fwd_fraction_of_bandwidth"):
+                frac += f" (fwd {r['fwd_fraction_of_bandwidth']:.0%})"
+            cells += [frac]
+            cells += [_fmt(r.get("peak_mib"), ".0f"), _fmt(r.get("time_vs_triton"), ".2f")]
+            # How the times were taken: "cuda graph" (GPU time), "eager launches" (graph capture failed,
+            # the note says why) or "wall clock" (CPU); the eager column keeps the launch overhead in.
+            timing = _fmt(r.get("timing"))
+            if r.get("timing_note"):
+                timing += " (" + r["timing_note"][:80].replace("|", "/") + ")"
+            cells += [timing, _fmt(r.get("eager_fwd_bwd_ms")), r["status"]]
             lines.append("| " + " | ".join(cells) + " |")
     else:
         lines.append("no kernels.json")
@@ -97,11 +143,22 @@ def markdown(results: dict[str, Any]) -> str:
     lines += ["", "## End to end", ""]
     if e2e:
         lines.append(f"torchtitan: {e2e['torchtitan']}; targets: {e2e['targets']}")
+        ratios = e2e.get("vs_torchtitan") or vs_torchtitan(e2e["rows"])
+        for config, r in ratios.items():
+            verdict = "-" if r["ratio"] is None else ("met" if r["ratio"] >= 1.1 else "**missed**")
+            lines.append(
+                f"- {config}: llmtrain / torchtitan tokens/s = {_fmt(r['ratio'], '.2f')} "
+                f"({_fmt(r['ours_tokens_per_s'], '.0f')} / {_fmt(r['torchtitan_tokens_per_s'], '.0f')}; "
+                f"target >= 1.1: {verdict}; ours: {r['ours_variant'] or '-'}"
+                + (f"; {r['why']}" if r.get("why") else "")
+                + ")"
+            )
         lines += [
             "",
-            "| config | overrides | compile | tokens/s | TFLOP/s | MFU (bf16 peak) | peak GiB | status |",
+            "| config | overrides | compile | tokens/s | TFLOP/s | MFU (bf16 peak) | peak GiB | impl "
+            "| status |",
         ]
-        lines.append("|---|---|---|---|---|---|---|---|")
+        lines.append("|---|---|---|---|---|---|---|---|---|")
         for r in e2e["rows"]:
             over = " ".join(o for o in r["overrides"] if not o.startswith("model.kernels"))
             cells = [
@@ -114,6 +171,7 @@ def markdown(results: dict[str, Any]) -> str:
             cells += [
                 _fmt(r.get("mfu_vs_bf16_peak"), ".1%"),
                 _fmt(r.get("peak_memory_gib"), ".1f"),
+                r.get("impl", "llmtrain"),
                 r["status"],
             ]
             lines.append("| " + " | ".join(cells) + " |")

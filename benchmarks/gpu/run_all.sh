@@ -15,6 +15,7 @@
 #   LLMTRAIN_WHEELS=DIR  install the vendored wheels in DIR first (pip --no-index --no-deps)
 #   STEPS="tests-kernels e2e"  run only these steps (env always runs), e.g. to rerun what a budget cut
 #   KERNEL_TESTS="tests/kernels/test_attention.py ..."  the kernel test files to run (default: all)
+#   E2E_ARGS="--configs configs/llama-1b.yaml --compile blocks"  bench_e2e.py's sweep (default: its own)
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -53,8 +54,10 @@ else
   FLAG=
   # Budgets (s), each overridable from the environment (e.g. B_E2E=300 for a longer sweep); they sum to
   # 540 s, leaving room for start-up and the report within ten minutes.
-  B_ENV=${B_ENV:-20}; B_TESTS_KERNELS=${B_TESTS_KERNELS:-170}; B_TESTS_TRAIN=${B_TESTS_TRAIN:-40}
-  B_KERNELS=${B_KERNELS:-100}; B_E2E=${B_E2E:-150}; B_CURVES=${B_CURVES:-60}
+  # Measured on an H100 (2026-11-25): the attention and compile tests take ~70 s without autotuning, the
+  # kernels step spends ~60 s autotuning attention at seq 8192, each e2e process 30-60 s (compile included).
+  B_ENV=${B_ENV:-15}; B_TESTS_KERNELS=${B_TESTS_KERNELS:-140}; B_TESTS_TRAIN=${B_TESTS_TRAIN:-35}
+  B_KERNELS=${B_KERNELS:-130}; B_E2E=${B_E2E:-175}; B_CURVES=${B_CURVES:-45}
   # Left out: the vocab-parallel cross-entropy test (4 gloo ranks on CPU: one GPU cannot host 4 NCCL ranks)
   # and bench_kernels' interpreter smoke run (CPU only); the kernels step benchmarks on the GPU instead.
   read -r -a KERNEL_TEST_PATHS <<<"${KERNEL_TESTS:-tests/kernels}"
@@ -62,11 +65,12 @@ else
   # Compiling every kernel variant is CPU-bound: spread the tests over 8 workers where pytest-xdist is.
   if "$PY" -c "import xdist" 2>/dev/null; then TESTS_KERNELS+=(-n 8); fi
   TESTS_TRAIN=(tests/models tests/training/test_fp8.py tests/training/test_lr_schedule.py -m "not slow")
-  E2E_ARGS=()
+  read -r -a E2E_ARGS <<<"${E2E_ARGS:-}"
 fi
 
 # Optional peers vendored as wheels (the GPU machine has no network): LLMTRAIN_WHEELS=DIR installs every
-# DIR/*.whl without dependencies or an index (e.g. torchao and liger-kernel, which are pure Python).
+# DIR/*.whl without dependencies or an index (e.g. torchao and liger-kernel, which are pure Python; and the
+# e2e peer torchtitan 0.2.2 with what its model imports need: torchdata, tyro, docstring_parser, typeguard).
 if [ -n "${LLMTRAIN_WHEELS:-}" ]; then
   "$PY" -m pip install --no-index --no-deps "$LLMTRAIN_WHEELS"/*.whl || echo "run_all.sh: some wheels did not install"
 fi
@@ -100,15 +104,17 @@ step() {
 }
 
 step env "$B_ENV" "$PY" "$HERE/env_info.py" --out "$OUT/env.json" $FLAG
-step tests-kernels "$B_TESTS_KERNELS" "$PY" -m pytest -q -p no:cacheprovider "${TESTS_KERNELS[@]}" \
+# Correctness steps skip autotuning (LLMTRAIN_AUTOTUNE=0: each kernel's first config), which would compile
+# and time every config for every test shape; test_attention.py runs each attention config on its own.
+step tests-kernels "$B_TESTS_KERNELS" env LLMTRAIN_AUTOTUNE=0 "$PY" -m pytest -q -p no:cacheprovider "${TESTS_KERNELS[@]}" \
   --junitxml "$OUT/tests-kernels.xml"
-step tests-train "$B_TESTS_TRAIN" "$PY" -m pytest -q -p no:cacheprovider "${TESTS_TRAIN[@]}" \
+step tests-train "$B_TESTS_TRAIN" env LLMTRAIN_AUTOTUNE=0 "$PY" -m pytest -q -p no:cacheprovider "${TESTS_TRAIN[@]}" \
   --junitxml "$OUT/tests-train.xml"
 # Each Python step stops starting new cases 40 s before its budget, so it can still write its JSON.
 step kernels "$B_KERNELS" "$PY" "$HERE/bench_kernels_peers.py" --out "$OUT/kernels.json" \
   --budget-s $((B_KERNELS - 40)) $FLAG
 step e2e "$B_E2E" "$PY" "$HERE/bench_e2e.py" --out "$OUT/e2e.json" --budget-s $((B_E2E - 40)) \
   "${E2E_ARGS[@]}" $FLAG
-step loss_curves "$B_CURVES" "$PY" "$HERE/loss_curves.py" --out "$OUT/loss_curves.json" $FLAG
+step loss_curves "$B_CURVES" env LLMTRAIN_AUTOTUNE=0 "$PY" "$HERE/loss_curves.py" --out "$OUT/loss_curves.json" $FLAG
 "$PY" "$HERE/report.py" "$OUT"
 echo "run_all.sh: done in ${SECONDS}s; results in $OUT (README.md, results.json, one .log per step)"

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-Arch = Literal["gpt", "llama", "ernie", "mixtral", "qwen3_moe", "ernie_moe"]
+Arch = Literal["gpt", "llama", "ernie", "mixtral", "qwen3_moe", "ernie_moe", "deepseek_v3"]
 KernelImpl = Literal["auto", "triton", "torch"]
 Recompute = Literal["none", "selective", "full"]
 Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zb_h1"]
@@ -18,10 +18,11 @@ Precision = Literal["fp32", "bf16", "fp16", "fp8"]
 LrDecay = Literal["cosine", "linear", "constant"]
 OnSaveError = Literal["continue", "stop"]
 Engine = Literal["llmtrain", "deepspeed"]
+RopeScaling = Literal["none", "yarn"]
 Offload = Literal["none", "optimizer", "optimizer+params"]
 CpComm = Literal["ring", "all_to_all"]
 
-MOE_ARCHS = ("mixtral", "qwen3_moe", "ernie_moe")
+MOE_ARCHS = ("mixtral", "qwen3_moe", "ernie_moe", "deepseek_v3")
 """The architectures whose MLPs are (partly) mixtures of experts (llmtrain.models.moe)."""
 
 
@@ -30,7 +31,7 @@ class ModelConfig:
     """The architecture and its size."""
 
     arch: Arch = "ernie"
-    """Architecture: gpt (GPT-2), llama (LLaMA-2/3), ernie (ERNIE-4.5), MoE: mixtral, qwen3_moe, ernie_moe."""
+    """Architecture: gpt, llama, ernie; mixtures of experts: mixtral, qwen3_moe, ernie_moe, deepseek_v3."""
     num_layers: int = 4
     """Number of transformer blocks."""
     hidden_size: int = 256
@@ -53,6 +54,16 @@ class ModelConfig:
     """Epsilon of LayerNorm / RMSNorm."""
     rope_theta: float = 10000.0
     """Base of the rotary frequencies (llama, ernie)."""
+    rope_scaling: RopeScaling = "none"
+    """Rotary frequency scaling: none, or yarn (deepseek_v3 only, as DeepSeek extends its context)."""
+    rope_scaling_factor: float = 1.0
+    """yarn: how many times the original context the frequencies are stretched to."""
+    rope_original_max_positions: int = 4096
+    """yarn: the context length the rotary frequencies were first trained at."""
+    rope_mscale: float = 1.0
+    """yarn: the mscale of the cos/sin factor (DeepSeek's rope_scaling.mscale)."""
+    rope_mscale_all_dim: float = 0.0
+    """yarn: mscale_all_dim, which also scales the attention softmax (0: not)."""
     tie_word_embeddings: bool | None = None
     """Share input embedding and output head weights; null means the architecture's default."""
     use_bias: bool | None = None
@@ -64,19 +75,19 @@ class ModelConfig:
     init_std: float = 0.02
     """Standard deviation of the normal initialisation of weights."""
     kernels: KernelImpl = "auto"
-    """Kernel implementation: auto (Triton on CUDA, PyTorch elsewhere), triton (forced) or torch."""
+    """Kernel implementation: auto (Triton on CUDA but SDPA attention, PyTorch elsewhere), triton or torch."""
     recompute: Recompute = "none"
     """Activation recomputation: none, selective (attention core) or full (whole layers)."""
     num_experts: int = 8
-    """MoE archs (mixtral, qwen3_moe, ernie_moe): routed experts per MoE layer."""
+    """MoE archs (mixtral, qwen3_moe, ernie_moe, deepseek_v3): routed experts per MoE layer."""
     num_experts_per_tok: int = 2
-    """MoE archs: experts each token is routed to (top-k); routing is dropless (no capacity limit)."""
+    """MoE archs: experts each token is routed to (top-k)."""
     moe_ffn_hidden_size: int | None = None
     """MoE archs: inner width of one expert's SwiGLU MLP; null means the resolved ffn_hidden_size."""
     num_shared_experts: int = 0
-    """ernie_moe: experts every token goes through, as one SwiGLU MLP of num_shared x moe_ffn_hidden_size."""
+    """ernie_moe, deepseek_v3: experts every token goes through (one SwiGLU MLP, num_shared x expert wide)."""
     norm_topk_prob: bool = True
-    """MoE archs: renormalise the top-k router probabilities to sum to 1 (mixtral and ernie_moe always do)."""
+    """MoE archs: renormalise the top-k router weights to sum to 1 (mixtral and ernie_moe always do)."""
     router_aux_loss_coef: float = 0.001
     """MoE archs: weight of the load-balancing loss added to the training loss (0 disables it)."""
     moe_layer_start: int = 0
@@ -85,6 +96,28 @@ class ModelConfig:
     """MoE archs: layer i at or after moe_layer_start is MoE when (i + 1) is a multiple of this."""
     dense_layers: list[int] = field(default_factory=list)
     """MoE archs: layers (0-based) that keep a dense MLP of ffn_hidden_size whatever the rules above say."""
+    num_expert_groups: int = 1
+    """deepseek_v3: groups the routed experts are split into for group-limited routing (n_group)."""
+    topk_expert_groups: int = 1
+    """deepseek_v3: groups (ranked by their two best scores) a token's top-k experts are chosen from."""
+    routed_scaling_factor: float = 1.0
+    """deepseek_v3: factor on the routed experts' top-k weights (after norm_topk_prob)."""
+    moe_capacity_factor: float | None = None
+    """MoE archs: ceil(factor * tokens * top-k / experts) slots per expert, rest dropped; null: dropless."""
+    router_z_loss_coef: float = 0.0
+    """MoE archs: weight of the router z-loss (ST-MoE: mean squared logsumexp of router logits; 0 off)."""
+    router_bias_update_rate: float | None = None
+    """ernie_moe, deepseek_v3: per-step score-bias update toward balance; null: 1e-3 (deepseek_v3) else 0."""
+    q_lora_rank: int | None = None
+    """deepseek_v3: rank of the compressed query (q_a_proj, norm, q_b_proj); null: one full q_proj."""
+    kv_lora_rank: int = 512
+    """deepseek_v3: rank of the compressed key/value latent (kv_a_proj, norm, kv_b_proj)."""
+    qk_nope_head_dim: int = 128
+    """deepseek_v3: query/key width per head without the rotary embedding."""
+    qk_rope_head_dim: int = 64
+    """deepseek_v3: query/key width per head with the rotary embedding (one key part shared by all heads)."""
+    v_head_dim: int = 128
+    """deepseek_v3: value width per head."""
 
     # Resolved values of the fields whose null means "derive it"; downstream code reads these.
     @property
@@ -110,6 +143,17 @@ class ModelConfig:
     @property
     def expert_ffn_size(self) -> int:
         return self.moe_ffn_hidden_size or self.ffn_size
+
+    @property
+    def rope_dim(self) -> int:
+        """Width of each head that the rotary embedding turns."""
+        return self.qk_rope_head_dim if self.arch == "deepseek_v3" else self.head_size
+
+    @property
+    def bias_update_rate(self) -> float:
+        if self.router_bias_update_rate is not None:
+            return self.router_bias_update_rate
+        return 1e-3 if self.arch == "deepseek_v3" else 0.0
 
     def is_moe_layer(self, index: int) -> bool:
         """Whether block `index` (0-based) has routed experts instead of a dense MLP."""

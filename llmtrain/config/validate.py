@@ -32,13 +32,22 @@ def validate(job: JobConfig) -> None:
         f"model.num_attention_heads={m.num_attention_heads} is not divisible by model.num_kv_heads="
         f"{m.kv_heads}; choose num_kv_heads among the divisors of num_attention_heads",
     )
-    if m.head_dim is None:
+    if m.head_dim is None and m.arch != "deepseek_v3":  # its head widths are the qk_*/v_head_dim fields
         _require(
             m.hidden_size % m.num_attention_heads == 0,
             f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads="
             f"{m.num_attention_heads}; change one of them or set model.head_dim explicitly",
         )
-    if m.arch != "gpt":
+    _require(
+        m.rope_scaling == "none" or m.arch == "deepseek_v3",
+        f"model.rope_scaling={m.rope_scaling} is implemented for deepseek_v3 only; set it to none",
+    )
+    if m.arch == "deepseek_v3":
+        _require(
+            m.qk_rope_head_dim % 2 == 0,
+            f"model.qk_rope_head_dim={m.qk_rope_head_dim} must be even (rotary pairs); change it",
+        )
+    elif m.arch != "gpt":
         _require(
             m.head_size % 2 == 0,
             f"model.arch={m.arch} (rotary embeddings) needs an even head size; got {m.head_size} "
@@ -97,6 +106,11 @@ def validate(job: JobConfig) -> None:
     )
 
     d = job.data
+    _require(
+        not d.reset_attention_mask or m.arch != "deepseek_v3",
+        "data.reset_attention_mask (packed documents) is not supported by deepseek_v3's latent attention "
+        "yet; set data.reset_attention_mask=false",
+    )
     _require(
         not d.reset_attention_mask or p.pp == 1,
         f"data.reset_attention_mask (packed documents) is not supported with pipeline stages yet "
@@ -158,9 +172,19 @@ _POSITIVE = frozenset(
         "model.num_experts",
         "model.num_experts_per_tok",
         "model.moe_layer_interval",
+        "model.num_expert_groups",
+        "model.topk_expert_groups",
+        "model.routed_scaling_factor",
+        "model.moe_capacity_factor",
+        "model.q_lora_rank",
+        "model.kv_lora_rank",
+        "model.qk_rope_head_dim",
+        "model.v_head_dim",
         "model.max_position_embeddings",
         "model.norm_eps",
         "model.rope_theta",
+        "model.rope_scaling_factor",
+        "model.rope_original_max_positions",
         "parallel.dp_bucket_mb",
         "train.global_batch_size",
         "train.adam_eps",
@@ -239,11 +263,14 @@ def moe_problem(job: JobConfig) -> str:
             f"model.num_experts_per_tok={m.num_experts_per_tok} exceeds model.num_experts={m.num_experts}; "
             "route each token to at most num_experts experts"
         )
-    if m.num_shared_experts and m.arch != "ernie_moe":
+    if m.num_shared_experts and m.arch not in ("ernie_moe", "deepseek_v3"):
         return (
             f"model.num_shared_experts={m.num_shared_experts}: model.arch={m.arch} has no shared experts "
-            "(ernie_moe has); set model.num_shared_experts=0"
+            "(ernie_moe and deepseek_v3 have); set model.num_shared_experts=0"
         )
+    routing = routing_problem(m)
+    if routing:
+        return routing
     if m.use_bias:
         return (
             f"model.arch={m.arch} has no biases (its experts and router have none); set model.use_bias=false"
@@ -269,6 +296,61 @@ def moe_problem(job: JobConfig) -> str:
                 f"model.arch={m.arch} (mixture of experts) does not support {setting} yet; use {fix}, "
                 "or a dense arch"
             )
+    return ""
+
+
+def routing_problem(m: ModelConfig) -> str:
+    """Why the routing fields of MoE model `m` cannot work ("" if they can): groups, capacity, score bias."""
+    if m.arch != "deepseek_v3":
+        for name, default in (
+            ("num_expert_groups", 1),
+            ("topk_expert_groups", 1),
+            ("routed_scaling_factor", 1.0),
+        ):
+            if getattr(m, name) != default:
+                return (
+                    f"model.{name}={getattr(m, name)}: model.arch={m.arch} has no group-limited, scaled "
+                    f"sigmoid routing (deepseek_v3 has); set model.{name}={default}"
+                )
+    else:
+        if m.num_kv_heads not in (None, m.num_attention_heads):
+            return (
+                f"model.num_kv_heads={m.num_kv_heads}: deepseek_v3's latent attention expands keys and "
+                "values to every query head; set model.num_kv_heads=null"
+            )
+        groups, chosen = m.num_expert_groups, m.topk_expert_groups
+        if m.num_experts % groups:
+            return (
+                f"model.num_expert_groups={groups} does not divide model.num_experts={m.num_experts}; "
+                "choose a divisor"
+            )
+        size = m.num_experts // groups
+        if groups > 1 and size < 2:
+            return (
+                f"model.num_expert_groups={groups} leaves {size} expert per group, but a group is ranked by "
+                "its two best scores; use at most num_experts / 2 groups"
+            )
+        if chosen > groups:
+            return (
+                f"model.topk_expert_groups={chosen} exceeds model.num_expert_groups={groups}; "
+                "choose at most num_expert_groups"
+            )
+        if m.num_experts_per_tok > chosen * size:
+            return (
+                f"model.num_experts_per_tok={m.num_experts_per_tok} exceeds the {chosen * size} experts of "
+                f"model.topk_expert_groups={chosen} groups of {size}; raise topk_expert_groups or lower top-k"
+            )
+    if m.moe_capacity_factor is not None and m.moe_capacity_factor < 1.0:
+        return (
+            f"model.moe_capacity_factor={m.moe_capacity_factor} gives the experts fewer slots than tokens "
+            f"x top-k ({m.num_experts_per_tok}) even when perfectly balanced; use at least 1.0, or null "
+            "(dropless)"
+        )
+    if m.bias_update_rate and m.arch not in ("ernie_moe", "deepseek_v3"):
+        return (
+            f"model.router_bias_update_rate={m.router_bias_update_rate}: model.arch={m.arch} routers have no "
+            "score bias (ernie_moe and deepseek_v3 have); set it to 0 or null"
+        )
     return ""
 
 
@@ -503,12 +585,6 @@ def zero_problem(p: ParallelConfig) -> str:
         return (
             f"parallel.dp_shard={p.dp_shard} (hybrid sharding) needs parallel.zero_stage 2 or 3 (FSDP2); "
             f"zero_stage {p.zero_stage} shards over the whole DP group: set parallel.dp_shard=null"
-        )
-    if p.zero_stage >= 2 and p.pp > 1 and p.schedule == "zb_h1":
-        return (
-            f"parallel.zero_stage={p.zero_stage} cannot run parallel.schedule=zb_h1: its deferred weight "
-            "gradients arrive after FSDP2 has reduce-scattered the block's gradients; use "
-            "parallel.schedule=1f1b (or interleaved_1f1b), or parallel.zero_stage=1 with zb_h1"
         )
     return ""
 

@@ -12,8 +12,9 @@ from llmtrain.config import JobConfig, ModelConfig, validate
 from llmtrain.models.documents import document_ids, document_positions
 from llmtrain.models.init import init_weights
 from llmtrain.models.layers import Rope, TransformerBlock, make_norm
-from llmtrain.models.moe import MoEMLP, RouterStats, load_balancing_loss
+from llmtrain.models.moe import MoEMLP, Router, RouterStats, load_balancing_loss, z_loss
 from llmtrain.models.registry import get_arch
+from llmtrain.models.rope import cos_sin_factor, inv_freq
 
 
 class CausalLM(nn.Module):
@@ -72,7 +73,7 @@ class CausalLM(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
     ) -> Rope:
-        """Rotary (cos, sin), each (s, head_dim) as kernels.apply_rotary takes them; None without rotary.
+        """Rotary (cos, sin), each (s, rope_dim) as kernels.apply_rotary takes them; None without rotary.
 
         `positions` is a sequence length (positions 0..s-1), 1-D position ids, or (b, s) position ids of each
         sample (packed documents), which give (b, s, head_dim) tables. Half layout repeats
@@ -96,15 +97,15 @@ class CausalLM(nn.Module):
     def _rope_from_positions(
         self, pos: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        d = self.config.head_size
-        # Same expression as transformers' default rope (fp32 angles), so cos/sin match bit for bit.
-        inv_freq = 1.0 / (self.config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float) / d))
-        angles = pos.float()[..., None] * inv_freq.to(pos.device)
+        angles = pos.float()[..., None] * inv_freq(self.config).to(pos.device)
         if self.spec.rotary == "interleaved":
             angles = angles.repeat_interleave(2, dim=-1)
         else:
             angles = torch.cat((angles, angles), dim=-1)
         cos, sin = angles.cos(), angles.sin()
+        factor = cos_sin_factor(self.config)
+        if factor != 1.0:
+            cos, sin = cos * factor, sin * factor
         if not self.spec.rope_fp32:
             cos, sin = cos.to(dtype), sin.to(dtype)
         return cos, sin
@@ -117,17 +118,24 @@ class CausalLM(nn.Module):
         """Mean cross-entropy (fp32) over labels != -100; labels are aligned with logits (already shifted).
 
         In training mode an MoE model adds router_aux_loss_coef times the load-balancing loss of its
-        layers' last forward (as transformers does with output_router_logits); evaluation reports the
-        cross-entropy alone, comparable with dense models.
+        layers' last forward (as transformers does with output_router_logits) and router_z_loss_coef times
+        their z-loss; evaluation reports the cross-entropy alone, comparable with dense models.
         """
         loss = kernels.cross_entropy(logits, labels, tp_group=self.loss_tp_group, impl=self.config.kernels)
         if self.context is not None:  # this rank's tokens are part of each sequence: the whole one's mean
             loss = self.context.reduce_loss(loss, labels)
-        coef = self.config.router_aux_loss_coef
+        coef, z_coef = self.config.router_aux_loss_coef, self.config.router_z_loss_coef
         # Dense models first: pipeline chunks call this on a shell that is no Module (MoE has no pp yet).
-        if self.config.is_moe and coef > 0 and self.training and self.router_stats():
-            loss = loss + coef * self.aux_loss()
+        if self.config.is_moe and (coef > 0 or z_coef > 0) and self.training and self.router_stats():
+            if coef > 0:
+                loss = loss + coef * self.aux_loss()
+            if z_coef > 0:
+                loss = loss + z_coef * z_loss(self.router_stats())
         return loss
+
+    def routers(self) -> list[Router]:
+        """The router of every MoE layer, in layer order (empty for a dense model)."""
+        return [layer.mlp.router for layer in self.layers if isinstance(layer.mlp, MoEMLP)]
 
     def router_stats(self) -> list[RouterStats]:
         """The RouterStats of every MoE layer's last forward, in layer order (empty for a dense model)."""

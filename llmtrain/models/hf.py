@@ -5,9 +5,9 @@ Two directory formats:
   with llmtrain parameter names (a tied lm_head is not stored).
 - Hugging Face: `config.json` + `model.safetensors` (or a sharded `model.safetensors.index.json`), as
   `transformers`' GPT2LMHeadModel / LlamaForCausalLM / Ernie4_5ForCausalLM / MixtralForCausalLM /
-  Qwen3MoeForCausalLM / Ernie4_5_MoeForCausalLM write and read them (experts one tensor per expert and
-  projection, the checkpoint layout; `hf_to_llmtrain_state` also takes the stacked in-memory layout of
-  transformers >= 5).
+  Qwen3MoeForCausalLM / Ernie4_5_MoeForCausalLM / DeepseekV3ForCausalLM write and read them (experts one
+  tensor per expert and projection, the checkpoint layout; `hf_to_llmtrain_state` also takes the stacked
+  in-memory layout of transformers >= 5).
 The conversion is pure renaming, transposing, splitting and concatenating, so round trips are bitwise.
 transformers itself is not needed here.
 """
@@ -38,6 +38,7 @@ from llmtrain.errors import UserError
 from llmtrain.models.causal_lm import CausalLM, check_config, empty_model
 from llmtrain.models.moe import NORM_MIN
 from llmtrain.models.registry import get_arch
+from llmtrain.models.rope import YARN_BETA_FAST, YARN_BETA_SLOW
 
 LLMTRAIN_CONFIG = "llmtrain_config.yaml"
 HF_CONFIG = "config.json"
@@ -53,6 +54,7 @@ MODEL_TYPE_TO_ARCH = {
     "mixtral": "mixtral",
     "qwen3_moe": "qwen3_moe",
     "ernie4_5_moe": "ernie_moe",
+    "deepseek_v3": "deepseek_v3",
 }
 ARCH_TO_MODEL_TYPE = {v: k for k, v in MODEL_TYPE_TO_ARCH.items()}
 HF_CLASSES = {
@@ -62,6 +64,7 @@ HF_CLASSES = {
     "mixtral": "MixtralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "ernie_moe": "Ernie4_5_MoeForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 # GPT-2's "gelu_new" and these aliases are all the tanh approximation our GPT MLP computes.
 GELU_TANH = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast", "gelu_python_tanh")
@@ -92,10 +95,12 @@ def from_hf_config(hf_config: Mapping[str, Any] | Any) -> ModelConfig:
     arch = MODEL_TYPE_TO_ARCH[model_type]
     if arch == "gpt":
         fields = _gpt2_fields(hf)
+    elif arch == "deepseek_v3":
+        fields = _deepseek_fields(hf)
     else:
         fields = _llama_like_fields(hf, arch)
-    if arch in MOE_ARCHS:
-        fields |= _moe_fields(hf, arch)
+        if arch in MOE_ARCHS:
+            fields |= _moe_fields(hf, arch)
     heads, hidden = fields["num_attention_heads"], fields["hidden_size"]
     if fields.get("num_kv_heads") == heads:
         fields["num_kv_heads"] = None
@@ -193,6 +198,83 @@ def _llama_like_fields(hf: dict[str, Any], arch: str) -> dict[str, Any]:
     }
 
 
+def _deepseek_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """DeepseekV3Config (defaults: DeepSeek-V3's sizes) -> ModelConfig fields."""
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ModelFormatError(
+            f"deepseek_v3 hidden_act={hf['hidden_act']!r} is not supported; llmtrain uses silu (SwiGLU)"
+        )
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    for key, want in (("rope_interleave", True), ("attention_bias", False)):
+        if hf.get(key, want) != want:
+            raise ModelFormatError(
+                f"deepseek_v3 {key}={hf[key]!r} is not supported; llmtrain needs {key}={want}"
+            )
+    heads = hf.get("num_attention_heads", 128)
+    if hf.get("num_key_value_heads") not in (None, heads):
+        raise ModelFormatError(
+            f"deepseek_v3 num_key_value_heads={hf['num_key_value_heads']} differs from num_attention_heads="
+            f"{heads}; latent attention expands keys and values to every head, so they must be equal"
+        )
+    return _deepseek_rope_fields(rope) | {
+        "num_layers": hf.get("num_hidden_layers", 61),
+        "hidden_size": hf.get("hidden_size", 7168),
+        "num_attention_heads": heads,
+        "ffn_hidden_size": hf.get("intermediate_size", 18432),
+        "vocab_size": hf.get("vocab_size", 129280),
+        "max_position_embeddings": hf.get("max_position_embeddings", 4096),
+        "norm_eps": hf.get("rms_norm_eps", 1e-6),
+        "rope_theta": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        "attention_dropout": float(hf.get("attention_dropout", 0.0) or 0.0),
+        "init_std": hf.get("initializer_range", 0.02),
+        "tie_word_embeddings": hf.get("tie_word_embeddings", False),
+        "use_bias": False,
+        "num_experts": hf.get("n_routed_experts", hf.get("num_local_experts", 256)),
+        "num_experts_per_tok": hf.get("num_experts_per_tok") or 8,
+        "moe_ffn_hidden_size": hf.get("moe_intermediate_size", 2048),
+        "num_shared_experts": hf.get("n_shared_experts") or 0,
+        "norm_topk_prob": bool(hf.get("norm_topk_prob", True)),
+        "routed_scaling_factor": float(hf.get("routed_scaling_factor", 2.5)),
+        "num_expert_groups": hf.get("n_group") or 1,
+        "topk_expert_groups": hf.get("topk_group") or 1,
+        "moe_layer_start": hf.get("first_k_dense_replace") or 0,
+        # transformers computes no auxiliary loss for DeepSeek-V3, which balances by its score bias.
+        "router_aux_loss_coef": 0.0,
+        "q_lora_rank": hf.get("q_lora_rank", 1536),
+        "kv_lora_rank": hf.get("kv_lora_rank", 512),
+        "qk_nope_head_dim": hf.get("qk_nope_head_dim", 128),
+        "qk_rope_head_dim": hf.get("qk_rope_head_dim", 64),
+        "v_head_dim": hf.get("v_head_dim", 128),
+    }
+
+
+def _deepseek_rope_fields(rope: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek's rope parameters: the default rotary, or YaRN with its published betas."""
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "default":
+        return {}
+    fixed = {
+        "beta_fast": YARN_BETA_FAST,
+        "beta_slow": YARN_BETA_SLOW,
+        "truncate": True,
+        "attention_factor": None,
+    }
+    off = {k: rope[k] for k, want in fixed.items() if rope.get(k) not in (None, want)}
+    if rope_type != "yarn" or off or rope.get("factor") is None:
+        raise ModelFormatError(
+            f"deepseek_v3 rope {rope!r} is not supported; llmtrain implements the default rotary and YaRN "
+            f"with a factor and beta_fast={YARN_BETA_FAST:g}, beta_slow={YARN_BETA_SLOW:g}, truncate=true, "
+            "no attention_factor"
+        )
+    return {
+        "rope_scaling": "yarn",
+        "rope_scaling_factor": float(rope["factor"]),
+        "rope_original_max_positions": rope["original_max_position_embeddings"],
+        "rope_mscale": float(rope.get("mscale") or 0.0),
+        "rope_mscale_all_dim": float(rope.get("mscale_all_dim") or 0.0),
+    }
+
+
 def _moe_fields(hf: dict[str, Any], arch: str) -> dict[str, Any]:
     model_type = hf["model_type"]
     window = hf.get("sliding_window") if hf.get("use_sliding_window", arch == "mixtral") else None
@@ -284,6 +366,8 @@ def to_hf_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[s
             "embd_pdrop": cfg.hidden_dropout,
             "attn_pdrop": cfg.attention_dropout,
         }
+    if cfg.arch == "deepseek_v3":
+        return common | _deepseek_hf_fields(cfg)
     fields = {
         "num_hidden_layers": cfg.num_layers,
         "hidden_size": cfg.hidden_size,
@@ -310,6 +394,60 @@ def to_hf_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[s
     else:
         fields |= _moe_hf_fields(cfg)
     return common | fields
+
+
+def _deepseek_hf_fields(cfg: ModelConfig) -> dict[str, Any]:
+    if not all(cfg.is_moe_layer(i) for i in range(cfg.moe_layer_start, cfg.num_layers)):
+        raise ModelFormatError(
+            "DeepSeek-V3 in transformers has experts in every layer from first_k_dense_replace on; set "
+            "model.moe_layer_interval=1 and model.dense_layers=[] (dense layers only before moe_layer_start)"
+        )
+    return {
+        "num_hidden_layers": cfg.num_layers,
+        "hidden_size": cfg.hidden_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_attention_heads,
+        "intermediate_size": cfg.ffn_size,
+        "max_position_embeddings": cfg.max_positions,
+        "rms_norm_eps": cfg.norm_eps,
+        "hidden_act": "silu",
+        "rope_parameters": _deepseek_rope_parameters(cfg),
+        "rope_interleave": True,
+        "attention_bias": False,
+        "attention_dropout": cfg.attention_dropout,
+        "q_lora_rank": cfg.q_lora_rank,
+        "kv_lora_rank": cfg.kv_lora_rank,
+        "qk_nope_head_dim": cfg.qk_nope_head_dim,
+        "qk_rope_head_dim": cfg.qk_rope_head_dim,
+        "v_head_dim": cfg.v_head_dim,
+        "n_routed_experts": cfg.num_experts,
+        "num_experts_per_tok": cfg.num_experts_per_tok,
+        "moe_intermediate_size": cfg.expert_ffn_size,
+        "n_shared_experts": cfg.num_shared_experts,
+        "norm_topk_prob": cfg.norm_topk_prob,
+        "routed_scaling_factor": cfg.routed_scaling_factor,
+        "n_group": cfg.num_expert_groups,
+        "topk_group": cfg.topk_expert_groups,
+        "first_k_dense_replace": min(cfg.moe_layer_start, cfg.num_layers),
+        # llmtrain exports no multi-token-prediction modules.
+        "num_nextn_predict_layers": 0,
+        "output_router_logits": False,
+    }
+
+
+def _deepseek_rope_parameters(cfg: ModelConfig) -> dict[str, Any]:
+    if cfg.rope_scaling == "none":
+        return {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    return {
+        "rope_type": "yarn",
+        "rope_theta": cfg.rope_theta,
+        "factor": cfg.rope_scaling_factor,
+        "original_max_position_embeddings": cfg.rope_original_max_positions,
+        "beta_fast": YARN_BETA_FAST,
+        "beta_slow": YARN_BETA_SLOW,
+        "mscale": cfg.rope_mscale,
+        "mscale_all_dim": cfg.rope_mscale_all_dim,
+    }
 
 
 def _ernie_moe_hf_fields(cfg: ModelConfig) -> dict[str, Any]:
@@ -461,10 +599,12 @@ _MOE_HF_NAMES = {
         tuple(f"mlp.experts.{{e}}.{p}_proj.weight" for p in ("gate", "up", "down")),
     ),
 }
-_MOE_HF_NAMES["ernie_moe"] = _MOE_HF_NAMES["qwen3_moe"]
+_MOE_HF_NAMES["ernie_moe"] = _MOE_HF_NAMES["deepseek_v3"] = _MOE_HF_NAMES["qwen3_moe"]
 # ERNIE's router score bias, shaped (1, experts), in the checkpoint and in transformers' memory.
 _SCORE_BIAS = "mlp.moe_statics.e_score_correction_bias"
 _SCORE_BIAS_IN_MEMORY = "mlp.gate.moe_statics.e_score_correction_bias"
+# DeepSeek-V3's, shaped (experts,), under one name in both.
+_DEEPSEEK_SCORE_BIAS = "mlp.gate.e_score_correction_bias"
 
 
 def _row(ts: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -475,15 +615,32 @@ def _flat(ts: list[torch.Tensor]) -> list[torch.Tensor]:
     return [ts[0].reshape(-1)]
 
 
+def _empty_shared_experts(cfg: ModelConfig, hf: str) -> _Rule:
+    """transformers' DeepSeek-V3 always has a shared-experts MLP, of width 0 without shared experts: its empty
+    tensors have no llmtrain counterpart."""
+    h = cfg.hidden_size
+    shapes = {"gate_proj": (0, h), "up_proj": (0, h), "down_proj": (h, 0)}
+    return _Rule(
+        tuple(f"{hf}{p}.weight" for p in shapes),
+        (),
+        lambda ts: [],
+        lambda ts: [torch.empty(shape) for shape in shapes.values()],
+    )
+
+
 def _moe_rules(cfg: ModelConfig, h: str, o: str) -> list[_Rule]:
     router, (gate, up, down) = _MOE_HF_NAMES[cfg.arch]
     experts = range(cfg.num_experts)
     rules = []
-    if get_arch(cfg.arch).router_score_bias:
+    if cfg.arch == "deepseek_v3":
+        rules.append(_rename(f"{h}{_DEEPSEEK_SCORE_BIAS}", f"{o}mlp.router.score_bias"))
+    elif get_arch(cfg.arch).router_score_bias:
         rules.append(_Rule((f"{h}{_SCORE_BIAS}",), (f"{o}mlp.router.score_bias",), _flat, _row))
     if cfg.num_shared_experts:
         s, t = f"{h}mlp.shared_experts.", f"{o}mlp.shared_experts."
         rules += _gated_mlp_rules(s, t, ("weight",))
+    elif cfg.arch == "deepseek_v3":
+        rules.append(_empty_shared_experts(cfg, f"{h}mlp.shared_experts."))
     return rules + [
         _rename(f"{h}{router}", f"{o}mlp.router.weight"),
         _Rule(
@@ -535,6 +692,14 @@ def _from_stacked_experts(cfg: ModelConfig, hf_state: Tensors) -> Tensors:
     return out
 
 
+def _latent_attention_rules(cfg: ModelConfig, hf: str, ours: str) -> list[_Rule]:
+    """DeepSeek's multi-head latent attention (llmtrain.models.mla): renames only."""
+    names = ["q_proj"] if cfg.q_lora_rank is None else ["q_a_proj", "q_a_norm", "q_b_proj"]
+    names += ["kv_a_proj", "kv_a_norm", "kv_b_proj", "o_proj"]
+    hf_names = {"q_a_norm": "q_a_layernorm", "kv_a_proj": "kv_a_proj_with_mqa", "kv_a_norm": "kv_a_layernorm"}
+    return [_rename(f"{hf}{hf_names.get(n, n)}.weight", f"{ours}{n}.weight") for n in names]
+
+
 def mapping(cfg: ModelConfig) -> list[_Rule]:
     """The weight-name mapping of `cfg`'s architecture, in llmtrain parameter order."""
     rules: list[_Rule] = []
@@ -576,9 +741,14 @@ def mapping(cfg: ModelConfig) -> list[_Rule]:
         for i in range(cfg.num_layers):
             h, o = f"model.layers.{i}.", f"layers.{i}."
             rules.append(_rename(f"{h}input_layernorm.weight", f"{o}input_norm.weight"))
-            rules += [
-                _rename(f"{h}self_attn.{p}_proj.{k}", f"{o}attn.{p}_proj.{k}") for p in "qkvo" for k in kinds
-            ]
+            if cfg.arch == "deepseek_v3":
+                rules += _latent_attention_rules(cfg, f"{h}self_attn.", f"{o}attn.")
+            else:
+                rules += [
+                    _rename(f"{h}self_attn.{p}_proj.{k}", f"{o}attn.{p}_proj.{k}")
+                    for p in "qkvo"
+                    for k in kinds
+                ]
             if get_arch(cfg.arch).qk_norm:
                 rules += [_rename(f"{h}self_attn.{p}_norm.weight", f"{o}attn.{p}_norm.weight") for p in "qk"]
             rules.append(_rename(f"{h}post_attention_layernorm.weight", f"{o}post_attn_norm.weight"))
@@ -605,9 +775,20 @@ def hf_to_llmtrain_state(
         }
     for key in [k for k in hf_state if IGNORED_HF_KEYS.search(k)]:
         del hf_state[key]
+    if cfg.arch == "deepseek_v3":
+        # DeepSeek-V3's multi-token-prediction modules come after the decoder layers; neither llmtrain nor
+        # transformers' DeepseekV3ForCausalLM runs them.
+        for key in [k for k in hf_state if _layer_index(k) >= cfg.num_layers]:
+            del hf_state[key]
     if cfg.tied_embeddings:
         hf_state.pop("lm_head.weight", None)  # a tied head duplicates the embedding
     return _apply_rules(cfg, _from_stacked_experts(cfg, hf_state), source, to_hf=False)
+
+
+def _layer_index(key: str) -> int:
+    """The decoder layer a Hugging Face tensor name belongs to (-1 for none)."""
+    match = re.match(r"model\.layers\.(\d+)\.", key)
+    return int(match.group(1)) if match else -1
 
 
 def llmtrain_to_hf_state(

@@ -14,7 +14,9 @@ from torch import nn
 import kernels
 from llmtrain.config import ModelConfig
 from llmtrain.models.documents import document_attention
+from llmtrain.models.mla import LatentAttention
 from llmtrain.models.moe import MoEMLP
+from llmtrain.models.norms import LayerNorm, RMSNorm
 from llmtrain.models.registry import ArchSpec
 
 Rope = tuple[torch.Tensor, torch.Tensor] | None
@@ -31,39 +33,6 @@ def _rotary(
     flat = x.reshape(1, b * s, *x.shape[2:])
     cos, sin = cos.reshape(b * s, -1), sin.reshape(b * s, -1)
     return kernels.apply_rotary(flat, cos, sin, interleaved=interleaved, impl=impl).view_as(x)
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm with statistics in fp32 (as LLaMA/ERNIE compute it)."""
-
-    def __init__(self, hidden: int, eps: float, impl: str = "auto") -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(hidden))
-        self.eps = eps
-        self.impl = impl
-
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """norm(x), or (norm(x + residual), x + residual) with the add fused into the kernel."""
-        return kernels.rms_norm(x, self.weight, self.eps, impl=self.impl, residual=residual)
-
-
-class LayerNorm(nn.Module):
-    """LayerNorm with weight and bias over the last dimension."""
-
-    def __init__(self, hidden: int, eps: float, impl: str = "auto") -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(hidden))
-        self.bias = nn.Parameter(torch.empty(hidden))
-        self.eps = eps
-        self.impl = impl
-
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """norm(x), or (norm(x + residual), x + residual) with the add fused into the kernel."""
-        return kernels.layer_norm(x, self.weight, self.bias, self.eps, impl=self.impl, residual=residual)
 
 
 def make_norm(spec: ArchSpec, cfg: ModelConfig) -> RMSNorm | LayerNorm:
@@ -164,16 +133,16 @@ class TransformerBlock(nn.Module):
     def __init__(self, spec: ArchSpec, cfg: ModelConfig, layer_index: int) -> None:
         super().__init__()
         self.input_norm = make_norm(spec, cfg)
-        self.attn = Attention(spec, cfg)
+        self.attn = LatentAttention(cfg) if spec.attention == "latent" else Attention(spec, cfg)
         self.post_attn_norm = make_norm(spec, cfg)
         self.mlp = make_mlp(spec, cfg, layer_index)
         self.dropout = nn.Dropout(cfg.hidden_dropout)
 
     def forward(self, x: torch.Tensor, rope: Rope, documents: torch.Tensor | None = None) -> torch.Tensor:
         # post_attn_norm also forms the residual stream x + attn(...), in one pass with the Triton kernel.
-        normed, x = self.post_attn_norm(
-            self._drop(self.attn(self.input_norm(x), rope, documents)), residual=x
-        )
+        # Packed documents' ids go to attention that takes them (latent attention does not yet).
+        extra = () if documents is None else (documents,)
+        normed, x = self.post_attn_norm(self._drop(self.attn(self.input_norm(x), rope, *extra)), residual=x)
         return x + self._drop(self.mlp(normed))
 
     def _drop(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,18 +1,29 @@
-"""Mixture-of-experts MLP (Mixtral, Qwen3-MoE, ERNIE-4.5-MoE): a softmax top-k router, SwiGLU experts and
-optionally shared experts every token goes through (ERNIE).
+"""Mixture-of-experts MLP (Mixtral, Qwen3-MoE, ERNIE-4.5-MoE, DeepSeek-V3): a top-k router, SwiGLU experts
+and optionally shared experts every token goes through (ERNIE, DeepSeek).
 
-Routing is dropless: every token reaches each of its top-k experts, with no capacity limit. Each layer's
-experts are stacked tensors, `gate_up_proj` (experts, 2 * ffn, hidden) with rows [0:ffn] the gate and
-[ffn:2ffn] the up projection of each expert, and `down_proj` (experts, hidden, ffn), as transformers holds
-them in memory. Tokens are sorted by expert and each expert multiplies its contiguous run of rows.
+The router is softmax (probabilities; ERNIE adds a score bias to the choice only) or sigmoid (DeepSeek-V3:
+independent scores, the choice limited to the `topk_expert_groups` groups whose two best biased scores sum
+highest, weights scaled by routed_scaling_factor). The score bias is not trained by gradients: with
+model.router_bias_update_rate the trainer moves it after each step (`update_score_bias`, DeepSeek-V3's
+auxiliary-loss-free balancing).
+
+Routing is dropless by default: every token reaches each of its top-k experts. With model.moe_capacity_factor
+each expert takes at most ceil(factor * tokens * top-k / experts) of them, those of the highest router
+weight; the rest are dropped (they add nothing; the residual stream and shared experts carry the token).
+Each layer's experts are stacked tensors, `gate_up_proj` (experts, 2 * ffn, hidden) with rows [0:ffn] the
+gate and [ffn:2ffn] the up projection of each expert, and `down_proj` (experts, hidden, ffn), as transformers
+holds them in memory. Tokens are sorted by expert and each expert multiplies its contiguous run of rows.
 
 The load-balancing loss is transformers' `load_balancing_loss_func`: over all MoE layers together,
 num_experts * sum_e f_e * P_e, where f_e is the share of top-k assignments to expert e (the shares sum
-to top-k) and P_e its mean router probability, both pooled over layers before the product.
+to top-k) and P_e its mean router probability (a sigmoid router's scores normalised to sum to 1 per token),
+both pooled over layers before the product. The router z-loss is ST-MoE's, pooled the same way: the mean over
+tokens and MoE layers of logsumexp(router logits)^2.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +41,7 @@ NORM_MIN = 1e-12
 
 @dataclass
 class RouterStats:
-    """What one MoE layer's last forward routed, for the load-balancing loss and the load metrics."""
+    """What one MoE layer's last forward routed, for the router losses and the load metrics."""
 
     tokens_per_expert: torch.Tensor
     """(experts,) fp32 count of the top-k assignments routed to each expert (no gradient)."""
@@ -41,14 +52,33 @@ class RouterStats:
     balance_tokens: torch.Tensor
     """(experts,) what the load-balancing loss counts: each token's top-k by probability alone, which is
     the routing itself unless a score bias shifts the choice (ERNIE counts without the bias)."""
+    z_sum: torch.Tensor
+    """0-d fp32 sum over tokens of logsumexp(router logits)^2 (carries the gradient)."""
+    dropped: torch.Tensor
+    """0-d fp32 count of the assignments dropped by the expert capacity (no gradient)."""
+
+
+@dataclass(frozen=True)
+class Routing:
+    """One forward's routing decision for (tokens, hidden) input."""
+
+    logits: torch.Tensor
+    """(tokens, experts) fp32 router logits."""
+    probs: torch.Tensor
+    """(tokens, experts) fp32 probabilities (softmax, or sigmoid scores normalised per token)."""
+    weights: torch.Tensor
+    """(tokens, k) fp32 weight of each chosen expert."""
+    experts: torch.Tensor
+    """(tokens, k) ids of the chosen experts."""
 
 
 class Router(nn.Module):
-    """Linear scores -> softmax (fp32) -> top-k, optionally renormalised to sum to 1 per token.
+    """Linear scores -> softmax or sigmoid (fp32) -> top-k (see the module docstring), optionally
+    renormalised to sum to 1 per token.
 
-    With the arch's router_score_bias (ERNIE) the scores are computed in fp32 and the top-k is chosen by
-    probability plus `score_bias`, a per-expert bias that is not trained by gradients (requires_grad off;
-    ERNIE's e_score_correction_bias); the weights stay the chosen experts' probabilities.
+    With the arch's router_score_bias the scores are computed in fp32 and the top-k is chosen by score plus
+    `score_bias`, a per-expert bias that gradients do not train (requires_grad off; e_score_correction_bias
+    in transformers); the weights stay the chosen experts' scores.
     """
 
     def __init__(self, spec: ArchSpec, cfg: ModelConfig) -> None:
@@ -59,22 +89,54 @@ class Router(nn.Module):
             if spec.router_score_bias
             else None
         )
+        self.sigmoid = spec.router == "sigmoid"
         self.top_k = cfg.num_experts_per_tok
         self.norm_topk_prob = cfg.norm_topk_prob
+        self.groups, self.topk_groups = cfg.num_expert_groups, cfg.topk_expert_groups
+        self.scaling = cfg.routed_scaling_factor
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(tokens, hidden) -> (probs (tokens, experts), top-k weights (tokens, k), top-k expert ids),
-        probabilities and weights in fp32."""
+    def forward(self, x: torch.Tensor) -> Routing:
+        """(tokens, hidden) -> the Routing of these tokens."""
         if self.score_bias is None:
-            probs = F.softmax(F.linear(x, self.weight).float(), dim=-1)
-            weights, experts = probs.topk(self.top_k, dim=-1)
+            logits = F.linear(x, self.weight).float()
         else:
-            probs = F.softmax(F.linear(x.float(), self.weight.float()), dim=-1)
-            experts = (probs + self.score_bias).topk(self.top_k, dim=-1).indices
-            weights = probs.gather(-1, experts)
+            logits = F.linear(x.float(), self.weight.float())
+        scores = logits.sigmoid() if self.sigmoid else F.softmax(logits, dim=-1)
+        choice = scores if self.score_bias is None else scores + self.score_bias
+        if self.topk_groups < self.groups:
+            choice = self._limit_groups(choice)
+        experts = choice.topk(self.top_k, dim=-1).indices
+        weights = scores.gather(-1, experts)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True).clamp(min=NORM_MIN)
-        return probs, weights, experts
+        if self.scaling != 1.0:
+            weights = weights * self.scaling
+        probs = scores / scores.sum(dim=-1, keepdim=True) if self.sigmoid else scores
+        return Routing(logits, probs, weights, experts)
+
+    def _limit_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """`choice` with -inf outside each token's topk_groups groups, ranked by their two best scores."""
+        grouped = choice.view(choice.shape[0], self.groups, -1)
+        chosen = grouped.topk(2, dim=-1).values.sum(dim=-1).topk(self.topk_groups, dim=-1).indices
+        keep = torch.zeros(grouped.shape[:2], dtype=torch.bool, device=choice.device)
+        keep.scatter_(1, chosen, True)
+        return grouped.masked_fill(~keep[..., None], float("-inf")).view_as(choice)
+
+
+def capacity_keep(
+    weights: torch.Tensor, experts: torch.Tensor, num_experts: int, capacity: int
+) -> torch.Tensor:
+    """(tokens, k) bool: which assignments fit their expert's `capacity`, each expert keeping those of the
+    highest weight (ties: the earlier token)."""
+    flat, w = experts.flatten(), weights.detach().flatten()
+    by_weight = w.argsort(descending=True, stable=True)
+    order = by_weight[flat[by_weight].argsort(stable=True)]  # by expert, then by falling weight
+    counts = torch.bincount(flat, minlength=num_experts)
+    starts = counts.cumsum(0) - counts
+    rank = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
+    keep = torch.empty_like(flat, dtype=torch.bool)
+    keep[order] = rank < capacity
+    return keep.view_as(experts)
 
 
 class Experts(nn.Module):
@@ -89,12 +151,17 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(e, h, f))
 
     def forward(
-        self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, counts: list[int]
+        self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, keep: torch.Tensor | None
     ) -> torch.Tensor:
-        """(tokens, hidden) -> sum over each token's k experts of weight * expert(token); `counts[e]` is the
-        number of (token, slot) pairs routed to expert e."""
-        top_k = experts.shape[1]
-        order = experts.flatten().argsort(stable=True)
+        """(tokens, hidden) -> sum over each token's k experts of weight * expert(token), leaving out the
+        assignments `keep` (tokens, k) marks False (None: keep all)."""
+        top_k, n = experts.shape[1], self.num_experts
+        slots = experts.flatten()
+        if keep is not None:  # dropped assignments go to a slot past the last expert, never computed
+            slots = slots.masked_fill(~keep.flatten(), n)
+        counts = torch.bincount(slots, minlength=n + 1).tolist()[:n]
+        routed = sum(counts)
+        order = slots.argsort(stable=True)[:routed]
         token = order // top_k  # the token of each (token, slot) pair, grouped by expert
         outputs = []
         for e, rows in enumerate(x[token].split(counts)):
@@ -116,20 +183,27 @@ class MoEMLP(nn.Module):
         self.router = Router(spec, cfg)
         self.experts = Experts(cfg)
         self.shared_experts = shared_experts
+        self.capacity_factor = cfg.moe_capacity_factor
         self.stats: RouterStats | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        probs, weights, experts = self.router(flat)
-        n = self.experts.num_experts
-        counts = torch.bincount(experts.flatten(), minlength=n)
+        r = self.router(flat)
+        n, k = self.experts.num_experts, self.router.top_k
+        counts = torch.bincount(r.experts.flatten(), minlength=n).float()
         balance = counts
-        if self.router.score_bias is not None:
-            balance = torch.bincount(probs.topk(self.router.top_k, dim=-1).indices.flatten(), minlength=n)
+        if self.router.score_bias is not None and not self.router.sigmoid:
+            balance = torch.bincount(r.probs.topk(k, dim=-1).indices.flatten(), minlength=n).float()
+        keep = None
+        if self.capacity_factor is not None:
+            capacity = math.ceil(self.capacity_factor * flat.shape[0] * k / n)
+            keep = capacity_keep(r.weights, r.experts, n, capacity)
+        dropped = (~keep).sum().float() if keep is not None else counts.new_zeros(())
+        z_sum = torch.logsumexp(r.logits, dim=-1).square().sum()
         # Kept on the module rather than returned: blocks keep their x -> x interface, and CausalLM.loss
-        # pools the statistics of every layer as the load-balancing loss needs.
-        self.stats = RouterStats(counts.float(), probs.sum(dim=0), flat.shape[0], balance.float())
-        out = self.experts(flat, weights, experts, counts.tolist())
+        # pools the statistics of every layer as the router losses need.
+        self.stats = RouterStats(counts, r.probs.sum(dim=0), flat.shape[0], balance, z_sum, dropped)
+        out = self.experts(flat, r.weights, r.experts, keep)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
         return out.view_as(x)
@@ -146,3 +220,21 @@ def load_balancing_loss(stats: list[RouterStats], num_experts: int) -> torch.Ten
     tokens = torch.stack([s.balance_tokens for s in stats]).sum(dim=0) / rows
     probs = torch.stack([s.prob_sum for s in stats]).sum(dim=0) / rows
     return num_experts * (tokens * probs).sum()
+
+
+def z_loss(stats: list[RouterStats]) -> torch.Tensor:
+    """ST-MoE's router z-loss of the given layers: mean over their tokens of logsumexp(logits)^2."""
+    return torch.stack([s.z_sum for s in stats]).sum() / sum(s.rows for s in stats)
+
+
+def dropped_fraction(stats: list[RouterStats], top_k: int) -> torch.Tensor:
+    """The share of the layers' top-k assignments the expert capacity dropped (0 when dropless)."""
+    return torch.stack([s.dropped for s in stats]).sum() / (top_k * sum(s.rows for s in stats))
+
+
+@torch.no_grad()
+def update_score_bias(routers: list[Router], load: torch.Tensor, rate: float) -> None:
+    """DeepSeek-V3's auxiliary-loss-free balancing: each router's score bias += rate * sign(mean load - load)
+    of its layer's row of `load` (MoE layers, experts), so busy experts become less likely to be chosen."""
+    for router, row in zip(routers, load, strict=True):
+        router.score_bias += rate * torch.sign(row.mean() - row).to(router.score_bias)

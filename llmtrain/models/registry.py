@@ -8,6 +8,8 @@ from typing import Literal
 NormKind = Literal["layernorm", "rmsnorm"]
 MlpKind = Literal["gelu", "swiglu"]
 RotaryKind = Literal["none", "half", "interleaved"]
+AttentionKind = Literal["standard", "latent"]
+RouterKind = Literal["softmax", "sigmoid"]
 
 
 @dataclass(frozen=True)
@@ -28,7 +30,11 @@ class ArchSpec:
     qk_norm: bool = False
     """An RMSNorm over each query and key head before the rotary embedding (Qwen3)."""
     router_score_bias: bool = False
-    """ERNIE-4.5-MoE router: fp32 scores, top-k chosen by probability plus a fixed per-expert bias."""
+    """fp32 router scores, top-k chosen by score plus a per-expert bias that gradients do not train."""
+    router: RouterKind = "softmax"
+    """softmax (probabilities) or sigmoid (DeepSeek-V3: independent scores, group-limited, scaled) router."""
+    attention: AttentionKind = "standard"
+    """standard (grouped-query) or latent (DeepSeek's multi-head latent attention, llmtrain.models.mla)."""
 
 
 ARCHS: dict[str, ArchSpec] = {}
@@ -87,5 +93,18 @@ register_arch(
         learned_positions=False,
         rope_fp32=True,
         router_score_bias=True,
+    )
+)
+register_arch(
+    ArchSpec(
+        "deepseek_v3",
+        norm="rmsnorm",
+        mlp="swiglu",
+        rotary="interleaved",
+        learned_positions=False,
+        rope_fp32=False,
+        router_score_bias=True,
+        router="sigmoid",
+        attention="latent",
     )
 )

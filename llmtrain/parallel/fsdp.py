@@ -157,6 +157,28 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
     model.fsdp_sync_enabled = enabled
 
 
+def finish_backward(root: nn.Module) -> None:
+    """End a backward of ``root`` (a model or a pipeline chunk: the module fully_shard was last applied to)
+    as FSDP2 does, for gradients accumulated outside the autograd backward of its units: every unit's
+    post-backward folds the unsharded gradients into its reduce-dtype (fp32) accumulators or, inside
+    ``grad_sync(model, True)``, reduce-scatters them (with HSDP also all-reduces) into the sharded
+    ``.grad``; then the reductions are waited for. With gradient sync every DP rank must call it at the
+    same point (collectives).
+
+    The zero-bubble W actions (llmtrain.pipeline.executor) accumulate weight gradients, through autograd
+    onto the leaves, into the unsharded parameters of units whose backward already ran (in I); no FSDP
+    hook runs then. FSDP2 has no public "reduce now", and reduce-scattering them ourselves would
+    duplicate its padding, divide factors, mixed-precision casts, HSDP all-reduce and accumulation into
+    existing sharded gradients. Its end-of-backward callback is exactly this work: it runs the
+    post-backward of every unit whose autograd backward did not (after I's backward, all of them:
+    accumulate, reduce or not, reshard -- a no-op, I resharded them), then waits for the reductions and
+    frees their buffers. So this calls that callback on the root's state (a private method of torch's
+    FSDP2; tests/parallel/test_fsdp.py's zb_h1 cases pin its behaviour)."""
+    if not isinstance(root, FSDPModule):
+        raise TypeError(f"finish_backward needs an FSDP root module; got {type(root).__name__}")
+    root._get_fsdp_state()._root_post_backward_final_callback()
+
+
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor (its storage, so in-place updates reach the DTensor), or ``t``."""
     return t._local_tensor if isinstance(t, DTensor) else t

@@ -28,10 +28,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from llmtrain.config.schema import JobConfig
 from llmtrain.parallel import comm
 from llmtrain.parallel.data_parallel import apply_data_parallel, grad_sync
+from llmtrain.parallel.fsdp import finish_backward, is_fsdp
 from llmtrain.parallel.materialize import is_meta, materialize
 from llmtrain.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, gather_sequence
 from llmtrain.parallel.topology import Topology
@@ -151,6 +153,13 @@ def _split_linear(
     return _DeferrableLinear.apply(x, weight.detach(), detached_bias, shard, group, (weight, bias), split)
 
 
+def _plain_linear(module: nn.Module) -> bool:
+    """``nn.Linear`` itself, not a subclass with a forward of its own; also once fully_shard has made it
+    an FSDP unit (the output layer at zero 2/3), whose class FSDPLinear only adds FSDPModule's methods."""
+    cls = type(module)
+    return cls is nn.Linear or cls.__bases__ == (FSDPModule, nn.Linear)
+
+
 def _split_linear_forward(split: _SplitBackward, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return _split_linear(split, F.linear, None, x, module.weight, module.bias)
 
@@ -193,12 +202,21 @@ class PipelineExecutor:
             )
         self.trace: list[dict] | None = None
         self._loss_scale = 1.0
-        # The last action that adds to each chunk's gradients: data-parallel reduction runs with it.
+        # The actions that complete a chunk's gradients: data-parallel reduction runs with them. Flat
+        # buffers (zero 0/1) reduce each parameter once its last gradient is in, so the last action of each
+        # kind counts (I and W fill different parameters). FSDP2 reduces a whole unit (a block: norms filled
+        # by I, linear weights by W) in the post-backward hook of the unit's autograd backward; under a split
+        # backward that is I's, before the deferred W. So with FSDP only the chunk's last action, a W,
+        # synchronises: every W ends as the backward it was split from would (fsdp.finish_backward), which
+        # there reduce-scatters every unit once the last weight gradient is in, and elsewhere folds the
+        # low-precision weight gradients into FSDP's fp32 accumulators, as each I does.
+        self._fsdp = is_fsdp(stages)
         self._final: set[Action] = set()
-        seen: set[tuple[str, int]] = set()
+        seen: set[tuple[str, int] | int] = set()
         for a in reversed(self.actions):
-            if a.kind in (B, I, W) and (a.kind, a.chunk) not in seen:
-                seen.add((a.kind, a.chunk))
+            scope = a.chunk if self._fsdp else (a.kind, a.chunk)
+            if a.kind in (B, I, W) and scope not in seen:
+                seen.add(scope)
                 self._final.add(a)
         if topo.pp == 1 and schedule.virtual_stages > 1:
             raise ValueError(
@@ -220,7 +238,7 @@ class PipelineExecutor:
         for module in modules:
             if uses.get(id(getattr(module, "weight", None)), 0) != 1:
                 continue
-            if type(module) is nn.Linear:
+            if _plain_linear(module):
                 module.forward = functools.partial(_split_linear_forward, self._split, module)
             elif isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                 module.linear = functools.partial(_split_linear, self._split, module.linear, module.group)
@@ -361,6 +379,8 @@ class PipelineExecutor:
                     with self._grad_sync(a):
                         if a.kind == W:
                             _accumulate(deferred.pop(key))
+                            if self._fsdp:
+                                finish_backward(chunk)
                         else:
                             self._backward(a, key, chunk, outputs, grads_in, deferred, m)
             finally:

@@ -133,19 +133,40 @@ class Cluster:
     cross_node_tp: bool = False
     """Whether tensor-parallel groups may span nodes (normally they stay on NVLink)."""
     source: str = field(default="", compare=False)
+    sources: dict[str, str] = field(default_factory=dict, compare=False)
+    """Where each number comes from: "devices.NAME.FIELD" or "links.NAME.FIELD" -> citation text (vendor
+    specification, published micro-benchmark, calibration run, or an assumption saying so)."""
+    intra_names: tuple[str, ...] = field(default=(), compare=False)
+    """The YAML names of the node groups' intra-node links (default intra_node, intra_node_1, ...)."""
+
+    def constants(self) -> list[str]:
+        """Dotted names of every number the cost model reads from this cluster (device and link fields)."""
+        names = []
+        for g in self.nodes:
+            names += [f"devices.{g.device.name}.{f.name}" for f in fields(Device) if f.name != "name"]
+        for link_name in _link_names(self):
+            names += [f"links.{link_name}.{f.name}" for f in fields(Link)]
+        return list(dict.fromkeys(names))
+
+    def unsourced(self) -> list[str]:
+        """The constants without an entry in `sources`."""
+        return [name for name in self.constants() if name not in self.sources]
 
     @property
     def num_devices(self) -> int:
         return sum(g.count * g.devices_per_node for g in self.nodes)
 
     def view(self, gpus: int) -> ClusterView:
-        """The part of the cluster a job on `gpus` devices uses: first nodes in order, slowest members."""
+        """The part of the cluster a job on `gpus` devices uses: first nodes in order, slowest members. A
+        cluster of one node type is that type times any count: ceil(gpus / devices_per_node) nodes,
+        whatever its file's count."""
         if gpus < 1:
             raise ConfigError(f"the number of GPUs must be at least 1; got {gpus}")
-        if gpus > self.num_devices:
+        if gpus > self.num_devices and len(self.nodes) > 1:
             raise ConfigError(
-                f"{gpus} GPUs requested but cluster {self.name} has {self.num_devices}; "
-                "pass a smaller --gpus or a bigger cluster file"
+                f"{gpus} GPUs requested but cluster {self.name} has {self.num_devices} in node groups of "
+                "different kinds (which kind to add is not given); pass a smaller --gpus or raise a node "
+                "group's count in the cluster file"
             )
         used, left = [], gpus
         for group in self.nodes:
@@ -259,7 +280,8 @@ def cluster_from_dict(raw: dict[str, Any], source: str = "<dict>") -> Cluster:
     for key in ("devices", "nodes", "links"):
         if key not in raw:
             raise ConfigError(f"{source}: missing top-level key {key!r} (see {PRESETS / 'a100-80gb.yaml'})")
-    unknown = sorted(set(raw) - {"name", "devices", "nodes", "links", "cross_node_tp", "description"})
+    top = {"name", "devices", "nodes", "links", "cross_node_tp", "description", "sources", "calibration"}
+    unknown = sorted(set(raw) - top)
     if unknown:
         raise ConfigError(f"{source}: unknown top-level key {unknown[0]!r}")
     devices = {}
@@ -311,13 +333,41 @@ def cluster_from_dict(raw: dict[str, Any], source: str = "<dict>") -> Cluster:
         )
     if not groups:
         raise ConfigError(f"{source}: nodes is empty; list at least one node group")
-    return Cluster(
+    cluster = Cluster(
         name=str(raw.get("name", Path(source).stem)),
         nodes=tuple(groups),
         inter=parsed_links["inter_node"],
         cross_node_tp=bool(raw.get("cross_node_tp", False)),
         source=source,
+        sources=_sources(raw.get("sources") or {}, source),
+        intra_names=tuple(spec.get("intra_link", "intra_node") for spec in raw["nodes"]),
     )
+    known = set(cluster.constants())
+    for key in cluster.sources:
+        if key not in known:
+            raise ConfigError(
+                f"{source}: sources.{key} names no constant of this cluster; use DEVICES or LINKS paths such "
+                f"as {sorted(known)[0]}"
+            )
+    return cluster
+
+
+def _sources(raw: Any, source: str) -> dict[str, str]:
+    """The `sources` mapping, checked: dotted constant names to non-empty citation strings."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: sources must map constant names (devices.NAME.FIELD) to citations")
+    for key, text in raw.items():
+        if not isinstance(text, str) or not text.strip():
+            raise ConfigError(f"{source}: sources.{key} must be a citation string; got {text!r}")
+    return {str(k): v for k, v in raw.items()}
+
+
+def _link_names(cluster: Cluster) -> list[str]:
+    """The YAML names of the node groups' intra-node links, then inter_node."""
+    names = cluster.intra_names or tuple(
+        "intra_node" if i == 0 else f"intra_node_{i}" for i in range(len(cluster.nodes))
+    )
+    return [*names, "inter_node"]
 
 
 def preset_names() -> list[str]:
@@ -350,9 +400,8 @@ def load_cluster(path: str | Path) -> Cluster:
 def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
     """The YAML structure of a cluster (inverse of cluster_from_dict)."""
     devices, links, nodes = {}, {"inter_node": vars_of(cluster.inter)}, []
-    for i, g in enumerate(cluster.nodes):
+    for g, link_name in zip(cluster.nodes, _link_names(cluster), strict=False):
         devices[g.device.name] = {k: v for k, v in vars_of(g.device).items() if k != "name"}
-        link_name = "intra_node" if i == 0 else f"intra_node_{i}"
         links[link_name] = vars_of(g.intra)
         nodes.append(
             {
@@ -368,6 +417,7 @@ def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
         "devices": devices,
         "nodes": nodes,
         "links": links,
+        "sources": dict(cluster.sources),
     }
 
 

@@ -24,10 +24,12 @@ rank times the in-flight micro-batches of the schedule; communication buffers; t
 from __future__ import annotations
 
 import functools
+from collections import Counter
 from dataclasses import asdict, dataclass, replace
 
 from llmtrain.config.schema import JobConfig, ModelConfig
 from llmtrain.config.validate import pipeline_problem, tensor_parallel_problem
+from llmtrain.planner import collectives as C
 from llmtrain.planner import flops as F
 from llmtrain.planner.cluster import ClusterView
 from llmtrain.planner.memory import (
@@ -102,6 +104,8 @@ class Software:
     balance_stages: bool = True
     """Pipeline stages split by FLOPs with the output layer counted on the last (the trainer's default
     parallel.balance_stages); false: an even split."""
+    overlap_param_gather: bool = True
+    """ZeRO-1's parameter all-gather hides behind the next step's first forward (overlap_param_gather)."""
     zero3_prefetch: int = 1
     """Blocks gathered ahead of the one computing under ZeRO-3 (FSDP2's implicit prefetch: one)."""
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
@@ -126,6 +130,7 @@ class Software:
         return cls(
             flash_attention=False,
             dp_overlap=False,
+            overlap_param_gather=False,
             p2p_scatter_gather=True,
             grad_bytes=2,
             sharded_init=True,
@@ -287,19 +292,9 @@ class CostModel:
             bwd += fwd
         elif recompute == "selective":
             bwd += core_f
-        # Tensor-parallel collectives on the b*s*h activation, 2 per pass (attention and MLP outputs).
-        size = e * tok * h
-        if tp > 1:
-            one = (
-                self.c.all_gather(size, tp) + self.c.reduce_scatter(size, tp)
-                if sp
-                else self.c.all_reduce(size, tp)
-            )
-            tp_f, tp_b = 2 * one, 2 * one
-            if recompute == "full":
-                tp_b += tp_f
-        else:
-            tp_f = tp_b = 0.0
+        # Tensor-parallel collectives on the b*s*h activation, as the trainer issues them (collectives.py).
+        comms = C.tp_layer(tp, e * tok * h, sp, recompute)
+        tp_f, tp_b = self._comm_time(comms.fwd), self._comm_time(comms.bwd)
         return _Pass(fwd, bwd, wgrad, tp_f, tp_b)
 
     def _stage_extras(self, tp: int, b: int, sp: bool) -> tuple[_Pass, _Pass]:
@@ -308,17 +303,20 @@ class CostModel:
         tok, h, vocab = b * self.w.seq, m.hidden_size, m.vocab_size / tp
         size = e * tok * h
         emb_f = dev.memory_time(2 * e * tok * h, kernels=2)
-        emb_tp = (self.c.reduce_scatter(size, tp) if sp else self.c.all_reduce(size, tp)) if tp > 1 else 0.0
-        first = _Pass(emb_f, 2 * emb_f, emb_f, emb_tp, 0.0)
+        emb = C.tp_embedding(tp, size, sp)
+        first = _Pass(emb_f, 2 * emb_f, emb_f, self._comm_time(emb.fwd), self._comm_time(emb.bwd))
         logits = dev.gemm_time(tok, vocab, h, prec)
         ce = dev.memory_time(3 * 4 * tok * vocab, kernels=3)  # fp32 softmax, loss and its gradient
         norm = dev.memory_time(2 * e * tok * h / (tp if sp else 1))
-        head_tp = (self.c.all_gather(size, tp) if sp else 0.0) if tp > 1 else 0.0
-        head_tp_b = (
-            (self.c.reduce_scatter(size, tp) if sp else self.c.all_reduce(size, tp)) if tp > 1 else 0.0
-        )
+        head = C.tp_head(tp, size, tok, sp)
+        head_tp, head_tp_b = self._comm_time(head.fwd), self._comm_time(head.bwd)
         last = _Pass(logits + ce / 3 + norm, 2 * logits + 2 * ce / 3 + 2 * norm, logits, head_tp, head_tp_b)
         return first, last
+
+    def _comm_time(self, comms: tuple[C.Comm, ...]) -> float:
+        """Seconds for TP collectives issued one after another (the group's ranks are adjacent: stride 1)."""
+        cost = {"all_reduce": self.c.all_reduce, "all_gather": self.c.all_gather}
+        return sum(cost.get(c.op, self.c.reduce_scatter)(c.nbytes, c.size) for c in comms)
 
     # ------------------------------------------------------------------------------------ memory
 
@@ -399,11 +397,13 @@ class CostModel:
         forward and backward on the first rank, the windows the collectives hide behind.
 
         zero 0 all-reduces the gradients once per step, zero 1 reduce-scatters them and all-gathers the
-        updated 16-bit parameters; zero 2/3 (FSDP2) reduce-scatter at every micro-batch's backward (the
-        unsharded gradients are not kept) and zero 3 gathers each block's parameters in every forward and
-        backward. Hybrid sharding adds an all-reduce of the shard across the replicas. Offload copies the
-        gradient shard to the host and the updated parameters back, and runs Adam on the host's cores; with
-        the parameters offloaded the shards also cross the host link at every gather.
+        updated 16-bit parameters; zero 2/3 (FSDP2) reduce-scatter once per step, at the last micro-batch's
+        backward (gradient sync is off for the others, which accumulate unsharded gradients), and gather each
+        block's parameters in every micro-batch's forward, zero 3 again in its backward (traced:
+        tests/planner/test_collectives.py). Hybrid sharding adds an all-reduce of the shard across the
+        replicas. Offload copies the gradient shard to the host and the updated parameters back, and runs
+        Adam on the host's cores; with the parameters offloaded the shards also cross the host link at every
+        gather.
         """
         params = max(self._params_on_rank(layout))
         z, dp, tp, e, g = layout.zero_stage, layout.dp, layout.tp, self.act_bytes, self.sw.grad_bytes
@@ -415,15 +415,19 @@ class CostModel:
             if shard < dp:
                 reduce += self.c.all_reduce(params * g / shard, dp // shard, tp * shard)
             gather = self.c.all_gather(params * e, shard, tp)
-        reductions = num_micro if z >= 2 else 1
-        gathers = 2 * num_micro if z == 3 else 1
+        reductions = 1
+        gathers = num_micro * (2 if z == 3 else 1) if z >= 2 else 1
         reduce, gather = reduce * reductions, gather * gathers if z else 0.0
         if self.sw.dp_overlap and dp > 1:
             # The first bucket (block) of each collective waits for its data; the rest hides behind compute.
             first = min(self.w.dp_bucket_mb * 2**20 / max(params * g, 1.0), 1.0)
             exposed = reductions * max(reduce / reductions - bwd, first * reduce / reductions)
-            if z == 3:
+            if z >= 2:
                 exposed += gathers * max(gather / gathers - min(fwd, bwd), first * gather / gathers)
+            elif self.sw.overlap_param_gather:
+                # ZeRO-1: the updated parameters' gathers are waited for by the next step's first forward,
+                # module by module (parallel.overlap_param_gather).
+                exposed += max(gather - fwd, first * gather)
             else:
                 exposed += gather
         else:
@@ -438,6 +442,118 @@ class CostModel:
             if layout.offload == "optimizer+params":
                 exposed += gathers * local * 4 / host
         return reduce + gather, exposed, optimizer
+
+    def collectives(self, layout: Layout, pp_rank: int = 0) -> Counter[C.Comm]:
+        """The collectives and sends one training step issues on a rank of pipeline stage `pp_rank`, with how
+        often each: what tests/planner/test_collectives.py compares with the trainer's traced step.
+
+        Per micro-batch and chunk the TP collectives of its layers (and of the embedding on the first
+        stage, the output layer and loss on the last), the activation sent forward and its gradient sent
+        back at every stage boundary; per step the loss broadcast from the last stage, the tied embedding's
+        gradient sum, the SP-replicated gradients' all-reduce over TP, the gradient norm's all-reduce, and
+        the data-parallel gradient reduction (and ZeRO-1 parameter gather) over the gradient buffer's
+        buckets (collectives.buckets: the same bytes, the bucket count an estimate)."""
+        m, tp, pp, v, dp = self.w.model, layout.tp, layout.pp, layout.virtual_stages, layout.dp
+        sp, e, b = layout.sequence_parallel, self.act_bytes, layout.micro_batch
+        sizes = {"tp": tp, "pp": pp, "dp": dp}
+        num_micro = self.w.global_batch // (dp * b)
+        tok = b * self.w.seq
+        activation = e * tok * m.hidden_size
+        stages = stage_layers(m, pp * v, self.sw.balance_stages)
+        out: Counter[C.Comm] = Counter()
+
+        def add(comms: tuple[C.Comm, ...], times: int) -> None:
+            for c in comms:
+                out[c] += times
+
+        layer = C.tp_layer(tp, activation, sp, layout.recompute)
+        numel = replicated = 0
+        for chunk in range(v):
+            stage = chunk * pp + pp_rank
+            first, last = stage == 0, stage == pp * v - 1
+            add(layer.fwd + layer.bwd, num_micro * stages[stage])
+            if first:
+                emb = C.tp_embedding(tp, activation, sp)
+                add(emb.fwd + emb.bwd, num_micro)
+            if last:
+                head = C.tp_head(tp, activation, tok, sp)
+                add(head.fwd + head.bwd, num_micro)
+            sends = num_micro * ((not last) + (not first))
+            if sends:
+                out[C.Comm("send", "pp", 2, activation // (tp if sp else 1))] += sends
+            n, r = C.rank_parameters(m, tp, stages[stage], first, last)
+            numel, replicated = numel + n, replicated + r
+        if pp > 1:
+            out[C.Comm("broadcast", "pp", pp, 4)] += 1  # the mean loss, from the last stage
+            tied = m.tied_embeddings and pp_rank in (0, pp - 1)
+            if tied:
+                out[C.Comm("all_reduce", "pp", 2, 4 * m.vocab_size // tp * m.hidden_size)] += 1
+        if sp and tp > 1:
+            # FSDP2 sums this rank's shards of them (dim 0 split over dp; exact when it divides).
+            shards = dp if layout.zero_stage >= 2 else 1
+            out[C.Comm("all_reduce", "tp", tp, 4 * replicated // shards)] += 1
+        sharded_norm = layout.zero_stage >= 1 and dp > 1
+        norm_dims = ("tp", "pp", "dp") if sharded_norm else ("tp", "pp")
+        norm_size = tp * pp * (dp if sharded_norm else 1)
+        if norm_size > 1:
+            out[C.Comm("all_reduce", C.group_name(norm_dims, sizes), norm_size, 8)] += 1
+        if dp > 1:
+            for comm, times in self._dp_collectives(layout, numel, v, pp_rank).items():
+                out[comm] += times
+        return out
+
+    def _dp_collectives(self, layout: Layout, numel: int, chunks: int, pp_rank: int) -> Counter[C.Comm]:
+        """The data-parallel reduction of one step over `numel` gradients of the rank (in `chunks` buffers):
+        zero 0 all-reduces each fp32 bucket; zero 1 reduce-scatters it and all-gathers the updated
+        parameters, on gloo by point-to-point exchange of the shards with each peer (Software.
+        gloo_shard_exchange); zero 2/3 (FSDP2) gather each unit's parameters at every micro-batch's forward
+        (zero 3 again in its backward) and reduce-scatter its gradients once per step (gradient sync is off
+        for every micro-batch but the last)."""
+        dp, g, e = layout.dp, self.sw.grad_bytes, self.act_bytes
+        num_micro = self.w.global_batch // (dp * layout.micro_batch)
+        count = C.buckets(numel // chunks, int(self.w.dp_bucket_mb * 2**20 / 4)) * chunks
+        bucket = numel // count
+        out: Counter[C.Comm] = Counter()
+        if layout.zero_stage == 0:
+            out[C.Comm("all_reduce", "dp", dp, bucket * g)] = count
+        elif layout.zero_stage == 1 and self.sw.gloo_shard_exchange:
+            out[C.Comm("send", "dp", 2, bucket * g // dp)] = count * (dp - 1)
+            out[C.Comm("send", "dp", 2, bucket * e // dp)] += count * (dp - 1)
+        elif layout.zero_stage == 1:
+            out[C.Comm("reduce_scatter", "dp", dp, bucket * g)] = count
+            out[C.Comm("all_gather", "dp", dp, bucket * e)] = count
+        else:
+            for unit, reshard in self._fsdp_units(layout, pp_rank):
+                out[C.Comm("all_gather", "dp", dp, unit * e)] += num_micro * (2 if reshard else 1)
+                out[C.Comm("reduce_scatter", "dp", dp, unit * 4)] += 1
+        return out
+
+    def _fsdp_units(self, layout: Layout, pp_rank: int) -> list[tuple[int, bool]]:
+        """(parameters, reshard after forward) of each FSDP2 unit of a rank (llmtrain.parallel.fsdp): every
+        block (resharded at zero 3), the embedding (idem) and the final norm with the output layer as units
+        of their own unless tied in one chunk, and the root with what is left (kept gathered)."""
+        m, tp, pp, v = self.w.model, layout.tp, layout.pp, layout.virtual_stages
+        z3 = layout.zero_stage == 3
+        stages = stage_layers(m, pp * v, self.sw.balance_stages)
+        block = C.rank_parameters(m, tp, 1, False, False)[0]
+        embedding = m.vocab_size // tp * m.hidden_size
+        positions = m.max_positions * m.hidden_size if m.arch == "gpt" else 0
+        norm = 2 * m.hidden_size if m.arch == "gpt" else m.hidden_size
+        units: list[tuple[int, bool]] = []
+        for chunk in range(v):
+            stage = chunk * pp + pp_rank
+            first, last = stage == 0, stage == pp * v - 1
+            units += [(block, z3)] * stages[stage]
+            if first and last and m.tied_embeddings:
+                units.append((embedding + positions + norm, False))
+                continue
+            if first:
+                units.append((embedding, z3))
+            if last:
+                units.append((norm + embedding, False))
+            if first and positions:
+                units.append((positions, False))
+        return units
 
     def _overflow(self, mem: dict[str, float]) -> str:
         """Why a layout does not fit: its steady state and/or its startup peak, each with its cause."""

@@ -62,12 +62,30 @@ def layer_flops_per_token(model: ModelConfig, seq_length: int | None = None) -> 
         active = model.num_experts_per_tok + model.num_shared_experts
         moe = 2.0 * h * model.num_experts + 2.0 * 3 * h * model.expert_ffn_size * active
         mlp = (mlp * (model.num_layers - moe_layers) + moe * moe_layers) / model.num_layers
+    if model.arch == "deepseek_v3":
+        qk, v = model.qk_nope_head_dim + model.qk_rope_head_dim, model.v_head_dim
+        return LayerFlops(
+            qkv=2.0 * latent_projection_params(model),
+            attention_core=2.0 * s * a * (qk + v),
+            out_proj=2.0 * a * v * h,
+            mlp=mlp,
+        )
     return LayerFlops(
         qkv=2.0 * h * (a + 2 * kv) * d,
         attention_core=4.0 * s * a * d,
         out_proj=2.0 * a * d * h,
         mlp=mlp,
     )
+
+
+def latent_projection_params(model: ModelConfig) -> int:
+    """deepseek_v3: weights of the query and key/value projections of latent attention (o_proj and the
+    latent norms not included): each is one multiply-add per token."""
+    h, a, rank = model.hidden_size, model.num_attention_heads, model.q_lora_rank
+    qk = model.qk_nope_head_dim + model.qk_rope_head_dim
+    query = h * a * qk if rank is None else h * rank + rank * a * qk
+    kv = h * (model.kv_lora_rank + model.qk_rope_head_dim)
+    return query + kv + model.kv_lora_rank * a * (model.qk_nope_head_dim + model.v_head_dim)
 
 
 def logits_flops_per_token(model: ModelConfig) -> float:
@@ -141,6 +159,9 @@ def parameter_counts(model: ModelConfig) -> ParamCounts:
     bias = model.bias
     norm = 2 * h if model.arch == "gpt" else h  # LayerNorm has weight and bias, RMSNorm a weight only
     attn = h * (a + 2 * kv) * d + a * d * h + ((a + 2 * kv) * d + h if bias else 0)
+    if model.arch == "deepseek_v3":  # no biases; the latent norms' weights
+        attn = latent_projection_params(model) + a * model.v_head_dim * h
+        attn += model.kv_lora_rank + (model.q_lora_rank or 0)
     if is_gated(model):
         mlp = 3 * h * f + (2 * f + h if bias else 0)
     else:

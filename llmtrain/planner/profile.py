@@ -218,15 +218,33 @@ def describe_local(devices: int = 2, measure_links: bool = True, seconds: float 
     }
 
 
+def preset_for(device_name: str, memory_gib: float) -> str | None:
+    """The shipped preset of a GPU by its name and memory (torch's total_memory in GiB), or None for a
+    device no preset describes (then calibrate it: tools/calibrate.py). An A100 is the 40 GB or the 80 GB
+    part by its memory; the presets describe the SXM boards."""
+    name = device_name.lower()
+    if "h200" in name:
+        return "h200-141gb"
+    if "h100" in name:
+        return "h100-80gb"
+    if "a100" in name:
+        return "a100-40gb" if memory_gib < 60 else "a100-80gb"
+    return None
+
+
 @functools.lru_cache(maxsize=8)
 def local_cluster(world_size: int) -> Cluster:
-    """The cluster `parallel.auto` plans on when no file is given: a known GPU's preset (with this GPU's
-    memory), otherwise this machine's quickly measured compute and memory with loopback link defaults."""
+    """The cluster `parallel.auto` plans on when no file is given: a known GPU's preset (any count of its
+    nodes), otherwise this machine's quickly measured compute and memory with loopback link defaults for
+    the processes of one node (torchrun's LOCAL_WORLD_SIZE; the nodes are alike). For an accurate profile
+    of an unknown device run tools/calibrate.py and pass its file as parallel.cluster."""
     import torch
 
     if torch.cuda.is_available():
-        name = torch.cuda.get_device_name(0).lower()
-        for key, preset in (("h100", "h100-80gb"), ("a100", "a100-80gb")):
-            if key in name:
-                return load_cluster(preset)
-    return cluster_from_dict(describe_local(world_size, measure_links=False, seconds=0.1), "local")
+        props = torch.cuda.get_device_properties(0)
+        preset = preset_for(props.name, props.total_memory / 2**30)
+        if preset:
+            return load_cluster(preset)
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    desc = describe_local(min(per_node, world_size), measure_links=False, seconds=0.1)
+    return cluster_from_dict(desc, "local (uncalibrated: run tools/calibrate.py)")

@@ -4,9 +4,11 @@ Each published row gives the GPT model (heads, hidden, layers; vocabulary 51200,
 GPU count, global batch and the measured TFLOP/s per GPU, counted with the paper's formula
 96*B*s*l*h^2*(1 + s/(6h) + V/(16lh)), i.e. with full activation recomputation, which the paper's runs used.
 The prediction fixes everything the paper states (tp, pp, dp, full recomputation, no sequence parallelism,
-no ZeRO, Megatron-2021 software behaviour, the default 1F1B schedule) and lets the planner choose only what
-the table leaves open (the micro-batch size). One cluster file and one model for every row; no per-row
-factors. Then the planner's own best layout for the same model, GPUs and batch is compared with it.
+no ZeRO, Megatron-2021 software behaviour, the default 1F1B schedule, and the micro-batch size where a
+table's optional `micro_batch` column states it) and lets the planner choose only what the table leaves
+open (Table 1 states no micro-batch size). One cluster file and one model for every row; no per-row
+factors; `provenance` reports which cluster constants, if any, cite the table (were set from its rows).
+Then the planner's own best layout for the same model, GPUs and batch is compared with it.
 """
 
 from __future__ import annotations
@@ -28,6 +30,10 @@ REFERENCE = resources.files("llmtrain.planner") / "data" / "megatron_a100_2021.c
 """The published table, shipped as package data (its header names the source)."""
 COLUMNS = ("params_b", "heads", "hidden", "layers", "tp", "pp", "gpus", "global_batch", "tflops_per_gpu")
 """What a table needs: the model, the published layout and its measured throughput."""
+OPTIONAL = ("micro_batch",)
+"""Columns a row may leave blank: the micro-batch size, fixed where the source states it."""
+CITES_TABLE = ("2104.04473", "Narayanan", "megatron_a100_2021")
+"""Text a constant's source would contain if it were set from the validation table."""
 
 
 def load_reference(path: str | Path | None = None) -> list[dict[str, float]]:
@@ -46,7 +52,8 @@ def load_reference(path: str | Path | None = None) -> list[dict[str, float]]:
     rows = []
     for number, row in enumerate(reader, start=1):
         try:
-            rows.append({k: float(v) for k, v in row.items()})
+            # An optional column may be left blank where the source does not state it (micro_batch).
+            rows.append({k: float(v) for k, v in row.items() if k not in OPTIONAL or (v or "").strip()})
         except (TypeError, ValueError):
             raise ConfigError(f"reference table {table}: data row {number} is not all numbers") from None
     return rows
@@ -97,7 +104,7 @@ def validate_megatron(
         model = gpt_model(row)
         gpus, tp, pp, batch = int(row["gpus"]), int(row["tp"]), int(row["pp"]), int(row["global_batch"])
         work = Workload(model, batch, "fp16")
-        fixed = {
+        fixed: dict[str, object] = {
             "tp": tp,
             "pp": pp,
             "dp": gpus // (tp * pp),
@@ -107,6 +114,8 @@ def validate_megatron(
             "schedule": "1f1b",
             "virtual_stages": 1,
         }
+        if "micro_batch" in row:
+            fixed["micro_batch"] = int(row["micro_batch"])
         published = plan(work, cl, gpus, fixed, software, top=1).fitting()[0]
         flops = megatron_flops_per_iteration(
             batch, model.seq_length, model.num_layers, model.hidden_size, model.vocab_size
@@ -121,6 +130,24 @@ def validate_megatron(
             RowResult(row, published, predicted, predicted / row["tflops_per_gpu"] - 1, inter_tflops, best)
         )
     return out
+
+
+def provenance(cluster: Cluster | str = "a100-80gb") -> str:
+    """Where the cluster's constants come from: those whose source cites the validation table (set from its
+    rows), those without a source, and how many are assumptions rather than specifications or
+    measurements."""
+    cl = load_cluster(cluster) if isinstance(cluster, str) else cluster
+    fitted = [k for k, v in cl.sources.items() if any(c in v for c in CITES_TABLE)]
+    assumed = [k for k, v in cl.sources.items() if v.lstrip().startswith("assumption")]
+    unsourced = cl.unsourced()
+    return "\n".join(
+        [
+            f"constants of {cl.name} set from the validation table's rows: {', '.join(fitted) or 'none'}",
+            f"constants without a source: {', '.join(unsourced) or 'none'}",
+            f"{len(cl.sources) - len(assumed)} constants from vendor specifications, published benchmarks or "
+            f"calibration runs; {len(assumed)} assumptions ({', '.join(assumed) or 'none'})",
+        ]
+    )
 
 
 def summary(results: list[RowResult]) -> dict[str, float]:
@@ -148,6 +175,11 @@ def format_results(results: list[RowResult]) -> str:
             f"{100 * r.error:+5.1f}% {r.published.layout.micro_batch:3d} {r.interleaved_tflops:6.1f}  "
             f"{lay.short()} ({r.best_speedup:.2f}x)"
         )
+    stated = sum("micro_batch" in r.row for r in results)
+    lines.append(
+        f"micro-batch size fixed from the table in {stated} of {len(results)} rows"
+        + ("" if stated == len(results) else "; the planner chooses it (mb column) where the table is silent")
+    )
     s = summary(results)
     lines.append(
         f"median |error| {100 * s['median_abs_error']:.1f}%, max |error| {100 * s['max_abs_error']:.1f}%; "

@@ -30,7 +30,14 @@ from llmtrain.training.peak import Peak, device_peak
 
 # JSONL key -> TensorBoard tag; keys absent from an entry (or None) are not written.
 # Logged for a mixture of experts only (trainer.RouterFigures.metrics): this step's, from rank 0's routers.
-MOE_METRICS = ("aux_loss", "expert_load_max", "expert_load_mean")
+MOE_METRICS = (
+    "aux_loss",
+    "z_loss",
+    "dropped_fraction",
+    "expert_load_max",
+    "expert_load_mean",
+    "expert_load_layers",
+)
 _TB_TAGS = {
     "loss": "train/loss",
     "loss_avg": "train/loss_avg",
@@ -49,6 +56,8 @@ _TB_TAGS = {
     "mfu": "perf/mfu",
     "peak_memory_gb": "perf/peak_memory_gb",
     "aux_loss": "moe/aux_loss",
+    "z_loss": "moe/z_loss",
+    "dropped_fraction": "moe/dropped_fraction",
     "expert_load_max": "moe/expert_load_max",
     "expert_load_mean": "moe/expert_load_mean",
     "eval_loss": "eval/loss",
@@ -311,7 +320,12 @@ class MetricsLogger:
             parts.append(f"slow rank {slow} vs median {median_ms:.0f} ms")
         if "aux_loss" in e:
             load = e["expert_load_max"] / e["expert_load_mean"]
-            parts.append(f"aux {e['aux_loss']:.3f} | expert load max/mean {load:.2f}")
+            parts.append(f"aux {e['aux_loss']:.3f}")
+            if "z_loss" in e:
+                parts.append(f"z {e['z_loss']:.3g}")
+            if e.get("dropped_fraction"):
+                parts.append(f"dropped {100 * e['dropped_fraction']:.1f}%")
+            parts.append(f"expert load max/mean {load:.2f}")
         parts.append(f"{_si(e['tokens_per_sec'])} tok/s")
         parts.append(f"{e['tflops_per_device']:.3g} TFLOP/s/dev")
         if e["mfu"] is not None:

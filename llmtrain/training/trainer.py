@@ -17,7 +17,13 @@ import torch.distributed as dist
 from llmtrain.config import JobConfig, to_dict
 from llmtrain.errors import UserError
 from llmtrain.faults import injected
-from llmtrain.models.moe import expert_load, load_balancing_loss
+from llmtrain.models.moe import (
+    dropped_fraction,
+    expert_load,
+    load_balancing_loss,
+    update_score_bias,
+    z_loss,
+)
 from llmtrain.parallel import comm
 from llmtrain.training.interrupt import StopRequest, exit_code
 from llmtrain.training.lr_schedule import learning_rate
@@ -43,16 +49,33 @@ class RouterFigures:
 
     aux_loss: torch.Tensor
     """Mean over micro-batches of the load-balancing loss (before router_aux_loss_coef), 0-d."""
+    z_loss: torch.Tensor
+    """Mean over micro-batches of the router z-loss (before router_z_loss_coef), 0-d."""
+    dropped: torch.Tensor
+    """Mean over micro-batches of the share of top-k assignments the expert capacity dropped, 0-d."""
     expert_load: torch.Tensor
     """(MoE layers, experts) tokens routed to each expert over the step's micro-batches."""
 
-    def metrics(self) -> dict[str, float]:
-        """aux_loss, and expert_load_max / expert_load_mean: the busiest expert's tokens over all MoE layers
-        and the mean tokens per expert (their ratio is 1 when the routers balance perfectly)."""
+    @staticmethod
+    def combine(figures: list[RouterFigures]) -> RouterFigures:
+        """One step's figures from its micro-batches' (means of the losses, sums of the loads)."""
+        mean = [
+            torch.stack([getattr(f, k) for f in figures]).mean() for k in ("aux_loss", "z_loss", "dropped")
+        ]
+        return RouterFigures(*mean, sum(f.expert_load for f in figures))
+
+    def metrics(self) -> dict[str, Any]:
+        """aux_loss, z_loss, dropped_fraction, and expert_load_max / expert_load_mean: the busiest expert's
+        tokens over all MoE layers and the mean tokens per expert (their ratio is 1 when the routers balance
+        perfectly), with expert_load_layers: that ratio for each MoE layer."""
+        per_layer = self.expert_load.max(dim=1).values / self.expert_load.mean(dim=1).clamp(min=1e-9)
         return {
             "aux_loss": float(self.aux_loss),
+            "z_loss": float(self.z_loss),
+            "dropped_fraction": float(self.dropped),
             "expert_load_max": float(self.expert_load.max()),
             "expert_load_mean": float(self.expert_load.mean()),
+            "expert_load_layers": [round(float(r), 4) for r in per_layer],
         }
 
 
@@ -90,13 +113,7 @@ class LocalStepRunner:
                 with timer.section("backward"):
                     self.optimizer.backward(loss / len(micro_batches))
             total += loss.detach().float()
-        self.router_figures = (
-            RouterFigures(
-                torch.stack([f.aux_loss for f in figures]).mean(), sum(f.expert_load for f in figures)
-            )
-            if figures
-            else None
-        )
+        self.router_figures = RouterFigures.combine(figures) if figures else None
         return total / len(micro_batches)
 
     def _router_figures(self) -> list[RouterFigures]:
@@ -104,9 +121,14 @@ class LocalStepRunner:
         stats = self.model.router_stats() if hasattr(self.model, "router_stats") else []
         if not stats:
             return []
+        cfg = self.model.config
         with torch.no_grad():
-            aux = load_balancing_loss(stats, self.model.config.num_experts)
-        return [RouterFigures(aux, expert_load(stats))]
+            aux = load_balancing_loss(stats, cfg.num_experts)
+            return [
+                RouterFigures(
+                    aux, z_loss(stats), dropped_fraction(stats, cfg.num_experts_per_tok), expert_load(stats)
+                )
+            ]
 
     @torch.no_grad()
     def eval_step(self, batch: torch.Tensor) -> torch.Tensor:
@@ -373,6 +395,8 @@ class Trainer:
         if reason is None:
             self.bad_steps_in_a_row = 0
             self.good_losses.append(mean_loss)
+            if router is not None and self.job.model.bias_update_rate:
+                self._update_router_bias(router.expert_load)
         else:
             self.skipped_steps += 1
             self.bad_steps_in_a_row += int(counts)
@@ -400,6 +424,16 @@ class Trainer:
             # This rank's routers (a mixture of experts only): one data-parallel replica's view of the step.
             **(router.metrics() if router is not None else {}),
         }
+
+    def _update_router_bias(self, load: torch.Tensor) -> None:
+        """After an applied step: move the routers' score biases toward balance by the step's expert load
+        summed over the data-parallel replicas, so that every replica makes the same update."""
+        group = self.topo.dp_group
+        if group is not None and self.topo.dp > 1:
+            load = load.to(self.topo.device, copy=True)  # NCCL reduces only device tensors
+            with self.timer.section("dp_comm"):
+                comm.all_reduce(load, group=group, detail="expert load")
+        update_score_bias(self.model.routers(), load, self.job.model.bias_update_rate)
 
     def _diverged(self) -> TrainingDiverged:
         """The error that stops a run after train.max_bad_steps bad steps in a row."""

@@ -83,33 +83,77 @@ def test_vocab_parallel_cross_entropy_gloo_tp2_tp4(tmp_path):
     mp.spawn(_vocab_parallel_worker, args=(4, str(tmp_path / "store")), nprocs=4, join=True)
 
 
+# (token shape, hidden, vocab, chunk_tokens, chunk_vocab): every case loops several times in both passes
+# with a ragged last chunk in each (18 % 4, 300 % 64; 21 % 5, 777 % 100; the defaults give 16 tokens and
+# 512 vocab rows per chunk for 17 tokens and 1000 ids).
+FLCE_CASES = [((2, 9), 24, 300, 4, 64), ((3, 7), 32, 777, 5, 100), ((17,), 40, 1000, None, None)]
+
+
+def _flce_reference(h, w, target):
+    return forward_backward(
+        lambda h, w: _ce64(h @ w.t(), target), [t.detach().double().requires_grad_() for t in (h, w)]
+    )
+
+
 @pytest.mark.parametrize("impl", ["triton", "torch"])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tokens,hidden,vocab,chunk", [((2, 9), 24, 300, 4), ((17,), 40, 1000, None)])
-def test_fused_linear_cross_entropy_matches_torch(tokens, hidden, vocab, chunk, dtype, impl):
+@pytest.mark.parametrize("tokens,hidden,vocab,chunk,chunk_vocab", FLCE_CASES)
+def test_fused_linear_cross_entropy_matches_torch(tokens, hidden, vocab, chunk, chunk_vocab, dtype, impl):
     h = randn(*tokens, hidden, dtype=dtype)
     w = randn(vocab, hidden, dtype=dtype, scale=0.3)
     target = _targets(tokens, vocab).to(DEVICE)
     got, got_g = forward_backward(
-        lambda h, w: kernels.fused_linear_cross_entropy(h, w, target, impl=impl, chunk_tokens=chunk), [h, w]
+        lambda h, w: kernels.fused_linear_cross_entropy(
+            h, w, target, impl=impl, chunk_tokens=chunk, chunk_vocab=chunk_vocab
+        ),
+        [h, w],
     )
-    exp, exp_g = forward_backward(
-        lambda h, w: _ce64(h @ w.t(), target), [t.detach().double().requires_grad_() for t in (h, w)]
-    )
+    exp, exp_g = _flce_reference(h, w, target)
     # fp16 logits are rounded once before the fp32 softmax: the loss inherits fp16-level error.
     assert_close(got[0], exp[0], dtype, what="loss")
     for name, a, e in zip(["hidden", "weight"], got_g, exp_g, strict=True):
         assert a.dtype == dtype
-        # Each gradient is a matmul over vocab (hidden) or tokens (weight) of rounded logit grads.
+        # Each gradient is one matmul, over vocab (hidden) or over all tokens (weight, written once per
+        # vocab chunk, no cross-chunk sum), of logit grads rounded once to `dtype`, accumulated in fp32
+        # and rounded once more: two roundings of `dtype`, hence twice its tolerance.
         assert_close(a, e, dtype, scale=2.0, what=f"grad {name}")
+    ignored = (target.reshape(-1) == -100).nonzero()[:, 0]
+    assert torch.all(got_g[0].reshape(-1, hidden)[ignored] == 0), "ignored rows must get no gradient"
 
 
-def test_fused_linear_cross_entropy_without_grad():
-    h, w = torch.randn(5, 8), torch.randn(30, 8)
-    target = torch.randint(0, 30, (5,))
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.parametrize("which", ["hidden", "weight"])
+def test_fused_linear_cross_entropy_one_gradient(which, impl):
+    """Only one input needs a gradient: pass 2 (weight) or pass 1's gradient write (hidden) is skipped,
+    and the other gradient is still exact."""
+    dtype = torch.float32
+    h = randn(11, 16, dtype=dtype, grad=which == "hidden")
+    w = randn(90, 16, dtype=dtype, scale=0.3, grad=which == "weight")
+    target = _targets((11,), 90).to(DEVICE)
+    loss = kernels.fused_linear_cross_entropy(h, w, target, impl=impl, chunk_tokens=3, chunk_vocab=32)
+    (got,) = torch.autograd.grad(loss, [h if which == "hidden" else w])
+    h64, w64 = (t.detach().double().requires_grad_() for t in (h, w))
+    exp_loss = _ce64(h64 @ w64.t(), target)
+    (exp,) = torch.autograd.grad(exp_loss, [h64 if which == "hidden" else w64])
+    assert_close(loss, exp_loss, dtype, what="loss")
+    assert_close(got, exp, dtype, scale=2.0, what=f"grad {which}")
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_fused_linear_cross_entropy_without_grad(impl):
+    h, w = torch.randn(5, 8).to(DEVICE), torch.randn(30, 8).to(DEVICE)
+    target = torch.tensor([3, -100, 29, 0, 7]).to(DEVICE)
     with torch.no_grad():
-        loss = kernels.fused_linear_cross_entropy(h, w, target, impl="torch", chunk_tokens=2)
+        loss = kernels.fused_linear_cross_entropy(h, w, target, impl=impl, chunk_tokens=2)
     torch.testing.assert_close(loss, F.cross_entropy(h @ w.t(), target), atol=1e-6, rtol=1e-6)
+
+
+def test_fused_linear_cross_entropy_backward_twice_refused():
+    h, w = torch.randn(4, 8, requires_grad=True), torch.randn(30, 8, requires_grad=True)
+    loss = kernels.fused_linear_cross_entropy(h, w, torch.tensor([1, 2, 3, 4]), impl="torch")
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="only once"):
+        loss.backward()
 
 
 def test_cross_entropy_rejects_bad_target_shape():

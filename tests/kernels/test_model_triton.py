@@ -1,7 +1,8 @@
 """Whole models with model.kernels=triton vs the same weights with kernels=torch and vs transformers.
 
 References: the PyTorch kernel path (kernels/reference.py) and transformers' GPT2LMHeadModel,
-LlamaForCausalLM, Ernie4_5ForCausalLM and Qwen3MoeForCausalLM (tests/models/hf_models.py), in fp32.
+LlamaForCausalLM, Ernie4_5ForCausalLM, Qwen3MoeForCausalLM and DeepseekV3ForCausalLM
+(tests/models/hf_models.py), in fp32.
 Tolerance 2e-5 absolute and relative: the Triton kernels reorder fp32 sums (online softmax, blocked
 reductions), nothing more.
 """
@@ -25,15 +26,16 @@ from tests.models.hf_models import MOE_ARCHS, hf_model
 
 TOL = dict(atol=2e-5, rtol=2e-5)
 # One GQA config per dense architecture (index 0), plus ERNIE's MQA one, and Qwen3-MoE (its q/k norms run
-# the RMSNorm kernel on 4-D heads, its experts the SwiGLU kernel on row slices): the interpreter is slow.
-CASES = [("gpt", 0), ("llama", 0), ("ernie", 0), ("ernie", 2), ("qwen3_moe", 0)]
+# the RMSNorm kernel on 4-D heads, its experts the SwiGLU kernel on row slices), and DeepSeek-V3's latent
+# attention (its zero-padded q/k, explicit softmax scale and latent norms): the interpreter is slow.
+CASES = [("gpt", 0), ("llama", 0), ("ernie", 0), ("ernie", 2), ("qwen3_moe", 0), ("deepseek_v3", 1)]
 
 
 def _run(model, ids, labels):
     logits = model(ids)
     loss = model.loss(logits, labels)
     loss.backward()
-    return logits, loss, {n: p.grad for n, p in model.named_parameters()}
+    return logits, loss, {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
 
 
 @pytest.mark.slow
@@ -71,7 +73,11 @@ def test_triton_kernels_match_torch_kernels_and_transformers(arch: str, index: i
     # transformers shifts the labels inside; a mixture of experts adds its load-balancing loss, as ours does.
     out = ref(input_ids=ids, labels=ids, **({"output_router_logits": True} if arch in MOE_ARCHS else {}))
     out.loss.backward()
-    hf_grads = hf_to_llmtrain_state(cfg, {n: p.grad for n, p in ref.named_parameters()})
+    # Frozen tensors (DeepSeek's router score bias, a buffer in transformers) have no gradient: zeros map.
+    grads = {n: p.grad for n, p in ref.named_parameters()}
+    hf_state = {n: grads.get(n, torch.zeros_like(t)) for n, t in ref.state_dict().items()}
+    frozen = {n for n, p in ours["triton"].named_parameters() if not p.requires_grad}
+    hf_grads = {n: g for n, g in hf_to_llmtrain_state(cfg, hf_state).items() if n not in frozen}
 
     for expected_logits, expected_loss, expected_grads, what in (
         (torch_logits, torch_loss, torch_grads, "kernels=torch"),

@@ -255,6 +255,91 @@ CONFIGS: dict[str, list[dict[str, Any]]] = {
             attn_implementation="sdpa",
         ),
     ],
+    # DeepSeek-V3: YaRN and default rotary, full and low-rank queries, value heads narrower and wider than
+    # query/key heads, shared experts off (0) and on (1, 2), group-limited routing (9 experts in 3 groups, 2
+    # chosen), dense layers before first_k_dense_replace; its e_score_correction_bias buffer is perturbed by
+    # hf_model.
+    "deepseek_v3": [
+        dict(
+            num_hidden_layers=2,
+            hidden_size=96,
+            num_attention_heads=6,
+            num_key_value_heads=6,
+            q_lora_rank=None,
+            kv_lora_rank=24,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=12,
+            intermediate_size=200,
+            moe_intermediate_size=40,
+            n_routed_experts=5,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            n_group=1,
+            topk_group=1,
+            routed_scaling_factor=2.5,
+            first_k_dense_replace=1,
+            # YaRN as DeepSeek extends its context, with an original context shorter than the test sequence.
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 40.0,
+                "original_max_position_embeddings": 16,
+                "mscale": 1.0,
+                "mscale_all_dim": 0.8,
+            },
+            max_position_embeddings=640,
+            vocab_size=1000,
+            attn_implementation="eager",
+        ),
+        dict(
+            num_hidden_layers=3,
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            q_lora_rank=32,
+            kv_lora_rank=16,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=16,
+            v_head_dim=32,
+            intermediate_size=120,
+            moe_intermediate_size=32,
+            n_routed_experts=9,
+            num_experts_per_tok=1,
+            n_shared_experts=0,
+            n_group=3,
+            topk_group=2,
+            norm_topk_prob=False,
+            routed_scaling_factor=1.0,
+            first_k_dense_replace=0,
+            rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+            vocab_size=611,
+            attn_implementation="sdpa",
+        ),
+        dict(
+            num_hidden_layers=4,
+            hidden_size=80,
+            num_attention_heads=5,
+            num_key_value_heads=5,
+            q_lora_rank=40,
+            kv_lora_rank=20,
+            qk_nope_head_dim=12,
+            qk_rope_head_dim=4,
+            v_head_dim=8,
+            intermediate_size=96,
+            moe_intermediate_size=24,
+            n_routed_experts=7,
+            num_experts_per_tok=4,
+            n_shared_experts=2,
+            n_group=1,
+            topk_group=1,
+            routed_scaling_factor=1.7,
+            first_k_dense_replace=2,
+            tie_word_embeddings=True,
+            vocab_size=777,
+            attn_implementation="sdpa",
+        ),
+    ],
 }
 
 CLASSES = {
@@ -264,6 +349,7 @@ CLASSES = {
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
     "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     "ernie_moe": (transformers.Ernie4_5_MoeConfig, transformers.Ernie4_5_MoeForCausalLM),
+    "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
 }
 
 # No dropout; no padding_idx (it zeroes one embedding row's gradient); token ids inside small vocabularies.
@@ -274,9 +360,12 @@ COMMON = {
     "mixtral": dict(pad_token_id=None, bos_token_id=None, eos_token_id=None),
     "qwen3_moe": dict(pad_token_id=None, bos_token_id=None, eos_token_id=None),
     "ernie_moe": dict(pad_token_id=None, bos_token_id=None, eos_token_id=None),
+    "deepseek_v3": dict(pad_token_id=None, bos_token_id=None, eos_token_id=None, num_mtp_layers=0),
 }
 
-MOE_ARCHS = ("mixtral", "qwen3_moe", "ernie_moe")
+MOE_ARCHS = ("mixtral", "qwen3_moe", "ernie_moe", "deepseek_v3")
+# The mixtures of experts whose transformers class computes the load-balancing loss (DeepSeek-V3's has none).
+AUX_LOSS_ARCHS = ("mixtral", "qwen3_moe", "ernie_moe")
 
 
 def hf_model(arch: str, index: int, seed: int = 0) -> transformers.PreTrainedModel:
@@ -291,4 +380,7 @@ def hf_model(arch: str, index: int, seed: int = 0) -> transformers.PreTrainedMod
             is_norm = any(k in name for k in ("ln_", "norm", "layernorm")) and name.endswith("weight")
             # Frozen tensors too (ERNIE's e_score_correction_bias): under no_grad copy_ ignores requires_grad.
             p.copy_(1.0 + 0.1 * torch.randn_like(p) if is_norm else 0.05 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's router score bias is a buffer
+                b.copy_(0.05 * torch.randn_like(b))
     return model

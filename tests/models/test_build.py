@@ -26,6 +26,7 @@ from llmtrain.models import (
     fill_region,
     init_kinds,
 )
+from llmtrain.models.mla import LatentAttention
 from llmtrain.models.moe import MoEMLP
 
 SMALL = dict(
@@ -33,7 +34,13 @@ SMALL = dict(
 )
 
 
+# DeepSeek's latent attention: full-rank query, value heads wider than query/key heads.
+LATENT = dict(kv_lora_rank=12, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=14)
+
+
 def _cfg(arch: str, **kw: object) -> ModelConfig:
+    if arch == "deepseek_v3":
+        return ModelConfig(arch=arch, **SMALL, **LATENT, **kw)
     return ModelConfig(**{"arch": arch, "num_kv_heads": None if arch == "gpt" else 2, **SMALL, **kw})
 
 
@@ -52,12 +59,19 @@ def test_module_tree_follows_the_contract(arch: str) -> None:
     for block in model.layers:
         assert isinstance(block.input_norm, norm) and isinstance(block.post_attn_norm, norm)
         attn = block.attn
-        assert isinstance(attn, Attention)
-        assert (attn.num_heads, attn.num_kv_heads, attn.head_dim) == (6, cfg.kv_heads, 8)
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            assert isinstance(getattr(attn, name), nn.Linear)
-            assert (getattr(attn, name).bias is not None) == (arch == "gpt")
-        assert (attn.q_norm is not None) == (attn.k_norm is not None) == (arch == "qwen3_moe")
+        if arch == "deepseek_v3":
+            assert isinstance(attn, LatentAttention) and attn.q_a_proj is None and attn.q_b_proj is None
+            shapes = {"q_proj": (60, 48), "kv_a_proj": (16, 48), "kv_b_proj": (120, 12), "o_proj": (48, 84)}
+            for name, shape in shapes.items():
+                assert getattr(attn, name).weight.shape == shape and getattr(attn, name).bias is None
+            assert isinstance(attn.kv_a_norm, RMSNorm) and attn.kv_a_norm.weight.shape == (12,)
+        else:
+            assert isinstance(attn, Attention)
+            assert (attn.num_heads, attn.num_kv_heads, attn.head_dim) == (6, cfg.kv_heads, 8)
+            for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                assert isinstance(getattr(attn, name), nn.Linear)
+                assert (getattr(attn, name).bias is not None) == (arch == "gpt")
+            assert (attn.q_norm is not None) == (attn.k_norm is not None) == (arch == "qwen3_moe")
         if arch == "gpt":
             assert isinstance(block.mlp, GeluMLP) and block.mlp.up_proj.out_features == 40
         elif cfg.is_moe:

@@ -123,6 +123,22 @@ MOE_SIZES = {
     "ernie_moe": dict(
         num_experts=3, num_experts_per_tok=2, moe_ffn_hidden_size=36, num_shared_experts=1, dense_layers=[1]
     ),
+    # DeepSeek-V3 with a low-rank query, grouped routing and a dense first layer (first_k_dense_replace).
+    "deepseek_v3": dict(
+        num_experts=6,
+        num_experts_per_tok=2,
+        moe_ffn_hidden_size=36,
+        num_shared_experts=1,
+        moe_layer_start=1,
+        num_expert_groups=3,
+        topk_expert_groups=2,
+        routed_scaling_factor=2.5,
+        q_lora_rank=20,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=6,
+        v_head_dim=10,
+    ),
 }
 
 
@@ -134,7 +150,7 @@ def test_llmtrain_model_saved_as_hf_gives_same_logits(arch: str, tmp_path: Path)
         num_layers=2,
         hidden_size=72,
         num_attention_heads=6,
-        num_kv_heads=None if arch == "gpt" else 3,
+        num_kv_heads=None if arch in ("gpt", "deepseek_v3") else 3,
         vocab_size=500,
         ffn_hidden_size=100,
         seq_length=12,
@@ -239,6 +255,30 @@ def test_unconvertible_moe_configs_name_the_problem() -> None:
     assert to_hf_config(dataclasses.replace(ernie, dense_layers=[3, 2]))["moe_layer_end_index"] == 1
     with pytest.raises(ValueError, match="moe_norm_min"):
         from_hf_config(to_hf_config(ernie) | {"moe_norm_min": 0.1})
+    deepseek = ModelConfig(
+        arch="deepseek_v3",
+        num_layers=3,
+        hidden_size=64,
+        num_attention_heads=4,
+        kv_lora_rank=16,
+        num_experts=4,
+    )
+    with pytest.raises(ValueError, match="experts in every layer from first_k_dense_replace"):
+        to_hf_config(dataclasses.replace(deepseek, dense_layers=[2]))
+    hf = to_hf_config(deepseek)
+    # The multi-token-prediction module is not modelled: its layer count is left out.
+    assert to_hf_config(from_hf_config(hf | {"num_nextn_predict_layers": 1})) == hf
+    yarn = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 40.0, "original_max_position_embeddings": 4096}
+    for rope, bad in (
+        (yarn | {"beta_fast": 16}, "beta_fast"),
+        ({"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}, "linear"),
+        (yarn | {"attention_factor": 0.5}, "attention_factor"),
+    ):
+        with pytest.raises(ValueError, match=f"deepseek_v3 rope .*{bad}.* is not supported"):
+            from_hf_config(hf | {"rope_parameters": rope})
+    for key, value in (("rope_interleave", False), ("num_key_value_heads", 2), ("hidden_act", "gelu")):
+        with pytest.raises(ValueError, match=f"deepseek_v3 {key}={value!r}"):
+            from_hf_config(hf | {key: value})
 
 
 def test_bad_directories_give_clear_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

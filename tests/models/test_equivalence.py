@@ -1,5 +1,5 @@
-"""Reference: transformers' GPT2LMHeadModel, LlamaForCausalLM, Ernie4_5ForCausalLM, MixtralForCausalLM and
-Qwen3MoeForCausalLM.
+"""Reference: transformers' GPT2LMHeadModel, LlamaForCausalLM, Ernie4_5ForCausalLM, MixtralForCausalLM,
+Qwen3MoeForCausalLM, Ernie4_5_MoeForCausalLM and DeepseekV3ForCausalLM.
 
 Each llmtrain architecture, loaded with the transformers model's weights through the conversion
 mapping, must give the same logits, loss and parameter gradients within 1e-5 in fp32. For the mixtures of
@@ -17,7 +17,7 @@ import torch
 
 from llmtrain.models import from_hf_config
 from llmtrain.models.hf import hf_to_llmtrain_state, model_from_state
-from tests.models.hf_models import CONFIGS, MOE_ARCHS, hf_model
+from tests.models.hf_models import AUX_LOSS_ARCHS, CONFIGS, MOE_ARCHS, hf_model
 
 CASES = [(arch, i) for arch, configs in CONFIGS.items() for i in range(len(configs))]
 
@@ -45,9 +45,10 @@ def assert_matches_transformers(
     out.loss.backward()
     loss.backward()
     # The gradients go through the same mapping as the weights (transposes, splits, fusions). Frozen
-    # tensors (ERNIE's router score bias) have none on either side: zeros stand in for the mapping.
+    # tensors (ERNIE's router score bias, DeepSeek's buffer) have none on either side: zeros stand in.
+    grads = {name: p.grad for name, p in ref.named_parameters() if p.requires_grad}
     expected = hf_to_llmtrain_state(
-        cfg, {name: p.grad if p.requires_grad else torch.zeros_like(p) for name, p in ref.named_parameters()}
+        cfg, {name: grads.get(name, torch.zeros_like(t)) for name, t in ref.state_dict().items()}
     )
     frozen = {name for name, p in ours.named_parameters() if not p.requires_grad}
     assert all(ours.get_parameter(name).grad is None for name in frozen)
@@ -76,7 +77,7 @@ def test_forward_with_labels_equals_pipeline_pieces(arch: str) -> None:
         x = layer(x, rope)
     by_pieces = model.loss(model.head(x), ids)
     assert torch.equal(by_pieces, model(ids, labels=ids))
-    moe = arch in MOE_ARCHS
+    moe = arch in AUX_LOSS_ARCHS
     ref_out = ref(input_ids=ids, output_router_logits=True) if moe else ref(input_ids=ids)
     expected = torch.nn.functional.cross_entropy(ref_out.logits.flatten(0, 1), ids.flatten())
     if moe:  # a model in training mode adds the load-balancing loss, as transformers does
@@ -84,7 +85,7 @@ def test_forward_with_labels_equals_pipeline_pieces(arch: str) -> None:
     torch.testing.assert_close(by_pieces, expected, atol=1e-5, rtol=1e-5)
 
 
-MOE_CASES = [(arch, i) for arch in MOE_ARCHS for i in range(len(CONFIGS[arch]))]
+MOE_CASES = [(arch, i) for arch in AUX_LOSS_ARCHS for i in range(len(CONFIGS[arch]))]
 
 
 @pytest.mark.parametrize(("arch", "index"), MOE_CASES, ids=[f"{a}-{i}" for a, i in MOE_CASES])

@@ -86,19 +86,25 @@ def test_mfu_gpt_matches_megatron_closed_form_on_published_row(tmp_path):
 
 
 def test_moe_router_metrics_reach_jsonl_and_console(tmp_path):
-    """aux_loss and the expert load are logged when the step has them (a mixture of experts) and absent
-    otherwise, so a dense run's metrics.jsonl keeps its keys."""
-    job = job_for(tmp_path, steps=2, interval=1, arch="mixtral", num_experts=3)
+    """aux_loss, z_loss, the dropped fraction and the expert load (overall and per layer) are logged when the
+    step has them (a mixture of experts) and absent otherwise, so a dense run's metrics.jsonl keeps its keys;
+    the console shows the dropped share only when tokens were dropped."""
+    job = job_for(tmp_path, steps=3, interval=1, arch="mixtral", num_experts=3)
     job.logging.tensorboard = False
     stream = io.StringIO()
     logger = MetricsLogger(job, True, 1.0, 1, stream=stream)
-    logger.log_step(1, step_values(1, aux_loss=2.5, expert_load_max=30.0, expert_load_mean=20.0))
+    moe = dict(aux_loss=2.5, z_loss=7.25, expert_load_max=30.0, expert_load_mean=20.0)
+    logger.log_step(1, step_values(1, **moe, dropped_fraction=0.125, expert_load_layers=[1.5, 1.25]))
     logger.log_step(2, step_values(2))
+    logger.log_step(3, step_values(3, **moe, dropped_fraction=0.0, expert_load_layers=[1.5, 1.25]))
     logger.close()
-    first, second = read_jsonl(job)
-    assert (first["aux_loss"], first["expert_load_max"], first["expert_load_mean"]) == (2.5, 30.0, 20.0)
-    assert not {"aux_loss", "expert_load_max", "expert_load_mean"} & set(second)
-    assert "aux 2.500 | expert load max/mean 1.50" in stream.getvalue().splitlines()[0]
+    first, second, third = read_jsonl(job)
+    assert {k: first[k] for k in moe} == moe
+    assert (first["dropped_fraction"], first["expert_load_layers"]) == (0.125, [1.5, 1.25])
+    assert not {*moe, "dropped_fraction", "expert_load_layers"} & set(second)
+    lines = stream.getvalue().splitlines()
+    assert "aux 2.500 | z 7.25 | dropped 12.5% | expert load max/mean 1.50" in lines[0]
+    assert "aux 2.500 | z 7.25 | expert load max/mean 1.50" in lines[2]
 
 
 def test_moe_flops_count_the_routed_experts_only(tmp_path):

@@ -82,11 +82,65 @@ def test_bad_cluster_files_name_the_field(mutate, needle):
         cluster_from_dict(raw)
 
 
-def test_too_many_gpus_is_a_clear_error():
+def test_too_many_gpus_is_a_clear_error_only_for_mixed_node_types():
     with pytest.raises(ConfigError, match="--gpus"):
         cluster_from_dict(tiny()).view(100)
+    # One node type: any count (6,144 H100s against the 4,096 of the preset's file: 768 nodes).
+    h100 = load_cluster("h100-80gb")
+    assert h100.num_devices == 4096
+    view = h100.view(6144)
+    assert view.devices == 6144 and view.devices_per_node == 8
+    assert view.spans_nodes(768, 8) and not view.spans_nodes(8, 1)
 
 
 def test_cluster_dict_round_trip():
     for cl in (load_cluster("a100-80gb"), cluster_from_dict(tiny())):
         assert cluster_from_dict(cluster_to_dict(cl)) == cl
+
+
+def test_sources_must_name_constants_of_the_cluster_and_be_text():
+    raw = cluster_to_dict(load_cluster("a100-80gb"))
+    assert load_cluster("a100-80gb").sources == cluster_from_dict(raw).sources  # round trip
+    raw["sources"] = {"devices.a100-sxm4-80gb.gemm_eficiency": "typo"}
+    with pytest.raises(ConfigError, match="sources.devices.a100-sxm4-80gb.gemm_eficiency names no constant"):
+        cluster_from_dict(raw)
+    raw["sources"] = {"links.intra_node.latency_us": ""}
+    with pytest.raises(ConfigError, match="sources.links.intra_node.latency_us must be a citation string"):
+        cluster_from_dict(raw)
+    raw["sources"] = {"links.intra_node.latency_us": "vendor specification"}
+    unsourced = cluster_from_dict(raw).unsourced()
+    assert "links.intra_node.latency_us" not in unsourced
+    assert "devices.a100-sxm4-80gb.gemm_efficiency" in unsourced
+
+
+@pytest.mark.parametrize(
+    "name,gib,preset",
+    [
+        ("NVIDIA A100-SXM4-40GB", 39.4, "a100-40gb"),
+        ("NVIDIA A100-SXM4-80GB", 79.2, "a100-80gb"),
+        ("NVIDIA A100 80GB PCIe", 79.2, "a100-80gb"),
+        ("NVIDIA H100 80GB HBM3", 79.1, "h100-80gb"),
+        ("NVIDIA H200", 139.8, "h200-141gb"),
+        ("NVIDIA L4", 22.0, None),
+    ],
+)
+def test_local_gpus_map_to_their_preset_by_name_and_memory(name, gib, preset):
+    from llmtrain.planner.profile import preset_for
+
+    assert preset_for(name, gib) == preset
+    if preset:
+        assert load_cluster(preset).view(8).device.memory_gb == pytest.approx(gib, abs=2.0)
+
+
+def test_an_unknown_device_is_described_per_node_across_nodes(monkeypatch):
+    # CPU here: no preset. Under torchrun on 2 nodes of 2 processes each, one node is described and the
+    # 4-process job spans two of them.
+    from llmtrain.planner.profile import local_cluster
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    local_cluster.cache_clear()
+    try:
+        view = local_cluster(4).view(4)
+    finally:
+        local_cluster.cache_clear()
+    assert view.devices_per_node == 2 and view.spans_nodes(4) and not view.spans_nodes(2)

@@ -129,3 +129,23 @@ def test_parameter_count_matches_built_model(arch):
     with torch.device("meta"):
         model = models.build(cfg)
     assert num_parameters(cfg) == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.slow  # builds each full-size model of transformers on the meta device (DeepSeek-V3: ~10 s)
+@pytest.mark.parametrize("preset", ["deepseek-v3", "ernie-4.5-21b-a3b", "mixtral-8x7b", "qwen3-30b-a3b"])
+def test_moe_preset_parameter_counts_equal_transformers(preset):
+    """The full-size MoE presets against the transformers model of their exported config: DeepSeek-V3 671.0B
+    (its multi-token-prediction module aside), Mixtral-8x7B 46,702,792,704, Qwen3-30B-A3B 30.5B, ERNIE-4.5
+    21.8B, less ERNIE's router score biases, which transformers holds as parameters and llmtrain freezes."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from llmtrain.config import load
+    from llmtrain.models.hf import to_hf_config
+
+    cfg = load(f"configs/{preset}.yaml").model
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.for_model(**to_hf_config(cfg))
+        )
+    frozen = sum(p.numel() for n, p in model.named_parameters() if n.endswith("e_score_correction_bias"))
+    assert num_parameters(cfg) == sum(p.numel() for p in model.parameters()) - frozen

@@ -6,8 +6,18 @@ The table ships inside the package (llmtrain/planner/data/), so these tests need
 import pytest
 
 from llmtrain.config.errors import ConfigError
+from llmtrain.planner.cluster import load_cluster, preset_names
 from llmtrain.planner.flops import num_parameters
-from llmtrain.planner.validation import REFERENCE, gpt_model, load_reference, summary, validate_megatron
+from llmtrain.planner.validation import (
+    CITES_TABLE,
+    REFERENCE,
+    format_results,
+    gpt_model,
+    load_reference,
+    provenance,
+    summary,
+    validate_megatron,
+)
 
 A100_DENSE_PEAK_TFLOPS = 312.0
 
@@ -52,3 +62,23 @@ def test_published_megatron_runs_are_predicted_within_target():
     assert s["median_abs_error"] <= 0.05
     assert s["max_abs_error"] <= 0.10
     assert s["min_best_speedup"] >= 1.0  # the planner's own choice is never predicted slower
+
+
+def test_a_stated_micro_batch_is_fixed_and_a_blank_one_left_to_the_planner(tmp_path):
+    lines = [line for line in REFERENCE.read_text().splitlines() if not line.startswith("#")]
+    table = tmp_path / "stated.csv"
+    # The first row states micro-batch 2, the second leaves it blank; the other rows are dropped.
+    table.write_text(f"{lines[0]},micro_batch\n{lines[1]},2\n{lines[2]},\n")
+    rows = load_reference(table)
+    assert rows[0]["micro_batch"] == 2 and "micro_batch" not in rows[1]
+    results = validate_megatron("a100-80gb", table)
+    assert results[0].published.layout.micro_batch == 2
+    assert "fixed from the table in 1 of 2 rows" in format_results(results)
+
+
+def test_no_shipped_constant_is_set_from_the_validation_table():
+    for preset in preset_names():
+        cluster = load_cluster(preset)
+        assert cluster.unsourced() == [], preset
+        assert not [k for k, v in cluster.sources.items() if any(c in v for c in CITES_TABLE)], preset
+    assert "set from the validation table's rows: none" in provenance("a100-80gb")

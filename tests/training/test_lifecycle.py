@@ -251,6 +251,8 @@ def test_model_parameter_count_matches_the_module() -> None:
     from llmtrain.planner.flops import num_parameters
 
     moe = ["model.num_layers=3", "model.num_experts=5", "model.moe_ffn_hidden_size=24"]
+    latent = ["kv_lora_rank=10", "qk_nope_head_dim=6", "qk_rope_head_dim=4", "v_head_dim=7"]
+    deepseek = [f"model.{f}" for f in latent] + ["model.moe_layer_start=1", "model.num_kv_heads=null"]
     for arch, extra in [
         ("gpt", []),
         ("llama", []),
@@ -258,6 +260,8 @@ def test_model_parameter_count_matches_the_module() -> None:
         ("mixtral", moe),
         ("qwen3_moe", [*moe, "model.dense_layers=[1]", "model.num_experts_per_tok=3"]),
         ("ernie_moe", [*moe, "model.moe_layer_start=1", "model.num_shared_experts=2"]),
+        ("deepseek_v3", [*moe, *deepseek, "model.q_lora_rank=12", "model.num_shared_experts=1"]),
+        ("deepseek_v3", [*moe, *deepseek]),
     ]:
         model = load(CONFIG, [*TINY, f"model.arch={arch}", *extra]).model
         trainable = sum(p.numel() for p in build(model).parameters() if p.requires_grad)

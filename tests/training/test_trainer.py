@@ -8,6 +8,7 @@ import torch
 
 from llmtrain.config import load
 from llmtrain.models import build
+from llmtrain.models.moe import z_loss
 from llmtrain.parallel import Topology, grad_sync
 from llmtrain.training import TrainingDiverged
 from llmtrain.training.metrics_file import latest_per_step, read_rows
@@ -64,18 +65,25 @@ def test_moe_step_reports_aux_loss_and_expert_load():
     figures = runner.router_figures
     assert figures.expert_load.shape == (2, 3)
     assert figures.expert_load.sum(dim=1).tolist() == [8 * 32 * 2] * 2  # every token reaches its top-2
-    aux, ce = [], []
+    aux, ce, z, loads = [], [], [], []
     with torch.no_grad():
         for micro in batch.split(4):
             logits = model(micro[:, :-1])
             aux.append(model.aux_loss())
+            z.append(z_loss(model.router_stats()))
+            loads.append(torch.stack([s.tokens_per_expert for s in model.router_stats()]))
             ce.append(torch.nn.functional.cross_entropy(logits.flatten(0, 1), micro[:, 1:].flatten()))
     torch.testing.assert_close(figures.aux_loss, torch.stack(aux).mean())
+    torch.testing.assert_close(figures.z_loss, torch.stack(z).mean())
+    assert torch.equal(figures.expert_load, sum(loads)) and figures.dropped == 0  # dropless
     expected = torch.stack(ce).mean() + job.model.router_aux_loss_coef * torch.stack(aux).mean()
     torch.testing.assert_close(loss, expected)
     metrics = figures.metrics()
     assert metrics["expert_load_mean"] == pytest.approx(8 * 32 * 2 / 3)
     assert metrics["expert_load_mean"] <= metrics["expert_load_max"] <= 8 * 32
+    per_layer = figures.expert_load.max(dim=1).values / (8 * 32 * 2 / 3)
+    assert metrics["expert_load_layers"] == pytest.approx(per_layer.tolist(), abs=1e-4)
+    assert metrics["z_loss"] > 0 and metrics["dropped_fraction"] == 0
 
 
 @pytest.mark.slow
@@ -87,6 +95,87 @@ def test_moe_run_logs_router_metrics(tmp_path):
     assert [e["step"] for e in train] == [1, 2]
     for entry in train:
         assert entry["aux_loss"] > 0 and entry["expert_load_max"] >= entry["expert_load_mean"] > 0
+
+
+# A tiny DeepSeek-V3: latent attention with a low-rank query, a dense first layer, grouped sigmoid routing.
+DEEPSEEK = [
+    "model.arch=deepseek_v3",
+    "model.num_kv_heads=null",
+    "model.q_lora_rank=24",
+    "model.kv_lora_rank=16",
+    "model.qk_nope_head_dim=8",
+    "model.qk_rope_head_dim=8",
+    "model.v_head_dim=16",
+    "model.num_experts=4",
+    "model.num_experts_per_tok=2",
+    "model.moe_ffn_hidden_size=32",
+    "model.num_shared_experts=1",
+    "model.num_expert_groups=2",
+    "model.topk_expert_groups=1",
+    "model.routed_scaling_factor=2.5",
+]
+
+
+@pytest.mark.slow
+def test_score_bias_update_is_checkpointed_and_resumes_exactly(tmp_path):
+    """deepseek_v3 moves its routers' score biases by +-rate per expert after every applied step (the rate
+    set high to show in few steps), the checkpoint carries them, and a resumed run equals a straight one;
+    the router figures (z-loss, dropped fraction, per-layer load) reach metrics.jsonl."""
+    common = [
+        *DEEPSEEK,
+        "model.router_bias_update_rate=0.01",
+        "model.moe_capacity_factor=1.0",
+        "logging.interval=1",
+        "train.eval_interval=0",
+        "checkpoint.interval=2",
+    ]
+    straight = build_trainer(tiny_job(tmp_path / "straight", "train.steps=4", *common), Topology.single())
+    straight.fit()
+    straight.metrics.close()
+    biases = [r.score_bias.detach().clone() for r in straight.model.routers()]
+    steps = (torch.stack(biases) / 0.01).round()  # each expert's net count of +-rate moves
+    assert torch.allclose(torch.stack(biases), steps * 0.01) and steps.abs().max() <= 4 and steps.any()
+    run(tiny_job(tmp_path / "stopped", "train.steps=2", *common))
+    resumed = build_trainer(tiny_job(tmp_path / "stopped", "train.steps=4", *common), Topology.single())
+    resumed.restore(tmp_path / "stopped" / "checkpoints" / "step_2")
+    saved = [r.score_bias.detach().clone() for r in resumed.model.routers()]
+    assert any(b.abs().sum() > 0 for b in saved), "the step-2 checkpoint holds the updated biases"
+    resumed.fit()
+    resumed.metrics.close()
+    assert all(torch.equal(a, r.score_bias) for a, r in zip(biases, resumed.model.routers(), strict=True))
+    entries = read_metrics(tmp_path / "straight")
+    resumed_losses = [e["loss"] for e in latest_per_step(read_rows(tmp_path / "stopped"))]
+    assert resumed_losses == [e["loss"] for e in entries]
+    for entry in entries:
+        assert entry["z_loss"] > 0 and 0 <= entry["dropped_fraction"] < 1
+        assert len(entry["expert_load_layers"]) == 2 and min(entry["expert_load_layers"]) >= 1
+
+
+def _bias_worker(rank, world, out):
+    torch.set_num_threads(1)
+    job = tiny_job(
+        out, *DEEPSEEK, "model.router_bias_update_rate=0.01", "train.steps=3", "train.eval_interval=0"
+    )
+    trainer = build_trainer(job, Topology(job.parallel, world, rank))
+    try:
+        trainer.fit()
+    finally:
+        trainer.metrics.close()
+        trainer.checkpointer.close()
+    return [r.score_bias.detach().clone() for r in trainer.model.routers()]
+
+
+@pytest.mark.slow
+def test_score_bias_update_agrees_over_data_parallel_replicas(tmp_path):
+    """dp=2: each replica routes its half of the batch, and the update follows the load summed over both, so
+    the replicas keep one bias, the one a single process makes from the whole batch."""
+    from tests.parallel._dist import spawn
+
+    two = spawn(2, _bias_worker, str(tmp_path / "dp2"))
+    one = _bias_worker(0, 1, str(tmp_path / "dp1"))
+    assert any(b.any() for b in one)
+    for replica in two:
+        assert all(torch.equal(a, b) for a, b in zip(replica, one, strict=True))
 
 
 @pytest.mark.slow

@@ -1,0 +1,388 @@
+"""Calibrate a cluster profile by measuring this machine (tools/calibrate.py).
+
+Measures matmul throughput over shapes and dtypes, fused attention, memory copy bandwidth, kernel launch
+overhead, host copies and a host Adam step on the device; then, per backend (gloo; nccl where there are
+GPUs enough) and group size, all-reduce, all-gather, reduce-scatter and point-to-point times over message
+sizes between local processes, each fitted as time = alpha + bytes * beta. `profile_of` turns the
+measurements into a cluster YAML structure whose every constant names this run as its source, with the raw
+tables kept under `calibration`. Torch is imported lazily (the planner itself runs without it).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from llmtrain.planner.profile import _best_time, _ram_gb, _result_of
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send")
+"""The operations timed per backend and group size (send: a ping-pong between the first two ranks)."""
+GEMM_SHAPES_GPU = ((4096, 4096, 4096), (8192, 8192, 2048), (2048, 8192, 8192), (16384, 4096, 1024))
+GEMM_SHAPES_CPU = ((512, 512, 512), (1024, 1024, 1024), (2048, 512, 2048))
+"""(m, n, k) of the timed matmuls: square, and the wide/deep shapes transformer projections have."""
+
+
+@dataclass(frozen=True)
+class LinkFit:
+    """time(bytes) = alpha_s + bytes / bytes_per_s of one operation, backend and group size."""
+
+    backend: str
+    op: str
+    group: int
+    alpha_s: float
+    bytes_per_s: float
+    points: tuple[tuple[int, float], ...]
+    """(bytes per rank's full buffer, median seconds) as measured."""
+
+
+@dataclass
+class Measurements:
+    """Everything one calibration run measured on this machine."""
+
+    device: str
+    device_kind: str
+    """cpu or cuda."""
+    devices: int
+    """Processes (GPUs) per node the profile describes."""
+    memory_gb: float
+    gemm_tflops: dict[str, dict[str, float]]
+    """dtype -> "MxNxK" -> achieved TFLOP/s."""
+    attention_tflops: float
+    memory_bandwidth_gbs: float
+    launch_us: float
+    host_bandwidth_gbs: float
+    host_adam_gparams: float
+    links: list[LinkFit] = field(default_factory=list)
+
+    def peak(self, dtype: str) -> float:
+        """The best achieved matmul TFLOP/s of a dtype."""
+        return max(self.gemm_tflops[dtype].values())
+
+
+def fit_alpha_beta(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """Least-squares (alpha seconds, bytes per second) of time = alpha + bytes / bandwidth; alpha >= 0."""
+    n = len(points)
+    if n < 2:
+        raise ValueError(f"fitting alpha and beta needs at least 2 message sizes; got {n}")
+    mx = sum(p[0] for p in points) / n
+    my = sum(p[1] for p in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    beta = sum((x - mx) * (y - my) for x, y in points) / sxx if sxx else 0.0
+    beta = max(beta, 1e-15)  # a flat line: bandwidth beyond what was measured
+    return max(my - beta * mx, 0.0), 1.0 / beta
+
+
+def _sync(kind: str) -> None:
+    if kind == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def measure_gemms(kind: str, dtypes: tuple[str, ...], seconds: float) -> dict[str, dict[str, float]]:
+    """Achieved TFLOP/s of each shape in each dtype."""
+    import torch
+
+    from llmtrain.precision import torch_dtype
+
+    shapes = GEMM_SHAPES_GPU if kind == "cuda" else GEMM_SHAPES_CPU
+    out: dict[str, dict[str, float]] = {}
+    for dtype in dtypes:
+        out[dtype] = {}
+        for m, n, k in shapes:
+            a = torch.randn(m, k, dtype=torch_dtype(dtype), device=kind)
+            b = torch.randn(k, n, dtype=torch_dtype(dtype), device=kind)
+
+            def run(a=a, b=b) -> None:
+                torch.mm(a, b)
+                _sync(kind)
+
+            out[dtype][f"{m}x{n}x{k}"] = 2 * m * n * k / _best_time(run, seconds / len(shapes)) / 1e12
+    return out
+
+
+def measure_attention_tflops(kind: str, dtype: str, seconds: float) -> float:
+    """Forward plus backward TFLOP/s of torch's fused attention (causal; FLOPs counted over the full square,
+    as llmtrain.planner.flops does)."""
+    import torch
+    import torch.nn.functional as F
+
+    from llmtrain.precision import torch_dtype
+
+    b, heads, s, d = (4, 16, 2048, 128) if kind == "cuda" else (1, 4, 512, 64)
+    q, k, v = (
+        torch.randn(b, heads, s, d, dtype=torch_dtype(dtype), device=kind, requires_grad=True)
+        for _ in range(3)
+    )
+
+    def run() -> None:
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+        _sync(kind)
+
+    return 3 * 4 * b * heads * s * s * d / _best_time(run, seconds) / 1e12
+
+
+def measure_launch_us(kind: str, seconds: float) -> float:
+    """Microseconds per tiny kernel issued back to back (launch and tail; the Python call included)."""
+    import torch
+
+    x = torch.zeros(1, device=kind)
+    reps = 200
+
+    def run() -> None:
+        for _ in range(reps):
+            x.add_(1.0)
+        _sync(kind)
+
+    return _best_time(run, seconds) / reps * 1e6
+
+
+def measure_host(kind: str, seconds: float) -> tuple[float, float]:
+    """(device-host copy GB/s, billions of parameters per second of a host Adam step)."""
+    import torch
+
+    params = torch.zeros(2**22)
+    params.grad = torch.randn_like(params)
+    adam = torch.optim.Adam([params], lr=1e-3, foreach=True)
+    adam.step()
+    adam_rate = params.numel() / _best_time(adam.step, seconds) / 1e9
+    if kind == "cpu":
+        from llmtrain.planner.profile import measure_memory_bandwidth_gbs
+
+        return measure_memory_bandwidth_gbs("cpu", seconds=seconds), adam_rate
+    host = torch.empty(2**26, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty_like(host, device=kind)
+
+    def copy() -> None:
+        dev.copy_(host, non_blocking=True)
+        _sync(kind)
+
+    return host.numel() / _best_time(copy, seconds) / 1e9, adam_rate
+
+
+# ---------------------------------------------------------------------------------------------- links
+
+
+def _collective_worker(
+    rank: int, world: int, port: int, backend: str, sizes: tuple[int, ...], reps: int, out: Any
+) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    device = "cpu"
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        device = f"cuda:{rank}"
+    # Newer torch renamed the flat-tensor collectives (as llmtrain.parallel.comm).
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    store = dist.TCPStore("127.0.0.1", port, None, is_master=False)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world)
+    try:
+        result: dict[str, list[tuple[int, float]]] = {op: [] for op in COLLECTIVES}
+        for nbytes in sizes:
+            full = torch.zeros(max(nbytes // 4 // world, 1) * world, device=device)
+            part = torch.zeros(full.numel() // world, device=device)
+            calls = {
+                "all_reduce": lambda full=full: dist.all_reduce(full),
+                "all_gather": lambda full=full, part=part: gather(full, part),
+                "reduce_scatter": lambda full=full, part=part: scatter(part, full),
+                "send": lambda full=full: _ping(dist, full, rank),
+            }
+            for op, call in calls.items():
+                call()  # warm-up: connections and buffers
+                dist.barrier()
+                # A fixed count, not a time limit: every rank must run the same number of collectives.
+                times = []
+                for _ in range(reps):
+                    start = time.perf_counter()
+                    call()
+                    if backend == "nccl":
+                        torch.cuda.synchronize()
+                    times.append(time.perf_counter() - start)
+                dist.barrier()
+                # A ping-pong moves the buffer twice: one send is half of it.
+                median = statistics.median(times) / (2 if op == "send" else 1)
+                result[op].append((full.numel() * 4, median))
+        if rank == 0:
+            out.put(result)
+    finally:
+        dist.destroy_process_group()
+
+
+def _ping(dist: Any, t: Any, rank: int) -> None:
+    """Rank 0 sends `t` to rank 1 and receives it back; the others wait at no cost."""
+    if rank == 0:
+        dist.send(t, 1)
+        dist.recv(t, 1)
+    elif rank == 1:
+        dist.recv(t, 0)
+        dist.send(t, 0)
+
+
+def measure_links(backend: str, group: int, sizes: tuple[int, ...], reps: int) -> list[LinkFit]:
+    """Time every collective of COLLECTIVES between `group` local processes over message `sizes` (bytes of
+    the full buffer), each fitted as alpha + bytes / bandwidth."""
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False)
+    args = (group, store.port, backend, sizes, reps, queue)
+    procs = [ctx.Process(target=_collective_worker, args=(r, *args)) for r in range(group)]
+    for p in procs:
+        p.start()
+    try:
+        raw = _result_of(procs, queue)
+    except BaseException:
+        for p in procs:
+            p.kill()  # a surviving peer waits for the dead one forever
+        raise
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+    fits = []
+    for op, points in raw.items():
+        alpha, bandwidth = fit_alpha_beta(points)
+        fits.append(LinkFit(backend, op, group, alpha, bandwidth, tuple(points)))
+    return fits
+
+
+# ---------------------------------------------------------------------------------------------- profile
+
+
+def measure(
+    devices: int = 2,
+    group_sizes: tuple[int, ...] = (2, 4),
+    sizes: tuple[int, ...] = (2**12, 2**16, 2**20, 2**23),
+    reps: int = 10,
+    seconds: float = 0.3,
+) -> Measurements:
+    """Measure this machine: its compute with `devices` processes (GPUs) per node, and its links."""
+    import torch
+
+    if torch.cuda.is_available():
+        kind, name = "cuda", torch.cuda.get_device_name(0)
+        memory_gb = torch.cuda.get_device_properties(0).total_memory / 2**30
+        devices = min(devices, torch.cuda.device_count())
+        dtypes: tuple[str, ...] = ("fp32", "bf16", "fp16")
+    else:
+        kind, name = "cpu", f"cpu-{os.cpu_count()}-cores"
+        memory_gb = _ram_gb() / devices
+        dtypes = ("fp32", "bf16")
+    from llmtrain.planner.profile import measure_memory_bandwidth_gbs
+
+    host_gbs, adam = measure_host(kind, seconds)
+    result = Measurements(
+        device=name,
+        device_kind=kind,
+        devices=devices,
+        memory_gb=memory_gb,
+        gemm_tflops=measure_gemms(kind, dtypes, seconds),
+        attention_tflops=measure_attention_tflops(kind, "bf16" if kind == "cuda" else "fp32", seconds),
+        memory_bandwidth_gbs=measure_memory_bandwidth_gbs(kind, seconds=seconds),
+        launch_us=measure_launch_us(kind, seconds),
+        host_bandwidth_gbs=host_gbs,
+        host_adam_gparams=adam,
+    )
+    backends = ["gloo"] + (["nccl"] if kind == "cuda" and dist_has_nccl() else [])
+    for backend in backends:
+        for group in group_sizes:
+            if backend == "nccl" and group > torch.cuda.device_count():
+                continue
+            result.links += measure_links(backend, group, sizes, reps)
+    return result
+
+
+def dist_has_nccl() -> bool:
+    """Whether torch.distributed was built with NCCL."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_nccl_available()
+
+
+def link_of(m: Measurements) -> tuple[dict[str, float], str]:
+    """The intra-node Link (per-device bandwidth, alpha) the cost model's all-reduce formula needs to
+    reproduce the measured all-reduce of the profile's group size (ring: 2(p-1)/p bytes/bw + 2(p-1)
+    alpha), on the fastest backend measured; and its provenance."""
+    fits = [f for f in m.links if f.op == "all_reduce"]
+    if not fits:
+        raise ValueError("no all-reduce was measured; measure at least one group size")
+    size = min((f.group for f in fits), key=lambda g: abs(g - m.devices))
+    best = max((f for f in fits if f.group == size), key=lambda f: f.bytes_per_s)
+    p = best.group
+    bandwidth = 2 * (p - 1) / p * best.bytes_per_s
+    latency = best.alpha_s / (2 * (p - 1))
+    link = {
+        "bandwidth_gbs": round(bandwidth / 1e9, 4),
+        "latency_us": round(latency * 1e6, 2),
+        "efficiency": 1.0,
+    }
+    return link, f"{best.backend} all-reduce over {p} local processes"
+
+
+def profile_of(m: Measurements, when: str | None = None) -> dict[str, Any]:
+    """The cluster YAML structure of a calibration: one node of `m.devices` devices; every constant's
+    source names this run."""
+    when = when or datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    run = f"calibration run: tools/calibrate.py on {platform.node() or 'this machine'} ({m.device}), {when}"
+    cpu = m.device_kind == "cpu"
+    share = m.devices if cpu else 1  # processes on one CPU share its cores and memory bandwidth
+    peaks = {dtype: round(m.peak(dtype) / share, 4) for dtype in m.gemm_tflops}
+    link, how = link_of(m)
+    name = m.device
+    d = f"devices.{name}"
+    device = {
+        "peak_tflops": peaks,
+        "memory_gb": round(m.memory_gb, 2),
+        "memory_bandwidth_gbs": round(m.memory_bandwidth_gbs / share, 2),
+        "gemm_efficiency": 1.0,
+        "memory_efficiency": 1.0,
+        "attention_efficiency": round(min(m.attention_tflops / max(peaks.values()) * share, 1.0), 3),
+        "kernel_overhead_us": round(m.launch_us, 2),
+        "reserved_gb": 0.5 if cpu else 2.0,
+        "host_bandwidth_gbs": round(m.host_bandwidth_gbs / share, 2),
+        "host_adam_gparams": round(m.host_adam_gparams / share, 4),
+    }
+    shared = f" per process ({m.devices} share this machine)" if cpu and m.devices > 1 else ""
+    sources = {
+        f"{d}.peak_tflops": f"{run}: best matmul TFLOP/s per dtype over the shapes of calibration.gemm_tflops"
+        + shared,
+        f"{d}.memory_gb": f"{run}: " + ("RAM" + shared if cpu else "the device's total memory"),
+        f"{d}.memory_bandwidth_gbs": f"{run}: copy bandwidth (read + write) of a 256 MiB buffer" + shared,
+        f"{d}.gemm_efficiency": f"{run}: 1 (peak_tflops is the achieved best, not a datasheet figure)",
+        f"{d}.memory_efficiency": f"{run}: 1 (memory_bandwidth_gbs is the achieved copy bandwidth)",
+        f"{d}.attention_efficiency": f"{run}: fused attention forward+backward TFLOP/s over peak_tflops",
+        f"{d}.kernel_overhead_us": f"{run}: time per tiny kernel issued back to back",
+        f"{d}.reserved_gb": "assumption (not measured): runtime context and library workspaces",
+        f"{d}.host_bandwidth_gbs": f"{run}: "
+        + ("the device is the host: copy bandwidth" if cpu else "pinned host-to-device copy of 64 MiB"),
+        f"{d}.host_adam_gparams": f"{run}: torch Adam (foreach) step over 4M fp32 parameters on the host"
+        + shared,
+        "links.intra_node.bandwidth_gbs": f"{run}: {how}, fitted alpha-beta (calibration.links)",
+        "links.intra_node.latency_us": f"{run}: {how}, fitted alpha-beta (calibration.links)",
+        "links.intra_node.efficiency": f"{run}: 1 (the bandwidth is the achieved one)",
+        "links.inter_node.bandwidth_gbs": "not measured (one machine): the intra-node link's",
+        "links.inter_node.latency_us": "not measured (one machine): the intra-node link's",
+        "links.inter_node.efficiency": "not measured (one machine): the intra-node link's",
+    }
+    raw = asdict(m)
+    raw["links"] = [
+        {k: (list(map(list, v)) if k == "points" else v) for k, v in asdict(f).items()} for f in m.links
+    ]
+    return {
+        "name": f"calibrated-{name}",
+        "description": f"{run}; tools/plan.py --cluster reads it",
+        "devices": {name: device},
+        "nodes": [{"count": 1, "devices_per_node": m.devices, "device": name, "intra_link": "intra_node"}],
+        "links": {"intra_node": link, "inter_node": dict(link)},
+        "sources": sources,
+        "calibration": raw,
+    }

@@ -1,0 +1,132 @@
+"""The communication one training step issues on one rank, as the cost model counts it.
+
+Each entry is an operation (all_reduce, all_gather, reduce_scatter, send), the parallel dimensions of its
+group that have more than one rank ("tp", "dp", "tp+pp", ...), the group's size and the bytes of the full
+buffer (the all-reduced tensor, the all-gather's output, the reduce-scatter's input, the sent tensor).
+tests/planner/test_collectives.py traces what the trainer issues on gloo and compares the two.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llmtrain.config.schema import ModelConfig
+
+
+@dataclass(frozen=True)
+class Comm:
+    """One collective or send of a rank: operation, group dimensions, group size and full-buffer bytes."""
+
+    op: str
+    group: str
+    size: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class PassComms:
+    """The collectives of one layer (or stage extra) for one micro-batch, in its forward and its backward."""
+
+    fwd: tuple[Comm, ...] = ()
+    bwd: tuple[Comm, ...] = ()
+
+
+COLUMN_PARALLEL_PER_LAYER = 4
+"""Column-parallel linears fed by a layer's two TP regions: q, k and v (separate projections) after the
+input norm, the (fused gate-up, or up) projection after the post-attention norm. Under sequence parallelism
+each keeps only the sequence shard of its input and all-gathers it again in the backward
+(llmtrain.parallel.tensor_parallel._LinearSavingShard)."""
+
+
+def _gather_scatter(tp: int, activation: int) -> tuple[Comm, Comm]:
+    return Comm("all_gather", "tp", tp, activation), Comm("reduce_scatter", "tp", tp, activation)
+
+
+def tp_layer(tp: int, activation: int, sp: bool, recompute: str) -> PassComms:
+    """One transformer layer's TP collectives on an `activation`-byte (b*s*h) input.
+
+    Without SP: the region entries all-reduce the input gradient in the backward (2) and the region exits
+    (o_proj, down_proj) all-reduce the output in the forward (2). With SP: the entries all-gather the
+    sequence in the forward and reduce-scatter its gradient in the backward, the exits reduce-scatter in
+    the forward and all-gather the gradient in the backward, and the 4 column-parallel linears re-gather
+    their input in the backward: 2 all-gathers + 2 reduce-scatters forward, 6 + 2 backward. Full
+    recomputation runs the forward's collectives again in the backward."""
+    if tp == 1:
+        return PassComms()
+    if sp:
+        gather, scatter = (
+            Comm("all_gather", "tp", tp, activation),
+            Comm("reduce_scatter", "tp", tp, activation),
+        )
+        fwd = (gather,) * 2 + (scatter,) * 2
+        bwd = (gather,) * (2 + COLUMN_PARALLEL_PER_LAYER) + (scatter,) * 2
+    else:
+        fwd = bwd = (Comm("all_reduce", "tp", tp, activation),) * 2
+    return PassComms(fwd, fwd + bwd if recompute == "full" else bwd)
+
+
+def tp_embedding(tp: int, activation: int, sp: bool) -> PassComms:
+    """The vocab-parallel embedding: its output summed over TP (reduce-scattered with SP, whose backward
+    all-gathers the gradient)."""
+    if tp == 1:
+        return PassComms()
+    if sp:
+        return PassComms(
+            (Comm("reduce_scatter", "tp", tp, activation),), (Comm("all_gather", "tp", tp, activation),)
+        )
+    return PassComms((Comm("all_reduce", "tp", tp, activation),))
+
+
+def tp_head(tp: int, activation: int, tokens: int, sp: bool) -> PassComms:
+    """Final norm into the vocab-parallel output layer, and the vocab-parallel cross-entropy: the region
+    entry as in a layer (one column-parallel linear) plus the loss's two fp32 all-reduces (row max; sum of
+    exponentials with the target logit) of b*s rows."""
+    if tp == 1:
+        return PassComms()
+    loss = (Comm("all_reduce", "tp", tp, 4 * tokens), Comm("all_reduce", "tp", tp, 8 * tokens))
+    if sp:
+        gather, scatter = (
+            Comm("all_gather", "tp", tp, activation),
+            Comm("reduce_scatter", "tp", tp, activation),
+        )
+        return PassComms((gather, *loss), (gather, scatter))
+    return PassComms(loss, (Comm("all_reduce", "tp", tp, activation),))
+
+
+def group_name(dims: tuple[str, ...], sizes: dict[str, int]) -> str:
+    """A group's name: the dimensions it spans that have more than one rank, in tp, pp, dp order."""
+    return "+".join(d for d in ("tp", "pp", "dp") if d in dims and sizes[d] > 1)
+
+
+def buckets(numel: int, bucket_numel: int) -> int:
+    """Buckets of a flat gradient buffer of `numel` elements filled to at least `bucket_numel` each.
+
+    The trainer closes a bucket at the first parameter that takes it to `bucket_numel` or more
+    (llmtrain.parallel.data_parallel.GradBuffers), so its buckets exceed the size by less than one
+    parameter, the last holds the rest; counted here as numel // bucket_numel (at least 1) equal buckets.
+    """
+    return max(1, numel // bucket_numel)
+
+
+def rank_parameters(model: ModelConfig, tp: int, layers: int, first: bool, last: bool) -> tuple[int, int]:
+    """(parameters, of which TP-replicated under sequence parallelism) one TP rank holds for `layers`
+    layers plus the embedding (`first`) and the final norm and untied output layer (`last`): q heads,
+    MLP columns and vocabulary rows split over tp, each rank holding max(kv/tp, 1) kv heads; norms, the
+    row-parallel biases and the learned position table replicated."""
+    h, d, f, v = model.hidden_size, model.head_size, model.ffn_size, model.vocab_size
+    a, kv = model.num_attention_heads // tp, max(model.kv_heads // tp, 1)
+    norm = 2 * h if model.arch == "gpt" else h
+    gated = model.arch != "gpt"
+    attn = h * (a + 2 * kv) * d + a * d * h + ((a + 2 * kv) * d if model.bias else 0)
+    mlp = (3 if gated else 2) * h * f // tp + (((2 if gated else 1) * f // tp) if model.bias else 0)
+    replicated_layer = 2 * norm + (2 * h if model.bias else 0)
+    total = layers * (attn + mlp + replicated_layer)
+    replicated = layers * replicated_layer
+    if first:
+        positions = model.max_positions * h if model.arch == "gpt" else 0
+        total += v // tp * h + positions
+        replicated += positions
+    if last:
+        total += norm + (0 if model.tied_embeddings and first else v // tp * h)
+        replicated += norm
+    return total, replicated

@@ -1,0 +1,86 @@
+"""tools/calibrate.py: the alpha-beta fit, the profile it writes (every constant sourced, read back by the
+planner, reproducing the measured all-reduce), and one quick run end to end."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from llmtrain.config.errors import ConfigError
+from llmtrain.planner.calibration import LinkFit, Measurements, fit_alpha_beta, profile_of
+from llmtrain.planner.cluster import cluster_from_dict, load_cluster
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _tool(name: str):  # noqa: ANN202 (a module)
+    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _measurements() -> Measurements:
+    """A made-up CPU calibration: 2 processes, all-reduce of 2 ranks at 50 us + bytes / 1 GB/s."""
+    points = tuple((n, 50e-6 + n / 1e9) for n in (2**12, 2**16, 2**20))
+    return Measurements(
+        device="cpu-8-cores",
+        device_kind="cpu",
+        devices=2,
+        memory_gb=16.0,
+        gemm_tflops={"fp32": {"512x512x512": 0.2, "1024x1024x1024": 0.4}, "bf16": {"512x512x512": 0.1}},
+        attention_tflops=0.1,
+        memory_bandwidth_gbs=20.0,
+        launch_us=3.0,
+        host_bandwidth_gbs=20.0,
+        host_adam_gparams=0.05,
+        links=[LinkFit("gloo", "all_reduce", 2, 50e-6, 1e9, points)],
+    )
+
+
+def test_alpha_beta_fit_recovers_a_line_and_needs_two_sizes():
+    alpha, bandwidth = fit_alpha_beta([(n, 20e-6 + n / 5e9) for n in (1000, 10**6, 10**7)])
+    assert alpha == pytest.approx(20e-6) and bandwidth == pytest.approx(5e9)
+    with pytest.raises(ValueError, match="at least 2 message sizes"):
+        fit_alpha_beta([(1000, 1.0)])
+
+
+def test_the_profile_names_this_run_for_every_constant_and_reproduces_the_all_reduce():
+    profile = profile_of(_measurements(), when="2026-01-01 00:00 UTC")
+    cluster = cluster_from_dict(profile, "calibrated.yaml")
+    assert cluster.unsourced() == []
+    measured = [k for k, v in cluster.sources.items() if v.startswith("calibration run")]
+    assert "devices.cpu-8-cores.peak_tflops" in measured and "links.intra_node.latency_us" in measured
+    view = cluster.view(2)
+    # Two processes share the CPU: each gets half the best matmul rate and half the copy bandwidth.
+    assert view.device.peak_tflops["fp32"] == pytest.approx(0.2)
+    assert view.device.memory_bandwidth_gbs == pytest.approx(10.0)
+    for nbytes in (2**12, 2**20):
+        assert view.all_reduce(nbytes, 2) == pytest.approx(50e-6 + nbytes / 1e9)
+
+
+def test_calibrate_refuses_to_replace_a_file_and_bad_group_sizes(tmp_path):
+    calibrate = _tool("calibrate")
+    existing = tmp_path / "c.yaml"
+    existing.write_text("x")
+    with pytest.raises(ConfigError, match="already exists"):
+        calibrate.main(["--output", str(existing)])
+    with pytest.raises(ConfigError, match="--group-sizes entry at least 2"):
+        calibrate.main(["--output", str(tmp_path / "d.yaml"), "--group-sizes", "1"])
+
+
+@pytest.mark.slow  # gloo groups of 2 processes, about a minute on 2 busy cores
+def test_a_quick_calibration_is_a_cluster_the_planner_plans_on(tmp_path, capsys):
+    out = tmp_path / "calibrated.yaml"
+    assert _tool("calibrate").main(["--output", str(out), "--quick", "--group-sizes", "2"]) == 0
+    cluster = load_cluster(out)
+    assert cluster.unsourced() == [] and cluster.view(2).intra.bandwidth_gbs > 0
+    plan = _tool("plan")
+    config = str(REPO / "configs/llama-small.yaml")
+    assert plan.main(["--config", config, "--cluster", str(out), "--gpus", "2", "--json", "--top", "1"]) == 0
+    printed = capsys.readouterr().out
+    best = json.loads(printed[printed.index("\n[") + 1 :])[0]
+    assert best["step_time_s"] > 0 and best["tp"] * best["pp"] * best["dp"] == 2

@@ -1,0 +1,141 @@
+"""The cost model's collectives (CostModel.collectives) against those one real training step issues on gloo.
+
+Each case trains two steps of a tiny model on 2 or 4 processes, records the second step's torch.distributed
+traffic (tests/planner/_trace.py) and compares it, per rank, with the planner's list for that rank's
+pipeline stage: tensor- and pipeline-parallel traffic exactly (operation, group, bytes, count); the
+data-parallel gradient buckets by total bytes per operation (the trainer closes buckets on parameter
+boundaries, the model splits the same bytes into equal buckets: collectives.buckets), up to the padding of
+each bucket to a multiple of dp elements.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from llmtrain import models
+from llmtrain.parallel import Topology, apply_recompute, apply_tp, build_optimizer, grad_sync, parallelize
+from llmtrain.pipeline.executor import build_pipeline
+from llmtrain.planner import CostModel, Workload, load_cluster
+from llmtrain.planner.collectives import Comm
+from llmtrain.planner.cost_model import Layout, Software
+from tests.parallel._dist import batches, spawn, tiny_job
+from tests.planner._trace import Tracer
+
+pytestmark = pytest.mark.slow
+
+GRAD_OPS = ("all_reduce", "reduce_scatter", "all_gather", "send")
+
+
+def _traced_step(rank: int, world: int, arch: str, overrides: dict) -> tuple[int, Counter[Comm]]:
+    """(pipeline rank, the collectives of the second training step) of this rank."""
+    job = tiny_job(arch, **overrides)
+    topo = Topology(job.parallel, world, rank)
+    model = models.empty_model(job.model, device="meta")
+    pipelined = topo.pp > 1
+    if pipelined:
+        apply_tp(model, topo, job.parallel.sequence_parallel, job.train.seed)
+        apply_recompute(model, job.model.recompute)
+        model, executor = build_pipeline(model, topo, job)
+    else:
+        parallelize(model, topo, job)
+    opt = build_optimizer(model, topo, job)
+    tracer = Tracer(topo)
+    micro = job.train.micro_batch_size
+    for step, batch in enumerate(batches(job, 2)):
+        mine = list(batch.chunk(topo.dp)[topo.dp_rank].split(micro))
+        tracer.enabled = step == 1
+        with tracer.recording():
+            opt.zero_grad()
+            if pipelined:
+                executor.run(mine)
+            else:
+                for i, mb in enumerate(mine):
+                    with grad_sync(model, i == len(mine) - 1):
+                        opt.backward(model(mb[:, :-1], mb[:, 1:]) / len(mine))
+            opt.step(1e-3)
+    return topo.pp_rank, tracer.counts()
+
+
+def _predicted(arch: str, overrides: dict, world: int, pp_rank: int) -> Counter[Comm]:
+    job = tiny_job(arch, **overrides)
+    p = job.parallel
+    layout = Layout(
+        tp=p.tp, pp=p.pp, dp=world // (p.tp * p.pp), micro_batch=job.train.micro_batch_size,
+        virtual_stages=p.virtual_stages, schedule=p.schedule, recompute=job.model.recompute,
+        sequence_parallel=p.sequence_parallel, zero_stage=p.zero_stage,
+    )  # fmt: skip
+    work = Workload(job.model, job.train.global_batch_size, job.train.precision, p.dp_bucket_mb)
+    cost = CostModel(work, load_cluster("a100-80gb").view(world), Software(gloo_shard_exchange=True))
+    return cost.collectives(layout, pp_rank)
+
+
+def _split(counts: Counter[Comm], buckets: bool) -> tuple[Counter[Comm], dict[str, int]]:
+    """(everything but the data-parallel buckets, the buckets' total bytes per operation); without
+    `buckets` everything is compared exactly."""
+    exact: Counter[Comm] = Counter()
+    totals: dict[str, int] = {}
+    for c, n in counts.items():
+        if buckets and c.group == "dp" and c.op in GRAD_OPS and c.nbytes > 8:
+            totals[c.op] = totals.get(c.op, 0) + c.nbytes * n
+        else:
+            exact[c] = n
+    return exact, totals
+
+
+def _check(arch: str, world: int, overrides: dict, bucket_slack: int | None = None) -> None:
+    """Traced against predicted on every rank; `bucket_slack`: compare gradient buckets by total bytes,
+    to within that many bytes."""
+    for pp_rank, traced in spawn(world, _traced_step, arch, overrides):
+        predicted = _predicted(arch, overrides, world, pp_rank)
+        got, got_totals = _split(traced, bucket_slack is not None)
+        want, want_totals = _split(predicted, bucket_slack is not None)
+        assert got == want, f"pp rank {pp_rank}: traced {sorted(got.items(), key=str)}\n" \
+            f"predicted {sorted(want.items(), key=str)}"  # fmt: skip
+        assert got_totals.keys() == want_totals.keys()
+        for op, total in got_totals.items():
+            assert abs(total - want_totals[op]) <= (bucket_slack or 0), (op, total, want_totals[op])
+
+
+@pytest.mark.parametrize(
+    "arch,world,overrides",
+    [
+        ("llama", 2, dict(tp=2)),
+        ("gpt", 2, dict(tp=2, recompute="full")),
+        ("llama", 2, dict(tp=2, sequence_parallel=True)),
+        ("gpt", 2, dict(tp=2, sequence_parallel=True, recompute="full")),
+        ("gpt", 2, dict(pp=2)),
+        ("llama", 2, dict(pp=2, schedule="interleaved_1f1b", virtual_stages=2, num_layers=4)),
+        ("llama", 4, dict(tp=2, pp=2, schedule="zb_h1", sequence_parallel=True)),
+    ],
+    ids=[
+        "tp",
+        "tp-full-recompute",
+        "tp-sp",
+        "tp-sp-full-recompute",
+        "pp-1f1b-tied",
+        "pp-interleaved",
+        "zb_h1-tp-sp",
+    ],
+)
+def test_model_parallel_collectives_match_the_trace(arch: str, world: int, overrides: dict) -> None:
+    _check(arch, world, overrides)
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_data_parallel_bytes_match_the_trace(zero: int) -> None:
+    # Each of the ~10 buckets is padded to a multiple of dp=2 elements (4 bytes each, fp32 gradients).
+    _check("llama", 2, dict(dp=2, zero_stage=zero), bucket_slack=2 * 4 * 2 * 16)
+
+
+@pytest.mark.parametrize(
+    "arch,zero,overrides",
+    [("llama", 2, {}), ("llama", 3, {}), ("gpt", 3, {}), ("llama", 3, dict(tp=2, sequence_parallel=True))],
+    ids=["zero2", "zero3", "zero3-gpt-tied", "zero3-tp-sp"],
+)
+def test_fsdp_collectives_match_the_trace(arch: str, zero: int, overrides: dict) -> None:
+    # FSDP2 units (blocks, embedding, output layer, root) are counted exactly: gathers per micro-batch,
+    # one reduce-scatter per step.
+    world = 2 * overrides.get("tp", 1)
+    _check(arch, world, dict(overrides, dp=2, zero_stage=zero))
