@@ -18,7 +18,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from llmtrain.planner.profile import _best_time, _ram_gb, _result_of
+from llmtrain.planner.profile import _best_time, _ram_gb, run_local_workers
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send")
 """The operations timed per backend and group size (send: a ping-pong between the first two ranks)."""
@@ -229,25 +229,7 @@ def _ping(dist: Any, t: Any, rank: int) -> None:
 def measure_links(backend: str, group: int, sizes: tuple[int, ...], reps: int) -> list[LinkFit]:
     """Time every collective of COLLECTIVES between `group` local processes over message `sizes` (bytes of
     the full buffer), each fitted as alpha + bytes / bandwidth."""
-    import torch.distributed as dist
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False)
-    args = (group, store.port, backend, sizes, reps, queue)
-    procs = [ctx.Process(target=_collective_worker, args=(r, *args)) for r in range(group)]
-    for p in procs:
-        p.start()
-    try:
-        raw = _result_of(procs, queue)
-    except BaseException:
-        for p in procs:
-            p.kill()  # a surviving peer waits for the dead one forever
-        raise
-    finally:
-        for p in procs:
-            p.join(timeout=60)
+    raw = run_local_workers(_collective_worker, group, backend, sizes, reps)
     fits = []
     for op, points in raw.items():
         alpha, bandwidth = fit_alpha_beta(points)

@@ -114,7 +114,7 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def _result_of(procs: list[Any], queue: Any) -> dict[str, float]:
+def _result_of(procs: list[Any], queue: Any) -> dict[str, Any]:
     """Rank 0's measurement, or a RuntimeError as soon as a worker dies without one (no blind wait)."""
     while True:
         try:
@@ -123,11 +123,12 @@ def _result_of(procs: list[Any], queue: Any) -> dict[str, float]:
             failed = [p for p in procs if p.exitcode not in (None, 0)]
             if failed or all(p.exitcode == 0 for p in procs):
                 codes = ", ".join(f"{p.name} exit {p.exitcode}" for p in procs)
-                raise RuntimeError(f"the gloo link measurement ended without a result ({codes})") from None
+                raise RuntimeError(f"the link measurement ended without a result ({codes})") from None
 
 
-def measure_gloo(mbytes: int = 16) -> dict[str, float]:
-    """All-reduce and point-to-point latency (us) and bandwidth (GB/s) between 2 local gloo processes."""
+def run_local_workers(target: Any, world: int, *args: Any) -> dict[str, Any]:
+    """Run target(rank, world, store_port, *args, queue) in `world` spawned local processes and return what
+    rank 0 puts on the queue; a worker that dies gets its peers killed and the error raised."""
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
@@ -135,11 +136,11 @@ def measure_gloo(mbytes: int = 16) -> dict[str, float]:
     queue = ctx.Queue()
     # The store binds its port itself (port 0): a port picked free and bound later can be taken meanwhile.
     store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False)
-    procs = [ctx.Process(target=_gloo_worker, args=(r, 2, store.port, mbytes, queue)) for r in range(2)]
+    procs = [ctx.Process(target=target, args=(r, world, store.port, *args, queue)) for r in range(world)]
     for p in procs:
         p.start()
     try:
-        raw = _result_of(procs, queue)
+        return _result_of(procs, queue)
     except BaseException:
         for p in procs:
             p.kill()  # a surviving peer waits for the dead one forever and would block interpreter exit
@@ -147,6 +148,11 @@ def measure_gloo(mbytes: int = 16) -> dict[str, float]:
     finally:
         for p in procs:
             p.join(timeout=60)
+
+
+def measure_gloo(mbytes: int = 16) -> dict[str, float]:
+    """All-reduce and point-to-point latency (us) and bandwidth (GB/s) between 2 local gloo processes."""
+    raw = run_local_workers(_gloo_worker, 2, mbytes)
     size = raw["bytes"]
     # 2-rank ring all-reduce: 2 latencies plus each rank sending half the buffer twice (= the whole buffer).
     ar_latency = raw["ar_small"] / 2
