@@ -27,6 +27,7 @@ while averaging over dp (the cp x dp group of llmtrain.parallel.topology).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -245,7 +246,6 @@ class _RingAttention(torch.autograd.Function):
         dtype = _compute_dtype(q.dtype)
         qg = q.to(dtype).reshape(b, hk, h // hk, s, d)
         q_parts = _chunks(qg)
-        mine = chunk_ids(split.cp, split.rank)
         outs: list[torch.Tensor | None] = [None, None]
         lses: list[torch.Tensor | None] = [None, None]
         kv = torch.stack((k.to(dtype), v.to(dtype)))
@@ -255,14 +255,9 @@ class _RingAttention(torch.autograd.Function):
             if step < split.cp - 1:  # the next block travels while this one is computed
                 pending, received = _exchange(split, [kv], f"ring attention K/V, step {step}")
             k_parts, v_parts = _chunks(kv[0]), _chunks(kv[1])
-            for i, qi in enumerate(mine):
-                for j, kj in enumerate(chunk_ids(split.cp, source)):
-                    kind = pair_kind(qi, kj)
-                    if kind == MASKED:
-                        continue
-                    allowed = _allowed(documents, qi, kj, s // 2)
-                    o, lo = block_attention(q_parts[i], k_parts[j], v_parts[j], scale, kind, allowed)
-                    outs[i], lses[i] = _merge(outs[i], lses[i], o, lo)
+            for i, j, kind, allowed in _visible_pairs(split, source, documents, s // 2):
+                o, lo = block_attention(q_parts[i], k_parts[j], v_parts[j], scale, kind, allowed)
+                outs[i], lses[i] = _merge(outs[i], lses[i], o, lo)
             for work in pending:
                 work.wait()
             if pending:
@@ -288,7 +283,6 @@ class _RingAttention(torch.autograd.Function):
         lse_parts, delta_parts = lse.chunk(2, dim=-1), delta.chunk(2, dim=-1)
         dq = torch.zeros_like(qg)
         dq_parts = _chunks(dq)
-        mine = chunk_ids(split.cp, split.rank)
         kv = torch.stack((k.to(dtype), v.to(dtype)))
         dkv: torch.Tensor | None = None  # gradient of the block in hand, from the ranks it has visited
         for step in range(split.cp):
@@ -302,25 +296,21 @@ class _RingAttention(torch.autograd.Function):
             own = torch.zeros_like(kv)
             k_parts, v_parts = _chunks(kv[0]), _chunks(kv[1])
             dk_parts, dv_parts = _chunks(own[0]), _chunks(own[1])
-            for i, qi in enumerate(mine):
-                for j, kj in enumerate(chunk_ids(split.cp, source)):
-                    kind = pair_kind(qi, kj)
-                    if kind == MASKED:
-                        continue
-                    dq_ij, dk_ij, dv_ij = block_attention_grads(
-                        q_parts[i],
-                        k_parts[j],
-                        v_parts[j],
-                        do_parts[i],
-                        lse_parts[i],
-                        delta_parts[i],
-                        scale,
-                        kind,
-                        _allowed(documents, qi, kj, s // 2),
-                    )
-                    dq_parts[i].add_(dq_ij)
-                    dk_parts[j].add_(dk_ij)
-                    dv_parts[j].add_(dv_ij)
+            for i, j, kind, allowed in _visible_pairs(split, source, documents, s // 2):
+                dq_ij, dk_ij, dv_ij = block_attention_grads(
+                    q_parts[i],
+                    k_parts[j],
+                    v_parts[j],
+                    do_parts[i],
+                    lse_parts[i],
+                    delta_parts[i],
+                    scale,
+                    kind,
+                    allowed,
+                )
+                dq_parts[i].add_(dq_ij)
+                dk_parts[j].add_(dk_ij)
+                dv_parts[j].add_(dv_ij)
             for work in pending:
                 work.wait()
             if step < split.cp - 1:
@@ -333,6 +323,18 @@ class _RingAttention(torch.autograd.Function):
         dkv = received[0]
         dq = dq.reshape(b, h, s, d).to(q.dtype)
         return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+
+
+def _visible_pairs(
+    split: ContextSplit, source: int, documents: torch.Tensor | None, size: int
+) -> Iterator[tuple[int, int, str, torch.Tensor | None]]:
+    """(local query chunk, source key chunk, pair kind, same-document mask) of every pair of this rank's
+    query chunks with `source`'s key chunks that the causal mask leaves anything of."""
+    for i, qi in enumerate(chunk_ids(split.cp, split.rank)):
+        for j, kj in enumerate(chunk_ids(split.cp, source)):
+            kind = pair_kind(qi, kj)
+            if kind != MASKED:
+                yield i, j, kind, _allowed(documents, qi, kj, size)
 
 
 def _allowed(documents: torch.Tensor | None, q_chunk: int, kv_chunk: int, size: int) -> torch.Tensor | None:
