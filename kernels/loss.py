@@ -44,6 +44,18 @@ def _row_max_and_sum(base, V, BLOCK_V: tl.constexpr):
 
 
 @triton.jit
+def _write_row_grad(src, dst, V, lse, local, scale, BLOCK_V: tl.constexpr):
+    """d(loss)/d(logits) of one row: (softmax - onehot(local)) * scale, read from `src`, written to `dst`
+    (the same row when the gradient overwrites the logits)."""
+    for start in range(0, V, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        ok = cols < V
+        x = tl.load(src + cols, mask=ok, other=0.0).to(tl.float32)
+        g = (tl.exp(x - lse) - tl.where(cols == local, 1.0, 0.0)) * scale
+        tl.store(dst + cols, g.to(dst.dtype.element_ty), mask=ok)
+
+
+@triton.jit
 def _ce_fwd_kernel(
     LOGITS,
     TARGET,
@@ -85,12 +97,7 @@ def _ce_bwd_kernel(
     lse = tl.load(LSE + row)
     scale = tl.load(SCALE + row)
     local = tl.load(TARGET + row) - vocab_start
-    for start in range(0, V, BLOCK_V):
-        cols = start + tl.arange(0, BLOCK_V)
-        ok = cols < V
-        x = tl.load(base + cols, mask=ok, other=0.0).to(tl.float32)
-        g = (tl.exp(x - lse) - tl.where(cols == local, 1.0, 0.0)) * scale
-        tl.store(dbase + cols, g.to(DLOGITS.dtype.element_ty), mask=ok)
+    _write_row_grad(base, dbase, V, lse, local, scale, BLOCK_V)
 
 
 def _block_v(v: int) -> int:
@@ -239,12 +246,7 @@ def _flce_rows_kernel(
     if WRITE_GRAD:
         # valid * (1 / count): NaN for every row when nothing is valid (0 * inf), as the PyTorch step.
         scale = tl.where(valid, 1.0, 0.0) * tl.load(INV_COUNT)
-        for start in range(0, V, BLOCK_V):
-            cols = start + tl.arange(0, BLOCK_V)
-            ok = cols < V
-            x = tl.load(base + cols, mask=ok, other=0.0).to(tl.float32)
-            g = (tl.exp(x - lse) - tl.where(cols == tgt, 1.0, 0.0)) * scale
-            tl.store(base + cols, g.to(LOGITS.dtype.element_ty), mask=ok)
+        _write_row_grad(base, base, V, lse, tgt, scale, BLOCK_V)
 
 
 @triton.jit
