@@ -184,6 +184,11 @@ def _worker(rank: int, world: int, port: int, fn: Callable[..., Any], args: tupl
         result = RuntimeError(f"rank {rank}:\n{traceback.format_exc()}")
     with open(f"{out}.{rank}", "wb") as f:
         pickle.dump(result, f)
+    if not isinstance(result, Exception):
+        # Tear the group down together: a rank that leaves first closes its gloo connections while a peer
+        # may still be finishing work on them (seen as SIGABRT, "terminate called without an active
+        # exception"); gloo's barrier also waits for this rank's earlier work on the group.
+        dist.barrier()
     dist.destroy_process_group()
 
 
