@@ -569,7 +569,6 @@ def context_parallel_problem(job: JobConfig) -> str:
         (p.zero_stage >= 2, f"parallel.zero_stage={p.zero_stage}", "parallel.zero_stage 0 or 1"),
         (p.engine == "deepspeed", "parallel.engine=deepspeed", "parallel.engine=llmtrain"),
         (job.train.precision == "fp8", "train.precision=fp8", "train.precision bf16 or fp32"),
-        (p.auto, "parallel.auto=true (the planner does not know cp yet)", "explicit degrees"),
     ]
     for is_set, setting, fix in unsupported:
         if is_set:

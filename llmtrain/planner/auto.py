@@ -8,7 +8,13 @@ from typing import Any
 from llmtrain.config.errors import ConfigError
 from llmtrain.config.schema import JobConfig
 from llmtrain.planner.cluster import Cluster, load_cluster
-from llmtrain.planner.cost_model import Estimate, Layout, sharding_overrides
+from llmtrain.planner.cost_model import (
+    TRAINER_HAS_EP,
+    Estimate,
+    Layout,
+    parallel_overrides,
+    sharding_overrides,
+)
 from llmtrain.planner.search import plan_job
 
 
@@ -24,6 +30,7 @@ def layout_overrides(layout: Layout) -> dict[str, Any]:
         "parallel.zero_stage": layout.zero_stage,
         "train.micro_batch_size": layout.micro_batch,
         "model.recompute": layout.recompute,
+        **parallel_overrides(layout),
         **sharding_overrides(layout),
     }
 
@@ -52,7 +59,9 @@ def plan_for_world(
         cluster = local_cluster(world_size)
     elif not isinstance(cluster, Cluster):
         cluster = load_cluster(cluster)
-    result = plan_job(job, cluster, world_size, top=5)
+    # Expert parallelism is planned only once the trainer runs it (parallel.ep).
+    fixed = {} if TRAINER_HAS_EP else {"ep": 1}
+    result = plan_job(job, cluster, world_size, fixed=fixed, top=5)
     fitting = result.fitting()
     if not fitting:
         raise ConfigError(

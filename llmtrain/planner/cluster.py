@@ -245,6 +245,14 @@ class ClusterView:
 
     reduce_scatter = all_gather
 
+    def all_to_all(self, nbytes: float, size: int, stride: int = 1) -> float:
+        """Seconds for an all-to-all of `nbytes` per rank in equal pieces: each rank sends (size-1)/size of
+        its buffer, one piece per peer, and receives as much."""
+        if size <= 1 or nbytes <= 0:
+            return 0.0
+        bw, alpha, _ = self._path(size, stride)
+        return (size - 1) / size * nbytes / bw + (size - 1) * alpha
+
     def p2p(self, nbytes: float, cross_node: bool, parallel: int = 1) -> float:
         """Seconds for a point-to-point send of `nbytes`, `parallel` senders of one node sharing the work."""
         link = self.inter if cross_node else self.intra

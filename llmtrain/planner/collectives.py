@@ -8,6 +8,7 @@ tests/planner/test_collectives.py traces what the trainer issues on gloo and com
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from llmtrain.config.schema import ModelConfig
@@ -93,9 +94,55 @@ def tp_head(tp: int, activation: int, tokens: int, sp: bool) -> PassComms:
     return PassComms(loss, (Comm("all_reduce", "tp", tp, activation),))
 
 
+RING_BYTES = 4
+"""Bytes per element ring attention sends: it computes, and passes K/V and dK/dV around, in at least fp32
+(llmtrain.parallel.context_parallel._compute_dtype)."""
+
+
+def cp_kv_heads(kv_heads: int, cp: int) -> int:
+    """K/V heads an all-to-all scatters over cp ranks: repeated up to a multiple of cp when fewer divide
+    (llmtrain.parallel.context_parallel.replicate_kv_heads)."""
+    return kv_heads if kv_heads % cp == 0 else kv_heads * (cp // math.gcd(kv_heads, cp))
+
+
+def cp_layer(
+    cp: int, comm: str, tokens: int, heads: int, kv_heads: int, head_dim: int, act_bytes: int, recompute: str
+) -> PassComms:
+    """One layer's context-parallel traffic for a rank's `tokens` (its share of the micro-batch), `heads`
+    and `kv_heads` of one TP rank.
+
+    ring: the rank's K/V block (fp32) goes to the next CP rank at each of the cp - 1 forward steps; the
+    backward sends it again cp - 1 times and the dK/dV that travel with it cp times (the last brings them
+    home): 2cp - 1 sends of one block. all_to_all: q, k, v (K/V heads replicated to a multiple of cp) and
+    the output, each one all-to-all of the rank's tokens x heads, in the forward and again in the
+    backward. Recomputation (selective: the attention core; full: the layer) repeats the forward's."""
+    if cp == 1:
+        return PassComms()
+    if comm == "ring":
+        send = Comm("send", "cp", 2, 2 * tokens * kv_heads * head_dim * RING_BYTES)
+        fwd, bwd = (send,) * (cp - 1), (send,) * (2 * cp - 1)
+    else:
+        q = Comm("all_to_all", "cp", cp, tokens * heads * head_dim * act_bytes)
+        kv = Comm("all_to_all", "cp", cp, tokens * cp_kv_heads(kv_heads, cp) * head_dim * act_bytes)
+        fwd = bwd = (q, kv, kv, q)
+    return PassComms(fwd, fwd + bwd if recompute != "none" else bwd)
+
+
+def cp_loss(cp: int) -> PassComms:
+    """The loss of a context-parallel micro-batch: its labelled-token count and each rank's weighted share
+    summed over the CP group (fp32 scalars; llmtrain.parallel.context_parallel.ContextSplit.reduce_loss)."""
+    if cp == 1:
+        return PassComms()
+    return PassComms((Comm("all_reduce", "cp", cp, 4),) * 2)
+
+
+DIMS = ("tp", "cp", "pp", "dp")
+"""The parallel dimensions in the order group names list them."""
+
+
 def group_name(dims: tuple[str, ...], sizes: dict[str, int]) -> str:
-    """A group's name: the dimensions it spans that have more than one rank, in tp, pp, dp order."""
-    return "+".join(d for d in ("tp", "pp", "dp") if d in dims and sizes[d] > 1)
+    """A group's name: the dimensions it spans that have more than one rank, in tp, cp, pp, dp order."""
+    return "+".join(d for d in DIMS if d in dims and sizes.get(d, 1) > 1)
 
 
 def buckets(numel: int, bucket_numel: int) -> int:

@@ -13,6 +13,19 @@ Per transformer layer and micro-batch (b samples of s tokens, on one tensor-para
 - pipeline: per-chunk forward/backward costs (first stage adds the embedding, last the logits and loss) go
   through llmtrain.planner.pipeline_time (the pipeline simulator or its closed forms), with the activation
   send as the point-to-point cost.
+- context parallelism (cp): each rank holds b*s/cp tokens, so projections, MLP and memory-bound kernels run on
+  a cp-th of the tokens and the attention core on a cp-th of the score square (the two mirrored chunks
+  balance the causal mask). ring: the attention runs as PyTorch block matmuls in fp32 (2cp+1 visible chunk
+  pairs of (s/2cp)^2, recomputed in the backward), each step's fp32 K/V transfer overlapped with that step's
+  blocks (exposed: max(0, transfer - compute) per step; the backward also carries dK/dV and sends them
+  home); all_to_all: the fused kernel over the whole sequence for a/cp heads, and 4 all-to-alls (q, k, v,
+  output) of the rank's activation in the forward and 4 in the backward, not overlapped. The gradients are
+  reduced over dp x cp (collectives.cp_layer and tests/planner/test_collectives.py, traced).
+- mixture of experts: routed experts' matmuls run on top-k rows per token (times Software.moe_imbalance, the
+  busiest rank's load over the mean) spread over the E/ep experts of the rank, plus the router and shared
+  experts; expert parallelism (ep ranks carved out of dp) adds a dispatch and a combine all-to-all of
+  tokens x top-k x hidden per MoE layer in the forward and again in the backward, on the links the ep group
+  spans; routed experts' gradients are reduced over the expert-data-parallel group (dp x cp / ep).
 - data parallelism: gradient all-reduce (ZeRO-0) or reduce-scatter plus parameter all-gather (ZeRO-1) over
   the DP group, overlapped with the last micro-batch's backward when the framework overlaps it; then the
   optimizer step, memory-bound over the rank's (sharded) fp32 state.
@@ -24,17 +37,26 @@ rank times the in-flight micro-batches of the schedule; communication buffers; t
 from __future__ import annotations
 
 import functools
+import itertools
 from collections import Counter
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 
-from llmtrain.config.schema import JobConfig, ModelConfig
-from llmtrain.config.validate import pipeline_problem, tensor_parallel_problem
+from llmtrain.config.errors import ConfigError
+from llmtrain.config.schema import JobConfig, ModelConfig, ParallelConfig, TrainConfig
+from llmtrain.config.validate import (
+    context_parallel_problem,
+    moe_problem,
+    pipeline_problem,
+    tensor_parallel_problem,
+)
 from llmtrain.planner import collectives as C
 from llmtrain.planner import flops as F
 from llmtrain.planner.cluster import ClusterView
 from llmtrain.planner.memory import (
     MemoryBreakdown,
     activation_bytes_per_layer,
+    expert_shard_group,
+    layer_parameters,
     rank_memory,
     shard_group,
     sharding_problem,
@@ -44,6 +66,9 @@ from llmtrain.planner.pipeline_time import PipelineTime, pipeline_time
 
 GIB = 2.0**30
 SCHEDULES = ("1f1b", "interleaved_1f1b", "zb_h1", "gpipe")
+TRAINER_HAS_EP = "ep" in {f.name for f in fields(ParallelConfig)}
+"""Whether the trainer's config has parallel.ep yet: the planner models expert parallelism either way, but
+only writes it into a config (--write, parallel.auto) once the trainer can run it."""
 
 
 @dataclass(frozen=True)
@@ -63,10 +88,16 @@ class Layout:
     """Hybrid sharding (HSDP): ranks the state is sharded over inside dp, replicated across; None = dp."""
     offload: str = "none"
     """CPU offload: none, optimizer (state and gradient shard) or optimizer+params (zero 3)."""
+    cp: int = 1
+    """Context-parallel degree (each sequence split over cp ranks)."""
+    cp_comm: str = "ring"
+    """Context-parallel attention: ring or all_to_all."""
+    ep: int = 1
+    """Expert-parallel degree: the routed experts split over ep ranks carved out of dp (ep divides dp)."""
 
     @property
     def gpus(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
 
     def short(self) -> str:
         """Compact one-line description."""
@@ -76,6 +107,8 @@ class Layout:
             f"sp={int(self.sequence_parallel)} zero={self.zero_stage}"
             + (f" shard={self.dp_shard}" if self.dp_shard else "")
             + (f" offload={self.offload}" if self.offload != "none" else "")
+            + (f" cp={self.cp}({self.cp_comm})" if self.cp > 1 else "")
+            + (f" ep={self.ep}" if self.ep > 1 else "")
         )
 
 
@@ -115,6 +148,9 @@ class Software:
     offload: bool = True
     """The framework offloads optimizer state (and ZeRO-3 parameters) to the host (llmtrain: through the
     DeepSpeed engine, which runs data parallelism only: tp=1, pp=1, no hybrid sharding)."""
+    moe_imbalance: float = 1.0
+    """Routed rows of the busiest expert-parallel rank over the mean: an assumption, 1.0 for dropless routing
+    kept balanced by the load-balancing loss; it scales the experts' compute, activations and all-to-alls."""
 
     @classmethod
     def whole_model_init(cls) -> Software:
@@ -182,6 +218,7 @@ class Estimate:
     dp_exposed: float
     """The part of dp_comm not hidden behind the backward."""
     optimizer: float
+    """Optimizer step (and offload transfers)."""
     bubble_fraction: float
     memory: dict[str, float]
     """Bytes on the fullest rank: params, grads, optimizer, activations, gathered, buffers, reserved, steady,
@@ -194,6 +231,11 @@ class Estimate:
     mfu: float
     """Model FLOPs (no recomputation) per second over the GPUs' dense peak."""
     simulated: bool = False
+    cp_comm: float = 0.0
+    """Context-parallel communication on the busiest rank not hidden behind the attention (included in the
+    step)."""
+    ep_comm: float = 0.0
+    """Expert-parallel dispatch and combine all-to-alls on the busiest rank (not overlapped)."""
 
     @property
     def memory_gb(self) -> float:
@@ -216,6 +258,8 @@ class Estimate:
             dp_comm_s=self.dp_comm,
             dp_exposed_s=self.dp_exposed,
             optimizer_s=self.optimizer,
+            cp_comm_s=self.cp_comm,
+            ep_comm_s=self.ep_comm,
             memory_breakdown_gb={k: v / GIB for k, v in self.memory.items()},
             pipeline_timing="simulator" if self.simulated else "closed-form",
         )
@@ -225,13 +269,17 @@ class Estimate:
 @dataclass(frozen=True)
 class _Pass:
     """Costs of one layer (or stage extra) for one micro-batch: forward / backward / weight-grad compute and
-    the TP communication inside them."""
+    the TP communication inside them, and the exposed context- and expert-parallel communication."""
 
     fwd: float
     bwd: float
     wgrad: float
     tp_fwd: float
     tp_bwd: float
+    cp_fwd: float = 0.0
+    cp_bwd: float = 0.0
+    ep_fwd: float = 0.0
+    ep_bwd: float = 0.0
 
 
 class CostModel:
@@ -251,25 +299,27 @@ class CostModel:
         self._model_flops = F.model_flops_per_token(workload.model, workload.seq)
         self._layer = functools.lru_cache(maxsize=None)(self._layer_costs)
         self._extras = functools.lru_cache(maxsize=None)(self._stage_extras)
+        self._config_problem = functools.lru_cache(maxsize=None)(self._trainer_problem)
 
     # ------------------------------------------------------------------------------------ compute
 
-    def _layer_costs(self, tp: int, b: int, sp: bool, recompute: str) -> _Pass:
+    def _layer_costs(
+        self, tp: int, b: int, sp: bool, recompute: str, cp: int = 1, cp_comm: str = "ring", ep: int = 1
+    ) -> _Pass:
         m, dev, prec = self.w.model, self.dev, self.prec
         s, h, d = self.w.seq, m.hidden_size, m.head_size
-        a, kv, f = m.num_attention_heads / tp, max(m.kv_heads / tp, 1), m.ffn_size / tp
-        tok = b * s
-        up = 2 * f if F.is_gated(m) else f
-        gemms = (
-            dev.gemm_time(tok, (a + 2 * kv) * d, h, prec)
-            + dev.gemm_time(tok, h, a * d, prec)
-            + dev.gemm_time(tok, up, h, prec)
-            + dev.gemm_time(tok, h, f, prec)
-        )
+        a, kv = m.num_attention_heads / tp, max(m.kv_heads / tp, 1)
+        tok = b * s // cp  # this context-parallel rank's tokens
+        mlp_gemms, mlp_bytes = self._mlp_costs(tp, tok, ep)
+        gemms = dev.gemm_time(tok, (a + 2 * kv) * d, h, prec) + dev.gemm_time(tok, h, a * d, prec) + mlp_gemms
         # Weight-gradient matmuls have the same sizes as the forward's (dW = X^T dY).
         wgrad = gemms
         e = self.act_bytes
-        if self.sw.flash_attention:
+        ring = cp > 1 and cp_comm == "ring"
+        if ring:
+            core_f, core_b = self._ring_core(tp, b, cp)
+        elif self.sw.flash_attention or cp > 1:
+            # The rank's queries against all keys (all_to_all: all tokens of a/cp heads): a cp-th of it.
             core_flops = 4.0 * tok * s * a * d
             core_f = dev.attention_time(core_flops, prec)
             core_b = 2.5 * dev.attention_time(core_flops, prec)  # flash backward recomputes QK^T: 5 matmuls
@@ -283,9 +333,8 @@ class CostModel:
         # Memory-bound kernels: 2 norms, 2 residual adds (+ dropout), the activation function, rotary.
         nh = tok * h / (tp if sp else 1)
         dropout = 1 if m.hidden_dropout > 0 else 0
-        act = (6 if F.is_gated(m) else 4) * e * tok * f
         rotary = 0 if m.arch == "gpt" else 2 * e * tok * (a + kv) * d
-        elem = dev.memory_time(2 * 2 * e * nh + 2 * (3 * e + dropout) * nh + act + rotary, kernels=6)
+        elem = dev.memory_time(2 * 2 * e * nh + 2 * (3 * e + dropout) * nh + mlp_bytes + rotary, kernels=6)
         fwd = gemms + core_f + elem
         bwd = 2 * gemms + core_b + 2 * elem
         if recompute == "full":
@@ -295,12 +344,94 @@ class CostModel:
         # Tensor-parallel collectives on the b*s*h activation, as the trainer issues them (collectives.py).
         comms = C.tp_layer(tp, e * tok * h, sp, recompute)
         tp_f, tp_b = self._comm_time(comms.fwd), self._comm_time(comms.bwd)
-        return _Pass(fwd, bwd, wgrad, tp_f, tp_b)
+        cp_f, cp_b = self._cp_exposed(tp, tok, cp, cp_comm, recompute, core_f, core_b)
+        ep_f = ep_b = self._ep_time(tp, tok, cp, ep)
+        return _Pass(fwd, bwd, wgrad, tp_f, tp_b, cp_f, cp_b, ep_f, ep_b)
 
-    def _stage_extras(self, tp: int, b: int, sp: bool) -> tuple[_Pass, _Pass]:
+    def _mlp_costs(self, tp: int, tok: int, ep: int) -> tuple[float, float]:
+        """(matmul seconds, bytes of its memory-bound kernels) of the mean layer's MLP on `tok` tokens of a
+        TP rank. A MoE layer: the router, the routed experts on top-k rows per token (times
+        Software.moe_imbalance) spread over the rank's E/ep experts, the shared experts, and the dispatch and
+        combine copies of every routed row; a MoE model's dense and MoE layers are averaged."""
+        m, dev, prec, e = self.w.model, self.dev, self.prec, self.act_bytes
+        h, f = m.hidden_size, m.ffn_size / tp
+        gated = F.is_gated(m)
+        dense = dev.gemm_time(tok, (2 if gated else 1) * f, h, prec) + dev.gemm_time(tok, h, f, prec)
+        dense_bytes = (6 if gated else 4) * e * tok * f
+        moe_layers = F.moe_layer_count(m)
+        if not moe_layers:
+            return dense, dense_bytes
+        fe, local = m.expert_ffn_size / tp, m.num_experts // ep
+        rows = tok * m.num_experts_per_tok * self.sw.moe_imbalance
+        per_expert = rows / local
+        routed = dev.gemm_time(per_expert, 2 * fe, h, prec, batch=local)
+        routed += dev.gemm_time(per_expert, h, fe, prec, batch=local)
+        shared_f = fe * m.num_shared_experts
+        shared = 0.0
+        if shared_f:
+            shared = dev.gemm_time(tok, 2 * shared_f, h, prec) + dev.gemm_time(tok, h, shared_f, prec)
+        moe = dev.gemm_time(tok, m.num_experts, h, prec) + routed + shared
+        moe_bytes = 6 * e * (rows * fe + tok * shared_f) + 2 * 2 * e * rows * h
+        share = moe_layers / m.num_layers
+        return (1 - share) * dense + share * moe, (1 - share) * dense_bytes + share * moe_bytes
+
+    def _ring_core(self, tp: int, b: int, cp: int) -> tuple[float, float]:
+        """(forward, backward) seconds of ring attention's blocks on one rank: 2cp+1 visible pairs of chunks
+        of s/2cp tokens (the diagonal ones computed whole, then masked), each two batched matmuls and the
+        fp32 softmax passes over its scores (write, log-sum-exp, exp, merge); the backward recomputes the
+        scores and runs 4 more matmuls (dV, dP, dQ, dK) and the softmax's gradient. PyTorch computes them in
+        fp32 (llmtrain.parallel.context_parallel), not in a fused kernel."""
+        m, dev = self.w.model, self.dev
+        c, d, heads = self.w.seq / (2 * cp), m.head_size, b * m.num_attention_heads / tp
+        pairs = 2 * cp + 1
+        scores = 4.0 * heads * c * c
+        qk = dev.gemm_time(c, c, d, "fp32", batch=heads)
+        pv = dev.gemm_time(c, d, c, "fp32", batch=heads)
+        fwd = pairs * (qk + pv + dev.memory_time(4 * scores, kernels=4))
+        bwd = pairs * (2 * qk + 3 * pv + dev.memory_time(6 * scores, kernels=5))
+        return fwd, bwd
+
+    def _cp_exposed(
+        self, tp: int, tok: int, cp: int, cp_comm: str, recompute: str, core_f: float, core_b: float
+    ) -> tuple[float, float]:
+        """Context-parallel communication of one layer not hidden behind compute, (forward, backward).
+
+        ring: every step's transfer runs while the step's blocks are computed (core / cp each): the forward's
+        cp - 1 steps send one K/V block, the backward's first and last step one block, the cp - 2 between
+        two (K/V and dK/dV), then dK/dV go home with nothing left to overlap. all_to_all: its collectives
+        (collectives.cp_layer) are waited for. Recomputation repeats the forward's."""
+        if cp == 1:
+            return 0.0, 0.0
+        m = self.w.model
+        comms = C.cp_layer(
+            cp, cp_comm, tok, m.num_attention_heads // tp, max(m.kv_heads // tp, 1), m.head_size,
+            self.act_bytes, recompute,
+        )  # fmt: skip
+        if cp_comm != "ring":
+            fwd = sum(self.c.all_to_all(c.nbytes, cp, tp) for c in comms.fwd)
+            return fwd, sum(self.c.all_to_all(c.nbytes, cp, tp) for c in comms.bwd)
+        t = self.c.p2p(comms.fwd[0].nbytes, self.c.spans_nodes(cp, tp))
+        step_f, step_b = core_f / cp, core_b / cp
+        fwd = (cp - 1) * max(0.0, t - step_f)
+        bwd = 2 * max(0.0, t - step_b) + (cp - 2) * max(0.0, 2 * t - step_b) + t
+        return fwd, bwd + (fwd if recompute != "none" else 0.0)
+
+    def _ep_time(self, tp: int, tok: int, cp: int, ep: int) -> float:
+        """Seconds of the mean layer's expert-parallel all-to-alls in one pass (forward or backward): a
+        dispatch and a combine of the rank's routed rows (top-k per token, times the imbalance) of h
+        elements, over the ep group (ranks tp x cp apart), in the MoE layers."""
+        m = self.w.model
+        moe_layers = F.moe_layer_count(m)
+        if ep == 1 or not moe_layers:
+            return 0.0
+        rows = tok * m.num_experts_per_tok * self.sw.moe_imbalance
+        once = self.c.all_to_all(self.act_bytes * rows * m.hidden_size, ep, tp * cp)
+        return 2 * once * moe_layers / m.num_layers
+
+    def _stage_extras(self, tp: int, b: int, sp: bool, cp: int = 1) -> tuple[_Pass, _Pass]:
         """(first stage: embedding, last stage: final norm, logits and cross-entropy) per micro-batch."""
         m, dev, prec, e = self.w.model, self.dev, self.prec, self.act_bytes
-        tok, h, vocab = b * self.w.seq, m.hidden_size, m.vocab_size / tp
+        tok, h, vocab = b * self.w.seq // cp, m.hidden_size, m.vocab_size / tp
         size = e * tok * h
         emb_f = dev.memory_time(2 * e * tok * h, kernels=2)
         emb = C.tp_embedding(tp, size, sp)
@@ -328,16 +459,21 @@ class CostModel:
         )  # fmt: skip
 
     def _params_on_rank(self, layout: Layout) -> tuple[float, float]:
-        """Parameters on the first and on the last pipeline rank (per TP shard)."""
+        """Parameters on the first and on the last pipeline rank (per TP shard), routed experts apart
+        (_expert_params_on_rank)."""
         p, tp = self.params, layout.tp
         layers = self._max_layers_per_rank(layout)
-        body = layers * p.per_layer / tp
+        body = layers * layer_parameters(self.w.model, tp, layout.ep)[0]
         if layout.pp == 1:
             return body + (p.embedding + p.head + p.final_norm) / tp, body
         head = (
             p.head or self.w.model.vocab_size * self.w.model.hidden_size
         ) / tp  # tied: a copy on the last stage
         return body + p.embedding / tp, body + head + p.final_norm
+
+    def _expert_params_on_rank(self, layout: Layout) -> float:
+        """Routed experts' parameters on the fullest rank (its E/ep experts, per TP shard)."""
+        return self._max_layers_per_rank(layout) * layer_parameters(self.w.model, layout.tp, layout.ep)[1]
 
     def _max_layers_per_rank(self, layout: Layout) -> int:
         chunks = layout.pp * layout.virtual_stages
@@ -368,12 +504,19 @@ class CostModel:
         own restrictions."""
         m, w = self.w.model, self.w
         if layout.gpus != self.c.devices:
-            return f"tp*pp*dp={layout.gpus} != {self.c.devices} GPUs"
+            return f"tp*cp*pp*dp={layout.gpus} != {self.c.devices} GPUs"
         model_rule = tensor_parallel_problem(m, layout.tp, layout.sequence_parallel) or pipeline_problem(
             m.num_layers, layout.pp, layout.virtual_stages, layout.schedule
         )
         if model_rule:
             return model_rule
+        if trainer_rule := self._config_problem(
+            layout.tp, layout.pp, layout.cp, layout.cp_comm, layout.sequence_parallel, layout.zero_stage,
+            layout.offload != "none", layout.recompute,
+        ):  # fmt: skip
+            return trainer_rule
+        if expert_rule := self._expert_problem(layout):
+            return expert_rule
         if w.global_batch % (layout.dp * layout.micro_batch):
             mbdp = layout.micro_batch * layout.dp
             return f"global batch {w.global_batch} not a multiple of micro_batch*dp={mbdp}"
@@ -388,6 +531,38 @@ class CostModel:
             and (w.global_batch // (layout.dp * layout.micro_batch)) % layout.pp
         ):
             return "interleaved_1f1b needs the micro-batches per step to be a multiple of pp"
+        return ""
+
+    def _trainer_problem(
+        self, tp: int, pp: int, cp: int, cp_comm: str, sp: bool, zero: int, offload: bool, recompute: str
+    ) -> str:
+        """What config validation says of a layout's context parallelism and mixture of experts (the rules
+        a training run checks: llmtrain.config.validate), "" if it runs."""
+        m = self.w.model
+        if cp == 1 and not m.is_moe:
+            return ""
+        job = JobConfig(
+            model=replace(m, recompute=recompute),
+            parallel=ParallelConfig(
+                tp=tp, pp=pp, cp=cp, cp_comm=cp_comm, sequence_parallel=sp, zero_stage=zero,  # type: ignore[arg-type]
+                engine="deepspeed" if offload else "llmtrain",
+            ),
+            train=TrainConfig(precision=self.prec),  # type: ignore[arg-type]
+        )  # fmt: skip
+        return context_parallel_problem(job) or moe_problem(job)
+
+    def _expert_problem(self, layout: Layout) -> str:
+        """Why a layout's expert parallelism cannot run ("" if it can): the planner's rule for the design
+        in progress: ep > 1 needs routed experts, ep dividing their number, and ep ranks carved out of dp."""
+        m, ep = self.w.model, layout.ep
+        if ep == 1:
+            return ""
+        if not m.is_moe:
+            return f"ep={ep}: model.arch={m.arch} has no experts (expert parallelism needs a MoE arch)"
+        if m.num_experts % ep:
+            return f"ep={ep} does not divide model.num_experts={m.num_experts}"
+        if layout.dp % ep:
+            return f"ep={ep} does not divide dp={layout.dp} (expert-parallel ranks are data-parallel ranks)"
         return ""
 
     def _data_parallel_time(
@@ -406,7 +581,9 @@ class CostModel:
         gather.
         """
         params = max(self._params_on_rank(layout))
-        z, dp, tp, e, g = layout.zero_stage, layout.dp, layout.tp, self.act_bytes, self.sw.grad_bytes
+        experts = self._expert_params_on_rank(layout)
+        z, tp, e, g = layout.zero_stage, layout.tp, self.act_bytes, self.sw.grad_bytes
+        dp = layout.dp * layout.cp  # context-parallel ranks hold the same parameters: reduced together
         shard = shard_group(layout)
         if z == 0:
             reduce, gather = self.c.all_reduce(params * g, dp, tp), 0.0
@@ -415,12 +592,20 @@ class CostModel:
             if shard < dp:
                 reduce += self.c.all_reduce(params * g / shard, dp // shard, tp * shard)
             gather = self.c.all_gather(params * e, shard, tp)
+        if experts:
+            # Routed experts over the expert-data-parallel group: the ranks ep apart holding the same ones.
+            group, stride, xshard = dp // layout.ep, tp * layout.cp * layout.ep, expert_shard_group(layout)
+            if z == 0:
+                reduce += self.c.all_reduce(experts * g, group, stride)
+            else:
+                reduce += self.c.reduce_scatter(experts * g, xshard, stride)
+                gather += self.c.all_gather(experts * e, xshard, stride)
         reductions = 1
         gathers = num_micro * (2 if z == 3 else 1) if z >= 2 else 1
         reduce, gather = reduce * reductions, gather * gathers if z else 0.0
         if self.sw.dp_overlap and dp > 1:
             # The first bucket (block) of each collective waits for its data; the rest hides behind compute.
-            first = min(self.w.dp_bucket_mb * 2**20 / max(params * g, 1.0), 1.0)
+            first = min(self.w.dp_bucket_mb * 2**20 / max((params + experts) * g, 1.0), 1.0)
             exposed = reductions * max(reduce / reductions - bwd, first * reduce / reductions)
             if z >= 2:
                 exposed += gathers * max(gather / gathers - min(fwd, bwd), first * gather / gathers)
@@ -432,7 +617,7 @@ class CostModel:
                 exposed += gather
         else:
             exposed = reduce + gather
-        local = params / shard
+        local = params / shard + experts / expert_shard_group(layout)
         if layout.offload == "none":
             # Adam: read grad, master, m, v; write master, m, v, the 16-bit weights; plus the grad norm.
             optimizer = self.dev.memory_time(local * (g * 2 + 4 * 6 + e), kernels=4)
@@ -452,12 +637,15 @@ class CostModel:
         back at every stage boundary; per step the loss broadcast from the last stage, the tied embedding's
         gradient sum, the SP-replicated gradients' all-reduce over TP, the gradient norm's all-reduce, and
         the data-parallel gradient reduction (and ZeRO-1 parameter gather) over the gradient buffer's
-        buckets (collectives.buckets: the same bytes, the bucket count an estimate)."""
-        m, tp, pp, v, dp = self.w.model, layout.tp, layout.pp, layout.virtual_stages, layout.dp
+        buckets (collectives.buckets: the same bytes, the bucket count an estimate). Under context
+        parallelism each layer adds its ring sends or all-to-alls (collectives.cp_layer), the last stage the
+        loss's sums over cp, and the gradients are reduced over dp x cp. Expert parallelism is not listed
+        (the trainer has none yet to trace)."""
+        m, tp, pp, v, dp, cp = self.w.model, layout.tp, layout.pp, layout.virtual_stages, layout.dp, layout.cp
         sp, e, b = layout.sequence_parallel, self.act_bytes, layout.micro_batch
-        sizes = {"tp": tp, "pp": pp, "dp": dp}
+        sizes = {"tp": tp, "cp": cp, "pp": pp, "dp": dp}
         num_micro = self.w.global_batch // (dp * b)
-        tok = b * self.w.seq
+        tok = b * self.w.seq // cp
         activation = e * tok * m.hidden_size
         stages = stage_layers(m, pp * v, self.sw.balance_stages)
         out: Counter[C.Comm] = Counter()
@@ -467,17 +655,21 @@ class CostModel:
                 out[c] += times
 
         layer = C.tp_layer(tp, activation, sp, layout.recompute)
+        context = C.cp_layer(
+            cp, layout.cp_comm, tok, m.num_attention_heads // tp, max(m.kv_heads // tp, 1), m.head_size, e,
+            layout.recompute,
+        )  # fmt: skip
         numel = replicated = 0
         for chunk in range(v):
             stage = chunk * pp + pp_rank
             first, last = stage == 0, stage == pp * v - 1
-            add(layer.fwd + layer.bwd, num_micro * stages[stage])
+            add(layer.fwd + layer.bwd + context.fwd + context.bwd, num_micro * stages[stage])
             if first:
                 emb = C.tp_embedding(tp, activation, sp)
                 add(emb.fwd + emb.bwd, num_micro)
             if last:
                 head = C.tp_head(tp, activation, tok, sp)
-                add(head.fwd + head.bwd, num_micro)
+                add(head.fwd + head.bwd + C.cp_loss(cp).fwd, num_micro)
             sends = num_micro * ((not last) + (not first))
             if sends:
                 out[C.Comm("send", "pp", 2, activation // (tp if sp else 1))] += sends
@@ -492,12 +684,12 @@ class CostModel:
             # FSDP2 sums this rank's shards of them (dim 0 split over dp; exact when it divides).
             shards = dp if layout.zero_stage >= 2 else 1
             out[C.Comm("all_reduce", "tp", tp, 4 * replicated // shards)] += 1
-        sharded_norm = layout.zero_stage >= 1 and dp > 1
-        norm_dims = ("tp", "pp", "dp") if sharded_norm else ("tp", "pp")
-        norm_size = tp * pp * (dp if sharded_norm else 1)
+        sharded_norm = layout.zero_stage >= 1 and dp * cp > 1
+        norm_dims = ("tp", "cp", "pp", "dp") if sharded_norm else ("tp", "pp")
+        norm_size = tp * pp * (dp * cp if sharded_norm else 1)
         if norm_size > 1:
             out[C.Comm("all_reduce", C.group_name(norm_dims, sizes), norm_size, 8)] += 1
-        if dp > 1:
+        if dp * cp > 1:
             for comm, times in self._dp_collectives(layout, numel, v, pp_rank).items():
                 out[comm] += times
         return out
@@ -508,20 +700,27 @@ class CostModel:
         parameters, on gloo by point-to-point exchange of the shards with each peer (Software.
         gloo_shard_exchange); zero 2/3 (FSDP2) gather each unit's parameters at every micro-batch's forward
         (zero 3 again in its backward) and reduce-scatter its gradients once per step (gradient sync is off
-        for every micro-batch but the last)."""
-        dp, g, e = layout.dp, self.sw.grad_bytes, self.act_bytes
-        num_micro = self.w.global_batch // (dp * layout.micro_batch)
+        for every micro-batch but the last). The group is dp x cp (the CP ranks hold the same parameters);
+        the gloo exchange's sends are named by the dimensions in which each peer differs."""
+        g, e, cp = self.sw.grad_bytes, self.act_bytes, layout.cp
+        dp = layout.dp * cp
+        sizes = {"cp": cp, "dp": layout.dp}
+        group = C.group_name(("cp", "dp"), sizes)
+        num_micro = self.w.global_batch // (layout.dp * layout.micro_batch)
         count = C.buckets(numel // chunks, int(self.w.dp_bucket_mb * 2**20 / 4)) * chunks
         bucket = numel // count
         out: Counter[C.Comm] = Counter()
         if layout.zero_stage == 0:
-            out[C.Comm("all_reduce", "dp", dp, bucket * g)] = count
+            out[C.Comm("all_reduce", group, dp, bucket * g)] = count
         elif layout.zero_stage == 1 and self.sw.gloo_shard_exchange:
-            out[C.Comm("send", "dp", 2, bucket * g // dp)] = count * (dp - 1)
-            out[C.Comm("send", "dp", 2, bucket * e // dp)] += count * (dp - 1)
+            for c, d in itertools.product(range(cp), range(layout.dp)):
+                if c or d:
+                    peer = C.group_name(tuple(n for n, i in (("cp", c), ("dp", d)) if i), sizes)
+                    out[C.Comm("send", peer, 2, bucket * g // dp)] += count
+                    out[C.Comm("send", peer, 2, bucket * e // dp)] += count
         elif layout.zero_stage == 1:
-            out[C.Comm("reduce_scatter", "dp", dp, bucket * g)] = count
-            out[C.Comm("all_gather", "dp", dp, bucket * e)] = count
+            out[C.Comm("reduce_scatter", group, dp, bucket * g)] = count
+            out[C.Comm("all_gather", group, dp, bucket * e)] = count
         else:
             for unit, reshard in self._fsdp_units(layout, pp_rank):
                 out[C.Comm("all_gather", "dp", dp, unit * e)] += num_micro * (2 if reshard else 1)
@@ -580,16 +779,21 @@ class CostModel:
             raise ValueError(f"layout {layout.short()} is invalid: {why}")
         tp, pp, v, b = layout.tp, layout.pp, layout.virtual_stages, layout.micro_batch
         num_micro = self.w.global_batch // (layout.dp * b)
-        layer = self._layer(tp, b, layout.sequence_parallel, layout.recompute)
-        first, last = self._extras(tp, b, layout.sequence_parallel)
+        cp = layout.cp
+        layer = self._layer(
+            tp, b, layout.sequence_parallel, layout.recompute, cp, layout.cp_comm, layout.ep
+        )
+        first, last = self._extras(tp, b, layout.sequence_parallel, cp)
         chunks = pp * v
         # Per-rank per-chunk costs, from the trainer's stage split (even, or balanced by FLOPs).
         stages = stage_layers(self.w.model, chunks, self.sw.balance_stages)
-        fwd, bwd, wgt, tpc = [], [], [], []
+        fwd, bwd, wgt, tpc, cpc, epc = [], [], [], [], [], []
         for r in range(pp):
             n = sum(stages[c * pp + r] for c in range(v)) / v
-            f = n * (layer.fwd + layer.tp_fwd)
-            bk = n * (layer.bwd + layer.tp_bwd)
+            f = n * (layer.fwd + layer.tp_fwd + layer.cp_fwd + layer.ep_fwd)
+            bk = n * (layer.bwd + layer.tp_bwd + layer.cp_bwd + layer.ep_bwd)
+            cpc.append(n * (layer.cp_fwd + layer.cp_bwd))
+            epc.append(n * (layer.ep_fwd + layer.ep_bwd))
             wg = n * layer.wgrad
             tcomm = n * (layer.tp_fwd + layer.tp_bwd)
             if r == 0:
@@ -605,9 +809,9 @@ class CostModel:
             bwd.append(bk)
             wgt.append(min(wg, bk))
             tpc.append(tcomm)
-        send = self.act_bytes * b * self.w.seq * self.w.model.hidden_size
+        send = self.act_bytes * b * self.w.seq // cp * self.w.model.hidden_size
         split = layout.sequence_parallel or self.sw.p2p_scatter_gather
-        cross = self.c.spans_nodes(pp, tp * layout.dp)
+        cross = self.c.spans_nodes(pp, tp * cp * layout.dp)
         p2p = self.c.p2p(send / (tp if split else 1), cross) if pp > 1 else 0.0
         if split and not layout.sequence_parallel and tp > 1 and pp > 1:
             p2p += self.c.all_gather(send, tp)  # scatter/gather re-assembles the activation over NVLink
@@ -617,7 +821,8 @@ class CostModel:
 
         busiest = max(range(pp), key=lambda r: fwd[r] + bwd[r])
         tp_total = num_micro * v * tpc[busiest]
-        compute = pipe.busy - tp_total
+        cp_total, ep_total = num_micro * v * cpc[busiest], num_micro * v * epc[busiest]
+        compute = pipe.busy - tp_total - cp_total - ep_total
 
         dp_comm, exposed, optimizer = self._data_parallel_time(layout, num_micro, fwd[0] * v, bwd[0] * v)
         step = pipe.step_time + exposed + optimizer
@@ -647,6 +852,8 @@ class CostModel:
             tflops_per_gpu=executed / step / gpus / 1e12,
             mfu=model_flops / step / gpus / self.dev.peak_flops(self.prec),
             simulated=pipe.simulated,
+            cp_comm=cp_total,
+            ep_comm=ep_total,
         )
 
 
@@ -662,11 +869,27 @@ def sharding_overrides(layout: Layout) -> dict[str, object]:
     return out
 
 
+def parallel_overrides(layout: Layout) -> dict[str, object]:
+    """The config overrides of a layout's context and expert parallelism: cp and cp_comm, and ep once the
+    trainer has it (TRAINER_HAS_EP; a layout with ep > 1 before then raises ConfigError)."""
+    out: dict[str, object] = {"parallel.cp": layout.cp, "parallel.cp_comm": layout.cp_comm}
+    if TRAINER_HAS_EP:
+        out["parallel.ep"] = layout.ep
+    elif layout.ep > 1:
+        raise ConfigError(
+            f"layout {layout.short()} uses expert parallelism, which this trainer does not run yet "
+            "(no parallel.ep); plan with --evaluate parallel.ep=1"
+        )
+    return out
+
+
 def with_layout(job: JobConfig, layout: Layout, global_batch: int | None = None) -> JobConfig:
     """A copy of `job` running `layout` (and `global_batch` if given): what --write produces."""
     model = replace(job.model, recompute=layout.recompute)
+    context = {key.removeprefix("parallel."): value for key, value in parallel_overrides(layout).items()}
     parallel = replace(
         job.parallel,
+        **context,  # type: ignore[arg-type]
         dp_shard=layout.dp_shard,
         engine="deepspeed" if layout.offload != "none" else job.parallel.engine,
         offload=layout.offload,
@@ -688,23 +911,27 @@ def with_layout(job: JobConfig, layout: Layout, global_batch: int | None = None)
 
 
 def layout_of_job(job: JobConfig, gpus: int, fixed: dict[str, object] | None = None) -> Layout:
-    """The layout `job` runs on `gpus` devices (dp = gpus / (tp * pp)), with the `fixed` settings (Layout
-    field names, as parse_fixed gives them) replacing the config's."""
+    """The layout `job` runs on `gpus` devices (dp = gpus / (tp * cp * pp)), with the `fixed` settings
+    (Layout field names, as parse_fixed gives them) replacing the config's."""
     p = job.parallel
+    model_parallel = p.tp * p.cp * p.pp
     layout = Layout(
         tp=p.tp,
         pp=p.pp,
-        dp=max(gpus // (p.tp * p.pp), 1),
+        dp=max(gpus // model_parallel, 1),
         micro_batch=job.train.micro_batch_size,
         virtual_stages=p.virtual_stages,
         schedule=p.schedule,
         recompute=job.model.recompute,
         sequence_parallel=p.sequence_parallel,
         zero_stage=p.zero_stage,
-        dp_shard=None if p.dp_shard in (None, gpus // (p.tp * p.pp)) else p.dp_shard,  # dp_shard = dp: plain
+        dp_shard=None if p.dp_shard in (None, gpus // model_parallel) else p.dp_shard,  # = dp: plain
         offload=p.offload,
+        cp=p.cp,
+        cp_comm=p.cp_comm,
+        ep=getattr(p, "ep", 1),  # parallel.ep: once the trainer has it (TRAINER_HAS_EP)
     )
     layout = replace(layout, **(fixed or {}))
     if "dp" not in (fixed or {}):
-        layout = replace(layout, dp=max(gpus // (layout.tp * layout.pp), 1))
+        layout = replace(layout, dp=max(gpus // (layout.tp * layout.cp * layout.pp), 1))
     return layout

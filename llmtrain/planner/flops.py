@@ -11,8 +11,8 @@ Architecture facts that change the counts: grouped-query attention (k/v projecti
 gated MLPs (gate and up projections: 3 matrices of h x ffn), LayerNorm (weight and bias, gpt) versus RMSNorm
 (weight only), learned position table (gpt), tied input/output embeddings. A mixture-of-experts layer counts
 the FLOPs its tokens run (router, top-k experts, shared experts) and holds every expert's parameters; the
-per-layer figures are those of a dense layer, MoE layers' differences going to the totals (the planner's
-layer-uniform memory model does not cover MoE, which runs unsplit only).
+per-layer figures are those of a dense layer, MoE layers' differences going to the totals; the routed experts'
+parameters (what expert parallelism shards) are counted apart by expert_parameters.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def layer_flops_per_token(model: ModelConfig, seq_length: int | None = None) -> 
     )
     mlp_mats = 3 if is_gated(model) else 2
     mlp = 2.0 * mlp_mats * h * f
-    moe_layers = sum(model.is_moe_layer(i) for i in range(model.num_layers))
+    moe_layers = moe_layer_count(model)
     if moe_layers:
         # The mean layer's: the router's scores, then the top-k and the shared experts' gated MLPs.
         active = model.num_experts_per_tok + model.num_shared_experts
@@ -171,11 +171,23 @@ def parameter_counts(model: ModelConfig) -> ParamCounts:
     # MoE: router, experts and shared experts (no biases) instead of the dense MLP; qwen3_moe's q/k norms.
     experts = model.num_experts + model.num_shared_experts
     moe_mlp = model.num_experts * h + 3 * h * model.expert_ffn_size * experts
-    moe_layers = sum(model.is_moe_layer(i) for i in range(model.num_layers))
+    moe_layers = moe_layer_count(model)
     qk_norm = 2 * d if model.arch == "qwen3_moe" else 0
     return ParamCounts(
         attn + mlp + 2 * norm + qk_norm, embedding, head, norm, model.num_layers, moe_layers * (moe_mlp - mlp)
     )
+
+
+def moe_layer_count(model: ModelConfig) -> int:
+    """Blocks with routed experts instead of a dense MLP (0 for a dense arch)."""
+    return sum(model.is_moe_layer(i) for i in range(model.num_layers))
+
+
+def expert_parameters(model: ModelConfig) -> int:
+    """Parameters of the routed experts of all MoE layers (gated MLPs of expert_ffn_size, no biases): what
+    expert parallelism divides over its ranks; routers and shared experts stay replicated."""
+    per_expert = 3 * model.hidden_size * model.expert_ffn_size
+    return moe_layer_count(model) * model.num_experts * per_expert
 
 
 def num_parameters(model: ModelConfig) -> int:

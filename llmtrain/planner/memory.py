@@ -144,12 +144,17 @@ def activation_bytes_per_layer(
     sp: bool,
     recompute: str,
     fused_kernels: bool = True,
+    ring_attention: bool = False,
+    moe_imbalance: float = 1.0,
 ) -> float:
-    """Saved activations of one layer for one micro-batch (Korthikanti et al. 2022, generalised).
+    """Saved activations of one layer for one micro-batch of `seq` tokens (a context-parallel rank's share
+    of the sequence under cp) (Korthikanti et al. 2022, generalised).
 
     With the fused kernels a norm saves its input and a gated MLP its gate and up projections; the PyTorch
     reference ops (fused_kernels false) also save RMSNorm's normalised input (x * rstd, for the weight's
-    gradient) and silu/gelu(gate) (for the product's gradient): one more h and f per token.
+    gradient) and silu/gelu(gate) (for the product's gradient): one more h and f per token. Ring attention
+    (context parallelism) also keeps its output in fp32 and the fp32 log-sum-exp of every row. A MoE model's
+    layer is the larger of its dense and its MoE layers (moe_mlp_saved_per_token).
     """
     m, e, s = model, act_bytes, seq
     h, d = m.hidden_size, m.head_size
@@ -165,11 +170,38 @@ def activation_bytes_per_layer(
     # Split over TP: Q, K, V, attention output (out-proj input), MLP intermediates.
     # gated: gate+up output and the product (down-projection input); unfused also the activated gate
     mlp = ((3 if fused_kernels else 4) * f * e) if F.is_gated(m) else 2 * f * e
-    split = s * b * ((a + 2 * kv_local) * d * e + a * d * e + mlp)
+    if m.is_moe:
+        mlp = max(mlp, moe_mlp_saved_per_token(m, e, fused_kernels, moe_imbalance))
+    ring = (4 * a * d + 4 * a) if ring_attention else 0
+    split = s * b * ((a + 2 * kv_local) * d * e + a * d * e + mlp + ring)
     if not flash_attention and recompute != "selective":
         drop = m.attention_dropout > 0
         split += a * s * s * b * (e + (1 + e if drop else 0))  # softmax output (+ dropout mask and output)
     return replicated / (tp if sp else 1) + split / tp
+
+
+def moe_mlp_saved_per_token(
+    model: ModelConfig, act_bytes: int, fused_kernels: bool, imbalance: float
+) -> float:
+    """Bytes a MoE layer's MLP saves per token of the rank (before the TP split): the router's fp32 logits
+    and probabilities, then per routed row (top-k per token, times the load `imbalance` of the busiest rank)
+    the dispatched input and the expert's output (kept for the routing weight's gradient) and the gated
+    MLP's intermediates, and the shared experts' intermediates per token."""
+    m, e = model, act_bytes
+    f = m.expert_ffn_size
+    gated = (3 if fused_kernels else 4) * f * e
+    routed = m.num_experts_per_tok * imbalance * (2 * m.hidden_size * e + gated)
+    return 2 * 4 * m.num_experts + routed + m.num_shared_experts * gated
+
+
+def layer_parameters(model: ModelConfig, tp: int, ep: int) -> tuple[float, float]:
+    """(replicated, routed-expert) parameters of the mean layer on one TP rank: a MoE model's routers and
+    shared experts are averaged over its layers with the replicated part; its routed experts are divided
+    over the ep ranks too (and, as the MLP, over tp)."""
+    counts = F.parameter_counts(model)
+    experts = F.expert_parameters(model)
+    replicated = (counts.per_layer + (counts.moe_extra - experts) / model.num_layers) / tp
+    return replicated, experts / model.num_layers / (tp * ep)
 
 
 def stage_layers(model: ModelConfig, num_stages: int, balance: bool) -> tuple[int, ...]:
@@ -230,10 +262,17 @@ def doubled_shard(model: ModelConfig, tp: int, group: int) -> float:
 
 
 def shard_group(layout: Layout) -> int:
-    """Ranks the model state is sharded over: 1 at zero 0, dp_shard (hybrid) or dp otherwise."""
+    """Ranks the model state is sharded over: 1 at zero 0, dp_shard (hybrid) or dp x cp otherwise (context
+    parallel ranks hold the same parameters as data-parallel ones: llmtrain.parallel.topology)."""
     if layout.zero_stage == 0:
         return 1
-    return layout.dp_shard or layout.dp
+    return layout.dp_shard or layout.dp * layout.cp
+
+
+def expert_shard_group(layout: Layout) -> int:
+    """Ranks the routed experts' state is sharded over: the expert-data-parallel group, the shard group's
+    ranks that hold the same experts (shard_group / ep)."""
+    return max(shard_group(layout) // layout.ep, 1)
 
 
 def sharding_problem(layout: Layout) -> str:
@@ -262,12 +301,15 @@ def sharding_problem(layout: Layout) -> str:
     return ""
 
 
-def state_bytes(params: float, layout: Layout, precision: str, grad_bytes: int) -> dict[str, float]:
-    """Device bytes of parameters, gradients and optimizer state of `params` parameters, and the host
-    bytes offload moves off the device (see the module docstring's table)."""
+def state_bytes(
+    params: float, layout: Layout, precision: str, grad_bytes: int, shard: int | None = None
+) -> dict[str, float]:
+    """Device bytes of parameters, gradients and optimizer state of `params` parameters sharded over
+    `shard` ranks (default shard_group), and the host bytes offload moves off the device (see the module
+    docstring's table)."""
     e = 4 if precision == "fp32" else 2
     master = 0 if precision == "fp32" else 4
-    n, z = shard_group(layout), layout.zero_stage
+    n, z = shard or shard_group(layout), layout.zero_stage
     if z <= 1:
         rows = {"params": e * params, "grads": grad_bytes * params, "optimizer": (8 + master) * params / n}
     elif z == 2:
@@ -305,20 +347,25 @@ def rank_memory(
     e = 4 if precision == "fp32" else 2
     counts = F.parameter_counts(model)
     tp, pp, v, b = layout.tp, layout.pp, layout.virtual_stages, layout.micro_batch
-    s, h = model.seq_length, model.hidden_size
+    s, h = model.seq_length // layout.cp, model.hidden_size  # a context-parallel rank's tokens
     stages = stage_layers(model, pp * v, software.balance_stages)  # rank r holds stages r, r + pp, ...
     first_layers, last_layers = ([stages[c * pp + r] for c in range(v)] for r in (0, pp - 1))
+    # One layer's parameters on a TP rank: the replicated part (a MoE model's routers and shared experts
+    # averaged over its layers) and the routed experts apart, also divided over the ep ranks (their state
+    # shards over the expert-data-parallel group: expert_shard_group).
+    layer_p, layer_x = layer_parameters(model, tp, layout.ep)
     if pp == 1:
-        body = model.num_layers * counts.per_layer / tp
+        body = model.num_layers * layer_p
         first_p, last_p = body + (counts.embedding + counts.head + counts.final_norm) / tp, body
     else:
         head = (counts.head or model.vocab_size * h) / tp  # tied: a copy on the last stage
-        first_p = sum(first_layers) * counts.per_layer / tp + counts.embedding / tp
-        last_p = sum(last_layers) * counts.per_layer / tp + head + counts.final_norm
+        first_p = sum(first_layers) * layer_p + counts.embedding / tp
+        last_p = sum(last_layers) * layer_p + head + counts.final_norm
+    first_x, last_x = sum(first_layers) * layer_x, sum(last_layers) * layer_x
 
     per_layer = activation_bytes_per_layer(
         model, s, e, software.flash_attention, tp, b, layout.sequence_parallel, layout.recompute,
-        software.fused_kernels,
+        software.fused_kernels, layout.cp > 1 and layout.cp_comm == "ring", software.moe_imbalance,
     )  # fmt: skip
     tok = b * s
     sp_div = tp if layout.sequence_parallel else 1
@@ -346,7 +393,7 @@ def rank_memory(
     buffers = (2 * e * tok * h / sp_div if pp > 1 else 0) + (e * tok * h if layout.sequence_parallel else 0)
 
     # The largest block gathered at once (per TP rank): a layer, the embedding or the output layer.
-    largest = max(counts.per_layer, counts.embedding, counts.head) / tp
+    largest = max(layer_p + layer_x, max(counts.embedding, counts.head) / tp)
     gathered = 0.0
     if layout.zero_stage == 3:
         gathered = e * (1 + software.zero3_prefetch) * largest + software.grad_bytes * largest
@@ -359,8 +406,12 @@ def rank_memory(
 
     total_params = counts.total
 
-    def one(params: float, activations: float) -> MemoryBreakdown:
-        state = state_bytes(params, layout, precision, software.grad_bytes)
+    def one(dense: float, expert: float, activations: float) -> MemoryBreakdown:
+        state = state_bytes(dense, layout, precision, software.grad_bytes)
+        if expert:
+            more = state_bytes(expert, layout, precision, software.grad_bytes, expert_shard_group(layout))
+            state = {key: value + more[key] for key, value in state.items()}
+        params = dense + expert
         exchange = 0.0
         if layout.offload != "none":
             # DeepSpeed's contiguous gradient bucket on the device, in the parameters' dtype (its elements:
@@ -369,7 +420,8 @@ def rank_memory(
         if software.gloo_shard_exchange and layout.zero_stage == 1:
             # The copies arrive as buckets complete and live until the step's end, when the backward has
             # freed the activations: they raise the peak only by what they exceed them.
-            exchange = max(software.grad_bytes * params * (layout.dp - 1) / layout.dp - activations, 0.0)
+            n = shard_group(layout)
+            exchange = max(software.grad_bytes * params * (n - 1) / n - activations, 0.0)
         held = state["params"] + state["grads"]
         if e == 2 and layout.zero_stage <= 1:
             held += 4 * params  # exact fp32 initial values, kept until the optimizer copies its master
@@ -384,7 +436,8 @@ def rank_memory(
             # elements at most), and one shard FSDP2's to_empty briefly holds twice when a weight is tied
             # or a shard is padded (its first dimension does not divide over the shard group).
             group = shard_group(layout)
-            startup = 4 * params / group + 4 * min(INIT_BLOCK_NUMEL, largest)
+            startup = 4 * dense / group + 4 * expert / expert_shard_group(layout)
+            startup += 4 * min(INIT_BLOCK_NUMEL, largest)
             startup += 4 * doubled_shard(model, tp, group)
         elif software.sharded_init:
             # The rank's own fp32 modules, materialised on it, alive while their values are copied into the
@@ -406,7 +459,7 @@ def rank_memory(
             host=state["host"],
         )
 
-    first, last = one(first_p, act_first), one(last_p, act_last)
+    first, last = one(first_p, first_x, act_first), one(last_p, last_x, act_last)
     fuller = first if first.steady >= last.steady else last
     # The steady-state rows of the rank fullest in training; the startup peak of whichever rank's is higher.
     return replace(fuller, startup=max(first.startup, last.startup))

@@ -22,6 +22,8 @@ COLUMNS = (
     "tp",
     "pp",
     "dp",
+    "cp",
+    "ep",
     "mb",
     "schedule",
     "recomp",
@@ -34,12 +36,19 @@ COLUMNS = (
     "bubble",
     "compute",
     "TP",
+    "CP",
+    "EP",
     "PP",
     "DP",
     "DP_exp",
     "optim",
     "fits",
 )
+
+
+def _cp(lay: Layout) -> str:
+    """The context-parallel degree with its attention: 16r (ring), 16a (all-to-all), or 1."""
+    return f"{lay.cp}{'r' if lay.cp_comm == 'ring' else 'a'}" if lay.cp > 1 else "1"
 
 
 def _row(i: int, e: Estimate) -> list[str]:
@@ -50,6 +59,8 @@ def _row(i: int, e: Estimate) -> list[str]:
         str(lay.tp),
         str(lay.pp),
         str(lay.dp),
+        _cp(lay),
+        str(lay.ep),
         str(lay.micro_batch),
         sched,
         lay.recompute,
@@ -62,6 +73,8 @@ def _row(i: int, e: Estimate) -> list[str]:
         f"{100 * e.bubble_fraction:.1f}%",
         f"{e.compute:.3f}",
         f"{e.tp_comm:.3f}",
+        f"{e.cp_comm:.3f}",
+        f"{e.ep_comm:.3f}",
         f"{e.pp_bubble:.3f}",
         f"{e.dp_comm:.3f}",
         f"{e.dp_exposed:.3f}",
@@ -80,7 +93,8 @@ def format_table(result: PlanResult, top: int = 10) -> str:
         f"{result.gpus} x {result.cluster_name}, global batch {w.global_batch} x {w.seq} tokens, "
         f"{w.precision}; "
         f"{result.method} search, {result.evaluated} layouts evaluated in {result.seconds:.3f} s. "
-        "Times in seconds per step (compute/TP/PP/DP columns: busiest rank; DP = total, DP_exp = exposed); "
+        "Times in seconds per step (compute/TP/CP/EP/PP/DP columns: busiest rank; CP = exposed context-"
+        "parallel traffic, EP = expert all-to-alls; DP = total, DP_exp = exposed); cp: r ring, a all-to-all; "
         "TFLOP/s counts recomputation, MFU does not."
     )
     if result.pruned:
@@ -206,7 +220,10 @@ def _label(lay: Layout) -> str:
         lay.schedule, lay.schedule
     )
     return (
-        f"{lay.tp}/{lay.pp}/{lay.dp} mb{lay.micro_batch}\n{sched}\n"
+        f"{lay.tp}/{lay.pp}/{lay.dp} mb{lay.micro_batch}"
+        + (f" cp{_cp(lay)}" if lay.cp > 1 else "")
+        + (f" ep{lay.ep}" if lay.ep > 1 else "")
+        + f"\n{sched}\n"
         f"rc={lay.recompute[:4]}{' sp' if lay.sequence_parallel else ''} z{lay.zero_stage}"
     )
 
@@ -224,6 +241,8 @@ def plot(result: PlanResult, path: str | Path, top: int = 10, overwrite: bool = 
     parts = {
         "compute": [e.compute for e in ests],
         "TP comm": [e.tp_comm for e in ests],
+        "CP comm": [e.cp_comm for e in ests],
+        "EP comm": [e.ep_comm for e in ests],
         "pipeline bubble": [e.pp_bubble for e in ests],
         "DP exposed": [e.dp_exposed for e in ests],
         "optimizer": [e.optimizer for e in ests],

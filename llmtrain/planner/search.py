@@ -1,16 +1,17 @@
 """Search over parallel layouts for a fixed model, global batch and GPU count.
 
-Dimensions: tp, pp (dp follows), micro-batch size, schedule with its virtual stages, recompute mode,
-sequence parallelism and the sharding of the model state: ZeRO stage 0-3, hybrid sharding (zero 2/3 sharded
-inside a node, replicated across) and CPU offload (zero 2/3). A layout fits only when both its steady state
-and its startup peak fit (llmtrain.planner.memory). Impossible values are pruned up front with a reason
-each: the model's tensor- and pipeline-parallel rules as config validation states them
-(llmtrain.config.validate), tp staying inside a node unless the cluster allows otherwise, dp dividing the
-global batch, ... The remaining space is
-enumerated exhaustively when small and searched by coordinate descent with restarts when large (AutoDDL
-style): a coarse screen of every (tp, pp) picks the seeds, then each seed improves one dimension at a time
-(tp/pp jointly, since dp follows) until no single change helps. Layouts that do not fit in memory score worse
-than any that fit, ordered by how much they overflow, so descent walks towards fitting layouts.
+Dimensions: tp, pp, context parallelism (cp with ring or all-to-all attention; dp = gpus / (tp*cp*pp)),
+expert parallelism (ep, MoE models: ep dividing the experts and dp), micro-batch size, schedule with its
+virtual stages, recompute mode, sequence parallelism and the sharding of the model state: ZeRO stage 0-3,
+hybrid sharding (zero 2/3 sharded inside a node, replicated across) and CPU offload (zero 2/3). A layout fits
+only when both its steady state and its startup peak fit (llmtrain.planner.memory). Impossible values are
+pruned up front with a reason each: the model's tensor-, pipeline- and context-parallel and mixture-of-experts
+rules as config validation states them (llmtrain.config.validate), tp staying inside a node unless the
+cluster allows otherwise, dp dividing the global batch, ... The remaining space is enumerated exhaustively
+when small and searched by coordinate descent with restarts when large (AutoDDL style): a coarse screen of
+every (tp, pp, cp, ep) picks the seeds, then each seed improves one dimension at a time (tp/pp jointly, and
+cp, since dp follows) until no single change helps. Layouts that do not fit in memory score worse than any
+that fit, ordered by how much they overflow, so descent walks towards fitting layouts.
 """
 
 from __future__ import annotations
@@ -32,12 +33,19 @@ EXHAUSTIVE_LIMIT = 4000
 """Spaces up to this many layouts are enumerated; larger ones use coordinate descent."""
 MAX_VIRTUAL_STAGES = 8
 MAX_MICRO_BATCH = 64
+MIN_CP_CHUNK = 512
+"""Tokens of each of the two chunks a context-parallel rank keeps, at least: smaller splits leave matmuls too
+small to pay for the communication, so the search does not try them (--evaluate still can)."""
+CP_COMMS = ("ring", "all_to_all")
 
 # --evaluate keys -> Layout fields.
 FIXABLE = {
     "parallel.tp": "tp",
     "parallel.pp": "pp",
     "parallel.dp": "dp",
+    "parallel.cp": "cp",
+    "parallel.cp_comm": "cp_comm",
+    "parallel.ep": "ep",
     "parallel.virtual_stages": "virtual_stages",
     "parallel.schedule": "schedule",
     "parallel.sequence_parallel": "sequence_parallel",
@@ -103,6 +111,10 @@ class Space:
     """Candidate values per dimension after pruning, and why the others were dropped."""
 
     tp_pp: list[tuple[int, int]]
+    contexts: dict[tuple[int, int], list[tuple[int, str]]]
+    """Per (tp, pp), the (cp, cp_comm) choices whose dp divides the GPUs and the global batch."""
+    experts: list[int]
+    """Expert-parallel degrees (1 for a dense model)."""
     micro_batches: dict[int, list[int]]
     """Per dp, the allowed micro-batch sizes."""
     schedules: list[tuple[str, int]]
@@ -115,8 +127,8 @@ class Space:
 
     def layouts(self, model: CostModel) -> Iterable[Layout]:
         """Every combination, skipping invalid ones (counted in `pruned`)."""
-        for tp, pp in self.tp_pp:
-            dp = model.c.devices // (tp * pp)
+        for tp, pp, cp, comm, ep in self.grid():
+            dp = model.c.devices // (tp * pp * cp)
             for mb, (sched, v), rc, sp, (zero, shard, offload) in itertools.product(
                 self.micro_batches[dp],
                 self.schedules,
@@ -124,19 +136,25 @@ class Space:
                 self.sequence_parallel,
                 self.sharding[dp],
             ):
-                layout = Layout(tp, pp, dp, mb, v, sched, rc, sp, zero, shard, offload)
+                layout = Layout(tp, pp, dp, mb, v, sched, rc, sp, zero, shard, offload, cp, comm, ep)
                 why = model.invalid_reason(layout)
                 if why:
                     self.pruned[why] += 1
                     continue
                 yield layout
 
+    def grid(self) -> Iterable[tuple[int, int, int, str, int]]:
+        """Every (tp, pp, cp, cp_comm, ep) of the space."""
+        for tp, pp in self.tp_pp:
+            for (cp, comm), ep in itertools.product(self.contexts[(tp, pp)], self.experts):
+                yield tp, pp, cp, comm, ep
+
     def size(self) -> int:
         """Number of combinations before the per-layout validity check."""
         per = len(self.schedules) * len(self.recompute) * len(self.sequence_parallel)
         return per * sum(
             len(self.micro_batches[dp]) * len(self.sharding[dp])
-            for dp in (self.gpus // (tp * pp) for tp, pp in self.tp_pp)
+            for dp in (self.gpus // (tp * pp * cp) for tp, pp, cp, _, _ in self.grid())
         )
 
 
@@ -163,7 +181,15 @@ def build_space(model: CostModel, fixed: dict[str, object] | None = None) -> Spa
             pruned[reason] += 1
         else:
             tps.append(tp)
+    cps = []
+    for cp in pick("cp", [c for c in _divisors(gpus) if c == 1 or w.seq >= 2 * c * MIN_CP_CHUNK]):
+        # The model's rules for cp (seq_length a multiple of 2cp, heads for all_to_all, ...) are checked per
+        # layout (invalid_reason), as they depend on tp and sequence parallelism.
+        comms = pick("cp_comm", list(CP_COMMS)) if cp > 1 else [str(fixed.get("cp_comm", "ring"))]
+        cps += [(cp, comm) for comm in comms]
+    experts = pick("ep", _divisors(m.num_experts) if m.is_moe else [1])
     tp_pp = []
+    contexts: dict[tuple[int, int], list[tuple[int, str]]] = {}
     for tp in tps:
         for pp in pick("pp", _divisors(gpus // tp) if gpus % tp == 0 else []):
             reason = ""
@@ -171,22 +197,30 @@ def build_space(model: CostModel, fixed: dict[str, object] | None = None) -> Spa
                 reason = f"tp*pp={tp * pp} does not divide {gpus} GPUs"
             elif split := pipeline_problem(m.num_layers, pp):
                 reason = split
-            else:
-                dp = gpus // (tp * pp)
-                if "dp" in fixed and fixed["dp"] != dp:
-                    reason = f"dp fixed to {fixed['dp']} but {gpus} GPUs / (tp={tp} * pp={pp}) = {dp}"
-                elif w.global_batch % dp:
-                    reason = f"dp={dp} does not divide global batch {w.global_batch}"
             if reason:
                 pruned[reason] += 1
-            else:
+                continue
+            ok = []
+            for cp, comm in cps:
+                dp = gpus // (tp * pp * cp)
+                if (gpus // (tp * pp)) % cp:
+                    reason = f"tp*cp*pp={tp * cp * pp} does not divide {gpus} GPUs"
+                elif "dp" in fixed and fixed["dp"] != dp:
+                    reason = f"dp fixed to {fixed['dp']} but {gpus} GPUs / (tp*cp*pp={tp * cp * pp}) = {dp}"
+                elif w.global_batch % dp:
+                    reason = f"dp={dp} does not divide global batch {w.global_batch}"
+                else:
+                    ok.append((cp, comm))
+                    continue
+                pruned[reason] += 1
+            if ok:
                 tp_pp.append((tp, pp))
+                contexts[(tp, pp)] = ok
     if not tp_pp:
         detail = "; ".join(f"{k}" for k in list(pruned)[:5])
         raise ConfigError(f"no (tp, pp) layout is possible for {gpus} GPUs: {detail}")
     micro = {}
-    for tp, pp in tp_pp:
-        dp = gpus // (tp * pp)
+    for dp in sorted({gpus // (tp * pp * cp) for (tp, pp), ctx in contexts.items() for cp, _ in ctx}):
         per_replica = w.global_batch // dp
         allowed = [b for b in _divisors(per_replica) if b <= MAX_MICRO_BATCH]
         micro[dp] = pick("micro_batch", allowed)
@@ -207,12 +241,15 @@ def build_space(model: CostModel, fixed: dict[str, object] | None = None) -> Spa
         ]
     if max_pp == 1 and "schedule" not in fixed:
         schedules = [("1f1b", 1)]
+    inner = {gpus // (tp * pp * cp): tp * cp for (tp, pp), ctx in contexts.items() for cp, _ in ctx}
     sharding = {
-        dp: _sharding_choices(dp, view.devices_per_node // tp, model.sw, fixed)
-        for dp, tp in {gpus // (tp * pp): tp for tp, pp in tp_pp}.items()
+        dp: _sharding_choices(dp, view.devices_per_node // ranks, model.sw, fixed)
+        for dp, ranks in inner.items()
     }
     return Space(
         tp_pp=tp_pp,
+        contexts=contexts,
+        experts=experts,
         micro_batches=micro,
         schedules=schedules,
         recompute=pick("recompute", ["none", "selective", "full"]),
@@ -279,16 +316,25 @@ class Searcher:
         for layout in self.space.layouts(self.model):
             self.eval(layout)
 
+    def _moved(self, cur: Layout, tp: int, pp: int, cp: int, comm: str) -> Layout:
+        """`cur` on another (tp, pp, cp) grid point: dp follows, the micro-batch is the nearest allowed."""
+        dp = self.model.c.devices // (tp * pp * cp)
+        mb = min(self.space.micro_batches[dp], key=lambda b: (abs(b - cur.micro_batch), b))
+        return replace(cur, tp=tp, pp=pp, dp=dp, micro_batch=mb, cp=cp, cp_comm=comm)
+
     def _neighbours(self, cur: Layout, dim: str) -> list[Layout]:
-        s, gpus = self.space, self.model.c.devices
+        s = self.space
         if dim == "tp_pp":
             out = []
             for tp, pp in s.tp_pp:
-                dp = gpus // (tp * pp)
-                mbs = s.micro_batches[dp]
-                mb = min(mbs, key=lambda b: (abs(b - cur.micro_batch), b))
-                out.append(replace(cur, tp=tp, pp=pp, dp=dp, micro_batch=mb))
+                contexts = s.contexts[(tp, pp)]
+                cp, comm = (cur.cp, cur.cp_comm) if (cur.cp, cur.cp_comm) in contexts else contexts[0]
+                out.append(self._moved(cur, tp, pp, cp, comm))
             return out
+        if dim == "context":
+            return [self._moved(cur, cur.tp, cur.pp, cp, comm) for cp, comm in s.contexts[(cur.tp, cur.pp)]]
+        if dim == "ep":
+            return [replace(cur, ep=ep) for ep in s.experts]
         if dim == "micro_batch":
             return [replace(cur, micro_batch=b) for b in s.micro_batches[cur.dp]]
         if dim == "schedule":
@@ -309,11 +355,13 @@ class Searcher:
 
     def coordinate_descent(self, seeds: int = 8) -> None:
         s, gpus = self.space, self.model.c.devices
-        dims = ("tp_pp", "micro_batch", "schedule", "recompute", "sequence_parallel", "sharding")
-        # Screen every (tp, pp) with the settings that usually fit and rarely lose much.
+        dims = (
+            "tp_pp", "context", "ep", "micro_batch", "schedule", "recompute", "sequence_parallel", "sharding",
+        )  # fmt: skip
+        # Screen every (tp, pp, cp, ep) with the settings that usually fit and rarely lose much.
         starts = []
-        for tp, pp in s.tp_pp:
-            dp = gpus // (tp * pp)
+        for tp, pp, cp, comm, ep in s.grid():
+            dp = gpus // (tp * pp * cp)
             base = Layout(
                 tp,
                 pp,
@@ -323,6 +371,9 @@ class Searcher:
                 s.schedules[0][0],
                 "full" if "full" in s.recompute else s.recompute[0],
                 (tp > 1) if (tp > 1) in s.sequence_parallel else s.sequence_parallel[0],
+                cp=cp,
+                cp_comm=comm,
+                ep=ep,
             )
             # The most sharded state without offload first: the likeliest to fit.
             candidates = [

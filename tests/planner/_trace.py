@@ -14,9 +14,9 @@ import torch.distributed.distributed_c10d as c10d
 
 from llmtrain.parallel import comm
 from llmtrain.parallel.topology import Topology
-from llmtrain.planner.collectives import Comm
+from llmtrain.planner.collectives import DIMS, Comm
 
-_DIMS = ("tp", "pp", "dp")
+_DIMS = DIMS
 _TORCH_OPS = {
     "all_reduce": "all_reduce",
     "all_gather_into_tensor": "all_gather",
@@ -24,6 +24,7 @@ _TORCH_OPS = {
     "reduce_scatter_tensor": "reduce_scatter",
     "reduce_scatter_single": "reduce_scatter",
     "broadcast": "broadcast",
+    "all_to_all_single": "all_to_all",
 }
 _COMM_ALIASES = {"_all_gather_single": "all_gather", "_reduce_scatter_single": "reduce_scatter"}
 
