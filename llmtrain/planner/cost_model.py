@@ -780,9 +780,7 @@ class CostModel:
         tp, pp, v, b = layout.tp, layout.pp, layout.virtual_stages, layout.micro_batch
         num_micro = self.w.global_batch // (layout.dp * b)
         cp = layout.cp
-        layer = self._layer(
-            tp, b, layout.sequence_parallel, layout.recompute, cp, layout.cp_comm, layout.ep
-        )
+        layer = self._layer(tp, b, layout.sequence_parallel, layout.recompute, cp, layout.cp_comm, layout.ep)
         first, last = self._extras(tp, b, layout.sequence_parallel, cp)
         chunks = pp * v
         # Per-rank per-chunk costs, from the trainer's stage split (even, or balanced by FLOPs).
