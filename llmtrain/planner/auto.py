@@ -7,6 +7,7 @@ from typing import Any
 
 from llmtrain.config.errors import ConfigError
 from llmtrain.config.schema import JobConfig
+from llmtrain.planner.choices import parallelism_notes
 from llmtrain.planner.cluster import Cluster, load_cluster
 from llmtrain.planner.cost_model import (
     TRAINER_HAS_EP,
@@ -83,6 +84,7 @@ def plan_for_world(
         lines.append(
             f"  runner-up ({100 * (second.step_time / best.step_time - 1):.1f}% slower): {_describe(second)}"
         )
+    lines += [f"  {note}" for note in parallelism_notes(result)]
     lines.append(
         f"  {result.method} search over {result.evaluated} layouts in {result.seconds:.2f} s "
         f"on {result.cluster_name}"

@@ -180,6 +180,8 @@ def parameter_counts(model: ModelConfig) -> ParamCounts:
 
 def moe_layer_count(model: ModelConfig) -> int:
     """Blocks with routed experts instead of a dense MLP (0 for a dense arch)."""
+    if not model.is_moe:
+        return 0  # the planner asks for every layout it evaluates: skip the walk over the layers
     return sum(model.is_moe_layer(i) for i in range(model.num_layers))
 
 

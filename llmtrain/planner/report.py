@@ -14,6 +14,7 @@ from typing import Any
 from llmtrain.config import ConfigError, to_dict, validate
 from llmtrain.config.loader import dump_yaml
 from llmtrain.config.schema import JobConfig
+from llmtrain.planner.choices import parallelism_notes
 from llmtrain.planner.cost_model import GIB, Estimate, Layout, with_layout
 from llmtrain.planner.search import PlanResult
 
@@ -100,7 +101,8 @@ def format_table(result: PlanResult, top: int = 10) -> str:
     if result.pruned:
         reasons = "; ".join(f"{why} (x{n})" for why, n in result.pruned.most_common(5))
         head += f"\nPruned: {reasons}"
-    return head + "\n" + "\n".join(lines)
+    notes = [f"Why {note}" for note in parallelism_notes(result)]
+    return head + "\n" + "\n".join(lines + notes)
 
 
 _MEMORY_ROWS = (
@@ -116,7 +118,7 @@ _MEMORY_ROWS = (
 
 def _state_notes(lay: Layout, precision: str) -> dict[str, str]:
     """What each model-state row holds for this layout (llmtrain.planner.memory's table)."""
-    shard = lay.dp_shard or lay.dp
+    shard = lay.dp_shard or lay.dp * lay.cp
     over = f" / {shard}" if lay.zero_stage else ""
     weight = "fp32" if precision == "fp32" else precision
     master = "Adam m, v" if precision == "fp32" else "fp32 master + Adam m, v"

@@ -33,7 +33,7 @@ EXHAUSTIVE_LIMIT = 4000
 """Spaces up to this many layouts are enumerated; larger ones use coordinate descent."""
 MAX_VIRTUAL_STAGES = 8
 MAX_MICRO_BATCH = 64
-MIN_CP_CHUNK = 512
+MIN_CP_CHUNK = 1024
 """Tokens of each of the two chunks a context-parallel rank keeps, at least: smaller splits leave matmuls too
 small to pay for the communication, so the search does not try them (--evaluate still can)."""
 CP_COMMS = ("ring", "all_to_all")
@@ -302,12 +302,15 @@ class Searcher:
         self.model = model
         self.space = space
         self.cache: dict[Layout, Estimate] = {}
+        self.rejected: Counter = Counter()
+        """Why layouts that descent proposed could not run (the enumeration counts them in space.pruned)."""
 
     def eval(self, layout: Layout) -> Estimate | None:
         if layout in self.cache:
             return self.cache[layout]
-        if self.model.invalid_reason(layout):
-            return None  # descent proposes combinations freely; the enumeration counts the rules
+        if why := self.model.invalid_reason(layout):
+            self.rejected[why] += 1
+            return None  # descent proposes combinations freely
         est = self.model.evaluate(layout)
         self.cache[layout] = est
         return est
@@ -424,7 +427,7 @@ def plan(
         searcher.coordinate_descent()
         used = "coordinate-descent"
     if not searcher.cache:
-        reasons = "; ".join(f"{k} (x{n})" for k, n in space.pruned.most_common(4))
+        reasons = "; ".join(f"{k} (x{n})" for k, n in (space.pruned + searcher.rejected).most_common(4))
         raise ConfigError(
             f"no valid layout for {gpus} GPUs and global batch {workload.global_batch}: {reasons}"
         )

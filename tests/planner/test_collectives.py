@@ -5,7 +5,8 @@ traffic (tests/planner/_trace.py) and compares it, per rank, with the planner's 
 pipeline stage: tensor- and pipeline-parallel traffic exactly (operation, group, bytes, count); the
 data-parallel gradient buckets by total bytes per operation (the trainer closes buckets on parameter
 boundaries, the model splits the same bytes into equal buckets: collectives.buckets), up to the padding of
-each bucket to a multiple of dp elements.
+each bucket to a multiple of dp elements. Under context parallelism the gradient buckets are reduced over
+the cp x dp group (named "cp" when dp is 1), and the ring's K/V sends and the all-to-alls are exact rows.
 """
 
 from __future__ import annotations
@@ -15,7 +16,15 @@ from collections import Counter
 import pytest
 
 from llmtrain import models
-from llmtrain.parallel import Topology, apply_recompute, apply_tp, build_optimizer, grad_sync, parallelize
+from llmtrain.parallel import (
+    Topology,
+    apply_cp,
+    apply_recompute,
+    apply_tp,
+    build_optimizer,
+    grad_sync,
+    parallelize,
+)
 from llmtrain.pipeline.executor import build_pipeline
 from llmtrain.planner import CostModel, Workload, load_cluster
 from llmtrain.planner.collectives import Comm
@@ -26,6 +35,8 @@ from tests.planner._trace import Tracer
 pytestmark = pytest.mark.slow
 
 GRAD_OPS = ("all_reduce", "reduce_scatter", "all_gather", "send")
+DP_BUCKETS = {"dp": GRAD_OPS}
+"""Group -> operations whose traffic is the gradient buckets' (compared by total bytes)."""
 
 
 def _traced_step(rank: int, world: int, arch: str, overrides: dict) -> tuple[int, Counter[Comm]]:
@@ -36,6 +47,7 @@ def _traced_step(rank: int, world: int, arch: str, overrides: dict) -> tuple[int
     pipelined = topo.pp > 1
     if pipelined:
         apply_tp(model, topo, job.parallel.sequence_parallel, job.train.seed)
+        apply_cp(model, topo, job.parallel.cp_comm)
         apply_recompute(model, job.model.recompute)
         model, executor = build_pipeline(model, topo, job)
     else:
@@ -62,35 +74,43 @@ def _predicted(arch: str, overrides: dict, world: int, pp_rank: int) -> Counter[
     job = tiny_job(arch, **overrides)
     p = job.parallel
     layout = Layout(
-        tp=p.tp, pp=p.pp, dp=world // (p.tp * p.pp), micro_batch=job.train.micro_batch_size,
+        tp=p.tp, pp=p.pp, dp=world // (p.tp * p.cp * p.pp), micro_batch=job.train.micro_batch_size,
         virtual_stages=p.virtual_stages, schedule=p.schedule, recompute=job.model.recompute,
-        sequence_parallel=p.sequence_parallel, zero_stage=p.zero_stage,
+        sequence_parallel=p.sequence_parallel, zero_stage=p.zero_stage, cp=p.cp, cp_comm=p.cp_comm,
     )  # fmt: skip
     work = Workload(job.model, job.train.global_batch_size, job.train.precision, p.dp_bucket_mb)
     cost = CostModel(work, load_cluster("a100-80gb").view(world), Software(gloo_shard_exchange=True))
     return cost.collectives(layout, pp_rank)
 
 
-def _split(counts: Counter[Comm], buckets: bool) -> tuple[Counter[Comm], dict[str, int]]:
-    """(everything but the data-parallel buckets, the buckets' total bytes per operation); without
-    `buckets` everything is compared exactly."""
+def _split(
+    counts: Counter[Comm], buckets: dict[str, tuple[str, ...]] | None
+) -> tuple[Counter[Comm], dict[str, int]]:
+    """(everything but the data-parallel buckets, the buckets' total bytes per operation); `buckets` names
+    the groups and operations the buckets travel on; without it everything is compared exactly."""
     exact: Counter[Comm] = Counter()
     totals: dict[str, int] = {}
     for c, n in counts.items():
-        if buckets and c.group == "dp" and c.op in GRAD_OPS and c.nbytes > 8:
+        if buckets and c.op in buckets.get(c.group, ()) and c.nbytes > 8:
             totals[c.op] = totals.get(c.op, 0) + c.nbytes * n
         else:
             exact[c] = n
     return exact, totals
 
 
-def _check(arch: str, world: int, overrides: dict, bucket_slack: int | None = None) -> None:
-    """Traced against predicted on every rank; `bucket_slack`: compare gradient buckets by total bytes,
-    to within that many bytes."""
+def _check(
+    arch: str,
+    world: int,
+    overrides: dict,
+    bucket_slack: int | None = None,
+    buckets: dict[str, tuple[str, ...]] = DP_BUCKETS,
+) -> None:
+    """Traced against predicted on every rank; `bucket_slack`: compare gradient buckets (the `buckets`
+    groups' operations) by total bytes, to within that many bytes."""
     for pp_rank, traced in spawn(world, _traced_step, arch, overrides):
         predicted = _predicted(arch, overrides, world, pp_rank)
-        got, got_totals = _split(traced, bucket_slack is not None)
-        want, want_totals = _split(predicted, bucket_slack is not None)
+        got, got_totals = _split(traced, buckets if bucket_slack is not None else None)
+        want, want_totals = _split(predicted, buckets if bucket_slack is not None else None)
         assert got == want, f"pp rank {pp_rank}: traced {sorted(got.items(), key=str)}\n" \
             f"predicted {sorted(want.items(), key=str)}"  # fmt: skip
         assert got_totals.keys() == want_totals.keys()
@@ -139,3 +159,26 @@ def test_fsdp_collectives_match_the_trace(arch: str, zero: int, overrides: dict)
     # one reduce-scatter per step.
     world = 2 * overrides.get("tp", 1)
     _check(arch, world, dict(overrides, dp=2, zero_stage=zero))
+
+
+@pytest.mark.parametrize(
+    "world,overrides,buckets",
+    [
+        (2, dict(cp=2, recompute="selective"), {"cp": ("all_reduce",)}),
+        (4, dict(cp=2, pp=2), {"cp": ("all_reduce",)}),
+        (4, dict(tp=2, cp=2, sequence_parallel=True, cp_comm="all_to_all"), {"cp": ("all_reduce",)}),
+        (
+            4,
+            dict(cp=2, dp=2, zero_stage=1, cp_comm="all_to_all"),
+            dict.fromkeys(("cp", "dp", "cp+dp"), ("send",)),
+        ),
+    ],
+    ids=["ring-selective", "ring-pp", "all_to_all-tp-sp", "all_to_all-zero1-dp"],
+)
+def test_context_parallel_collectives_match_the_trace(world: int, overrides: dict, buckets: dict) -> None:
+    # ring: per layer and micro-batch cp-1 K/V sends forward, 2cp-1 (K/V and dK/dV) backward, the forward's
+    # again under recomputation; all_to_all: q, k, v and the output forward and backward (the 2 kv heads
+    # of a TP rank replicated to cp at tp=2). The buckets are all-reduced over cp x dp ("cp" at dp=1) or,
+    # at zero 1, exchanged with the 3 peers of the cp x dp group; each padded to the group's size.
+    group = overrides.get("dp", 1) * overrides["cp"]
+    _check("llama", world, overrides, bucket_slack=2 * 4 * group * 16, buckets=buckets)

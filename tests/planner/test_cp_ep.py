@@ -1,0 +1,209 @@
+"""Context and expert parallelism in the planner: FLOPs and parameters of MoE models against transformers,
+the CP/EP communication terms against hand-derived numbers, memory divided by cp and ep, and the plans that
+choose them (issue 17 point 6, issue 16 point 6)."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from llmtrain.config import ConfigError, ModelConfig, load
+from llmtrain.config.loader import with_overrides
+from llmtrain.planner import CostModel, Workload, load_cluster, parse_fixed, plan_for_world, plan_job
+from llmtrain.planner import collectives as C
+from llmtrain.planner import flops as F
+from llmtrain.planner.auto import layout_overrides
+from llmtrain.planner.cost_model import TRAINER_HAS_EP, Layout, Software, with_layout
+
+ROOT = Path(__file__).resolve().parents[2]
+spec = importlib.util.spec_from_file_location("plan_tool", ROOT / "tools" / "plan.py")
+plan_tool = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(plan_tool)
+
+MIB = 2**20
+LONG = ["model.seq_length=131072", "train.global_batch_size=128"]
+"""Llama 3's long-context stage: 131,072-token sequences, 16M tokens per batch (arXiv:2407.21783, 3.4.2)."""
+
+TINY_MOE = {
+    "mixtral": {},
+    "qwen3_moe": dict(moe_ffn_hidden_size=48),
+    "deepseek_v3": dict(
+        num_kv_heads=None, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=16, moe_ffn_hidden_size=48, num_shared_experts=1, moe_layer_start=1,
+    ),
+}  # fmt: skip
+
+
+def _tiny_moe(arch: str) -> ModelConfig:
+    base = dict(
+        arch=arch, num_layers=3, hidden_size=64, num_attention_heads=4, num_kv_heads=2, ffn_hidden_size=96,
+        num_experts=4, num_experts_per_tok=2, vocab_size=128, seq_length=16,
+    )  # fmt: skip
+    return ModelConfig(**{**base, **TINY_MOE[arch]})
+
+
+@pytest.mark.slow  # imports transformers (~10 s on a loaded CPU)
+@pytest.mark.parametrize("arch", sorted(TINY_MOE))
+def test_moe_flops_count_the_active_experts_of_the_transformers_model(arch: str) -> None:
+    # torch's FLOP counter over transformers' forward with its eager experts (a loop over the experts the
+    # tokens were routed to): only the top-k experts' matmuls run, plus router, attention (the full s x s
+    # square, as eager attention computes it; deepseek_v3's latent projections) and the output layer.
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from llmtrain.models.hf import to_hf_config
+
+    cfg = _tiny_moe(arch)
+    hf = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model(**to_hf_config(cfg)),
+        attn_implementation="eager",
+        experts_implementation="eager",
+    )
+    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        hf(tokens)
+    assert counter.get_total_flops() == pytest.approx(
+        F.forward_flops_per_token(cfg) * tokens.numel(), rel=1e-12
+    )
+    experts = sum(p.numel() for name, p in hf.named_parameters() if ".experts." in name)
+    assert F.expert_parameters(cfg) == experts
+    assert F.num_parameters(cfg) == sum(p.numel() for p in hf.parameters())
+
+
+def test_context_parallel_bytes_by_hand() -> None:
+    # A TP rank of tp=8 at cp=16 and 131,072 tokens: 8192 tokens, 16 query heads, 1 kv head of 128.
+    ring = C.cp_layer(16, "ring", 8192, 16, 1, 128, 2, "none")
+    block = 2 * 8192 * 1 * 128 * 4  # K and V in fp32: 8 MiB
+    assert block == 8 * MIB
+    assert ring.fwd == (C.Comm("send", "cp", 2, block),) * 15
+    assert ring.bwd == (C.Comm("send", "cp", 2, block),) * 31  # K/V 15 times, dK/dV 15 + 1 (home)
+    assert len(C.cp_layer(16, "ring", 8192, 16, 1, 128, 2, "selective").bwd) == 15 + 31
+    a2a = C.cp_layer(16, "all_to_all", 8192, 16, 1, 128, 2, "none")
+    q = C.Comm("all_to_all", "cp", 16, 8192 * 16 * 128 * 2)  # 32 MiB
+    kv = C.Comm("all_to_all", "cp", 16, 8192 * 16 * 128 * 2)  # the kv head repeated 16 times
+    assert a2a.fwd == a2a.bwd == (q, kv, kv, q)
+    assert C.cp_kv_heads(8, 16) == 16 and C.cp_kv_heads(8, 4) == 8 and C.cp_kv_heads(6, 4) == 12
+    assert C.cp_layer(1, "ring", 8192, 16, 1, 128, 2, "none") == C.PassComms()
+
+
+def _cost(
+    config: str, gpus: int, cluster: str = "h100-80gb", overrides: list[str] | None = None
+) -> CostModel:
+    job = load(config, overrides or [])
+    return CostModel(Workload.from_job(job), load_cluster(cluster).view(gpus))
+
+
+def test_ring_transfers_hide_behind_the_blocks_computed_meanwhile() -> None:
+    cost = _cost("configs/llama3-405b.yaml", 16384, overrides=LONG)
+    cp, tok = 4, 131072 // 4
+    block = 2 * tok * 4 * 128 * 4  # fp32 K and V of the 4 kv heads of a rank of tp=2
+    t = block / cost.c.intra.bytes_per_s + cost.c.intra.alpha  # tp=2 x cp=4 ranks share a node
+    # Nothing to overlap with: every block waits (cp-1 forward; 2cp-1 backward).
+    fwd, bwd = cost._cp_exposed(2, tok, cp, "ring", "none", 0.0, 0.0)
+    assert fwd == pytest.approx(3 * t) and bwd == pytest.approx(7 * t)
+    # Blocks slower than the transfers: only the backward's last send of dK/dV home is left.
+    fwd, bwd = cost._cp_exposed(2, tok, cp, "ring", "none", 100.0, 100.0)
+    assert fwd == 0.0 and bwd == pytest.approx(t)
+    # Selective recomputation runs the forward's ring again in the backward.
+    assert cost._cp_exposed(2, tok, cp, "ring", "selective", 0.0, 0.0)[1] == pytest.approx(10 * t)
+
+
+def test_expert_all_to_all_time_by_hand() -> None:
+    cost = _cost("configs/mixtral-8x7b.yaml", 64)
+    tok, h, k = 4096, 4096, 2
+    volume = 2 * tok * k * h  # bf16 routed rows of the rank
+    intra, inter = cost.c.intra, cost.c.inter
+    # ep=8 in one node of 8; per MoE layer (all 32 are) a dispatch and a combine.
+    one = 7 / 8 * volume / intra.bytes_per_s + 7 * intra.alpha
+    assert cost._ep_time(1, tok, 1, 8) == pytest.approx(2 * one)
+    # ep=16 spans two nodes: 8 members per node drive 8 NICs.
+    one = 15 / 16 * volume / min(8 * inter.bytes_per_s, intra.bytes_per_s) + 15 * inter.alpha
+    assert cost._ep_time(1, tok, 1, 16) == pytest.approx(2 * one)
+    assert cost._ep_time(1, tok, 1, 1) == 0.0
+
+
+def test_expert_state_divides_by_ep_and_shards_over_expert_data_parallel() -> None:
+    cost = _cost("configs/mixtral-8x7b.yaml", 64)
+    m = cost.w.model
+    experts, total = F.expert_parameters(m), F.num_parameters(m)
+    assert experts == 32 * 8 * 3 * 4096 * 14336  # 45.1B of Mixtral's 46.7B
+    dense = total - experts
+
+    def state(ep: int, zero: int) -> dict[str, float]:
+        return cost.memory(Layout(dp=64, ep=ep, zero_stage=zero), inflight=1, num_micro=8)
+
+    one, eight = state(1, 0), state(8, 0)
+    assert one["params"] - eight["params"] == pytest.approx(2 * experts * 7 / 8)
+    assert one["grads"] - eight["grads"] == pytest.approx(4 * experts * 7 / 8)
+    # ZeRO-1: dense state over dp=64, each expert's over the 8 ranks holding it (dp / ep).
+    assert state(8, 1)["optimizer"] == pytest.approx(12 * (dense / 64 + experts / 8 / 8))
+
+
+def test_context_parallelism_divides_activations() -> None:
+    cost = _cost("configs/llama3-405b.yaml", 16384, overrides=LONG)
+    base = Layout(tp=8, pp=16, dp=8, sequence_parallel=True, recompute="full", zero_stage=1)
+
+    def activations(**kw: object) -> float:
+        return cost.memory(replace(base, **kw), inflight=16, num_micro=16)["activations"]
+
+    assert activations(cp=16, dp=8, cp_comm="all_to_all") == pytest.approx(activations(cp=1, dp=128) / 16)
+
+
+def test_405b_at_131k_tokens_on_16384_h100s_plans_context_parallelism(capsys: pytest.CaptureFixture) -> None:
+    # The planner's layout against Llama 3's (tp=8, cp=16, pp=16, dp=8), both predicted.
+    argv = ["--config", "configs/llama3-405b.yaml", "--cluster", "h100-80gb", "--gpus", "16384", *LONG]
+    assert plan_tool.main([*argv, "--top", "3"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("1 "))
+    row = dict(zip(lines[first - 1].split(), lines[first].split(), strict=False))
+    out = "\n".join(lines)
+    assert int(row["cp"].rstrip("ra")) > 1 and float(row["step_s"]) > 0
+    assert "Why cp=" in out
+    job = load("configs/llama3-405b.yaml", LONG)
+    fixed = parse_fixed("parallel.tp=8 parallel.cp=16 parallel.pp=16 parallel.cp_comm=all_to_all")
+    llama3 = plan_job(job, load_cluster("h100-80gb"), 16384, fixed=fixed, top=1).best
+    assert llama3.fits and (llama3.layout.cp, llama3.layout.dp) == (16, 8)
+
+
+@pytest.mark.parametrize("config,cluster", [("mixtral-8x7b", "h200-141gb"), ("qwen3-30b-a3b", "h100-80gb")])
+def test_moe_plans_expert_parallelism_and_say_why(config: str, cluster: str, capsys) -> None:
+    argv = ["--config", f"configs/{config}.yaml", "--cluster", cluster, "--gpus", "64", "--top", "1"]
+    assert plan_tool.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "Why ep=" in out and "no layout with ep=1 fits" in out
+    result = plan_job(load(f"configs/{config}.yaml"), load_cluster(cluster), 64, top=1)
+    assert result.best.fits and result.best.layout.ep > 1 and result.best.ep_comm > 0
+
+
+def test_evaluate_fixes_cp_and_ep_and_the_trainers_rules_prune() -> None:
+    assert parse_fixed("parallel.cp=16 parallel.ep=8 parallel.cp_comm=ring") == dict(
+        cp=16, ep=8, cp_comm="ring"
+    )
+    job = load("configs/mixtral-8x7b.yaml")
+    cluster = load_cluster("h200-141gb")
+    assert plan_job(job, cluster, 64, fixed=parse_fixed("parallel.ep=4"), top=1).best.layout.ep == 4
+    with pytest.raises(ConfigError, match="context parallelism.*does not support model.arch=mixtral"):
+        plan_job(replace(job, model=replace(job.model, seq_length=8192)), cluster, 64, fixed=dict(cp=2))
+    with pytest.raises(ConfigError, match="has no experts"):
+        plan_job(load("configs/llama3-8b.yaml"), cluster, 64, fixed=dict(ep=2))
+
+
+def test_auto_writes_cp_and_only_the_ep_the_trainer_runs() -> None:
+    job = load("configs/llama3-405b.yaml", [*LONG, "parallel.auto=true"])
+    overrides, explanation = plan_for_world(job, 16384, "h100-80gb")
+    assert overrides["parallel.cp"] > 1 and "cp=" in explanation
+    with_overrides(job, overrides)  # what the trainer does with them: validates, cp with parallel.auto
+    moe = load("configs/mixtral-small.yaml", ["parallel.auto=true"])
+    overrides, _ = plan_for_world(moe, 8, "h100-80gb")
+    assert ("parallel.ep" in overrides) == TRAINER_HAS_EP
+    layout = Layout(dp=64, ep=8, zero_stage=1)
+    if TRAINER_HAS_EP:
+        assert layout_overrides(layout)["parallel.ep"] == 8
+    else:
+        with pytest.raises(ConfigError, match="does not run yet"):
+            with_layout(moe, layout)
+    assert Software().moe_imbalance == 1.0
