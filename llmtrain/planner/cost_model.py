@@ -311,7 +311,17 @@ class CostModel:
         a, kv = m.num_attention_heads / tp, max(m.kv_heads / tp, 1)
         tok = b * s // cp  # this context-parallel rank's tokens
         mlp_gemms, mlp_bytes = self._mlp_costs(tp, tok, ep)
-        gemms = dev.gemm_time(tok, (a + 2 * kv) * d, h, prec) + dev.gemm_time(tok, h, a * d, prec) + mlp_gemms
+        if m.arch == "deepseek_v3":
+            # Latent attention: the query and key/value down- and up-projections, as many multiply-adds per
+            # token as their weights (flops.latent_projection_params); scores over qk_nope + qk_rope wide
+            # heads, values v_head_dim wide.
+            attn = dev.gemm_time(tok, F.latent_projection_params(m) / (tp * h), h, prec)
+            attn += dev.gemm_time(tok, h, a * m.v_head_dim, prec)
+            width = (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) / 2
+        else:
+            attn = dev.gemm_time(tok, (a + 2 * kv) * d, h, prec) + dev.gemm_time(tok, h, a * d, prec)
+            width = d
+        gemms = attn + mlp_gemms
         # Weight-gradient matmuls have the same sizes as the forward's (dW = X^T dY).
         wgrad = gemms
         e = self.act_bytes
@@ -320,7 +330,7 @@ class CostModel:
             core_f, core_b = self._ring_core(tp, b, cp)
         elif self.sw.flash_attention or cp > 1:
             # The rank's queries against all keys (all_to_all: all tokens of a/cp heads): a cp-th of it.
-            core_flops = 4.0 * tok * s * a * d
+            core_flops = 4.0 * tok * s * a * width
             core_f = dev.attention_time(core_flops, prec)
             core_b = 2.5 * dev.attention_time(core_flops, prec)  # flash backward recomputes QK^T: 5 matmuls
         else:

@@ -12,6 +12,14 @@ fp32 main gradients by default):
     zero 3  params 4*P/N grads g*P/N  optimizer 8*P/N               (FSDP2: the fp32 shard is the parameter
                                                                      and the master; blocks are gathered)
 
+Context parallelism (cp): ranks hold the same parameters as data-parallel ones, so the shard group is dp x cp,
+and every token-sized term (activations, logits, sends, buffers) counts the rank's s/cp tokens; ring
+attention also keeps its fp32 output and log-sum-exp. Mixture of experts: a layer's parameters are its
+replicated part (attention, norms, router, shared experts, averaged over the layers) and its routed experts,
+divided by ep as well as tp; the experts' state shards over the expert-data-parallel group (dp x cp / ep:
+expert_shard_group); a MoE layer's activations keep per routed row (top-k per token) the dispatched input,
+the expert's output and the gated MLP's intermediates (moe_mlp_saved_per_token).
+
 Offload (zero 2/3, as DeepSpeed's ZeRO-Offload or FSDP2's CPUOffloadPolicy): "optimizer" moves the optimizer
 rows (master and Adam moments) and, at zero 2/3, the gradient shard to host memory; "optimizer+params"
 (zero 3) moves the fp32 parameter shard too. Host bytes are reported apart and never count against the device.

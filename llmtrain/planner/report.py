@@ -120,6 +120,8 @@ def _state_notes(lay: Layout, precision: str) -> dict[str, str]:
     """What each model-state row holds for this layout (llmtrain.planner.memory's table)."""
     shard = lay.dp_shard or lay.dp * lay.cp
     over = f" / {shard}" if lay.zero_stage else ""
+    if lay.zero_stage and lay.ep > 1:
+        over += f" (routed experts / {max(shard // lay.ep, 1)})"
     weight = "fp32" if precision == "fp32" else precision
     master = "Adam m, v" if precision == "fp32" else "fp32 master + Adam m, v"
     notes = {

@@ -153,16 +153,25 @@ def test_context_parallelism_divides_activations() -> None:
     assert activations(cp=16, dp=8, cp_comm="all_to_all") == pytest.approx(activations(cp=1, dp=128) / 16)
 
 
-def test_405b_at_131k_tokens_on_16384_h100s_plans_context_parallelism(capsys: pytest.CaptureFixture) -> None:
+def test_405b_at_131k_tokens_on_16384_h100s_plans_context_parallelism(
+    capsys: pytest.CaptureFixture, tmp_path: Path
+) -> None:
     # The planner's layout against Llama 3's (tp=8, cp=16, pp=16, dp=8), both predicted.
     argv = ["--config", "configs/llama3-405b.yaml", "--cluster", "h100-80gb", "--gpus", "16384", *LONG]
-    assert plan_tool.main([*argv, "--top", "3"]) == 0
+    written = tmp_path / "best.yaml"
+    assert plan_tool.main([*argv, "--top", "3", "--write", str(written)]) == 0
     lines = capsys.readouterr().out.splitlines()
     first = next(i for i, line in enumerate(lines) if line.startswith("1 "))
     row = dict(zip(lines[first - 1].split(), lines[first].split(), strict=False))
     out = "\n".join(lines)
-    assert int(row["cp"].rstrip("ra")) > 1 and float(row["step_s"]) > 0
+    cp = int(row["cp"].rstrip("ra"))
+    assert cp > 1 and float(row["step_s"]) > 0
     assert "Why cp=" in out
+    best = load(str(written)).parallel
+    assert (best.cp, best.cp_comm[0]) == (
+        cp,
+        row["cp"][-1],
+    ) and best.tp * best.cp * best.pp * best.dp == 16384
     job = load("configs/llama3-405b.yaml", LONG)
     fixed = parse_fixed("parallel.tp=8 parallel.cp=16 parallel.pp=16 parallel.cp_comm=all_to_all")
     llama3 = plan_job(job, load_cluster("h100-80gb"), 16384, fixed=fixed, top=1).best
