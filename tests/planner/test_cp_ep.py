@@ -12,7 +12,7 @@ import pytest
 
 from llmtrain.config import ConfigError, ModelConfig, load
 from llmtrain.config.loader import with_overrides
-from llmtrain.planner import CostModel, Workload, load_cluster, parse_fixed, plan_for_world, plan_job
+from llmtrain.planner import CostModel, Workload, load_cluster, parse_fixed, plan, plan_for_world, plan_job
 from llmtrain.planner import collectives as C
 from llmtrain.planner import flops as F
 from llmtrain.planner.auto import layout_overrides
@@ -216,3 +216,27 @@ def test_auto_writes_cp_and_only_the_ep_the_trainer_runs() -> None:
         with pytest.raises(ConfigError, match="does not run yet"):
             with_layout(moe, layout)
     assert Software().moe_imbalance == 1.0
+
+
+@pytest.mark.parametrize(
+    "model,batch,cluster",
+    [
+        # 4 sequences of 32K tokens on 16 GPUs: dp <= 4, the rest splits the sequence.
+        (ModelConfig(arch="llama", num_layers=8, hidden_size=1024, num_attention_heads=16, num_kv_heads=4,
+                     vocab_size=32000, seq_length=32768), 4, "a100-80gb"),
+        # 16 experts of 16 layers, 8.9B parameters, on 40 GB devices.
+        (ModelConfig(arch="mixtral", num_layers=16, hidden_size=2048, num_attention_heads=16, num_kv_heads=4,
+                     ffn_hidden_size=5632, num_experts=16, num_experts_per_tok=2, vocab_size=32000,
+                     seq_length=1024), 64, "a100-40gb"),
+    ],
+    ids=["long-sequence", "moe"],
+)  # fmt: skip
+def test_coordinate_descent_finds_the_exhaustive_optimum_over_cp_and_ep(model, batch, cluster) -> None:
+    work = Workload(model, batch, "bf16")
+    view = load_cluster(cluster).view(16)
+    exhaustive = plan(work, view, 16, method="exhaustive", simulate_top=False)
+    descent = plan(work, view, 16, method="coordinate", simulate_top=False)
+    best = exhaustive.best
+    assert best.fits and (best.layout.cp > 1 or best.layout.ep > 1)
+    assert descent.best.step_time == pytest.approx(best.step_time, rel=1e-12)
+    assert descent.evaluated < exhaustive.evaluated
