@@ -8,6 +8,11 @@
     # memory per rank of the config's own layout (settings changeable with --evaluate):
     python tools/plan.py --config configs/llama3-70b.yaml --cluster h100-80gb --gpus 64 --memory \\
         --evaluate "parallel.tp=4 parallel.zero_stage=3 model.recompute=full"
+    # long sequences split over cp ranks, MoE experts over ep ranks (searched, or fixed):
+    python tools/plan.py --config configs/llama3-405b.yaml --cluster h100-80gb --gpus 16384 \\
+        model.seq_length=131072 train.global_batch_size=128
+    python tools/plan.py --config configs/mixtral-8x7b.yaml --cluster h200-141gb --gpus 64 \\
+        --evaluate "parallel.ep=8"
     python tools/plan.py --profile-local --output my-cluster.yaml   # measure this machine
     python tools/plan.py --config MODEL.yaml --cluster my-cluster.yaml --gpus 2
 
