@@ -164,8 +164,7 @@ def test_fsdp_collectives_match_the_trace(arch: str, zero: int, overrides: dict)
 @pytest.mark.parametrize(
     "world,overrides,buckets",
     [
-        (2, dict(cp=2, recompute="selective"), {"cp": ("all_reduce",)}),
-        (4, dict(cp=2, pp=2), {"cp": ("all_reduce",)}),
+        (4, dict(cp=2, pp=2, recompute="selective"), {"cp": ("all_reduce",)}),
         (4, dict(tp=2, cp=2, sequence_parallel=True, cp_comm="all_to_all"), {"cp": ("all_reduce",)}),
         (
             4,
@@ -173,12 +172,13 @@ def test_fsdp_collectives_match_the_trace(arch: str, zero: int, overrides: dict)
             dict.fromkeys(("cp", "dp", "cp+dp"), ("send",)),
         ),
     ],
-    ids=["ring-selective", "ring-pp", "all_to_all-tp-sp", "all_to_all-zero1-dp"],
+    ids=["ring-pp-selective", "all_to_all-tp-sp", "all_to_all-zero1-dp"],
 )
 def test_context_parallel_collectives_match_the_trace(world: int, overrides: dict, buckets: dict) -> None:
     # ring: per layer and micro-batch cp-1 K/V sends forward, 2cp-1 (K/V and dK/dV) backward, the forward's
-    # again under recomputation; all_to_all: q, k, v and the output forward and backward (the 2 kv heads
-    # of a TP rank replicated to cp at tp=2). The buckets are all-reduced over cp x dp ("cp" at dp=1) or,
-    # at zero 1, exchanged with the 3 peers of the cp x dp group; each padded to the group's size.
+    # again under recomputation; all_to_all: q, k, v and the output forward and backward (at tp=2 a rank's
+    # one kv head repeated to cp=2). Under pp the loss's sums over cp run on the last stage. The buckets are
+    # all-reduced over cp x dp ("cp" at dp=1) or, at zero 1, exchanged with the 3 peers of the cp x dp
+    # group; each padded to the group's size.
     group = overrides.get("dp", 1) * overrides["cp"]
     _check("llama", world, overrides, bucket_slack=2 * 4 * group * 16, buckets=buckets)
