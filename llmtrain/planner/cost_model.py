@@ -24,11 +24,12 @@ rank times the in-flight micro-batches of the schedule; communication buffers; t
 from __future__ import annotations
 
 import functools
+import itertools
 from collections import Counter
 from dataclasses import asdict, dataclass, replace
 
 from llmtrain.config.schema import JobConfig, ModelConfig
-from llmtrain.config.validate import pipeline_problem, tensor_parallel_problem
+from llmtrain.config.validate import layer_plan_problem, pipeline_problem, tensor_parallel_problem
 from llmtrain.planner import collectives as C
 from llmtrain.planner import flops as F
 from llmtrain.planner.cluster import ClusterView
@@ -63,19 +64,39 @@ class Layout:
     """Hybrid sharding (HSDP): ranks the state is sharded over inside dp, replicated across; None = dp."""
     offload: str = "none"
     """CPU offload: none, optimizer (state and gradient shard) or optimizer+params (zero 3)."""
+    layer_recompute: tuple[str, ...] | None = None
+    """Recompute mode of each layer (model.recompute_layers), replacing `recompute`; None: uniform."""
+    stage_layers: tuple[int, ...] | None = None
+    """Layers of each model chunk (parallel.stage_layers, pp * virtual_stages); None: the trainer's split."""
 
     @property
     def gpus(self) -> int:
         return self.tp * self.pp * self.dp
 
+    def layer_modes(self, num_layers: int) -> tuple[str, ...]:
+        """The recompute mode of every layer."""
+        return self.layer_recompute or (self.recompute,) * num_layers
+
+    def per_layer_short(self) -> str:
+        """The per-layer choices in a few characters: recompute as one letter per layer (n/s/f), layers per
+        chunk joined by '/'; empty for a uniform layout."""
+        parts = []
+        if self.layer_recompute:
+            parts.append("rc=" + "".join(m[0] for m in self.layer_recompute))
+        if self.stage_layers:
+            parts.append("stages=" + "/".join(map(str, self.stage_layers)))
+        return " ".join(parts)
+
     def short(self) -> str:
         """Compact one-line description."""
         sched = self.schedule + (f"(v={self.virtual_stages})" if self.virtual_stages > 1 else "")
+        rc = "per-layer" if self.layer_recompute else self.recompute
         return (
-            f"tp={self.tp} pp={self.pp} dp={self.dp} mb={self.micro_batch} {sched} rc={self.recompute} "
+            f"tp={self.tp} pp={self.pp} dp={self.dp} mb={self.micro_batch} {sched} rc={rc} "
             f"sp={int(self.sequence_parallel)} zero={self.zero_stage}"
             + (f" shard={self.dp_shard}" if self.dp_shard else "")
             + (f" offload={self.offload}" if self.offload != "none" else "")
+            + (f" {self.per_layer_short()}" if self.layer_recompute or self.stage_layers else "")
         )
 
 
@@ -194,6 +215,10 @@ class Estimate:
     mfu: float
     """Model FLOPs (no recomputation) per second over the GPUs' dense peak."""
     simulated: bool = False
+    recompute: float = 0.0
+    """The part of `compute` that re-runs forwards for activation recomputation (busiest rank)."""
+    pp_p2p: float = 0.0
+    """The part of `pp_bubble` that point-to-point transfers add (the rest is fill and drain)."""
 
     @property
     def memory_gb(self) -> float:
@@ -216,6 +241,8 @@ class Estimate:
             dp_comm_s=self.dp_comm,
             dp_exposed_s=self.dp_exposed,
             optimizer_s=self.optimizer,
+            recompute_s=self.recompute,
+            pp_p2p_s=self.pp_p2p,
             memory_breakdown_gb={k: v / GIB for k, v in self.memory.items()},
             pipeline_timing="simulator" if self.simulated else "closed-form",
         )
@@ -340,8 +367,27 @@ class CostModel:
         return body + p.embedding / tp, body + head + p.final_norm
 
     def _max_layers_per_rank(self, layout: Layout) -> int:
+        if layout.stage_layers:
+            pp, v = layout.pp, layout.virtual_stages
+            return max(sum(layout.stage_layers[c * pp + r] for c in range(v)) for r in range(pp))
         chunks = layout.pp * layout.virtual_stages
         return -(-self.w.model.num_layers // chunks) * layout.virtual_stages
+
+    def chunk_layers(self, layout: Layout) -> tuple[int, ...]:
+        """Layers of each model chunk: the layout's own split, else the trainer's (even or by FLOPs)."""
+        chunks = layout.pp * layout.virtual_stages
+        return layout.stage_layers or stage_layers(self.w.model, chunks, self.sw.balance_stages)
+
+    def rank_modes(self, layout: Layout) -> list[Counter[str]]:
+        """Per pipeline rank, how many of its layers (over all its chunks) run each recompute mode."""
+        pp, v, stages = layout.pp, layout.virtual_stages, self.chunk_layers(layout)
+        if not layout.layer_recompute:
+            return [Counter({layout.recompute: sum(stages[c * pp + r] for c in range(v))}) for r in range(pp)]
+        starts = list(itertools.accumulate(stages, initial=0))
+        out: list[Counter[str]] = [Counter() for _ in range(pp)]
+        for chunk, (a, n) in enumerate(zip(starts, stages, strict=False)):
+            out[chunk % pp].update(layout.layer_recompute[a : a + n])
+        return out
 
     def memory(self, layout: Layout, inflight: int, num_micro: int) -> dict[str, float]:
         """Bytes on the fullest rank (llmtrain.planner.memory.rank_memory), as MemoryBreakdown.as_dict."""
@@ -374,6 +420,11 @@ class CostModel:
         )
         if model_rule:
             return model_rule
+        chunks = layout.pp * layout.virtual_stages
+        if layer_rule := layer_plan_problem(
+            m.num_layers, chunks, layout.layer_recompute or (), layout.stage_layers or ()
+        ):
+            return layer_rule
         if w.global_batch % (layout.dp * layout.micro_batch):
             mbdp = layout.micro_batch * layout.dp
             return f"global batch {w.global_batch} not a multiple of micro_batch*dp={mbdp}"
@@ -459,7 +510,7 @@ class CostModel:
         num_micro = self.w.global_batch // (dp * b)
         tok = b * self.w.seq
         activation = e * tok * m.hidden_size
-        stages = stage_layers(m, pp * v, self.sw.balance_stages)
+        stages = self.chunk_layers(layout)
         out: Counter[C.Comm] = Counter()
 
         def add(comms: tuple[C.Comm, ...], times: int) -> None:
@@ -534,7 +585,7 @@ class CostModel:
         of their own unless tied in one chunk, and the root with what is left (kept gathered)."""
         m, tp, pp, v = self.w.model, layout.tp, layout.pp, layout.virtual_stages
         z3 = layout.zero_stage == 3
-        stages = stage_layers(m, pp * v, self.sw.balance_stages)
+        stages = self.chunk_layers(layout)
         block = C.rank_parameters(m, tp, 1, False, False)[0]
         embedding = m.vocab_size // tp * m.hidden_size
         positions = m.max_positions * m.hidden_size if m.arch == "gpt" else 0
@@ -580,18 +631,22 @@ class CostModel:
             raise ValueError(f"layout {layout.short()} is invalid: {why}")
         tp, pp, v, b = layout.tp, layout.pp, layout.virtual_stages, layout.micro_batch
         num_micro = self.w.global_batch // (layout.dp * b)
-        layer = self._layer(tp, b, layout.sequence_parallel, layout.recompute)
-        first, last = self._extras(tp, b, layout.sequence_parallel)
-        chunks = pp * v
-        # Per-rank per-chunk costs, from the trainer's stage split (even, or balanced by FLOPs).
-        stages = stage_layers(self.w.model, chunks, self.sw.balance_stages)
-        fwd, bwd, wgt, tpc = [], [], [], []
-        for r in range(pp):
-            n = sum(stages[c * pp + r] for c in range(v)) / v
-            f = n * (layer.fwd + layer.tp_fwd)
-            bk = n * (layer.bwd + layer.tp_bwd)
-            wg = n * layer.wgrad
-            tcomm = n * (layer.tp_fwd + layer.tp_bwd)
+        sp = layout.sequence_parallel
+        first, last = self._extras(tp, b, sp)
+        none = self._layer(tp, b, sp, "none")
+        # Per-rank per-chunk costs from each rank's layers (the trainer's split, even or balanced by FLOPs, or
+        # the layout's own) and their recompute modes.
+        fwd, bwd, wgt, tpc, rec = [], [], [], [], []
+        for modes in self.rank_modes(layout):
+            f = bk = wg = tcomm = redo = 0.0
+            for mode, count in modes.items():
+                layer, n = self._layer(tp, b, sp, mode), count / v
+                f += n * (layer.fwd + layer.tp_fwd)
+                bk += n * (layer.bwd + layer.tp_bwd)
+                wg += n * layer.wgrad
+                tcomm += n * (layer.tp_fwd + layer.tp_bwd)
+                redo += n * (layer.bwd - none.bwd)
+            r = len(fwd)
             if r == 0:
                 f += (first.fwd + first.tp_fwd) / v
                 bk += (first.bwd + first.tp_bwd) / v
@@ -605,6 +660,7 @@ class CostModel:
             bwd.append(bk)
             wgt.append(min(wg, bk))
             tpc.append(tcomm)
+            rec.append(redo)
         send = self.act_bytes * b * self.w.seq * self.w.model.hidden_size
         split = layout.sequence_parallel or self.sw.p2p_scatter_gather
         cross = self.c.spans_nodes(pp, tp * layout.dp)
@@ -618,6 +674,9 @@ class CostModel:
         busiest = max(range(pp), key=lambda r: fwd[r] + bwd[r])
         tp_total = num_micro * v * tpc[busiest]
         compute = pipe.busy - tp_total
+        # The pipeline's step without transfers: what the sends add to the bubble.
+        quiet = pipeline_time(layout.schedule, pp, num_micro, v, fwd, bwd, wgt, 0.0, use_simulator)
+        p2p_exposed = min(max(pipe.step_time - quiet.step_time, 0.0), pipe.step_time - pipe.busy)
 
         dp_comm, exposed, optimizer = self._data_parallel_time(layout, num_micro, fwd[0] * v, bwd[0] * v)
         step = pipe.step_time + exposed + optimizer
@@ -627,7 +686,8 @@ class CostModel:
         fits = mem["total"] <= capacity
         why = "" if fits else self._overflow(mem)
         tokens = self.w.global_batch * self.w.seq
-        executed = self._flops[layout.recompute] * tokens
+        modes = Counter(layout.layer_modes(self.w.model.num_layers))
+        executed = sum(self._flops[m] * n for m, n in modes.items()) / modes.total() * tokens
         model_flops = self._model_flops * tokens
         gpus = layout.gpus
         return Estimate(
@@ -639,6 +699,8 @@ class CostModel:
             dp_comm=dp_comm,
             dp_exposed=exposed,
             optimizer=optimizer,
+            recompute=num_micro * v * rec[busiest],
+            pp_p2p=p2p_exposed,
             bubble_fraction=pipe.bubble_fraction,
             memory=mem,
             capacity=capacity,
@@ -664,9 +726,12 @@ def sharding_overrides(layout: Layout) -> dict[str, object]:
 
 def with_layout(job: JobConfig, layout: Layout, global_batch: int | None = None) -> JobConfig:
     """A copy of `job` running `layout` (and `global_batch` if given): what --write produces."""
-    model = replace(job.model, recompute=layout.recompute)
+    model = replace(
+        job.model, recompute=layout.recompute, recompute_layers=list(layout.layer_recompute or ())
+    )
     parallel = replace(
         job.parallel,
+        stage_layers=list(layout.stage_layers or ()),
         dp_shard=layout.dp_shard,
         engine="deepspeed" if layout.offload != "none" else job.parallel.engine,
         offload=layout.offload,
@@ -703,6 +768,8 @@ def layout_of_job(job: JobConfig, gpus: int, fixed: dict[str, object] | None = N
         zero_stage=p.zero_stage,
         dp_shard=None if p.dp_shard in (None, gpus // (p.tp * p.pp)) else p.dp_shard,  # dp_shard = dp: plain
         offload=p.offload,
+        layer_recompute=tuple(job.model.recompute_layers) or None,
+        stage_layers=tuple(p.stage_layers) or None,
     )
     layout = replace(layout, **(fixed or {}))
     if "dp" not in (fixed or {}):
