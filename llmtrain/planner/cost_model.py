@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import itertools
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, replace
 
 from llmtrain.config.schema import JobConfig, ModelConfig
@@ -78,13 +79,14 @@ class Layout:
         return self.layer_recompute or (self.recompute,) * num_layers
 
     def per_layer_short(self) -> str:
-        """The per-layer choices in a few characters: recompute as one letter per layer (n/s/f), layers per
-        chunk joined by '/'; empty for a uniform layout."""
+        """The per-layer choices in a few characters, run-length coded: recompute as layers x letter (f, s,
+        n), e.g. rc=3f+5n; layers per chunk as chunks x layers, e.g. stages=2x5+1x6; empty for a uniform
+        layout."""
         parts = []
         if self.layer_recompute:
-            parts.append("rc=" + "".join(m[0] for m in self.layer_recompute))
+            parts.append("rc=" + _runs(m[0] for m in self.layer_recompute))
         if self.stage_layers:
-            parts.append("stages=" + "/".join(map(str, self.stage_layers)))
+            parts.append("stages=" + _runs(self.stage_layers, "x"))
         return " ".join(parts)
 
     def short(self) -> str:
@@ -98,6 +100,11 @@ class Layout:
             + (f" offload={self.offload}" if self.offload != "none" else "")
             + (f" {self.per_layer_short()}" if self.layer_recompute or self.stage_layers else "")
         )
+
+
+def _runs(items: Iterable[object], sep: str = "") -> str:
+    """Consecutive equal items as count + sep + item, joined by '+': "aab" -> "2a+1b"."""
+    return "+".join(f"{len(list(group))}{sep}{item}" for item, group in itertools.groupby(items))
 
 
 @dataclass(frozen=True)
@@ -367,11 +374,8 @@ class CostModel:
         return body + p.embedding / tp, body + head + p.final_norm
 
     def _max_layers_per_rank(self, layout: Layout) -> int:
-        if layout.stage_layers:
-            pp, v = layout.pp, layout.virtual_stages
-            return max(sum(layout.stage_layers[c * pp + r] for c in range(v)) for r in range(pp))
-        chunks = layout.pp * layout.virtual_stages
-        return -(-self.w.model.num_layers // chunks) * layout.virtual_stages
+        pp, v, stages = layout.pp, layout.virtual_stages, self.chunk_layers(layout)
+        return max(sum(stages[c * pp + r] for c in range(v)) for r in range(pp))
 
     def chunk_layers(self, layout: Layout) -> tuple[int, ...]:
         """Layers of each model chunk: the layout's own split, else the trainer's (even or by FLOPs)."""
@@ -404,6 +408,7 @@ class CostModel:
             num_micro=num_micro,
             reserved_bytes=self.dev.reserved_gb * GIB,
             bucket_bytes=self.w.dp_bucket_mb * 2**20,
+            counts=self.params,
         )
 
     # ------------------------------------------------------------------------------------ evaluate

@@ -298,14 +298,15 @@ def rank_memory(
     num_micro: int,
     reserved_bytes: float,
     bucket_bytes: float = 25 * 2**20,
+    counts: F.ParamCounts | None = None,
 ) -> MemoryBreakdown:
     """Bytes on the fullest rank of `layout` (the first pipeline rank, or the last when its output layer and
     logits dominate; any rank under the layout's own stage split or per-layer recomputation), with the
     highest startup peak of them; `inflight` is the schedule's peak of
     micro-batches in flight on the first rank; `bucket_bytes` the data-parallel bucket (parallel.dp_bucket_mb,
-    counted in fp32 bytes)."""
+    counted in fp32 bytes); `counts` the model's parameter counts (given: not counted again)."""
     e = 4 if precision == "fp32" else 2
-    counts = F.parameter_counts(model)
+    counts = counts or F.parameter_counts(model)
     tp, pp, v, b = layout.tp, layout.pp, layout.virtual_stages, layout.micro_batch
     s, h = model.seq_length, model.hidden_size
     # Rank r holds chunks r, r + pp, ...: the layout's own split, else the trainer's.
@@ -326,8 +327,9 @@ def rank_memory(
         for mode in dict.fromkeys(modes)
     }
     if layout.layer_recompute:
-        starts = itertools.accumulate(stages, initial=0)
-        chunk_act = [sum(per_mode[m] for m in modes[a : a + n]) for a, n in zip(starts, stages, strict=False)]
+        acc = list(itertools.accumulate((per_mode[m] for m in modes), initial=0.0))
+        ends = list(itertools.accumulate(stages, initial=0))
+        chunk_act = [acc[ends[i + 1]] - acc[ends[i]] for i in range(len(stages))]
     else:
         chunk_act = [n * per_mode[layout.recompute] for n in stages]
     tok = b * s
@@ -435,7 +437,16 @@ def rank_memory(
             host=state["host"],
         )
 
-    per_rank = [one(*rank_parts(r)) for r in ranks]
+    parts = [rank_parts(r) for r in ranks]
+    if len(parts) > 2 and not (software.gloo_shard_exchange and layout.zero_stage == 1):
+        # Steady state is linear in (parameters, activations) and startup grows with the parameters (the
+        # gloo exchange, and offload's bucket at pp=1, are the exceptions): two ranks can be the fullest.
+        per_param = sum(
+            v for k, v in state_bytes(1.0, layout, precision, software.grad_bytes).items() if k != "host"
+        )
+        steadiest = max(parts, key=lambda pa: per_param * pa[0] + pa[1])
+        parts = list(dict.fromkeys((steadiest, max(parts, key=lambda pa: pa[0]))))
+    per_rank = [one(*pa) for pa in parts]
     fuller = max(per_rank, key=lambda m: m.steady)  # the first of equals: rank 0
     # The steady-state rows of the rank fullest in training; the startup peak of whichever rank's is higher.
     return replace(fuller, startup=max(m.startup for m in per_rank))
