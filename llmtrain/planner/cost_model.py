@@ -522,12 +522,15 @@ class CostModel:
             for c in comms:
                 out[c] += times
 
-        layer = C.tp_layer(tp, activation, sp, layout.recompute)
+        modes = layout.layer_modes(m.num_layers)
+        starts = list(itertools.accumulate(stages, initial=0))
         numel = replicated = 0
         for chunk in range(v):
             stage = chunk * pp + pp_rank
             first, last = stage == 0, stage == pp * v - 1
-            add(layer.fwd + layer.bwd, num_micro * stages[stage])
+            for mode, n in Counter(modes[starts[stage] : starts[stage + 1]]).items():
+                layer = C.tp_layer(tp, activation, sp, mode)
+                add(layer.fwd + layer.bwd, num_micro * n)
             if first:
                 emb = C.tp_embedding(tp, activation, sp)
                 add(emb.fwd + emb.bwd, num_micro)
