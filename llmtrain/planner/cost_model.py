@@ -19,6 +19,9 @@ Per transformer layer and micro-batch (b samples of s tokens, on one tensor-para
 Memory per rank: weights, gradients and optimizer state per precision and ZeRO stage; activations per layer
 after Korthikanti et al. 2022 (generalised to GQA, gated MLPs and flash attention) times the layers of the
 rank times the in-flight micro-batches of the schedule; communication buffers; the device's reserve.
+Per-layer plans (Layout.layer_recompute, Layout.stage_layers: what llmtrain.planner.per_layer searches) sum
+each rank's layers under their own recompute modes, so the busiest rank sets the pipeline's pace, and size
+every rank's memory from its own chunks' activations under its schedule's in-flight micro-batches.
 """
 
 from __future__ import annotations
