@@ -118,7 +118,7 @@ class PerLayerResult:
             lines.append("  recompute per layer: " + ", ".join(spans))
         if b.layout.stage_layers:
             stages = b.layout.stage_layers
-            lines.append(f"  layers per chunk ({len(stages)} chunks): " + " ".join(map(str, stages)))
+            lines.append(f"  layers per chunk, {len(stages)} in order: " + " ".join(map(str, stages)))
         return "\n".join(lines)
 
 

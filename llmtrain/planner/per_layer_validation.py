@@ -38,7 +38,7 @@ class Gap:
 
 
 def random_problem(rng: random.Random) -> tuple[Workload, ClusterView, str]:
-    """A small random workload and a cluster view whose memory makes recomputation matter (None-free)."""
+    """A small random workload, a cluster view whose memory makes recomputation matter, and a name."""
     heads = rng.choice((8, 16, 32))
     model = ModelConfig(
         arch=rng.choice(("llama", "gpt")),
