@@ -5,6 +5,8 @@
     # fix some settings, search the rest:
     python tools/plan.py --config MODEL.yaml --gpus 512 --evaluate "parallel.tp=8 model.recompute=full"
     python tools/plan.py --config MODEL.yaml --cluster a100-80gb --gpus 64 --write best.yaml --plot plan.png
+    # recompute per layer and layers per pipeline chunk as well (written with --write):
+    python tools/plan.py --config MODEL.yaml --cluster h100-80gb --gpus 3072 --per-layer
     # memory per rank of the config's own layout (settings changeable with --evaluate):
     python tools/plan.py --config configs/llama3-70b.yaml --cluster h100-80gb --gpus 64 --memory \\
         --evaluate "parallel.tp=4 parallel.zero_stage=3 model.recompute=full"
@@ -18,6 +20,11 @@
 
 --cluster takes a shipped preset by name (a100-40gb, a100-80gb, h100-80gb, h200-141gb: one node type, any
 --gpus) or the path of a cluster YAML file (tools/calibrate.py writes one for this machine).
+
+After the table it explains the choice (--no-explain: not): the best layout's step time split (compute,
+recompute, exposed TP / pipeline / DP communication, bubble, optimizer), its memory per rank, and the best
+layout of each other (tp, pp, zero, recompute) family with what ruled it out. --json prints
+{"layouts": [...], "explanation": {...}, "per_layer": {...}} (the last two null when not asked for).
 """
 
 from __future__ import annotations
@@ -48,7 +55,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--global-batch", type=int, help="samples per step (default: train.global_batch_size)"
     )
     parser.add_argument("--top", type=int, default=10, help="rows to show")
-    parser.add_argument("--json", action="store_true", help="print a JSON list instead of the table")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    parser.add_argument(
+        "--no-explain", action="store_true", help="leave out why the best layout won over the runners-up"
+    )
+    parser.add_argument(
+        "--per-layer",
+        action="store_true",
+        help="also search recompute per layer and layers per pipeline chunk from the best uniform layouts",
+    )
     parser.add_argument(
         "--evaluate", help='fix settings, e.g. "parallel.tp=8 parallel.pp=2"; search the rest'
     )
@@ -125,8 +140,11 @@ def main(argv: list[str]) -> int:
     import sys
 
     from llmtrain.config import ConfigError, load
-    from llmtrain.planner import Software, load_cluster, parse_fixed, plan_job
+    from llmtrain.planner import CostModel, Software, load_cluster, parse_fixed, plan_job
+    from llmtrain.planner.explain import explain, format_explanation
+    from llmtrain.planner.per_layer import search_per_layer
     from llmtrain.planner.report import check_new_file, format_table, plot, to_records, write_config
+    from llmtrain.planner.search import build_space
 
     for path in (args.write, args.plot):
         if path:
@@ -136,26 +154,43 @@ def main(argv: list[str]) -> int:
     software = presets.get(args.software, Software)()
     if args.memory:
         return print_memory(job, args, software)
+    cluster, fixed = load_cluster(args.cluster), parse_fixed(args.evaluate)
+    view = cluster.view(args.gpus)
     result = plan_job(
         job,
-        load_cluster(args.cluster),
+        cluster,
         args.gpus,
         global_batch=args.global_batch,
-        fixed=parse_fixed(args.evaluate),
+        fixed=fixed,
         software=software,
         top=args.top,
     )
+    why = None if args.no_explain else explain(result, view)
+    per_layer = None
+    if args.per_layer:
+        model = CostModel(result.workload, view, software)
+        per_layer = search_per_layer(model, build_space(model, fixed), result.ranked)
     if args.json:
-        print(json.dumps(to_records(result, args.top), indent=1))
+        out = {
+            "layouts": to_records(result, args.top),
+            "explanation": why.as_dict() if why else None,
+            "per_layer": per_layer.as_dict() if per_layer else None,
+        }
+        print(json.dumps(out, indent=1))
     else:
         print(format_table(result, args.top))
-    if args.write:
-        if not result.best.fits:
-            raise ConfigError(
-                f"no layout fits in memory ({result.best.why}); nothing written to {args.write}"
+        if why:
+            print(
+                "\n" + format_explanation(why, result.workload.precision, f"{args.gpus} x {view.device.name}")
             )
-        write_config(job, result.best, args.write, result.workload.global_batch, args.overwrite)
-        print(f"wrote {args.write} ({result.best.layout.short()})", file=sys.stderr)
+        if per_layer:
+            print("\n" + per_layer.format())
+    chosen = per_layer.best if per_layer else result.best
+    if args.write:
+        if not chosen.fits:
+            raise ConfigError(f"no layout fits in memory ({chosen.why}); nothing written to {args.write}")
+        write_config(job, chosen, args.write, result.workload.global_batch, args.overwrite)
+        print(f"wrote {args.write} ({chosen.layout.short()})", file=sys.stderr)
     if args.plot:
         plot(result, args.plot, args.top, args.overwrite)
         print(f"wrote {args.plot}", file=sys.stderr)

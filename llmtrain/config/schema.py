@@ -78,6 +78,8 @@ class ModelConfig:
     """Kernel implementation: auto (Triton on CUDA but SDPA attention, PyTorch elsewhere), triton or torch."""
     recompute: Recompute = "none"
     """Activation recomputation: none, selective (attention core) or full (whole layers)."""
+    recompute_layers: list[str] = field(default_factory=list)
+    """Recompute mode per layer (none/selective/full, one per layer) instead of recompute; empty: uniform."""
     num_experts: int = 8
     """MoE archs (mixtral, qwen3_moe, ernie_moe, deepseek_v3): routed experts per MoE layer."""
     num_experts_per_tok: int = 2
@@ -205,6 +207,8 @@ class ParallelConfig:
     """Model chunks per pipeline rank (interleaved_1f1b uses more than one)."""
     balance_stages: bool = True
     """Split layers over pipeline stages by FLOPs, the output layer counted on the last (false: evenly)."""
+    stage_layers: list[int] = field(default_factory=list)
+    """Layers per model chunk (pp * virtual_stages counts, in order), over balance_stages; empty: auto."""
     order: str = "tp-dp-pp"
     """Rank order of the parallel dimensions, innermost first; cp, unless named, sits just inside dp."""
     dp_bucket_mb: float = 25.0

@@ -10,6 +10,7 @@ import dataclasses
 import importlib.util
 import math
 import typing
+from collections.abc import Sequence
 
 from llmtrain.config.errors import ConfigError
 from llmtrain.config.schema import JobConfig, ModelConfig, ParallelConfig
@@ -75,6 +76,9 @@ def validate(job: JobConfig) -> None:
     )
     raise_if_problem(tensor_parallel_problem(m, p.tp, p.sequence_parallel))
     raise_if_problem(pipeline_problem(m.num_layers, p.pp, p.virtual_stages, p.schedule))
+    raise_if_problem(
+        layer_plan_problem(m.num_layers, p.pp * p.virtual_stages, m.recompute_layers, p.stage_layers)
+    )
     raise_if_problem(context_parallel_problem(job))
     raise_if_problem(float8_problem(job))
 
@@ -289,6 +293,7 @@ def moe_problem(job: JobConfig) -> str:
         # Reentrant checkpointing runs the forward without autograd, so the router statistics the
         # load-balancing loss is built from would carry no gradient.
         (m.recompute == "full", "model.recompute=full", "model.recompute none or selective"),
+        ("full" in m.recompute_layers, "full in model.recompute_layers", "none or selective per layer"),
     ]
     for is_set, setting, fix in unsupported:
         if is_set:
@@ -523,6 +528,36 @@ def pipeline_problem(num_layers: int, pp: int, virtual_stages: int = 1, schedule
             f"parallel.virtual_stages={virtual_stages} needs parallel.schedule=interleaved_1f1b "
             f"(got {schedule}); set virtual_stages=1 or change the schedule"
         )
+    return ""
+
+
+def layer_plan_problem(
+    num_layers: int, chunks: int, recompute_layers: Sequence[str], stage_layers: Sequence[int]
+) -> str:
+    """Why per-layer recomputation modes and layers per model chunk (empty: not set) do not fit a model of
+    `num_layers` layers split into `chunks` = pp * virtual_stages chunks, naming the field and the fix ("" if
+    they do). The one statement of these rules: config validation and the planner ask here."""
+    if recompute_layers:
+        if len(recompute_layers) != num_layers:
+            return (
+                f"model.recompute_layers has {len(recompute_layers)} entries for "
+                f"model.num_layers={num_layers}; "
+                "give one mode per layer, or leave it empty for model.recompute everywhere"
+            )
+        bad = sorted(set(recompute_layers) - {"none", "selective", "full"})
+        if bad:
+            return f"model.recompute_layers holds {bad[0]!r}; each entry must be none, selective or full"
+    if stage_layers:
+        if len(stage_layers) != chunks:
+            return (
+                f"parallel.stage_layers has {len(stage_layers)} entries for pp * virtual_stages = {chunks} "
+                "model chunks; give one layer count per chunk, or leave it empty for the automatic split"
+            )
+        if min(stage_layers) < 1 or sum(stage_layers) != num_layers:
+            return (
+                f"parallel.stage_layers={list(stage_layers)} must be positive counts summing to "
+                f"model.num_layers={num_layers}; every chunk needs at least one layer"
+            )
     return ""
 
 

@@ -27,7 +27,7 @@ def parallelize(model: nn.Module, topo: Topology, job: JobConfig) -> nn.Module:
     apply_tp(model, topo, job.parallel.sequence_parallel, job.train.seed)
     apply_cp(model, topo, job.parallel.cp_comm)
     apply_float8(model, job.train.precision)
-    apply_recompute(model, job.model.recompute)
+    apply_recompute(model, job.model.recompute, job.model.recompute_layers)
     if topo.pp == 1:
         # FSDP2 (zero_stage 2/3) shards meta parameters, so each rank then allocates only its shards;
         # GradBuffers (0/1) copy the parameters' values into their flat buffers, so they come after.

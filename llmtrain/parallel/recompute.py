@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -45,17 +45,20 @@ def _recomputed(fn: Callable[..., Any], tracker: RNGTracker | None) -> Callable[
     return functools.wraps(fn)(call)
 
 
-def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
-    """Wrap each block (full) or each attention core (selective) in activation checkpointing, in place."""
-    if mode not in MODES:
-        raise ValueError(f"model.recompute must be one of {', '.join(MODES)}; got {mode!r}")
-    if mode == "none":
-        return model
+def apply_recompute(model: nn.Module, mode: str, per_layer: Sequence[str] = ()) -> nn.Module:
+    """Wrap each block (full) or each attention core (selective) in activation checkpointing, in place;
+    `per_layer` (model.recompute_layers: one mode per block), when given, replaces the uniform `mode`."""
+    modes = list(per_layer) or [mode] * len(model.layers)
+    if len(modes) != len(model.layers):
+        raise ValueError(f"model.recompute_layers has {len(modes)} entries for {len(model.layers)} layers")
+    for m in dict.fromkeys(modes):
+        if m not in MODES:
+            raise ValueError(f"model.recompute must be one of {', '.join(MODES)}; got {m!r}")
     tracker = getattr(model, "tp_rng", None)
-    for block in model.layers:
-        if mode == "full":
+    for block, m in zip(model.layers, modes, strict=True):
+        if m == "full":
             block.forward = _recomputed(block.forward, tracker)
-        else:
+        elif m == "selective":
             block.attn.core = _recomputed(block.attn.core, tracker)
     return model
 

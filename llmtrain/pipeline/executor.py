@@ -497,7 +497,12 @@ def build_pipeline(
     sharded by FSDP2 first, so only this rank's shards of them are."""
     p, t = job.parallel, job.train
     stages = build_stages(
-        model, topo, p.virtual_stages, head_cost=head_cost, sequence_parallel=p.sequence_parallel
+        model,
+        topo,
+        p.virtual_stages,
+        head_cost=head_cost,
+        sequence_parallel=p.sequence_parallel,
+        stage_layers=p.stage_layers,
     )
     if p.zero_stage >= 2:  # FSDP2 shards the meta stages: materialize then allocates only this rank's shards
         apply_data_parallel(stages, topo, job)

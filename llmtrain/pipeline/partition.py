@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
-from llmtrain.config.validate import pipeline_problem, raise_if_problem
+from llmtrain.config.validate import layer_plan_problem, pipeline_problem, raise_if_problem
 
 
 def partition_layers(
@@ -13,13 +14,19 @@ def partition_layers(
     layer_costs: Sequence[float] | None = None,
     embed_cost: float = 0.0,
     head_cost: float = 0.0,
+    sizes: Sequence[int] = (),
 ) -> list[range]:
     """Contiguous layer ranges, one per stage, each non-empty, minimising the most expensive stage.
 
     Without costs every layer costs 1 (an even split; earlier stages take the remainder). ``embed_cost``
     and ``head_cost`` are added to the first and last stage, so a heavy head pushes layers forward.
+    ``sizes`` (parallel.stage_layers: layers per stage, e.g. a planner's choice) replaces the split.
     """
     raise_if_problem(pipeline_problem(num_layers, num_stages))
+    if sizes:
+        raise_if_problem(layer_plan_problem(num_layers, num_stages, (), sizes))
+        starts = list(itertools.accumulate(sizes, initial=0))
+        return [range(a, a + n) for a, n in zip(starts, sizes, strict=False)]
     if layer_costs is None:
         if embed_cost == head_cost == 0.0:
             base, extra = divmod(num_layers, num_stages)

@@ -152,12 +152,14 @@ def build_stages(
     embed_cost: float = 0.0,
     head_cost: float = 0.0,
     sequence_parallel: bool = False,
+    stage_layers: Sequence[int] = (),
 ) -> PipelineStages:
     """This pipeline rank's chunks of ``model`` (already tensor-parallel if tp > 1). Every rank must have
-    built the same model, or a meta one; the layers of other ranks are dropped with ``model``."""
+    built the same model, or a meta one; the layers of other ranks are dropped with ``model``.
+    ``stage_layers`` (parallel.stage_layers), when given, fixes the layers per chunk."""
     pp, v = topo.pp, virtual_stages
     num_stages = pp * v
-    ranges = partition_layers(len(model.layers), num_stages, layer_costs, embed_cost, head_cost)
+    ranges = partition_layers(len(model.layers), num_stages, layer_costs, embed_cost, head_cost, stage_layers)
     shell = _ModelShell(model)
     seq_shards = topo.tp if sequence_parallel else 1
     tied = model.config.tied_embeddings and model.lm_head.weight is model.embed_tokens.weight

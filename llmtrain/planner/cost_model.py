@@ -32,6 +32,9 @@ Per transformer layer and micro-batch (b samples of s tokens, on one tensor-para
 Memory per rank: weights, gradients and optimizer state per precision and ZeRO stage; activations per layer
 after Korthikanti et al. 2022 (generalised to GQA, gated MLPs and flash attention) times the layers of the
 rank times the in-flight micro-batches of the schedule; communication buffers; the device's reserve.
+Per-layer plans (Layout.layer_recompute, Layout.stage_layers: what llmtrain.planner.per_layer searches) sum
+each rank's layers under their own recompute modes, so the busiest rank sets the pipeline's pace, and size
+every rank's memory from its own chunks' activations under its schedule's in-flight micro-batches.
 """
 
 from __future__ import annotations
@@ -39,12 +42,14 @@ from __future__ import annotations
 import functools
 import itertools
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields, replace
 
 from llmtrain.config.errors import ConfigError
 from llmtrain.config.schema import JobConfig, ModelConfig, ParallelConfig, TrainConfig
 from llmtrain.config.validate import (
     context_parallel_problem,
+    layer_plan_problem,
     moe_problem,
     pipeline_problem,
     tensor_parallel_problem,
@@ -88,6 +93,10 @@ class Layout:
     """Hybrid sharding (HSDP): ranks the state is sharded over inside dp, replicated across; None = dp."""
     offload: str = "none"
     """CPU offload: none, optimizer (state and gradient shard) or optimizer+params (zero 3)."""
+    layer_recompute: tuple[str, ...] | None = None
+    """Recompute mode of each layer (model.recompute_layers), replacing `recompute`; None: uniform."""
+    stage_layers: tuple[int, ...] | None = None
+    """Layers of each model chunk (parallel.stage_layers, pp * virtual_stages); None: the trainer's split."""
     cp: int = 1
     """Context-parallel degree (each sequence split over cp ranks)."""
     cp_comm: str = "ring"
@@ -99,17 +108,39 @@ class Layout:
     def gpus(self) -> int:
         return self.tp * self.cp * self.pp * self.dp
 
+    def layer_modes(self, num_layers: int) -> tuple[str, ...]:
+        """The recompute mode of every layer."""
+        return self.layer_recompute or (self.recompute,) * num_layers
+
+    def per_layer_short(self) -> str:
+        """The per-layer choices in a few characters, run-length coded: recompute as layers x letter (f, s,
+        n), e.g. rc=3f+5n; layers per chunk as chunks x layers, e.g. stages=2x5+1x6; empty for a uniform
+        layout."""
+        parts = []
+        if self.layer_recompute:
+            parts.append("rc=" + _runs(m[0] for m in self.layer_recompute))
+        if self.stage_layers:
+            parts.append("stages=" + _runs(self.stage_layers, "x"))
+        return " ".join(parts)
+
     def short(self) -> str:
         """Compact one-line description."""
         sched = self.schedule + (f"(v={self.virtual_stages})" if self.virtual_stages > 1 else "")
+        rc = "per-layer" if self.layer_recompute else self.recompute
         return (
-            f"tp={self.tp} pp={self.pp} dp={self.dp} mb={self.micro_batch} {sched} rc={self.recompute} "
+            f"tp={self.tp} pp={self.pp} dp={self.dp} mb={self.micro_batch} {sched} rc={rc} "
             f"sp={int(self.sequence_parallel)} zero={self.zero_stage}"
             + (f" shard={self.dp_shard}" if self.dp_shard else "")
             + (f" offload={self.offload}" if self.offload != "none" else "")
             + (f" cp={self.cp}({self.cp_comm})" if self.cp > 1 else "")
             + (f" ep={self.ep}" if self.ep > 1 else "")
+            + (f" {self.per_layer_short()}" if self.layer_recompute or self.stage_layers else "")
         )
+
+
+def _runs(items: Iterable[object], sep: str = "") -> str:
+    """Consecutive equal items as count + sep + item, joined by '+': "aab" -> "2a+1b"."""
+    return "+".join(f"{len(list(group))}{sep}{item}" for item, group in itertools.groupby(items))
 
 
 @dataclass(frozen=True)
@@ -236,6 +267,10 @@ class Estimate:
     step)."""
     ep_comm: float = 0.0
     """Expert-parallel dispatch and combine all-to-alls on the busiest rank (not overlapped)."""
+    recompute: float = 0.0
+    """The part of `compute` that re-runs forwards for activation recomputation (busiest rank)."""
+    pp_p2p: float = 0.0
+    """The part of `pp_bubble` that point-to-point transfers add (the rest is fill and drain)."""
 
     @property
     def memory_gb(self) -> float:
@@ -260,6 +295,8 @@ class Estimate:
             optimizer_s=self.optimizer,
             cp_comm_s=self.cp_comm,
             ep_comm_s=self.ep_comm,
+            recompute_s=self.recompute,
+            pp_p2p_s=self.pp_p2p,
             memory_breakdown_gb={k: v / GIB for k, v in self.memory.items()},
             pipeline_timing="simulator" if self.simulated else "closed-form",
         )
@@ -488,8 +525,24 @@ class CostModel:
         return self._max_layers_per_rank(layout) * layer_parameters(self.w.model, layout.tp, layout.ep)[1]
 
     def _max_layers_per_rank(self, layout: Layout) -> int:
+        pp, v, stages = layout.pp, layout.virtual_stages, self.chunk_layers(layout)
+        return max(sum(stages[c * pp + r] for c in range(v)) for r in range(pp))
+
+    def chunk_layers(self, layout: Layout) -> tuple[int, ...]:
+        """Layers of each model chunk: the layout's own split, else the trainer's (even or by FLOPs)."""
         chunks = layout.pp * layout.virtual_stages
-        return -(-self.w.model.num_layers // chunks) * layout.virtual_stages
+        return layout.stage_layers or stage_layers(self.w.model, chunks, self.sw.balance_stages)
+
+    def rank_modes(self, layout: Layout) -> list[Counter[str]]:
+        """Per pipeline rank, how many of its layers (over all its chunks) run each recompute mode."""
+        pp, v, stages = layout.pp, layout.virtual_stages, self.chunk_layers(layout)
+        if not layout.layer_recompute:
+            return [Counter({layout.recompute: sum(stages[c * pp + r] for c in range(v))}) for r in range(pp)]
+        starts = list(itertools.accumulate(stages, initial=0))
+        out: list[Counter[str]] = [Counter() for _ in range(pp)]
+        for chunk, (a, n) in enumerate(zip(starts, stages, strict=False)):
+            out[chunk % pp].update(layout.layer_recompute[a : a + n])
+        return out
 
     def memory(self, layout: Layout, inflight: int, num_micro: int) -> dict[str, float]:
         """Bytes on the fullest rank (llmtrain.planner.memory.rank_memory), as MemoryBreakdown.as_dict."""
@@ -506,6 +559,7 @@ class CostModel:
             num_micro=num_micro,
             reserved_bytes=self.dev.reserved_gb * GIB,
             bucket_bytes=self.w.dp_bucket_mb * 2**20,
+            counts=self.params,
         )
 
     # ------------------------------------------------------------------------------------ evaluate
@@ -522,9 +576,15 @@ class CostModel:
         )
         if model_rule:
             return model_rule
+        chunks = layout.pp * layout.virtual_stages
+        if layer_rule := layer_plan_problem(
+            m.num_layers, chunks, layout.layer_recompute or (), layout.stage_layers or ()
+        ):
+            return layer_rule
+        full = "full" in layout.layer_modes(m.num_layers)  # MoE refuses full recomputation in any layer
         if trainer_rule := self._config_problem(
             layout.tp, layout.pp, layout.cp, layout.cp_comm, layout.sequence_parallel, layout.zero_stage,
-            layout.offload != "none", layout.recompute,
+            layout.offload != "none", "full" if full else layout.recompute,
         ):  # fmt: skip
             return trainer_rule
         if expert_rule := self._expert_problem(layout):
@@ -659,23 +719,24 @@ class CostModel:
         num_micro = self.w.global_batch // (dp * b)
         tok = b * self.w.seq // cp
         activation = e * tok * m.hidden_size
-        stages = stage_layers(m, pp * v, self.sw.balance_stages)
+        stages = self.chunk_layers(layout)
         out: Counter[C.Comm] = Counter()
 
         def add(comms: tuple[C.Comm, ...], times: int) -> None:
             for c in comms:
                 out[c] += times
 
-        layer = C.tp_layer(tp, activation, sp, layout.recompute)
-        context = C.cp_layer(
-            cp, layout.cp_comm, tok, m.num_attention_heads // tp, max(m.kv_heads // tp, 1), m.head_size, e,
-            layout.recompute,
-        )  # fmt: skip
+        modes = layout.layer_modes(m.num_layers)
+        starts = list(itertools.accumulate(stages, initial=0))
+        heads, kv = m.num_attention_heads // tp, max(m.kv_heads // tp, 1)
         numel = replicated = 0
         for chunk in range(v):
             stage = chunk * pp + pp_rank
             first, last = stage == 0, stage == pp * v - 1
-            add(layer.fwd + layer.bwd + context.fwd + context.bwd, num_micro * stages[stage])
+            for mode, n in Counter(modes[starts[stage] : starts[stage + 1]]).items():
+                layer = C.tp_layer(tp, activation, sp, mode)
+                context = C.cp_layer(cp, layout.cp_comm, tok, heads, kv, m.head_size, e, mode)
+                add(layer.fwd + layer.bwd + context.fwd + context.bwd, num_micro * n)
             if first:
                 emb = C.tp_embedding(tp, activation, sp)
                 add(emb.fwd + emb.bwd, num_micro)
@@ -745,7 +806,7 @@ class CostModel:
         of their own unless tied in one chunk, and the root with what is left (kept gathered)."""
         m, tp, pp, v = self.w.model, layout.tp, layout.pp, layout.virtual_stages
         z3 = layout.zero_stage == 3
-        stages = stage_layers(m, pp * v, self.sw.balance_stages)
+        stages = self.chunk_layers(layout)
         block = C.rank_parameters(m, tp, 1, False, False)[0]
         embedding = m.vocab_size // tp * m.hidden_size
         positions = m.max_positions * m.hidden_size if m.arch == "gpt" else 0
@@ -791,21 +852,30 @@ class CostModel:
             raise ValueError(f"layout {layout.short()} is invalid: {why}")
         tp, pp, v, b = layout.tp, layout.pp, layout.virtual_stages, layout.micro_batch
         num_micro = self.w.global_batch // (layout.dp * b)
-        cp = layout.cp
-        layer = self._layer(tp, b, layout.sequence_parallel, layout.recompute, cp, layout.cp_comm, layout.ep)
-        first, last = self._extras(tp, b, layout.sequence_parallel, cp)
-        chunks = pp * v
-        # Per-rank per-chunk costs, from the trainer's stage split (even, or balanced by FLOPs).
-        stages = stage_layers(self.w.model, chunks, self.sw.balance_stages)
-        fwd, bwd, wgt, tpc, cpc, epc = [], [], [], [], [], []
-        for r in range(pp):
-            n = sum(stages[c * pp + r] for c in range(v)) / v
-            f = n * (layer.fwd + layer.tp_fwd + layer.cp_fwd + layer.ep_fwd)
-            bk = n * (layer.bwd + layer.tp_bwd + layer.cp_bwd + layer.ep_bwd)
-            cpc.append(n * (layer.cp_fwd + layer.cp_bwd))
-            epc.append(n * (layer.ep_fwd + layer.ep_bwd))
-            wg = n * layer.wgrad
-            tcomm = n * (layer.tp_fwd + layer.tp_bwd)
+        sp, cp = layout.sequence_parallel, layout.cp
+        first, last = self._extras(tp, b, sp, cp)
+
+        def layer_of(mode: str) -> _Pass:
+            return self._layer(tp, b, sp, mode, cp, layout.cp_comm, layout.ep)
+
+        none = layer_of("none")
+        # Per-rank per-chunk costs from each rank's layers (the trainer's split, even or balanced by FLOPs, or
+        # the layout's own) and their recompute modes.
+        fwd, bwd, wgt, tpc, rec, cpc, epc = [], [], [], [], [], [], []
+        for modes in self.rank_modes(layout):
+            f = bk = wg = tcomm = redo = ccomm = ecomm = 0.0
+            for mode, count in modes.items():
+                layer, n = layer_of(mode), count / v
+                f += n * (layer.fwd + layer.tp_fwd + layer.cp_fwd + layer.ep_fwd)
+                bk += n * (layer.bwd + layer.tp_bwd + layer.cp_bwd + layer.ep_bwd)
+                wg += n * layer.wgrad
+                tcomm += n * (layer.tp_fwd + layer.tp_bwd)
+                ccomm += n * (layer.cp_fwd + layer.cp_bwd)
+                ecomm += n * (layer.ep_fwd + layer.ep_bwd)
+                redo += n * (layer.bwd - none.bwd)
+            r = len(fwd)
+            cpc.append(ccomm)
+            epc.append(ecomm)
             if r == 0:
                 f += (first.fwd + first.tp_fwd) / v
                 bk += (first.bwd + first.tp_bwd) / v
@@ -819,6 +889,7 @@ class CostModel:
             bwd.append(bk)
             wgt.append(min(wg, bk))
             tpc.append(tcomm)
+            rec.append(redo)
         send = self.act_bytes * b * self.w.seq // cp * self.w.model.hidden_size
         split = layout.sequence_parallel or self.sw.p2p_scatter_gather
         cross = self.c.spans_nodes(pp, tp * cp * layout.dp)
@@ -833,6 +904,9 @@ class CostModel:
         tp_total = num_micro * v * tpc[busiest]
         cp_total, ep_total = num_micro * v * cpc[busiest], num_micro * v * epc[busiest]
         compute = pipe.busy - tp_total - cp_total - ep_total
+        # The pipeline's step without transfers: what the sends add to the bubble.
+        quiet = pipeline_time(layout.schedule, pp, num_micro, v, fwd, bwd, wgt, 0.0, use_simulator)
+        p2p_exposed = min(max(pipe.step_time - quiet.step_time, 0.0), pipe.step_time - pipe.busy)
 
         dp_comm, exposed, optimizer = self._data_parallel_time(layout, num_micro, fwd[0] * v, bwd[0] * v)
         step = pipe.step_time + exposed + optimizer
@@ -842,7 +916,8 @@ class CostModel:
         fits = mem["total"] <= capacity
         why = "" if fits else self._overflow(mem)
         tokens = self.w.global_batch * self.w.seq
-        executed = self._flops[layout.recompute] * tokens
+        modes = Counter(layout.layer_modes(self.w.model.num_layers))
+        executed = sum(self._flops[m] * n for m, n in modes.items()) / modes.total() * tokens
         model_flops = self._model_flops * tokens
         gpus = layout.gpus
         return Estimate(
@@ -854,6 +929,8 @@ class CostModel:
             dp_comm=dp_comm,
             dp_exposed=exposed,
             optimizer=optimizer,
+            recompute=num_micro * v * rec[busiest],
+            pp_p2p=p2p_exposed,
             bubble_fraction=pipe.bubble_fraction,
             memory=mem,
             capacity=capacity,
@@ -895,11 +972,14 @@ def parallel_overrides(layout: Layout) -> dict[str, object]:
 
 def with_layout(job: JobConfig, layout: Layout, global_batch: int | None = None) -> JobConfig:
     """A copy of `job` running `layout` (and `global_batch` if given): what --write produces."""
-    model = replace(job.model, recompute=layout.recompute)
+    model = replace(
+        job.model, recompute=layout.recompute, recompute_layers=list(layout.layer_recompute or ())
+    )
     context = {key.removeprefix("parallel."): value for key, value in parallel_overrides(layout).items()}
     parallel = replace(
         job.parallel,
         **context,  # type: ignore[arg-type]
+        stage_layers=list(layout.stage_layers or ()),
         dp_shard=layout.dp_shard,
         engine="deepspeed" if layout.offload != "none" else job.parallel.engine,
         offload=layout.offload,
@@ -937,6 +1017,8 @@ def layout_of_job(job: JobConfig, gpus: int, fixed: dict[str, object] | None = N
         zero_stage=p.zero_stage,
         dp_shard=None if p.dp_shard in (None, gpus // model_parallel) else p.dp_shard,  # = dp: plain
         offload=p.offload,
+        layer_recompute=tuple(job.model.recompute_layers) or None,
+        stage_layers=tuple(p.stage_layers) or None,
         cp=p.cp,
         cp_comm=p.cp_comm,
         ep=getattr(p, "ep", 1),  # parallel.ep: once the trainer has it (TRAINER_HAS_EP)

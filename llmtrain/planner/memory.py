@@ -64,6 +64,7 @@ which is handed the model built whole in fp32 (4 x all parameters) and flattens 
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -203,11 +204,13 @@ def moe_mlp_saved_per_token(
     return 2 * 4 * m.num_experts + routed + m.num_shared_experts * gated
 
 
-def layer_parameters(model: ModelConfig, tp: int, ep: int) -> tuple[float, float]:
+def layer_parameters(
+    model: ModelConfig, tp: int, ep: int, counts: F.ParamCounts | None = None
+) -> tuple[float, float]:
     """(replicated, routed-expert) parameters of the mean layer on one TP rank: a MoE model's routers and
     shared experts are averaged over its layers with the replicated part; its routed experts are divided
-    over the ep ranks too (and, as the MLP, over tp)."""
-    counts = F.parameter_counts(model)
+    over the ep ranks too (and, as the MLP, over tp). `counts`: the model's parameter counts, if known."""
+    counts = counts or F.parameter_counts(model)
     experts = F.expert_parameters(model)
     replicated = (counts.per_layer + (counts.moe_extra - experts) / model.num_layers) / tp
     return replicated, experts / model.num_layers / (tp * ep)
@@ -348,53 +351,81 @@ def rank_memory(
     num_micro: int,
     reserved_bytes: float,
     bucket_bytes: float = 25 * 2**20,
+    counts: F.ParamCounts | None = None,
 ) -> MemoryBreakdown:
     """Bytes on the fullest rank of `layout` (the first pipeline rank, or the last when its output layer and
-    logits dominate), with the higher startup peak of the two; `inflight` is the schedule's peak of
+    logits dominate; any rank under the layout's own stage split or per-layer recomputation), with the
+    highest startup peak of them; `inflight` is the schedule's peak of
     micro-batches in flight on the first rank; `bucket_bytes` the data-parallel bucket (parallel.dp_bucket_mb,
-    counted in fp32 bytes)."""
+    counted in fp32 bytes); `counts` the model's parameter counts (given: not counted again)."""
     e = 4 if precision == "fp32" else 2
-    counts = F.parameter_counts(model)
+    counts = counts or F.parameter_counts(model)
     tp, pp, v, b = layout.tp, layout.pp, layout.virtual_stages, layout.micro_batch
     s, h = model.seq_length // layout.cp, model.hidden_size  # a context-parallel rank's tokens
-    stages = stage_layers(model, pp * v, software.balance_stages)  # rank r holds stages r, r + pp, ...
-    first_layers, last_layers = ([stages[c * pp + r] for c in range(v)] for r in (0, pp - 1))
+    # Rank r holds chunks r, r + pp, ...: the layout's own split, else the trainer's.
+    stages = layout.stage_layers or stage_layers(model, pp * v, software.balance_stages)
     # One layer's parameters on a TP rank: the replicated part (a MoE model's routers and shared experts
     # averaged over its layers) and the routed experts apart, also divided over the ep ranks (their state
     # shards over the expert-data-parallel group: expert_shard_group).
-    layer_p, layer_x = layer_parameters(model, tp, layout.ep)
-    if pp == 1:
-        body = model.num_layers * layer_p
-        first_p, last_p = body + (counts.embedding + counts.head + counts.final_norm) / tp, body
+    layer_p, layer_x = layer_parameters(model, tp, layout.ep, counts)
+    modes = layout.layer_modes(model.num_layers)
+    per_mode = {
+        mode: activation_bytes_per_layer(
+            model,
+            s,
+            e,
+            software.flash_attention,
+            tp,
+            b,
+            layout.sequence_parallel,
+            mode,
+            software.fused_kernels,
+            layout.cp > 1 and layout.cp_comm == "ring",
+            software.moe_imbalance,
+        )
+        for mode in dict.fromkeys(modes)
+    }
+    if layout.layer_recompute:
+        acc = list(itertools.accumulate((per_mode[m] for m in modes), initial=0.0))
+        ends = list(itertools.accumulate(stages, initial=0))
+        chunk_act = [acc[ends[i + 1]] - acc[ends[i]] for i in range(len(stages))]
     else:
-        head = (counts.head or model.vocab_size * h) / tp  # tied: a copy on the last stage
-        first_p = sum(first_layers) * layer_p + counts.embedding / tp
-        last_p = sum(last_layers) * layer_p + head + counts.final_norm
-    first_x, last_x = sum(first_layers) * layer_x, sum(last_layers) * layer_x
-
-    per_layer = activation_bytes_per_layer(
-        model, s, e, software.flash_attention, tp, b, layout.sequence_parallel, layout.recompute,
-        software.fused_kernels, layout.cp > 1 and layout.cp_comm == "ring", software.moe_imbalance,
-    )  # fmt: skip
+        chunk_act = [n * per_mode[layout.recompute] for n in stages]
     tok = b * s
     sp_div = tp if layout.sequence_parallel else 1
-    act_first = inflight * max(first_layers) * per_layer + inflight * e * tok * h / sp_div
     # Last rank: the micro-batches its schedule keeps in flight plus one micro-batch's logits at the start of
     # its backward. Fused cross-entropy: the logits and an fp32 copy. PyTorch's: the fp32 log-probabilities
     # it saves, their gradient and the fp32 logits' gradient (16-bit logits are cast up and not kept), and
     # under pipelining the logits themselves, the last stage's output, held until its backward.
     per_logit = (e + 4) if software.fused_kernels else 12 + (e if pp > 1 else 0)
     logits = tok * model.vocab_size / tp * per_logit
-    last_inflight = peak_inflight_closed(layout.schedule, pp, num_micro, v, rank=pp - 1)
-    act_last = last_inflight * max(last_layers) * per_layer + logits
     # zb_h1's deferred weight gradients: per owed micro-batch, its layers' linear inputs and output
     # gradients and, on the last stage, the output layer's: the logits' gradient and the final hidden state.
     wgrad = weight_grad_inputs_per_layer(model, tok, e, tp)
-    act_first += pending_weight_grads(layout.schedule, pp, num_micro, 0) * sum(first_layers) * wgrad
-    owed_last = pending_weight_grads(layout.schedule, pp, num_micro, pp - 1)
-    act_last += owed_last * (sum(last_layers) * wgrad + tok * (model.vocab_size / tp + h) * e)
-    if pp == 1:
-        act_first, act_last = act_first + logits, 0.0
+
+    def rank_parts(r: int) -> tuple[float, float, float]:
+        """(replicated parameters, routed experts' parameters, activation bytes) of pipeline rank r."""
+        layers = [stages[c * pp + r] for c in range(v)]
+        first, last = r == 0, r == pp - 1
+        if pp == 1:
+            params = model.num_layers * layer_p + (counts.embedding + counts.head + counts.final_norm) / tp
+        else:
+            head = (counts.head or model.vocab_size * h) / tp  # tied: a copy on the last stage
+            params = sum(layers) * layer_p
+            params += (counts.embedding / tp if first else 0.0) + (head + counts.final_norm if last else 0.0)
+        held = inflight if first else peak_inflight_closed(layout.schedule, pp, num_micro, v, rank=r)
+        owed = pending_weight_grads(layout.schedule, pp, num_micro, r)
+        act = held * max(chunk_act[c * pp + r] for c in range(v)) + owed * sum(layers) * wgrad
+        if first:
+            act += inflight * e * tok * h / sp_div  # the stage's input
+        if last:
+            act += logits + owed * tok * (model.vocab_size / tp + h) * e
+        return params, sum(layers) * layer_x, act
+
+    # Under the trainer's split the first (most in flight) or the last rank (output layer) is the fullest;
+    # a split of the layout's own, or per-layer recomputation, may make any rank the fullest.
+    explicit = layout.stage_layers or layout.layer_recompute
+    ranks = range(pp) if explicit else sorted({0, pp - 1})
 
     # Pipeline sends and receives of one micro-batch's activation, and sequence parallelism's gathered layer
     # input. Data-parallel reductions work in place on the flat gradient buffer (NCCL), but the gloo
@@ -468,7 +499,18 @@ def rank_memory(
             host=state["host"],
         )
 
-    first, last = one(first_p, first_x, act_first), one(last_p, last_x, act_last)
-    fuller = first if first.steady >= last.steady else last
+    parts = [rank_parts(r) for r in ranks]
+    if len(parts) > 2 and not (software.gloo_shard_exchange and layout.zero_stage == 1):
+        # Steady state is linear in (parameters, activations) and startup grows with the parameters (the
+        # gloo exchange, and offload's bucket at pp=1, are the exceptions): two ranks can be the fullest.
+        unit = (
+            state_bytes(1.0, layout, precision, software.grad_bytes, n)
+            for n in (None, expert_shard_group(layout))
+        )
+        per_param, per_expert = (sum(v for k, v in rows.items() if k != "host") for rows in unit)
+        steadiest = max(parts, key=lambda pa: per_param * pa[0] + per_expert * pa[1] + pa[2])
+        parts = list(dict.fromkeys((steadiest, max(parts, key=lambda pa: pa[0] + pa[1]))))
+    per_rank = [one(*pa) for pa in parts]
+    fuller = max(per_rank, key=lambda m: m.steady)  # the first of equals: rank 0
     # The steady-state rows of the rank fullest in training; the startup peak of whichever rank's is higher.
-    return replace(fuller, startup=max(first.startup, last.startup))
+    return replace(fuller, startup=max(m.startup for m in per_rank))

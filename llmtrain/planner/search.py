@@ -136,7 +136,9 @@ class Space:
                 self.sequence_parallel,
                 self.sharding[dp],
             ):
-                layout = Layout(tp, pp, dp, mb, v, sched, rc, sp, zero, shard, offload, cp, comm, ep)
+                layout = Layout(
+                    tp, pp, dp, mb, v, sched, rc, sp, zero, shard, offload, cp=cp, cp_comm=comm, ep=ep
+                )
                 why = model.invalid_reason(layout)
                 if why:
                     self.pruned[why] += 1

@@ -47,7 +47,7 @@ def _deepspeed_parts(job: JobConfig, topo: Topology) -> tuple[torch.nn.Module, A
     # Built whole in fp32: DeepSpeed casts for bf16 and keeps the fp32 master in its optimizer.
     with torch.device(topo.device):
         model = build(job.model, job.train.seed)
-    apply_recompute(model, job.model.recompute)
+    apply_recompute(model, job.model.recompute, job.model.recompute_layers)
     engine, optimizer = build_deepspeed(model, topo, job)
     runner = LocalStepRunner(engine, optimizer, job.train.micro_batch_size, deepspeed_grad_sync, topo.device)
     return engine.module, optimizer, runner

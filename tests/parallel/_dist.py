@@ -101,7 +101,7 @@ def parallel_run(
         # parallelize without apply_dp, which build_optimizer installs on the stages.
         apply_tp(model, topo, job.parallel.sequence_parallel, job.train.seed)
         apply_cp(model, topo, job.parallel.cp_comm)
-        apply_recompute(model, job.model.recompute)
+        apply_recompute(model, job.model.recompute, job.model.recompute_layers)
         model, executor = build_pipeline(model, topo, job)
     else:
         parallelize(model, topo, job)

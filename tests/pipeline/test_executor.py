@@ -42,12 +42,16 @@ def make_job(
     v: int = 1,
     sp: bool = False,
     zero: int = 0,
+    stage_layers: tuple[int, ...] = (),
+    recompute_layers: tuple[str, ...] = (),
 ) -> JobConfig:
     model = ModelConfig(
         arch=arch, num_layers=layers, hidden_size=32, num_attention_heads=4, num_kv_heads=2, vocab_size=64,
         seq_length=8, ffn_hidden_size=64, kernels="torch",
     )  # fmt: skip
+    model.recompute_layers = list(recompute_layers)
     parallel = ParallelConfig(tp=tp, pp=pp, dp=dp, schedule=schedule, virtual_stages=v, sequence_parallel=sp)
+    parallel.stage_layers = list(stage_layers)
     if zero:
         # Sharded optimizer over several small buckets, so shards split parameters.
         parallel.zero_stage, parallel.dp_bucket_mb = zero, 0.004
@@ -113,6 +117,12 @@ def _worker(rank: int, world: int, store: str, cases: list, refs: list, results:
                 f"{args} rank {rank}", result["losses"], result["grad_norms"], result["state"]
             )
             assert not failures, "\n".join(failures)
+            if job.parallel.stage_layers:  # this rank's chunks hold the layers the config gives them
+                held = [sorted(map(int, chunk.layers)) for chunk in result["model"].chunks]
+                sizes, pp = job.parallel.stage_layers, job.parallel.pp
+                starts = [sum(sizes[:c]) for c in range(len(sizes))]
+                mine = range(rank % pp, len(sizes), pp)  # tp=dp=1 in these cases
+                assert held == [list(range(starts[c], starts[c] + sizes[c])) for c in mine], held
             dist.barrier()
         results[rank] = "ok"
     except Exception:
@@ -269,6 +279,14 @@ def test_zero_bubble_defers_tensor_parallel_weight_gradients():
     zb = simulate(build_schedule("zb_h1", 2, 4), **costs).bubble_fraction
     one = simulate(build_schedule("1f1b", 2, 4), costs["forward"], costs["backward"]).bubble_fraction
     assert zb < one
+
+
+@pytest.mark.slow  # two gloo processes
+def test_a_planned_split_and_per_layer_recomputation_train_like_one_process():
+    """parallel.stage_layers and model.recompute_layers, as tools/plan.py --per-layer writes them."""
+    mixed = ("full", "none", "selective", "none", "full", "none")
+    run_world(2, [("llama", 6, 1, 2, 1, "1f1b", 1, False, 0, (5, 1), mixed),
+                  ("gpt", 6, 1, 2, 1, "interleaved_1f1b", 2, False, 0, (1, 3, 1, 1), mixed)])  # fmt: skip
 
 
 def test_partition_layers_even_and_balanced():

@@ -82,5 +82,5 @@ def test_a_quick_calibration_is_a_cluster_the_planner_plans_on(tmp_path, capsys)
     config = str(REPO / "configs/llama-small.yaml")
     assert plan.main(["--config", config, "--cluster", str(out), "--gpus", "2", "--json", "--top", "1"]) == 0
     printed = capsys.readouterr().out
-    best = json.loads(printed[printed.index("\n[") + 1 :])[0]
+    best = json.loads(printed[printed.index("\n{") + 1 :])["layouts"][0]
     assert best["step_time_s"] > 0 and best["tp"] * best["pp"] * best["dp"] == 2

@@ -50,7 +50,11 @@ def test_json_evaluate_write_and_plot(model_yaml, tmp_path, capsys):
               "--evaluate", "parallel.tp=2 parallel.pp=2"]  # fmt: skip
     argv = [*search, "--write", str(best), "--plot", str(png)]
     assert plan_tool.main(argv) == 0
-    records = json.loads(capsys.readouterr().out)
+    printed = json.loads(capsys.readouterr().out)
+    records = printed["layouts"]
+    why = printed["explanation"]
+    assert why["step_time_s"] == records[0]["step_time_s"] == pytest.approx(sum(why["time_s"].values()))
+    assert printed["per_layer"] is None
     assert len(records) == 3 and all(r["tp"] == 2 and r["pp"] == 2 and r["dp"] == 4 for r in records)
     assert records[0]["step_time_s"] <= records[1]["step_time_s"]
     job = load(best)
@@ -129,7 +133,7 @@ def test_presets_ship_in_the_package_and_a_users_file_still_works(model_yaml, tm
         done = run_plan("--config", str(model_yaml), "--cluster", cluster, "--gpus", "16", "--top", "1",
                         "--json", cwd=tmp_path)  # fmt: skip
         assert done.returncode == 0, done.stderr
-        assert json.loads(done.stdout)[0]["fits"]
+        assert json.loads(done.stdout)["layouts"][0]["fits"]
 
 
 @pytest.mark.slow  # builds a wheel (several seconds)
@@ -215,3 +219,36 @@ def test_memory_prints_the_per_rank_breakdown_of_the_configs_layout(capsys):
         plan_tool.main(
             ["--config", config, "--gpus", "64", "--memory", "--evaluate", "parallel.offload=optimizer"]
         )
+
+
+def test_the_choice_is_explained_and_per_layer_plans_are_written_for_the_trainer(tmp_path, capsys):
+    # 8 layers at 8k tokens on a device of 15 GB: whole-model recomputation is needed, on some layers only.
+    model = tmp_path / "model.yaml"
+    model.write_text(
+        yaml.safe_dump(
+            {
+                "model": {"arch": "llama", "num_layers": 8, "hidden_size": 2048, "num_attention_heads": 16,
+                          "num_kv_heads": 4, "vocab_size": 32000, "seq_length": 8192},
+                "train": {"global_batch_size": 2, "micro_batch_size": 1, "precision": "bf16"},
+            }
+        )
+    )  # fmt: skip
+    small = tmp_path / "small.yaml"
+    small.write_text((PRESETS / "h100-80gb.yaml").read_text().replace("memory_gb: 80", "memory_gb: 15"))
+    base = ["--config", str(model), "--cluster", str(small), "--gpus", "1", "--top", "3"]
+    assert plan_tool.main(base) == 0
+    text = capsys.readouterr().out
+    assert "why tp=1 pp=1 dp=1" in text and "memory per rank (the fullest)" in text
+    assert "runners-up (best of each other" in text and "does not fit: " in text
+    assert plan_tool.main([*base, "--no-explain"]) == 0
+    assert "why " not in capsys.readouterr().out
+    written = tmp_path / "per-layer.yaml"
+    assert plan_tool.main([*base, "--per-layer", "--write", str(written)]) == 0
+    text = capsys.readouterr().out
+    assert "per-layer search" in text and "recompute per layer: 0-" in text
+    job = load(written)
+    assert validate_world(job, 1) == 1
+    assert set(job.model.recompute_layers) == {"full", "none"} and job.parallel.stage_layers == [8]
+    assert plan_tool.main([*base, "--per-layer", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["per_layer"]["recompute_layers"] == job.model.recompute_layers and out["per_layer"]["gain"] > 0

@@ -48,7 +48,7 @@ def _traced_step(rank: int, world: int, arch: str, overrides: dict) -> tuple[int
     if pipelined:
         apply_tp(model, topo, job.parallel.sequence_parallel, job.train.seed)
         apply_cp(model, topo, job.parallel.cp_comm)
-        apply_recompute(model, job.model.recompute)
+        apply_recompute(model, job.model.recompute, job.model.recompute_layers)
         model, executor = build_pipeline(model, topo, job)
     else:
         parallelize(model, topo, job)
@@ -77,6 +77,7 @@ def _predicted(arch: str, overrides: dict, world: int, pp_rank: int) -> Counter[
         tp=p.tp, pp=p.pp, dp=world // (p.tp * p.cp * p.pp), micro_batch=job.train.micro_batch_size,
         virtual_stages=p.virtual_stages, schedule=p.schedule, recompute=job.model.recompute,
         sequence_parallel=p.sequence_parallel, zero_stage=p.zero_stage, cp=p.cp, cp_comm=p.cp_comm,
+        layer_recompute=tuple(job.model.recompute_layers) or None, stage_layers=tuple(p.stage_layers) or None,
     )  # fmt: skip
     work = Workload(job.model, job.train.global_batch_size, job.train.precision, p.dp_bucket_mb)
     cost = CostModel(work, load_cluster("a100-80gb").view(world), Software(gloo_shard_exchange=True))
@@ -128,6 +129,17 @@ def _check(
         ("gpt", 2, dict(pp=2)),
         ("llama", 2, dict(pp=2, schedule="interleaved_1f1b", virtual_stages=2, num_layers=4)),
         ("llama", 4, dict(tp=2, pp=2, schedule="zb_h1", sequence_parallel=True)),
+        (
+            "gpt",
+            4,
+            dict(
+                tp=2,
+                pp=2,
+                num_layers=4,
+                stage_layers=[3, 1],
+                recompute_layers=["full", "none", "none", "full"],
+            ),
+        ),
     ],
     ids=[
         "tp",
@@ -137,6 +149,7 @@ def _check(
         "pp-1f1b-tied",
         "pp-interleaved",
         "zb_h1-tp-sp",
+        "per-layer-plan",
     ],
 )
 def test_model_parallel_collectives_match_the_trace(arch: str, world: int, overrides: dict) -> None:

@@ -1,0 +1,176 @@
+"""Why the planner chose a layout: its step time and memory split, and what ruled out the runners-up.
+
+The chosen layout's step time splits into parts that sum to it (Estimate's busiest-rank terms):
+compute without recomputation, recomputation, exposed TP collectives, exposed context-parallel traffic,
+expert-parallel all-to-alls, exposed pipeline sends, pipeline fill/drain (bubble), exposed
+data-parallel/ZeRO communication and the optimizer step. Each runner-up (the best layout of every other
+(tp, pp, cp, ep, zero, recompute) family, best first) gets one line from its Estimate's
+differences to the choice: what does not fit and which memory row grew most, or which parts cost more.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llmtrain.planner.cluster import ClusterView
+from llmtrain.planner.cost_model import GIB, Estimate, Layout
+from llmtrain.planner.report import format_memory
+from llmtrain.planner.search import PlanResult
+
+PART_LABELS = {
+    "compute": "compute",
+    "recompute": "recompute",
+    "tp": "TP comm exposed",
+    "cp": "CP comm exposed",
+    "ep": "EP all-to-all",
+    "p2p": "PP p2p exposed",
+    "bubble": "bubble",
+    "dp": "DP/ZeRO comm exposed",
+    "optimizer": "optimizer",
+}
+"""The step-time parts in the order they print."""
+MEMORY_ROWS = ("params", "grads", "optimizer", "activations", "gathered", "buffers")
+SHARE_SHOWN = 0.1
+"""A runner-up's line names the parts that add at least this share of its extra time."""
+
+
+def time_parts(est: Estimate) -> dict[str, float]:
+    """The step time of `est` split into PART_LABELS' parts (seconds; they sum to est.step_time)."""
+    return {
+        "compute": est.compute - est.recompute,
+        "recompute": est.recompute,
+        "tp": est.tp_comm,
+        "cp": est.cp_comm,
+        "ep": est.ep_comm,
+        "p2p": est.pp_p2p,
+        "bubble": est.pp_bubble - est.pp_p2p,
+        "dp": est.dp_exposed,
+        "optimizer": est.optimizer,
+    }
+
+
+def part_kinds(layout: Layout, view: ClusterView) -> dict[str, str]:
+    """What each communication part is, for this layout: collective kinds and the links they cross."""
+    link = lambda size, stride=1: "across nodes" if view.spans_nodes(size, stride) else "inside a node"  # noqa: E731
+    tp = "all-gather + reduce-scatter (SP)" if layout.sequence_parallel else "all-reduce"
+    dp = {
+        0: "gradient all-reduce",
+        1: "gradient reduce-scatter + parameter all-gather",
+        2: "gradient reduce-scatter + parameter gathers per micro-batch",
+        3: "gradient reduce-scatter + parameter gathers per micro-batch, forward and backward",
+    }[layout.zero_stage]
+    if layout.offload != "none":
+        dp += ", host transfers"
+    cp = "ring K/V sends" if layout.cp_comm == "ring" else "q/k/v/output all-to-alls"
+    return {
+        "tp": f"TP {tp} {link(layout.tp)}" if layout.tp > 1 else "",
+        "cp": f"CP {cp} {link(layout.cp, layout.tp)}" if layout.cp > 1 else "",
+        "ep": f"EP dispatch + combine {link(layout.ep, layout.tp * layout.cp)}" if layout.ep > 1 else "",
+        "p2p": f"PP sends {link(layout.pp, layout.tp * layout.cp * layout.dp)}" if layout.pp > 1 else "",
+        "dp": f"DP {dp} {link(layout.dp * layout.cp, layout.tp)}" if layout.dp * layout.cp > 1 else "",
+        "bubble": f"{layout.schedule} fill and drain" if layout.pp > 1 else "",
+        "recompute": f"recompute {layout.recompute}" if not layout.layer_recompute else "per-layer recompute",
+    }
+
+
+def why_not(est: Estimate, chosen: Estimate, view: ClusterView) -> str:
+    """What rules `est` out against `chosen`, from their Estimates' differences."""
+    if not est.fits:
+        grew = {k: est.memory[k] - chosen.memory[k] for k in MEMORY_ROWS}
+        row = max(grew, key=lambda k: (grew[k], est.memory[k]))
+        over = f"does not fit: {est.memory['total'] / GIB:.1f}/{est.capacity / GIB:g} GiB"
+        if est.step_time < chosen.step_time:
+            over += f" though {est.step_time - chosen.step_time:+.3f} s"
+        if est.memory["startup"] > est.memory["steady"]:
+            return over + f" (startup peak; steady state {est.memory['steady'] / GIB:.1f} GiB)"
+        return over + f" ({row} {est.memory[row] / GIB:.1f} GiB, {grew[row] / GIB:+.1f} vs chosen)"
+    if est.layout.offload != "none" and chosen.layout.offload == "none":
+        return f"offloads to the host (ranked after every on-device layout); {est.step_time:.3f} s"
+    mine, theirs = time_parts(est), time_parts(chosen)
+    extra = est.step_time - chosen.step_time
+    if extra <= 0:
+        return f"{extra:+.3f} s: as fast (ranked after it on ties)"
+    kinds = part_kinds(est.layout, view)
+    deltas = sorted(((mine[k] - theirs[k], k) for k in PART_LABELS), reverse=True)
+    named = [
+        f"{d:+.3f} s {kinds.get(k) or PART_LABELS[k]}"
+        for d, k in deltas
+        if d > 0 and d >= SHARE_SHOWN * extra
+    ]
+    saved = [f"{d:+.3f} s {PART_LABELS[k]}" for d, k in deltas if d < 0 and -d >= SHARE_SHOWN * extra]
+    return f"{extra:+.3f} s: " + ", ".join(named) + (f" (offset by {', '.join(saved)})" if saved else "")
+
+
+@dataclass
+class Explanation:
+    """The chosen estimate, its time split, and the runners-up each with the reason it lost."""
+
+    chosen: Estimate
+    parts: dict[str, float]
+    kinds: dict[str, str]
+    runners_up: list[tuple[Estimate, str]]
+
+    def as_dict(self) -> dict:
+        """JSON-ready: layout, time parts (seconds), memory rows (GiB), runners-up with their reasons."""
+        c = self.chosen
+        return {
+            "layout": c.layout.short(),
+            "step_time_s": c.step_time,
+            "time_s": self.parts,
+            "time_kinds": {k: v for k, v in self.kinds.items() if v},
+            "memory_gb": {k: v / GIB for k, v in c.memory.items()},
+            "fits": c.fits,
+            "runners_up": [
+                {"layout": e.layout.short(), "step_time_s": e.step_time, "fits": e.fits, "why_not": why}
+                for e, why in self.runners_up
+            ],
+        }
+
+
+def _family(layout: Layout) -> tuple:
+    return (
+        layout.tp,
+        layout.pp,
+        layout.cp,
+        layout.ep,
+        layout.zero_stage,
+        layout.recompute,
+        layout.layer_recompute,
+    )
+
+
+def explain(result: PlanResult, view: ClusterView, runners_up: int = 5, misfits: int = 2) -> Explanation:
+    """Explain `result.best`: its parts, and the best layout of up to `runners_up` other (tp, pp, zero,
+    recompute) families with what ruled each out; the first up to `misfits` of them are the fastest
+    families that would beat the choice but do not fit."""
+    chosen = result.best
+    faster = sorted(
+        (e for e in result.ranked if not e.fits and e.step_time < chosen.step_time), key=lambda e: e.step_time
+    )
+    seen = {_family(chosen.layout)}
+    picked: list[Estimate] = []
+    for pool, limit in ((faster, misfits), (result.ranked[1:], runners_up)):
+        for est in pool:
+            if len(picked) >= limit:
+                break
+            if _family(est.layout) not in seen:
+                seen.add(_family(est.layout))
+                picked.append(est)
+    others = [(e, why_not(e, chosen, view)) for e in picked]
+    return Explanation(chosen, time_parts(chosen), part_kinds(chosen.layout, view), others)
+
+
+def format_explanation(expl: Explanation, precision: str, device: str) -> str:
+    """The explanation as text: time split, memory split (report.format_memory), runners-up."""
+    c = expl.chosen
+    lines = [f"why {c.layout.short()}:", f"  step time {c.step_time:.3f} s:"]
+    for key, label in PART_LABELS.items():
+        seconds = expl.parts[key]
+        share = 100 * seconds / c.step_time if c.step_time else 0.0
+        note = expl.kinds.get(key, "")
+        lines.append(f"    {label:<22}{seconds:>9.3f} s {share:>5.1f}%   {note}".rstrip())
+    lines.append(format_memory(c, precision, device))
+    if expl.runners_up:
+        lines.append("runners-up (best of each other tp/pp/zero/recompute family), and what ruled them out:")
+        lines += [f"  {e.layout.short()}: {why}" for e, why in expl.runners_up]
+    return "\n".join(lines)
