@@ -140,8 +140,8 @@ def _family(layout: Layout) -> tuple:
 
 
 def explain(result: PlanResult, view: ClusterView, runners_up: int = 5, misfits: int = 2) -> Explanation:
-    """Explain `result.best`: its parts, and the best layout of up to `runners_up` other (tp, pp, zero,
-    recompute) families with what ruled each out; the first up to `misfits` of them are the fastest
+    """Explain `result.best`: its parts, and the best layout of up to `runners_up` other (tp, pp, cp, ep,
+    zero, recompute) families with what ruled each out; the first up to `misfits` of them are the fastest
     families that would beat the choice but do not fit."""
     chosen = result.best
     faster = sorted(
@@ -171,6 +171,8 @@ def format_explanation(expl: Explanation, precision: str, device: str) -> str:
         lines.append(f"    {label:<22}{seconds:>9.3f} s {share:>5.1f}%   {note}".rstrip())
     lines.append(format_memory(c, precision, device))
     if expl.runners_up:
-        lines.append("runners-up (best of each other tp/pp/zero/recompute family), and what ruled them out:")
+        lines.append(
+            "runners-up (best of each other tp/pp/cp/ep/zero/recompute family), and what ruled them out:"
+        )
         lines += [f"  {e.layout.short()}: {why}" for e, why in expl.runners_up]
     return "\n".join(lines)
