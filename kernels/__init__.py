@@ -21,7 +21,9 @@ __all__ = [
     "flash_attention",
     "fused_linear_cross_entropy",
     "geglu",
+    "grouped_mm",
     "layer_norm",
+    "moe_experts",
     "resolve_impl",
     "rms_norm",
     "swiglu",
@@ -191,3 +193,36 @@ def fused_linear_cross_entropy(
     return chunked_ce.fused_linear_cross_entropy(
         hidden, weight, target, ignore_index, chunk_tokens, chunk_vocab=chunk_vocab
     )
+
+
+def grouped_mm(
+    x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, impl: str = "auto"
+) -> torch.Tensor:
+    """Grouped GEMM: x (rows, K) split into groups of consecutive rows, group e ending at row
+    offsets[e] (int32 (groups,), cumulative, offsets[-1] == rows: F.grouped_mm's offs), times weight[e]^T
+    (weight (groups, N, K)) -> (rows, N). Groups may be empty."""
+    from kernels.checks import check_grouped_mm_args
+
+    check_grouped_mm_args(x, weight, offsets)
+    if resolve_impl(impl, x) == "triton":
+        from kernels import grouped_gemm
+
+        return grouped_gemm.grouped_mm(x, weight, offsets)
+    from kernels import grouped_torch
+
+    return grouped_torch.grouped_mm(x, weight, offsets)
+
+
+def moe_experts(
+    rows: torch.Tensor,
+    counts: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """SwiGLU experts over rows sorted by expert: expert e takes the next counts[e] rows and computes
+    down[e] @ (silu(g) * u) with (g, u) = halves of gate_up[e] @ row (gate_up (E, 2F, H): rows [0:F] gate,
+    [F:2F] up; down (E, H, F)). rows (sum(counts), H) -> (sum(counts), H)."""
+    offsets = counts.cumsum(0, dtype=torch.int32)
+    gate, up = grouped_mm(rows, gate_up, offsets, impl).chunk(2, dim=-1)
+    return grouped_mm(swiglu(gate, up, impl), down, offsets, impl)

@@ -1,0 +1,64 @@
+"""Grouped GEMM in PyTorch: torch._grouped_mm (F.grouped_mm), the library's one-call kernel, where it takes
+the operands, else one matrix product per group.
+
+torch 2.13 runs _grouped_mm on CPU for fp32, bf16 and fp16 with 16-byte aligned strides. Its own backward
+rejects an incoming gradient with zero strides (what `.sum()` hands back), so this autograd Function makes
+the gradient contiguous and calls _grouped_mm for dX and dW itself. It also cannot write an output dtype
+other than its inputs' on CPU, so every product here stays in the input dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+_GMM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def library_takes(*tensors: torch.Tensor) -> bool:
+    """_grouped_mm supports these operands: its dtypes, and strides and base pointers 16-byte aligned."""
+    for t in tensors:
+        if t.dtype not in _GMM_DTYPES or t.data_ptr() % 16:
+            return False
+        if any(s != 1 and (s * t.element_size()) % 16 for s in t.stride()):
+            return False
+    return True
+
+
+def _counts(offsets: torch.Tensor) -> list[int]:
+    return torch.diff(offsets, prepend=offsets.new_zeros(1)).tolist()
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Group e of a's rows times b[e]: a (M, K) and b (E, K, N) -> (M, N)."""
+    if library_takes(a, b):
+        return F.grouped_mm(a, b, offs=offsets)
+    return torch.cat([rows @ b[e] for e, rows in enumerate(a.split(_counts(offsets)))])
+
+
+def _mm_dw(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """(E, N, K) per-group dY_e^T @ X_e for dy (M, N) and x (M, K)."""
+    if library_takes(dy, x):
+        return F.grouped_mm(dy.t(), x, offs=offsets)
+    counts = _counts(offsets)
+    return torch.stack([a.t() @ b for a, b in zip(dy.split(counts), x.split(counts), strict=True)])
+
+
+class _GroupedMMFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, offsets):
+        ctx.save_for_backward(x, weight, offsets)
+        return _mm(x, weight.transpose(-2, -1), offsets)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, offsets = ctx.saved_tensors
+        dy = dy.contiguous()  # _grouped_mm rejects the zero-stride gradient of a sum
+        dx = _mm(dy, weight, offsets) if ctx.needs_input_grad[0] else None
+        dw = _mm_dw(dy, x, offsets) if ctx.needs_input_grad[1] else None
+        return dx, dw, None
+
+
+def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """PyTorch grouped x @ weight[e]^T (see kernels.grouped_mm)."""
+    return _GroupedMMFn.apply(x, weight, offsets)
