@@ -224,5 +224,11 @@ def moe_experts(
     down[e] @ (silu(g) * u) with (g, u) = halves of gate_up[e] @ row (gate_up (E, 2F, H): rows [0:F] gate,
     [F:2F] up; down (E, H, F)). rows (sum(counts), H) -> (sum(counts), H)."""
     offsets = counts.cumsum(0, dtype=torch.int32)
-    gate, up = grouped_mm(rows, gate_up, offsets, impl).chunk(2, dim=-1)
-    return grouped_mm(swiglu(gate, up, impl), down, offsets, impl)
+    gu = grouped_mm(rows, gate_up, offsets, impl)
+    if resolve_impl(impl, rows) == "triton":
+        h = swiglu(*gu.chunk(2, dim=-1), impl=impl)
+    else:
+        from kernels import grouped_torch
+
+        h = grouped_torch.swiglu_packed(gu)
+    return grouped_mm(h, down, offsets, impl)

@@ -1,10 +1,11 @@
-"""Grouped GEMM in PyTorch: torch._grouped_mm (F.grouped_mm), the library's one-call kernel, where it takes
-the operands, else one matrix product per group.
+"""The PyTorch path of the MoE experts: grouped GEMM on torch._grouped_mm (F.grouped_mm), the library's
+one-call kernel, where it takes the operands, else one matrix product per group; and SwiGLU on the packed
+gate_up output.
 
-torch 2.13 runs _grouped_mm on CPU for fp32, bf16 and fp16 with 16-byte aligned strides. Its own backward
-rejects an incoming gradient with zero strides (what `.sum()` hands back), so this autograd Function makes
-the gradient contiguous and calls _grouped_mm for dX and dW itself. It also cannot write an output dtype
-other than its inputs' on CPU, so every product here stays in the input dtype.
+torch 2.13 runs _grouped_mm on CPU for fp32, bf16 and fp16 with 16-byte aligned strides (on CUDA: bf16).
+Its own backward rejects an incoming gradient with zero strides (what `.sum()` hands back), so this autograd
+Function makes the gradient contiguous and calls _grouped_mm for dX and dW itself. It also cannot write an
+output dtype other than its inputs' on CPU, so every product here stays in the input dtype.
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ _GMM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def library_takes(*tensors: torch.Tensor) -> bool:
     """_grouped_mm supports these operands: its dtypes, and strides and base pointers 16-byte aligned."""
     for t in tensors:
+        # On CUDA, torch documents bf16 only (SM80+; the other dtypes take the per-group products).
+        if t.is_cuda and t.dtype != torch.bfloat16:
+            return False
         if t.dtype not in _GMM_DTYPES or t.data_ptr() % 16:
             return False
         if any(s != 1 and (s * t.element_size()) % 16 for s in t.stride()):
@@ -62,3 +66,31 @@ class _GroupedMMFn(torch.autograd.Function):
 def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """PyTorch grouped x @ weight[e]^T (see kernels.grouped_mm)."""
     return _GroupedMMFn.apply(x, weight, offsets)
+
+
+class _PackedSwiGLUFn(torch.autograd.Function):
+    """silu(gate) * up for gu = [gate | up] (rows, 2F), whose backward writes d(gu) in one (rows, 2F) buffer.
+
+    Through autograd, chunk + silu * up saves silu(gate) and ends in a concatenation of the two gradient
+    halves (a copy of the whole buffer); here only gu is saved and silu(gate) is recomputed."""
+
+    @staticmethod
+    def forward(ctx, gu):
+        gate, up = gu.chunk(2, dim=-1)
+        ctx.save_for_backward(gu)
+        return F.silu(gate).mul_(up)
+
+    @staticmethod
+    def backward(ctx, dh):
+        (gu,) = ctx.saved_tensors
+        gate, up = gu.chunk(2, dim=-1)
+        dgu = torch.empty_like(gu)
+        d_gate, d_up = dgu.chunk(2, dim=-1)
+        torch.mul(dh, F.silu(gate), out=d_up)
+        torch.ops.aten.silu_backward.grad_input(dh * up, gate, grad_input=d_gate)
+        return dgu
+
+
+def swiglu_packed(gu: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of gu = [gate | up] along the last dim, in PyTorch."""
+    return _PackedSwiGLUFn.apply(gu)

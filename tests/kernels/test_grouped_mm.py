@@ -60,6 +60,16 @@ def test_torch_grouped_mm_gradcheck_float64():
     assert torch.autograd.gradcheck(lambda x, w: kernels.grouped_mm(x, w, offsets, impl="torch"), (x, w))
 
 
+def test_torch_moe_experts_gradcheck_float64():
+    # Checks the packed SwiGLU's hand-written backward (one d(gate_up) buffer, silu recomputed).
+    c = torch.tensor([2, 0, 1])
+    rows = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    gate_up = torch.randn(3, 6, 4, dtype=torch.float64, requires_grad=True)
+    down = torch.randn(3, 4, 3, dtype=torch.float64, requires_grad=True)
+    fn = lambda r, gu, d: kernels.moe_experts(r, c, gu, d, impl="torch")
+    assert torch.autograd.gradcheck(fn, (rows, gate_up, down))
+
+
 @pytest.mark.parametrize("impl", ["triton", "torch"])
 def test_backward_takes_a_zero_stride_gradient(impl):
     # `.sum()` hands back an expanded (zero-stride) gradient, which torch._grouped_mm's backward rejects.
