@@ -10,6 +10,8 @@ first Triton call), e.g. `TRITON_INTERPRET=1 pytest tests/kernels` or os.environ
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from kernels import reference
@@ -215,14 +217,17 @@ def grouped_mm(
 
 def moe_experts(
     rows: torch.Tensor,
-    counts: torch.Tensor,
+    counts: torch.Tensor | Sequence[int],
     gate_up: torch.Tensor,
     down: torch.Tensor,
     impl: str = "auto",
 ) -> torch.Tensor:
     """SwiGLU experts over rows sorted by expert: expert e takes the next counts[e] rows and computes
     down[e] @ (silu(g) * u) with (g, u) = halves of gate_up[e] @ row (gate_up (E, 2F, H): rows [0:F] gate,
-    [F:2F] up; down (E, H, F)). rows (sum(counts), H) -> (sum(counts), H)."""
+    [F:2F] up; down (E, H, F)). rows (sum(counts), H) -> (sum(counts), H). `counts` (E,): a tensor on rows'
+    device, or ints (as expert parallelism has them on the host)."""
+    if not isinstance(counts, torch.Tensor):
+        counts = torch.tensor(counts, device=rows.device)
     offsets = counts.cumsum(0, dtype=torch.int32)
     gu = grouped_mm(rows, gate_up, offsets, impl)
     if resolve_impl(impl, rows) == "triton":

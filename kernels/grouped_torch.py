@@ -17,8 +17,11 @@ _GMM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def library_takes(*tensors: torch.Tensor) -> bool:
-    """_grouped_mm supports these operands: its dtypes, and strides and base pointers 16-byte aligned."""
+    """_grouped_mm supports these operands: its dtypes, strides and base pointers 16-byte aligned, no empty
+    dimension (it rejects the strides of a 0-row tensor)."""
     for t in tensors:
+        if t.numel() == 0:
+            return False
         # On CUDA, torch documents bf16 only (SM80+; the other dtypes take the per-group products).
         if t.is_cuda and t.dtype != torch.bfloat16:
             return False

@@ -109,6 +109,18 @@ def test_moe_experts_matches_per_expert_loop(impl):
     )
 
 
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_moe_experts_takes_host_counts_and_no_rows(impl):
+    # Expert parallelism hands over counts as ints, and a rank may receive no row at all.
+    gate_up = randn(3, 32, 16, dtype=torch.float32)
+    down = randn(3, 16, 16, dtype=torch.float32)
+    rows = randn(0, 16, dtype=torch.float32)
+    out = kernels.moe_experts(rows, [0, 0, 0], gate_up, down, impl=impl)
+    assert out.shape == (0, 16)
+    out.sum().backward()
+    assert torch.count_nonzero(gate_up.grad) == 0 and torch.count_nonzero(down.grad) == 0
+
+
 def test_bf16_torch_path_matches_float64():
     # bf16 is the CPU fast path of F.grouped_mm (the Triton kernel is not run in bf16 under the interpreter,
     # where tl.dot on bf16 is wrong); one bf16 rounding of outputs summed in fp32.
