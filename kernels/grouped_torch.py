@@ -74,22 +74,23 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> 
 class _PackedSwiGLUFn(torch.autograd.Function):
     """silu(gate) * up for gu = [gate | up] (rows, 2F), whose backward writes d(gu) in one (rows, 2F) buffer.
 
-    Through autograd, chunk + silu * up saves silu(gate) and ends in a concatenation of the two gradient
-    halves (a copy of the whole buffer); here only gu is saved and silu(gate) is recomputed."""
+    Through autograd, chunk + silu * up ends in a concatenation of the two gradient halves (a copy of the
+    whole buffer); here each half is written in place."""
 
     @staticmethod
     def forward(ctx, gu):
         gate, up = gu.chunk(2, dim=-1)
-        ctx.save_for_backward(gu)
-        return F.silu(gate).mul_(up)
+        act = F.silu(gate)
+        ctx.save_for_backward(gu, act)
+        return act * up
 
     @staticmethod
     def backward(ctx, dh):
-        (gu,) = ctx.saved_tensors
+        gu, act = ctx.saved_tensors
         gate, up = gu.chunk(2, dim=-1)
         dgu = torch.empty_like(gu)
         d_gate, d_up = dgu.chunk(2, dim=-1)
-        torch.mul(dh, F.silu(gate), out=d_up)
+        torch.mul(dh, act, out=d_up)
         torch.ops.aten.silu_backward.grad_input(dh * up, gate, grad_input=d_gate)
         return dgu
 

@@ -33,6 +33,7 @@ from torch import nn
 
 import kernels
 from llmtrain.config import ModelConfig
+from llmtrain.models.moe_permute import ExpertOrder, combine, to_experts
 from llmtrain.models.registry import ArchSpec
 
 # ERNIE's moe_norm_min, applied to every arch: a top-k chosen by probability sums to at least 1/experts, so
@@ -140,22 +141,6 @@ def capacity_keep(
     return keep.view_as(experts)
 
 
-class _GatherRows(torch.autograd.Function):
-    """x[index] whose backward sums the gradient rows back with index_add_ (the backward of x[index] is an
-    accumulating index_put_, measured ~3x slower on CPU)."""
-
-    @staticmethod
-    def forward(ctx, x, index):
-        ctx.save_for_backward(index)
-        ctx.rows = x.shape[0]
-        return x.index_select(0, index)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (index,) = ctx.saved_tensors
-        return grad.new_zeros((ctx.rows, grad.shape[1])).index_add_(0, index, grad), None
-
-
 class Experts(nn.Module):
     """The SwiGLU experts of one layer, stored stacked (see the module docstring)."""
 
@@ -178,12 +163,12 @@ class Experts(nn.Module):
             slots = slots.masked_fill(~keep.flatten(), n)
         counts = torch.bincount(slots, minlength=n + 1)[:n]
         order = slots.argsort(stable=True)[: int(counts.sum())]
-        token = order // top_k  # the token of each (token, slot) pair, grouped by expert
-        rows = _GatherRows.apply(x, token)
-        out = kernels.moe_experts(rows, counts, self.gate_up_proj, self.down_proj, impl=self.impl)
+        where = ExpertOrder.of(order, x.shape[0], top_k)
+        out = kernels.moe_experts(
+            to_experts(x, where), counts, self.gate_up_proj, self.down_proj, impl=self.impl
+        )
         # The router weights (fp32) stay fp32 through the product, as transformers' Mixtral computes it.
-        weighted = (out * weights.flatten()[order, None]).to(x.dtype)
-        return torch.zeros_like(x).index_add_(0, token, weighted)
+        return combine(out, weights.flatten()[order], where)
 
 
 class MoEMLP(nn.Module):
