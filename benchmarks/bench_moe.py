@@ -6,10 +6,12 @@ weighted combine; the experts replaced by the identity), which expert parallelis
 
 Before timing, each dtype checks that llmtrain's output and gradients match transformers' grouped_mm block.
 Each rep times the implementations back to back (interleaved, so a load change on a shared machine hits
-them alike); the table shows medians and the ratios of the transformers times to ours (> 1: ours faster).
+them alike); the table shows medians of the wall clock and of this process's CPU time, and the ratios of the
+transformers times to ours (> 1: ours faster). On a loaded machine, `--threads 1` makes the CPU time the work
+done (no barrier spinning), the steadier comparison.
 
   python benchmarks/bench_moe.py                        # CPU, both presets, fp32 and bf16
-  python benchmarks/bench_moe.py --preset mixtral --reps 9
+  python benchmarks/bench_moe.py --preset mixtral --reps 9 --threads 1
   python benchmarks/bench_moe.py --smoke                # tiny shapes, one rep: checks the harness runs
 """
 
@@ -127,19 +129,39 @@ def check_match(hf: torch.nn.Module, ours: MoEMLP, x: torch.Tensor, dy: torch.Te
     return worst
 
 
-def time_interleaved(fns: dict[str, Callable[[], object]], reps: int, warmup: int) -> dict[str, float]:
-    """Median milliseconds of each fn over `reps` rounds that run every fn once, after `warmup` rounds."""
-    times: dict[str, list[float]] = {name: [] for name in fns}
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """Medians over the reps of one implementation, in milliseconds."""
+
+    wall: float
+    cpu: float
+    """This process's CPU time (all its threads): on a machine other jobs load, the work done, where the
+    wall clock also counts waiting for a core. With several threads it includes their barrier spinning."""
+
+
+def time_interleaved(fns: dict[str, Callable[[], object]], reps: int, warmup: int) -> dict[str, Timing]:
+    """Median wall and CPU milliseconds of each fn over `reps` rounds that run every fn once, after `warmup`
+    rounds."""
+    wall: dict[str, list[float]] = {name: [] for name in fns}
+    cpu: dict[str, list[float]] = {name: [] for name in fns}
     for i in range(warmup + reps):
         for name, fn in fns.items():
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             fn()
             if i >= warmup:
-                times[name].append((time.perf_counter() - start) * 1e3)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+                wall[name].append((time.perf_counter() - start) * 1e3)
+                cpu[name].append((time.process_time() - start_cpu) * 1e3)
+    return {name: Timing(statistics.median(wall[name]), statistics.median(cpu[name])) for name in fns}
 
 
-def bench_block(shape: Shape, dtype: torch.dtype, reps: int, warmup: int) -> dict[str, float]:
+def _row(name: str, t: Timing, ours: Timing | None = None) -> str:
+    line = f"  {name:<28} {t.wall:9.1f} ms wall {t.cpu:9.1f} ms cpu"
+    if ours is not None:
+        line += f"   {t.wall / ours.wall:5.2f}x / {t.cpu / ours.cpu:5.2f}x ours (wall / cpu)"
+    return line
+
+
+def bench_block(shape: Shape, dtype: torch.dtype, reps: int, warmup: int) -> dict[str, Timing]:
     hf, ours = build_blocks(shape, dtype)
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(1, shape.tokens, shape.hidden, generator=gen).to(dtype).requires_grad_()
@@ -155,14 +177,13 @@ def bench_block(shape: Shape, dtype: torch.dtype, reps: int, warmup: int) -> dic
         reps,
         warmup,
     )
-    base = times["llmtrain (auto)"]
-    for name, ms in times.items():
-        ratio = "" if name.startswith("llmtrain") else f"   {ms / base:5.2f}x ours"
-        print(f"  {name:<26} {ms:9.1f} ms{ratio}")
+    ours = times["llmtrain (auto)"]
+    for name, t in times.items():
+        print(_row(name, t, None if t is ours else ours))
     return times
 
 
-def bench_dispatch(shape: Shape, dtype: torch.dtype, reps: int, warmup: int) -> dict[str, float]:
+def bench_dispatch(shape: Shape, dtype: torch.dtype, reps: int, warmup: int) -> dict[str, Timing]:
     """The MoE block's token movement alone: routing, sort by expert, gather, weighted combine (forward and
     backward), with kernels.moe_experts replaced by the identity."""
     _, ours = build_blocks(shape, dtype)
@@ -172,7 +193,7 @@ def bench_dispatch(shape: Shape, dtype: torch.dtype, reps: int, warmup: int) -> 
         times = time_interleaved(
             {"local dispatch": lambda: forward_backward(ours, ours, x, dy)}, reps, warmup
         )
-    print(f"  {'local dispatch (no experts)':<26} {times['local dispatch']:9.1f} ms")
+    print(_row("local dispatch (no experts)", times["local dispatch"]))
     ep = importlib.util.find_spec("llmtrain.parallel.expert_parallel")
     if ep is None:
         print("  expert-parallel dispatch: awaits llmtrain.parallel's EP MoE path (not in this tree yet)")
@@ -190,7 +211,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, one rep, no warm-up")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)"
+    )
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     shapes = (
         {"smoke": SMOKE}
         if args.smoke
