@@ -41,22 +41,36 @@ def _to_experts(x: torch.Tensor, where: ExpertOrder) -> torch.Tensor:
     return x.index_select(0, where.order // where.top_k)
 
 
+def _padded(where: ExpertOrder, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors with a zero row appended when assignments were dropped (their slot_row points there)."""
+    if where.dropless:
+        return list(tensors)
+    return [torch.cat((t, t.new_zeros(1, *t.shape[1:]))) for t in tensors]
+
+
+def _acc_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    dtype = torch.float32
+    for t in tensors:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
 def _to_tokens(rows: torch.Tensor, where: ExpertOrder, weights: torch.Tensor | None) -> torch.Tensor:
     """sum over each token's slots of (weight *) row, accumulated slot by slot in fp32 (or wider), so no
-    (routed, hidden) product is ever materialised; one rounding to the rows' dtype."""
+    (routed, hidden) product is ever materialised; one rounding to the rows' dtype. Operands are cast to
+    the accumulation dtype first: mixed-dtype elementwise ops are not vectorised on CPU."""
     tokens, k = where.slot_row.shape[0] // where.top_k, where.top_k
-    if not where.dropless:  # dropped assignments read a zero row (and weight) appended past the last one
-        rows = torch.cat((rows, rows.new_zeros(1, rows.shape[1])))
-        weights = None if weights is None else torch.cat((weights, weights.new_zeros(1)))
-    slot_row = where.slot_row.view(tokens, k)
-    acc_dtype = torch.promote_types(rows.dtype, torch.float32)
-    out = torch.zeros(tokens, rows.shape[1], dtype=acc_dtype, device=rows.device)
-    for j in range(k):
-        part = rows.index_select(0, slot_row[:, j])
+    if weights is None:
+        acc, (rows,) = _acc_dtype(rows), _padded(where, rows)
+    else:
+        acc, (rows, weights) = _acc_dtype(rows, weights), _padded(where, rows, weights)
+    out = torch.zeros(tokens, rows.shape[1], dtype=acc, device=rows.device)
+    for idx in where.slot_row.view(tokens, k).unbind(1):
+        part = rows.index_select(0, idx).to(acc)
         if weights is None:
             out.add_(part)
         else:
-            out.addcmul_(part, weights.index_select(0, slot_row[:, j]).unsqueeze(1))
+            out.addcmul_(part, weights.index_select(0, idx).to(acc).unsqueeze(1))
     return out.to(rows.dtype)
 
 
@@ -81,14 +95,20 @@ class _Combine(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         rows, weights = ctx.saved_tensors
-        g = _to_experts(grad, ctx.where)
-        # Products in the weights' fp32 (as autograd would form them for rows * fp32 weights), rounded once.
-        d_rows = (g * weights.unsqueeze(1)).to(rows.dtype) if ctx.needs_input_grad[0] else None
-        d_weights = None
-        if ctx.needs_input_grad[1]:
-            acc_dtype = torch.promote_types(rows.dtype, weights.dtype)
-            d_weights = (g.to(acc_dtype) * rows).sum(dim=1).to(weights.dtype)
-        return d_rows, d_weights, None
+        where, routed = ctx.where, rows.shape[0]
+        tokens, k = grad.shape[0], where.top_k
+        # Slot by slot over (tokens, hidden) slices in the accumulation dtype, as the forward: the products
+        # are formed in fp32 (as autograd would for rows * fp32 weights) and d_rows is rounded once.
+        acc = _acc_dtype(rows, weights)
+        g = grad.to(acc)
+        rows, weights = _padded(where, rows, weights)
+        d_rows, d_weights = torch.empty_like(rows), torch.empty(rows.shape[0], dtype=acc, device=rows.device)
+        for idx in where.slot_row.view(tokens, k).unbind(1):
+            w = weights.index_select(0, idx).to(acc)
+            d_rows.index_copy_(0, idx, (g * w.unsqueeze(1)).to(rows.dtype))
+            part = rows.index_select(0, idx).to(acc)
+            d_weights.index_copy_(0, idx, torch.bmm(part.unsqueeze(1), g.unsqueeze(2)).view(-1))
+        return d_rows[:routed], d_weights[:routed].to(weights.dtype), None
 
 
 def to_experts(x: torch.Tensor, where: ExpertOrder) -> torch.Tensor:
