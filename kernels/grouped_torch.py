@@ -22,8 +22,8 @@ def library_takes(*tensors: torch.Tensor) -> bool:
     for t in tensors:
         if t.numel() == 0:
             return False
-        # On CUDA, torch documents bf16 only (SM80+; the other dtypes take the per-group products).
-        if t.is_cuda and t.dtype != torch.bfloat16:
+        # On CUDA, torch documents bf16 on SM80+ only; the rest takes the per-group products.
+        if t.is_cuda and (t.dtype != torch.bfloat16 or torch.cuda.get_device_capability(t.device) < (8, 0)):
             return False
         if t.dtype not in _GMM_DTYPES or t.data_ptr() % 16:
             return False
