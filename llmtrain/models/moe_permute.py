@@ -107,7 +107,7 @@ class _Combine(torch.autograd.Function):
             w = weights.index_select(0, idx).to(acc)
             d_rows.index_copy_(0, idx, (g * w.unsqueeze(1)).to(rows.dtype))
             part = rows.index_select(0, idx).to(acc)
-            d_weights.index_copy_(0, idx, torch.bmm(part.unsqueeze(1), g.unsqueeze(2)).view(-1))
+            d_weights.index_copy_(0, idx, torch.linalg.vecdot(part, g))
         return d_rows[:routed], d_weights[:routed].to(weights.dtype), None
 
 
