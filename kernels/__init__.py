@@ -10,6 +10,8 @@ first Triton call), e.g. `TRITON_INTERPRET=1 pytest tests/kernels` or os.environ
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from kernels import reference
@@ -21,7 +23,9 @@ __all__ = [
     "flash_attention",
     "fused_linear_cross_entropy",
     "geglu",
+    "grouped_mm",
     "layer_norm",
+    "moe_experts",
     "resolve_impl",
     "rms_norm",
     "swiglu",
@@ -191,3 +195,45 @@ def fused_linear_cross_entropy(
     return chunked_ce.fused_linear_cross_entropy(
         hidden, weight, target, ignore_index, chunk_tokens, chunk_vocab=chunk_vocab
     )
+
+
+def grouped_mm(
+    x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, impl: str = "auto"
+) -> torch.Tensor:
+    """Grouped GEMM: x (rows, K) split into groups of consecutive rows, group e ending at row
+    offsets[e] (int32 (groups,), cumulative, offsets[-1] == rows: F.grouped_mm's offs), times weight[e]^T
+    (weight (groups, N, K)) -> (rows, N). Groups may be empty."""
+    from kernels.checks import check_grouped_mm_args
+
+    check_grouped_mm_args(x, weight, offsets)
+    if resolve_impl(impl, x) == "triton":
+        from kernels import grouped_gemm
+
+        return grouped_gemm.grouped_mm(x, weight, offsets)
+    from kernels import grouped_torch
+
+    return grouped_torch.grouped_mm(x, weight, offsets)
+
+
+def moe_experts(
+    rows: torch.Tensor,
+    counts: torch.Tensor | Sequence[int],
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """SwiGLU experts over rows sorted by expert: expert e takes the next counts[e] rows and computes
+    down[e] @ (silu(g) * u) with (g, u) = halves of gate_up[e] @ row (gate_up (E, 2F, H): rows [0:F] gate,
+    [F:2F] up; down (E, H, F)). rows (sum(counts), H) -> (sum(counts), H). `counts` (E,): a tensor on rows'
+    device, or ints (as expert parallelism has them on the host)."""
+    if not isinstance(counts, torch.Tensor):
+        counts = torch.tensor(counts, device=rows.device)
+    offsets = counts.cumsum(0, dtype=torch.int32)
+    gu = grouped_mm(rows, gate_up, offsets, impl)
+    if resolve_impl(impl, rows) == "triton":
+        h = swiglu(*gu.chunk(2, dim=-1), impl=impl)
+    else:
+        from kernels import grouped_torch
+
+        h = grouped_torch.swiglu_packed(gu)
+    return grouped_mm(h, down, offsets, impl)

@@ -47,3 +47,18 @@ def check_ce_args(logits: torch.Tensor, target: torch.Tensor) -> None:
         )
     if target.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"target must hold integer class ids (int64); got {target.dtype}")
+
+
+def check_grouped_mm_args(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> None:
+    """Validate shapes for grouped_mm (shared by both implementations)."""
+    if x.dim() != 2 or weight.dim() != 3:
+        raise ValueError(
+            f"x must be (rows, K) and weight (groups, N, K); got {tuple(x.shape)} and {tuple(weight.shape)}"
+        )
+    if x.shape[1] != weight.shape[2]:
+        raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} must agree on K (last dim)")
+    if offsets.shape != (weight.shape[0],) or offsets.dtype != torch.int32:
+        raise ValueError(
+            f"offsets must be int32 of shape ({weight.shape[0]},), one cumulative row end per group; "
+            f"got {offsets.dtype} {tuple(offsets.shape)}"
+        )

@@ -110,3 +110,11 @@ def vocab_parallel_cross_entropy(
     return _VocabParallelCrossEntropy.apply(
         logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index, group
     )
+
+
+def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """x (M, K) split into groups at the cumulative row `offsets` (E,), group e times weight[e]^T
+    (weight (E, N, K)): one F.linear per group."""
+    counts = torch.diff(offsets, prepend=offsets.new_zeros(1)).tolist()
+    parts = [F.linear(rows, weight[e]) for e, rows in enumerate(x.split(counts))]
+    return torch.cat(parts) if parts else x.new_empty(0, weight.shape[1])

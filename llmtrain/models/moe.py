@@ -12,7 +12,8 @@ each expert takes at most ceil(factor * tokens * top-k / experts) of them, those
 weight; the rest are dropped (they add nothing; the residual stream and shared experts carry the token).
 Each layer's experts are stacked tensors, `gate_up_proj` (experts, 2 * ffn, hidden) with rows [0:ffn] the
 gate and [ffn:2ffn] the up projection of each expert, and `down_proj` (experts, hidden, ffn), as transformers
-holds them in memory. Tokens are sorted by expert and each expert multiplies its contiguous run of rows.
+holds them in memory. Tokens are sorted by expert and one grouped GEMM (kernels.moe_experts) multiplies
+each expert's contiguous run of rows.
 
 The load-balancing loss is transformers' `load_balancing_loss_func`: over all MoE layers together,
 num_experts * sum_e f_e * P_e, where f_e is the share of top-k assignments to expert e (the shares sum
@@ -32,6 +33,7 @@ from torch import nn
 
 import kernels
 from llmtrain.config import ModelConfig
+from llmtrain.models.moe_permute import ExpertOrder, combine, to_experts
 from llmtrain.models.registry import ArchSpec
 
 # ERNIE's moe_norm_min, applied to every arch: a top-k chosen by probability sums to at least 1/experts, so
@@ -159,19 +161,14 @@ class Experts(nn.Module):
         slots = experts.flatten()
         if keep is not None:  # dropped assignments go to a slot past the last expert, never computed
             slots = slots.masked_fill(~keep.flatten(), n)
-        counts = torch.bincount(slots, minlength=n + 1).tolist()[:n]
-        routed = sum(counts)
-        order = slots.argsort(stable=True)[:routed]
-        token = order // top_k  # the token of each (token, slot) pair, grouped by expert
-        outputs = []
-        for e, rows in enumerate(x[token].split(counts)):
-            if rows.shape[0] == 0:
-                continue
-            gate, up = F.linear(rows, self.gate_up_proj[e]).chunk(2, dim=-1)
-            outputs.append(F.linear(kernels.swiglu(gate, up, impl=self.impl), self.down_proj[e]))
-        # The router weights stay fp32 through the product, as transformers' Mixtral computes it.
-        weighted = (torch.cat(outputs).float() * weights.flatten()[order, None]).to(x.dtype)
-        return torch.zeros_like(x).index_add_(0, token, weighted)
+        counts = torch.bincount(slots, minlength=n + 1)[:n]
+        order = slots.argsort(stable=True)[: int(counts.sum())]
+        where = ExpertOrder.of(order, x.shape[0], top_k)
+        out = kernels.moe_experts(
+            to_experts(x, where), counts, self.gate_up_proj, self.down_proj, impl=self.impl
+        )
+        # The router weights (fp32) stay fp32 through the product, as transformers' Mixtral computes it.
+        return combine(out, weights.flatten()[order], where)
 
 
 class MoEMLP(nn.Module):

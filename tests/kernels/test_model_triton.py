@@ -16,6 +16,7 @@ import torch
 
 import kernels.attention
 import kernels.glu
+import kernels.grouped_gemm
 import kernels.loss
 import kernels.norms
 import kernels.rotary
@@ -26,8 +27,9 @@ from tests.models.hf_models import MOE_ARCHS, hf_model
 
 TOL = dict(atol=2e-5, rtol=2e-5)
 # One GQA config per dense architecture (index 0), plus ERNIE's MQA one, and Qwen3-MoE (its q/k norms run
-# the RMSNorm kernel on 4-D heads, its experts the SwiGLU kernel on row slices), and DeepSeek-V3's latent
-# attention (its zero-padded q/k, explicit softmax scale and latent norms): the interpreter is slow.
+# the RMSNorm kernel on 4-D heads, its experts the grouped GEMM and the SwiGLU kernel on row slices), and
+# DeepSeek-V3's latent attention (its zero-padded q/k, explicit softmax scale and latent norms): the
+# interpreter is slow.
 CASES = [("gpt", 0), ("llama", 0), ("ernie", 0), ("ernie", 2), ("qwen3_moe", 0), ("deepseek_v3", 1)]
 
 
@@ -43,8 +45,25 @@ def _run(model, ids, labels):
 def test_triton_kernels_match_torch_kernels_and_transformers(arch: str, index: int, monkeypatch) -> None:
     # Count calls into the Triton entry points, so the test fails if the model never reaches them.
     calls: dict[str, int] = {}
-    for module in (kernels.attention, kernels.glu, kernels.loss, kernels.norms, kernels.rotary):
-        for name in ("flash_attention", "swiglu", "cross_entropy", "rms_norm", "layer_norm", "apply_rotary"):
+    modules = (
+        kernels.attention,
+        kernels.glu,
+        kernels.grouped_gemm,
+        kernels.loss,
+        kernels.norms,
+        kernels.rotary,
+    )
+    names = (
+        "flash_attention",
+        "swiglu",
+        "grouped_mm",
+        "cross_entropy",
+        "rms_norm",
+        "layer_norm",
+        "apply_rotary",
+    )
+    for module in modules:
+        for name in names:
             if hasattr(module, name):
                 fn = getattr(module, name)
 
@@ -65,8 +84,10 @@ def test_triton_kernels_match_torch_kernels_and_transformers(arch: str, index: i
     ids = ids.to(DEVICE)
     labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100, device=DEVICE)], dim=1)
     tri_logits, tri_loss, tri_grads = _run(ours["triton"], ids, labels)
-    expected_calls = {"flash_attention", "cross_entropy"} | (
-        {"layer_norm"} if arch == "gpt" else {"rms_norm", "swiglu", "apply_rotary"}
+    expected_calls = (
+        {"flash_attention", "cross_entropy"}
+        | ({"layer_norm"} if arch == "gpt" else {"rms_norm", "swiglu", "apply_rotary"})
+        | ({"grouped_mm"} if arch in MOE_ARCHS else set())
     )
     assert expected_calls <= set(calls), f"Triton kernels not reached: {expected_calls - set(calls)}"
     torch_logits, torch_loss, torch_grads = _run(ours["torch"], ids, labels)

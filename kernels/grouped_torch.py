@@ -1,0 +1,100 @@
+"""The PyTorch path of the MoE experts: grouped GEMM on torch._grouped_mm (F.grouped_mm), the library's
+one-call kernel, where it takes the operands, else one matrix product per group; and SwiGLU on the packed
+gate_up output.
+
+torch 2.13 runs _grouped_mm on CPU for fp32, bf16 and fp16 with 16-byte aligned strides (on CUDA: bf16).
+Its own backward rejects an incoming gradient with zero strides (what `.sum()` hands back), so this autograd
+Function makes the gradient contiguous and calls _grouped_mm for dX and dW itself. It also cannot write an
+output dtype other than its inputs' on CPU, so every product here stays in the input dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+_GMM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def library_takes(*tensors: torch.Tensor) -> bool:
+    """_grouped_mm supports these operands: its dtypes, strides and base pointers 16-byte aligned, no empty
+    dimension (it rejects the strides of a 0-row tensor)."""
+    for t in tensors:
+        if t.numel() == 0:
+            return False
+        # On CUDA, torch documents bf16 on SM80+ only; the rest takes the per-group products.
+        if t.is_cuda and (t.dtype != torch.bfloat16 or torch.cuda.get_device_capability(t.device) < (8, 0)):
+            return False
+        if t.dtype not in _GMM_DTYPES or t.data_ptr() % 16:
+            return False
+        if any(s != 1 and (s * t.element_size()) % 16 for s in t.stride()):
+            return False
+    return True
+
+
+def _counts(offsets: torch.Tensor) -> list[int]:
+    return torch.diff(offsets, prepend=offsets.new_zeros(1)).tolist()
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Group e of a's rows times b[e]: a (M, K) and b (E, K, N) -> (M, N)."""
+    if library_takes(a, b):
+        return F.grouped_mm(a, b, offs=offsets)
+    return torch.cat([rows @ b[e] for e, rows in enumerate(a.split(_counts(offsets)))])
+
+
+def _mm_dw(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """(E, N, K) per-group dY_e^T @ X_e for dy (M, N) and x (M, K)."""
+    if library_takes(dy, x):
+        return F.grouped_mm(dy.t(), x, offs=offsets)
+    counts = _counts(offsets)
+    return torch.stack([a.t() @ b for a, b in zip(dy.split(counts), x.split(counts), strict=True)])
+
+
+class _GroupedMMFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, offsets):
+        ctx.save_for_backward(x, weight, offsets)
+        return _mm(x, weight.transpose(-2, -1), offsets)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, offsets = ctx.saved_tensors
+        dy = dy.contiguous()  # _grouped_mm rejects the zero-stride gradient of a sum
+        dx = _mm(dy, weight, offsets) if ctx.needs_input_grad[0] else None
+        dw = _mm_dw(dy, x, offsets) if ctx.needs_input_grad[1] else None
+        return dx, dw, None
+
+
+def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """PyTorch grouped x @ weight[e]^T (see kernels.grouped_mm)."""
+    return _GroupedMMFn.apply(x, weight, offsets)
+
+
+class _PackedSwiGLUFn(torch.autograd.Function):
+    """silu(gate) * up for gu = [gate | up] (rows, 2F), whose backward writes d(gu) in one (rows, 2F) buffer.
+
+    Through autograd, chunk + silu * up ends in a concatenation of the two gradient halves (a copy of the
+    whole buffer); here each half is written in place."""
+
+    @staticmethod
+    def forward(ctx, gu):
+        gate, up = gu.chunk(2, dim=-1)
+        act = F.silu(gate)
+        ctx.save_for_backward(gu, act)
+        return act * up
+
+    @staticmethod
+    def backward(ctx, dh):
+        gu, act = ctx.saved_tensors
+        gate, up = gu.chunk(2, dim=-1)
+        dgu = torch.empty_like(gu)
+        d_gate, d_up = dgu.chunk(2, dim=-1)
+        torch.mul(dh, act, out=d_up)
+        torch.ops.aten.silu_backward.grad_input(dh * up, gate, grad_input=d_gate)
+        return dgu
+
+
+def swiglu_packed(gu: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of gu = [gate | up] along the last dim, in PyTorch."""
+    return _PackedSwiGLUFn.apply(gu)

@@ -1,0 +1,123 @@
+"""Moving MoE rows between token order and expert order with gathers only.
+
+Experts take the (token, slot) assignments sorted by expert: row i of that order is assignment order[i], of
+token order[i] // k. Going there is a gather (index_select); coming back sums each token's k slots, which a
+scatter-add (index_add_) would do, but on CPU index_add_ is not vectorised for bf16 and measured slower than
+gathering each slot's rows (tokens, hidden) and accumulating them in fp32 (index_add_ would round after every
+add). Each direction is the other's adjoint, so both backward passes are gathers too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ExpertOrder:
+    """Where each (token, slot) assignment sits in the expert-sorted rows."""
+
+    order: torch.Tensor
+    """(routed,) flat assignment index (token * k + slot) of each expert-sorted row."""
+    slot_row: torch.Tensor
+    """(tokens * k,) expert-sorted row of each assignment; `routed` (one past the last row, a zero row) for
+    an assignment that was dropped."""
+    top_k: int
+
+    @classmethod
+    def of(cls, order: torch.Tensor, tokens: int, top_k: int) -> ExpertOrder:
+        routed = order.shape[0]
+        slot_row = torch.full((tokens * top_k,), routed, dtype=torch.long, device=order.device)
+        slot_row[order] = torch.arange(routed, device=order.device)
+        return cls(order, slot_row, top_k)
+
+    @property
+    def dropless(self) -> bool:
+        return self.order.shape[0] == self.slot_row.shape[0]
+
+
+def _to_experts(x: torch.Tensor, where: ExpertOrder) -> torch.Tensor:
+    return x.index_select(0, where.order // where.top_k)
+
+
+def _padded(where: ExpertOrder, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors with a zero row appended when assignments were dropped (their slot_row points there)."""
+    if where.dropless:
+        return list(tensors)
+    return [torch.cat((t, t.new_zeros(1, *t.shape[1:]))) for t in tensors]
+
+
+def _acc_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    dtype = torch.float32
+    for t in tensors:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
+def _to_tokens(rows: torch.Tensor, where: ExpertOrder, weights: torch.Tensor | None) -> torch.Tensor:
+    """sum over each token's slots of (weight *) row, accumulated slot by slot in fp32 (or wider), so no
+    (routed, hidden) product is ever materialised; one rounding to the rows' dtype. Operands are cast to
+    the accumulation dtype first: mixed-dtype elementwise ops are not vectorised on CPU."""
+    tokens, k = where.slot_row.shape[0] // where.top_k, where.top_k
+    if weights is None:
+        acc, (rows,) = _acc_dtype(rows), _padded(where, rows)
+    else:
+        acc, (rows, weights) = _acc_dtype(rows, weights), _padded(where, rows, weights)
+    out = torch.zeros(tokens, rows.shape[1], dtype=acc, device=rows.device)
+    for idx in where.slot_row.view(tokens, k).unbind(1):
+        part = rows.index_select(0, idx).to(acc)
+        if weights is None:
+            out.add_(part)
+        else:
+            out.addcmul_(part, weights.index_select(0, idx).to(acc).unsqueeze(1))
+    return out.to(rows.dtype)
+
+
+class _ToExperts(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, where):
+        ctx.where = where
+        return _to_experts(x, where)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _to_tokens(grad, ctx.where, None), None
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows, weights, where):
+        ctx.where = where
+        ctx.save_for_backward(rows, weights)
+        return _to_tokens(rows, where, weights)
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows, weights = ctx.saved_tensors
+        where, routed = ctx.where, rows.shape[0]
+        tokens, k = grad.shape[0], where.top_k
+        # Slot by slot over (tokens, hidden) slices in the accumulation dtype, as the forward: the products
+        # are formed in fp32 (as autograd would for rows * fp32 weights) and d_rows is rounded once.
+        acc = _acc_dtype(rows, weights)
+        g = grad.to(acc)
+        rows, weights = _padded(where, rows, weights)
+        d_rows, d_weights = torch.empty_like(rows), torch.empty(rows.shape[0], dtype=acc, device=rows.device)
+        for idx in where.slot_row.view(tokens, k).unbind(1):
+            w = weights.index_select(0, idx).to(acc)
+            d_rows.index_copy_(0, idx, (g * w.unsqueeze(1)).to(rows.dtype))
+            part = rows.index_select(0, idx).to(acc)
+            d_weights.index_copy_(0, idx, torch.linalg.vecdot(part, g))
+        return d_rows[:routed], d_weights[:routed].to(weights.dtype), None
+
+
+def to_experts(x: torch.Tensor, where: ExpertOrder) -> torch.Tensor:
+    """(tokens, hidden) -> (routed, hidden): each kept assignment's token row, in expert order."""
+    return _ToExperts.apply(x, where)
+
+
+def combine(rows: torch.Tensor, weights: torch.Tensor, where: ExpertOrder) -> torch.Tensor:
+    """(routed, hidden) expert-ordered rows and their (routed,) router weights -> (tokens, hidden): the
+    weighted sum of each token's kept rows, products and sum in fp32 (or the wider of the two dtypes), one
+    rounding to the rows' dtype, as transformers' grouped_mm experts compute it."""
+    return _Combine.apply(rows, weights, where)

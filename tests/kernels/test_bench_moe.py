@@ -1,0 +1,45 @@
+"""benchmarks/bench_moe.py: the smoke run goes end to end, and its agreement check catches a mismatch."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_moe.py"
+
+
+def _bench_module():
+    spec = importlib.util.spec_from_file_location("bench_moe", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("bench_moe", bench)  # its dataclasses look their module up by name
+    spec.loader.exec_module(bench)
+    return sys.modules["bench_moe"]
+
+
+@pytest.mark.slow
+def test_smoke_run_times_every_row():
+    out = subprocess.run([sys.executable, str(BENCH), "--smoke"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    for dtype in ("fp32", "bf16"):
+        assert f"== smoke {dtype}" in out.stdout
+    for row in ("llmtrain (auto)", "transformers grouped_mm", "transformers eager", "local dispatch"):
+        timed = re.findall(rf"^  {re.escape(row)}.* \d+\.\d ms", out.stdout, flags=re.MULTILINE)
+        assert len(timed) == 2, out.stdout  # one per dtype
+
+
+def test_check_match_catches_different_weights():
+    bench = _bench_module()
+    hf, ours = bench.build_blocks(bench.SMOKE, torch.float32)
+    x = torch.randn(1, bench.SMOKE.tokens, bench.SMOKE.hidden, requires_grad=True)
+    dy = torch.randn_like(x)
+    assert bench.check_match(hf, ours, x, dy) < bench.TOLERANCE[torch.float32]
+    with torch.no_grad():
+        ours.experts.down_proj[1] *= 1.01
+    with pytest.raises(AssertionError, match="differ"):
+        bench.check_match(hf, ours, x, dy)
