@@ -212,20 +212,3 @@ def test_deepspeed_checkpoint_resumes_on_llmtrain(tmp_path, deepspeed_extensions
     gaps = {step: abs(got[step] - want[step]) / want[step] for step in want}
     print(f"worst relative loss gap, DeepSpeed 3 + llmtrain 3 steps vs llmtrain 6: {max(gaps.values()):.2e}")
     assert max(gaps.values()) <= 1e-4, gaps
-
-
-@needs_deepspeed
-def test_resuming_the_deepspeed_engine_is_refused_before_reading(tmp_path):
-    """DeepSpeed has no Adam state to load into before its first step: Checkpointer.load refuses with the
-    fix before it reads (or even looks for) the checkpoint."""
-    from types import SimpleNamespace
-
-    from llmtrain.checkpoint import Checkpointer, CheckpointError
-    from llmtrain.parallel.deepspeed_engine import DeepSpeedOptimizer
-
-    job = tiny_job("gpt")
-    job.output_dir = str(tmp_path)
-    optimizer = DeepSpeedOptimizer(SimpleNamespace(optimizer=None), job)
-    checkpointer = Checkpointer(job, None)
-    with pytest.raises(CheckpointError, match="resume it with parallel.engine=llmtrain"):
-        checkpointer.load(tmp_path / "missing", None, optimizer)
