@@ -44,10 +44,14 @@ def deepspeed_config(job: JobConfig, dp: int) -> dict[str, Any]:
         "allgather_bucket_size": bucket,
         "contiguous_gradients": True,
     }
+    # offload_device=nvme: the offloaded tensors live in swap files under nvme_path (ZeRO-Infinity).
+    where: dict[str, Any] = {"device": p.offload_device, "pin_memory": pin}
+    if p.offload_device == "nvme":
+        where["nvme_path"] = p.nvme_path
     if p.offload in ("optimizer", "optimizer+params"):
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
+        zero["offload_optimizer"] = dict(where)
     if p.offload == "optimizer+params":
-        zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
+        zero["offload_param"] = dict(where)
     return {
         "train_batch_size": t.global_batch_size,
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
@@ -150,7 +154,15 @@ class DeepSpeedOptimizer:
         full exp_avg, exp_avg_sq and step, so a run on either engine resumes from the checkpoint. Every
         rank gathers full copies (collectives; transient memory of the model plus its Adam states).
 
-        `loading`: an empty view for a checkpoint to be read into, which `restore` then installs."""
+        `loading`: an empty view for a checkpoint to be read into, which `restore` then installs (refused
+        with NVMe offload: the Adam states live in DeepSpeed's swap files, which `restore` does not write)."""
+        if loading and self.job.parallel.offload_device == "nvme":
+            from llmtrain.checkpoint.errors import CheckpointError
+
+            raise CheckpointError(
+                "parallel.offload_device=nvme cannot resume from a checkpoint yet; resume with "
+                "parallel.offload_device=cpu (checkpoints are layout-free)"
+            )
         from llmtrain import models
 
         # Built on the CPU (not meta + to_empty, which would untie tied embeddings); overwritten below.

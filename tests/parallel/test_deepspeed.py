@@ -12,6 +12,7 @@ TORCH_EXTENSIONS_DIR (see conftest's deepspeed_extensions fixture).
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 
 import pytest
@@ -61,6 +62,59 @@ def test_missing_package_is_a_one_line_config_error(monkeypatch):
 def test_unsupported_deepspeed_layouts_are_config_errors(overrides, expected):
     with pytest.raises(ConfigError, match=expected):
         load(None, ["parallel.engine=deepspeed", *overrides])
+
+
+NVME = ["parallel.engine=deepspeed", "parallel.zero_stage=3", "parallel.offload=optimizer+params"]
+
+
+@needs_deepspeed
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["parallel.nvme_path=/nvme"], "read only with parallel.offload_device=nvme"),
+        (["parallel.offload_device=nvme", "parallel.nvme_path=/nvme"], "set parallel.engine=deepspeed and"),
+        (
+            [
+                *NVME,
+                "parallel.zero_stage=2",
+                "parallel.offload=optimizer",
+                "parallel.offload_device=nvme",
+                "parallel.nvme_path=/nvme",
+            ],
+            "needs parallel.zero_stage=3",
+        ),  # fmt: skip
+        ([*NVME, "parallel.offload_device=nvme"], "needs parallel.nvme_path"),
+    ],
+)
+def test_bad_nvme_offload_settings_are_config_errors(overrides, expected):
+    with pytest.raises(ConfigError, match=expected):
+        load(None, overrides)
+
+
+def _validate_module():
+    """llmtrain.config.validate, the module (the package re-exports a function of that name)."""
+    return importlib.import_module("llmtrain.config.validate")
+
+
+@needs_deepspeed
+def test_nvme_offload_without_libaio_is_a_one_line_config_error(monkeypatch):
+    """DeepSpeed's async_io op needs libaio (this machine has none); the error names the package."""
+    monkeypatch.setattr(_validate_module(), "async_io_available", lambda: False)
+    with pytest.raises(ConfigError) as err:
+        load(None, [*NVME, "parallel.offload_device=nvme", "parallel.nvme_path=/nvme"])
+    message = str(err.value)
+    assert "\n" not in message and "apt install libaio-dev" in message, message
+
+
+@needs_deepspeed
+def test_nvme_offload_maps_to_deepspeed_swap_files(monkeypatch):
+    from llmtrain.parallel.deepspeed_engine import deepspeed_config
+
+    monkeypatch.setattr(_validate_module(), "async_io_available", lambda: True)
+    job = load(None, [*NVME, "parallel.offload_device=nvme", "parallel.nvme_path=/nvme"])
+    zero = deepspeed_config(job, 1)["zero_optimization"]
+    for section in ("offload_optimizer", "offload_param"):
+        assert zero[section]["device"] == "nvme" and zero[section]["nvme_path"] == "/nvme", zero
 
 
 def test_offload_and_high_zero_stages_need_deepspeed():
@@ -146,6 +200,30 @@ def test_deepspeed_offload_trains_like_one_process(deepspeed_extensions):
     gradient norms and final weights lie within the float64 reference's fp32 bounds, like llmtrain's."""
     failures, gaps = spawn(2, _equivalence)[0]
     print("\n".join(gaps))
+    assert not failures, "\n".join(failures)
+
+
+def _nvme_equivalence(rank: int, world: int, nvme_path: str) -> list[str]:
+    job = tiny_job("gpt", dp=world, zero_stage=3)
+    data = batches(job, STEPS)
+    reference = torch_reference(job, data, LR) if rank == 0 else None
+    p = job.parallel
+    p.engine, p.offload, p.offload_device, p.nvme_path = "deepspeed", "optimizer+params", "nvme", nvme_path
+    run = _deepspeed_run(job, Topology(p, world, rank), data)
+    if rank != 0:
+        return []
+    return reference.check("deepspeed zero3 nvme", run["losses"], run["grad_norms"], run["state"])
+
+
+@needs_deepspeed
+@pytest.mark.slow
+def test_nvme_offload_trains_like_one_process(tmp_path, deepspeed_extensions):
+    """Optimizer and parameters swapped to files under nvme_path train within the same float64 bounds as
+    the CPU-offloaded and non-offloaded runs (test_deepspeed_offload_trains_like_one_process). Skipped
+    where DeepSpeed's async_io op cannot build (no libaio), which config validation refuses anyway."""
+    if not _validate_module().async_io_available():
+        pytest.skip("DeepSpeed's async_io op needs libaio: apt install libaio-dev")
+    failures = spawn(2, _nvme_equivalence, str(tmp_path))[0]
     assert not failures, "\n".join(failures)
 
 
