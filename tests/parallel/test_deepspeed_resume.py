@@ -1,14 +1,14 @@
 """parallel.engine=deepspeed resumes from llmtrain's layout-free checkpoints, its own and llmtrain's, and
-llmtrain resumes from its checkpoints (2 gloo processes, fp32, the tiny gpt of tests/parallel/_dist.py).
+llmtrain resumes from its checkpoints (2 gloo processes, the tiny gpt of tests/parallel/_dist.py).
 
-References: uninterrupted runs. Same engine and layout (DeepSpeed ZeRO-2): the checkpoint restores
-bitwise what the run held (fp32 masters, Adam's moments and step), so the resumed losses equal the straight
-run's exactly. Across engines the reference is the straight run of another fp32 layout: the engines and
-layouts sum the same numbers in other orders (each lies within the float64 reference's fp32 bounds,
-test_deepspeed.py), ~1e-7 relative in the losses after 6 Adam steps; 1e-5 relative (the bound of
-tests/checkpoint/test_reshard.py) leaves room for that and fails a resume that dropped Adam's moments or
-step (a 1e-3-size move of the weights here, ~1e-3 in the next loss). The Hugging Face export of the
-DeepSpeed ZeRO-3 checkpoint is checked against transformers' logits.
+References: uninterrupted runs. Same engine and layout (DeepSpeed ZeRO-2 fp32, ZeRO-1 bf16): the checkpoint
+restores bitwise what the run held (fp32 masters, Adam's moments and step; bf16 weights are the masters'
+cast), so the resumed losses equal the straight run's exactly. Across engines the reference is the straight
+run of another fp32 layout: the engines and layouts sum the same numbers in other orders (each lies within
+the float64 reference's fp32 bounds, test_deepspeed.py), ~1e-7 relative in the losses after 6 Adam steps;
+1e-5 relative (the bound of tests/checkpoint/test_reshard.py) leaves room for that and fails a resume that
+dropped Adam's moments or step (a 1e-3-size move of the weights here, ~1e-3 in the next loss). The Hugging
+Face export of the DeepSpeed ZeRO-3 checkpoint is checked against transformers' logits.
 """
 
 from __future__ import annotations
@@ -41,9 +41,15 @@ HALF = STEPS // 2
 
 
 def _job(
-    out: Path, world: int, zero_stage: int, engine: str = "llmtrain", offload: str = "none"
+    out: Path,
+    world: int,
+    zero_stage: int,
+    engine: str = "llmtrain",
+    offload: str = "none",
+    precision: str = "fp32",
 ) -> JobConfig:
     job = tiny_job("gpt", dp=world, zero_stage=zero_stage, engine=engine, offload=offload)
+    job.train.precision = precision
     job.output_dir = str(out)
     return job
 
@@ -142,6 +148,10 @@ def _resumes(rank: int, world: int, tmp: str) -> dict[str, float]:
     ds_zero2 = straight_saving("ds_zero2", **zero2)
     got = resumed("ds_zero2", **zero2)
     assert got == ds_zero2, f"DeepSpeed zero2 resumed {got} != straight {ds_zero2}"
+    # ... and ZeRO-1 in bf16, whose bf16 weights are restored as the cast of the fp32 masters.
+    zero1_bf16 = dict(zero_stage=1, engine="deepspeed", precision="bf16")
+    want, got = straight_saving("ds_zero1_bf16", **zero1_bf16), resumed("ds_zero1_bf16", **zero1_bf16)
+    assert got == want, f"DeepSpeed zero1 bf16 resumed {got} != straight {want}"
     # llmtrain ZeRO-3 (FSDP2) saves; DeepSpeed ZeRO-2 and ZeRO-3 (with the optimizer on the CPU) resume.
     llmtrain_zero3 = straight_saving("llmtrain_zero3", zero_stage=3)
     gaps = {
