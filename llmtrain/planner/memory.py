@@ -12,21 +12,30 @@ fp32 main gradients by default):
     zero 3  params 4*P/N grads g*P/N  optimizer 8*P/N               (FSDP2: the fp32 shard is the parameter
                                                                      and the master; blocks are gathered)
 
+The zero 2/3 gradient row at the step's peak, the backward's start, is not the shard (the reduce-scatters
+create the shards as the backward frees the activations, and zero_grad dropped the last step's): with
+gradient accumulation FSDP2 keeps the earlier micro-batches' gradients unsharded in fp32 (the trainer turns
+gradient sync off until the last micro-batch), 4*P; with one micro-batch per step, none. Measured: the
+dp2-zero3 row of benchmarks/bench_memory.py (two micro-batches) peaks 27.3 MiB, the model's 4P, above the
+dp4-zero3-hsdp2 row (one), with the same shards and activations.
+
 Offload (zero 2/3, as DeepSpeed's ZeRO-Offload or FSDP2's CPUOffloadPolicy): "optimizer" moves the optimizer
 rows (master and Adam moments) and, at zero 2/3, the gradient shard to host memory; "optimizer+params"
 (zero 3) moves the fp32 parameter shard too. Host bytes are reported apart and never count against the device.
 
 Gathered buffers: ZeRO-3 holds the unsharded 16-bit parameters of the block being computed and of the
-prefetched ones (Software.zero3_prefetch) plus, in the backward, the unsharded gradient of one block before
-its reduce-scatter; ZeRO-2 holds that unsharded gradient; at zero 0/1 the same place is taken by the weight
-gradient autograd produces before a hook adds it into the flat main gradient. The largest block (a layer, the
-embedding or the output layer) sizes them.
+prefetched ones (Software.zero3_prefetch; at the peak, the output layer's backward, the next is a layer) plus,
+in the backward, the unsharded gradient of one block before its reduce-scatter; ZeRO-2 holds that unsharded
+gradient; at zero 0/1 the same place is taken by the weight gradient autograd produces before a hook adds it
+into the flat main gradient. The largest block (a layer, the embedding or the output layer) sizes them.
 
 Pipelines: the measured peaks that the model once missed (pp=2 interleaved 0.81, zb_h1 0.72) were, by
 MemTracker's categories, not activations but backward temporaries ("Temp": 11-47 MiB at the peak) and, for
-zb_h1, the inputs deferred weight gradients keep (below): the interleaved gap stayed ~20-27 MiB when the
-micro-batch halved, so it is not saved activations but the largest block's 8 MiB autograd weight gradient on
-each rank plus layer backward temporaries, the part left unmodelled.
+zb_h1, the inputs deferred weight gradients keep (below). The rest of the interleaved gap (0.855 on its last
+rank) grew through the step: llmtrain's executor on gloo keeps every micro-batch's transfers until the step's
+end (Software.p2p_held_until_step_end; traced per action: the last rank's live bytes rose by five activations
+of one micro-batch, 2.5 MiB, per micro-batch, its received inputs, the gradients it sent back and the output
+it sent on; 1f1b's last rank, receiving one input and sending its gradient, by two). Counted in buffers.
 
 Activations (llmtrain's fused kernels; PyTorch's reference ops save a little more, see
 activation_bytes_per_layer): Korthikanti et al. 2022 per layer (generalised to GQA, gated MLPs, flash
@@ -344,12 +353,25 @@ def rank_memory(
     # input. Data-parallel reductions work in place on the flat gradient buffer (NCCL), but the gloo
     # ZeRO-1 exchange receives dp - 1 peer copies of each bucket's shard, all alive until the step's end.
     buffers = (2 * e * tok * h / sp_div if pp > 1 else 0) + (e * tok * h if layout.sequence_parallel else 0)
+    held_first = held_last = 0.0
+    if pp > 1 and software.p2p_held_until_step_end:
+        # Per micro-batch a rank receives an input and sends its gradient for each chunk but the first
+        # stage's, and sends an output for each but the last stage's; the micro-batches done before the
+        # rank's last peak (all but those then in flight) each keep theirs.
+        one_p2p = e * tok * h / sp_div
+        for rank in (0, pp - 1):
+            per_micro = 2 * (v - (rank == 0)) + v - (rank == pp - 1)
+            done = num_micro - -(-peak_inflight_closed(layout.schedule, pp, num_micro, v, rank=rank) // v)
+            held = max(done, 0) * per_micro * one_p2p
+            held_first, held_last = (held, held_last) if rank == 0 else (held_first, held)
 
     # The largest block gathered at once (per TP rank): a layer, the embedding or the output layer.
     largest = max(counts.per_layer, counts.embedding, counts.head) / tp
     gathered = 0.0
     if layout.zero_stage == 3:
-        gathered = e * (1 + software.zero3_prefetch) * largest + software.grad_bytes * largest
+        # At the peak (the backward's start, in the output layer) the prefetched block is the last layer.
+        prefetched = software.zero3_prefetch * counts.per_layer / tp
+        gathered = e * (largest + prefetched) + software.grad_bytes * largest
     elif layout.zero_stage == 2:
         gathered = software.grad_bytes * largest
     else:
@@ -359,8 +381,13 @@ def rank_memory(
 
     total_params = counts.total
 
-    def one(params: float, activations: float) -> MemoryBreakdown:
+    def one(params: float, activations: float, p2p_held: float) -> MemoryBreakdown:
         state = state_bytes(params, layout, precision, software.grad_bytes)
+        if layout.zero_stage >= 2 and layout.offload == "none":
+            # FSDP2 at the peak, the backward's start: zero_grad dropped the step's gradient shards; with
+            # accumulation the earlier micro-batches' gradients stay unsharded (gradient sync is off until
+            # the last micro-batch), a whole fp32 gradient of the rank's parameters.
+            state["grads"] = software.grad_bytes * params if num_micro > 1 else 0.0
         exchange = 0.0
         if layout.offload != "none":
             # DeepSpeed's contiguous gradient bucket on the device, in the parameters' dtype (its elements:
@@ -400,13 +427,13 @@ def rank_memory(
             optimizer=state["optimizer"],
             activations=activations,
             gathered=gathered,
-            buffers=buffers + exchange,
+            buffers=buffers + exchange + p2p_held,
             reserved=reserved_bytes,
             startup=startup + reserved_bytes,
             host=state["host"],
         )
 
-    first, last = one(first_p, act_first), one(last_p, act_last)
+    first, last = one(first_p, act_first, held_first), one(last_p, act_last, held_last)
     fuller = first if first.steady >= last.steady else last
     # The steady-state rows of the rank fullest in training; the startup peak of whichever rank's is higher.
     return replace(fuller, startup=max(first.startup, last.startup))
