@@ -1,9 +1,10 @@
-"""DeepSpeed's ZeRO engine (stages 1-3, optimizer and parameter offload to CPU) behind the optimizer
+"""DeepSpeed's ZeRO engine (stages 1-3, optimizer and parameter offload to CPU or NVMe) behind the optimizer
 interface the trainer drives (prepare / apply / skip / zero_grad / backward), selected by
-``parallel.engine=deepspeed``.
+``parallel.engine=deepspeed``; it saves and resumes llmtrain's layout-free checkpoints (checkpoint_view,
+restore).
 
 The model is wrapped whole by ``deepspeed.initialize`` with a config built from the JobConfig: the zero
-stage, CPU offload (DeepSpeedCPUAdam, which ZeRO-Offload requires; torch's AdamW otherwise), bf16,
+stage, offload (DeepSpeedCPUAdam, which ZeRO-Offload requires; torch's AdamW otherwise), bf16,
 gradient clipping at train.grad_clip and accumulation over global / (micro * dp) micro-batches, the same
 AdamW hyper-parameters and weight-decay groups as llmtrain's own engine; the trainer sets the lr per step.
 
