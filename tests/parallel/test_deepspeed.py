@@ -262,12 +262,14 @@ def _step_losses(out) -> dict[int, float]:
 
 @needs_deepspeed
 @pytest.mark.slow
-def test_deepspeed_checkpoint_resumes_on_llmtrain(tmp_path, deepspeed_extensions):
+def test_deepspeed_checkpoint_resumes_on_llmtrain_and_deepspeed(tmp_path, deepspeed_extensions):
     """tools/pretrain.py under torchrun, dp=2, fp32: DeepSpeed ZeRO-2 with CPU Adam trains 3 steps and saves
-    (in llmtrain's layout-free format); llmtrain's ZeRO-1 resumes from that checkpoint to step 6. Every
-    step's loss equals one llmtrain run of 6 steps within 1e-4 relative (the issue's bound for fp32
-    layouts; the engines differ by ~1e-7 here and in test_deepspeed_offload_trains_like_one_process, and a
-    checkpoint that lost Adam's hyper-parameters missed by 1e-2)."""
+    (in llmtrain's layout-free format); llmtrain's ZeRO-1, and DeepSpeed's ZeRO-3 with optimizer and
+    parameters on the CPU, each resume from that checkpoint to step 6 (the trainer restores the step, the
+    lr schedule and the data position). Every step's loss equals one llmtrain run of 6 steps within 1e-4
+    relative (the issue's bound for fp32 layouts; the engines differ by ~1e-7 here and in
+    test_deepspeed_offload_trains_like_one_process, and a checkpoint that lost Adam's hyper-parameters
+    missed by 1e-2)."""
     from tests.training._runs import run_cli, torchrun_command
 
     # A constant lr, so a run of 3 steps follows the same schedule as one of 6.
@@ -284,9 +286,20 @@ def test_deepspeed_checkpoint_resumes_on_llmtrain(tmp_path, deepspeed_extensions
         torchrun_command(2, tmp_path / "resumed", *common, *llmtrain, f"checkpoint.load={saved}"), timeout=600
     )
     assert second.returncode == 0, second.stderr[-3000:]
+    zero3 = ["parallel.engine=deepspeed", "parallel.zero_stage=3", "parallel.offload=optimizer+params"]
+    third = run_cli(
+        torchrun_command(
+            2, tmp_path / "ds_resumed", *common, *zero3, "train.steps=6", f"checkpoint.load={saved}"
+        ),
+        timeout=600,
+    )
+    assert third.returncode == 0, third.stderr[-3000:]
     want = _step_losses(tmp_path / "straight")
-    got = {**_step_losses(tmp_path / "ds"), **_step_losses(tmp_path / "resumed")}
-    assert sorted(got) == sorted(want) == list(range(1, 7))
-    gaps = {step: abs(got[step] - want[step]) / want[step] for step in want}
-    print(f"worst relative loss gap, DeepSpeed 3 + llmtrain 3 steps vs llmtrain 6: {max(gaps.values()):.2e}")
-    assert max(gaps.values()) <= 1e-4, gaps
+    for resumed in ("resumed", "ds_resumed"):
+        assert sorted(_step_losses(tmp_path / resumed)) == [4, 5, 6]  # it resumed rather than restarted
+        got = {**_step_losses(tmp_path / "ds"), **_step_losses(tmp_path / resumed)}
+        assert sorted(got) == sorted(want) == list(range(1, 7))
+        gaps = {step: abs(got[step] - want[step]) / want[step] for step in want}
+        worst = max(gaps.values())
+        print(f"worst relative loss gap, DeepSpeed 3 + {resumed} 3 steps vs llmtrain 6: {worst:.2e}")
+        assert worst <= 1e-4, (resumed, gaps)
