@@ -214,6 +214,17 @@ def weight_grad_inputs_per_layer(model: ModelConfig, tokens: int, act_bytes: int
     return tokens * act_bytes * (outputs + inputs)
 
 
+def p2p_transfers_held(layout: Layout, num_micro: int, rank: int) -> int:
+    """Activation-sized transfers pipeline rank `rank` still holds at its last peak when every micro-batch's
+    are kept until the step's end (Software.p2p_held_until_step_end): per micro-batch an input received and
+    its gradient sent back for each chunk but the first stage's, an output sent on for each but the last
+    stage's; kept by the micro-batches done by then (all but those the schedule has in flight)."""
+    pp, v = layout.pp, layout.virtual_stages
+    per_micro = 2 * (v - (rank == 0)) + v - (rank == pp - 1)
+    in_flight = -(-peak_inflight_closed(layout.schedule, pp, num_micro, v, rank=rank) // v)
+    return max(num_micro - in_flight, 0) * per_micro
+
+
 def doubled_shard(model: ModelConfig, tp: int, group: int) -> float:
     """Elements of the shard FSDP2's to_empty holds twice while materialising: the largest shard of a tied
     weight or of a tensor whose first dimension (per TP rank) does not divide over `group`; 0 if none."""
@@ -355,15 +366,9 @@ def rank_memory(
     buffers = (2 * e * tok * h / sp_div if pp > 1 else 0) + (e * tok * h if layout.sequence_parallel else 0)
     held_first = held_last = 0.0
     if pp > 1 and software.p2p_held_until_step_end:
-        # Per micro-batch a rank receives an input and sends its gradient for each chunk but the first
-        # stage's, and sends an output for each but the last stage's; the micro-batches done before the
-        # rank's last peak (all but those then in flight) each keep theirs.
-        one_p2p = e * tok * h / sp_div
-        for rank in (0, pp - 1):
-            per_micro = 2 * (v - (rank == 0)) + v - (rank == pp - 1)
-            done = num_micro - -(-peak_inflight_closed(layout.schedule, pp, num_micro, v, rank=rank) // v)
-            held = max(done, 0) * per_micro * one_p2p
-            held_first, held_last = (held, held_last) if rank == 0 else (held_first, held)
+        held_first, held_last = (
+            p2p_transfers_held(layout, num_micro, rank) * e * tok * h / sp_div for rank in (0, pp - 1)
+        )
 
     # The largest block gathered at once (per TP rank): a layer, the embedding or the output layer.
     largest = max(counts.per_layer, counts.embedding, counts.head) / tp

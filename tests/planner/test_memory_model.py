@@ -14,7 +14,12 @@ from llmtrain.planner import Software, Workload, load_cluster, plan, plan_job
 from llmtrain.planner.auto import layout_overrides
 from llmtrain.planner.cost_model import CostModel, Layout, with_layout
 from llmtrain.planner.flops import head_cost_in_layers, parameter_counts
-from llmtrain.planner.memory import pending_weight_grads, rank_memory, sharding_problem
+from llmtrain.planner.memory import (
+    p2p_transfers_held,
+    pending_weight_grads,
+    rank_memory,
+    sharding_problem,
+)
 from llmtrain.planner.pipeline_time import peak_inflight_closed
 
 GIB = 2**30
@@ -118,6 +123,23 @@ def test_zero_stages_hybrid_sharding_and_offload_by_hand():
     assert (both.params, both.grads, both.optimizer, both.host) == (0, 0, 0, 8 * P)
     fp32 = tiny(Layout(**{**base.__dict__, "zero_stage": 1}), precision="fp32")
     assert (fp32.params, fp32.grads, fp32.optimizer) == (4 * P, 4 * P, 2 * P)  # the params are the master
+
+
+def test_p2p_transfers_held_until_the_step_end_by_hand():
+    """pp=2, 8 micro-batches, as traced in benchmarks/bench_memory.py's pp2 rows (memory.py's docstring).
+    1f1b: the first rank sends one output per micro-batch and has 2 in flight at its peak (6 done); the last
+    receives one input and sends its gradient back (2 per micro-batch), 1 in flight (7 done). Interleaved,
+    2 chunks (stages 1 and 3 on the last rank): 2 inputs, their 2 gradients and 1 output per micro-batch;
+    3 (micro-batch, chunk) pairs in flight, 2 micro-batches (6 done)."""
+    one_f_one_b = Layout(tp=1, pp=2, dp=1, micro_batch=1)
+    assert p2p_transfers_held(one_f_one_b, 8, 0) == 6 * 1
+    assert p2p_transfers_held(one_f_one_b, 8, 1) == 7 * 2
+    interleaved = replace(one_f_one_b, schedule="interleaved_1f1b", virtual_stages=2)
+    assert p2p_transfers_held(interleaved, 8, 1) == 6 * 5
+    off = tiny(interleaved)
+    on = tiny(interleaved, Software(p2p_held_until_step_end=True))
+    one = 2 * 32 * 64  # a bf16 activation of 32 tokens x 64
+    assert on.buffers - off.buffers in (p2p_transfers_held(interleaved, 4, r) * one for r in (0, 1))
 
 
 @pytest.mark.parametrize(
