@@ -95,6 +95,9 @@ ROWS = [
     Row("tp2-dp2-zero1", ("parallel.tp=2", "parallel.dp=2", "parallel.zero_stage=1")),
     Row("dp2-zero2", ("parallel.dp=2", "parallel.zero_stage=2")),
     Row("dp2-zero3", ("parallel.dp=2", "parallel.zero_stage=3")),
+    # One micro-batch per step: no unsharded gradients carried between micro-batches (the rows above
+    # accumulate over two).
+    Row("dp2-zero2-1micro", ("parallel.dp=2", "parallel.zero_stage=2", "train.micro_batch_size=8")),
     Row("dp4-zero3-hsdp2", ("parallel.dp=4", "parallel.zero_stage=3", "parallel.dp_shard=2")),
     Row("tp2-dp2-zero3", ("parallel.tp=2", "parallel.dp=2", "parallel.zero_stage=3")),
     Row("pp2-dp2-zero3", (*PP, "parallel.dp=2", "parallel.zero_stage=3", "train.micro_batch_size=2")),
@@ -123,7 +126,10 @@ def predict(overrides: list[str], world: int) -> dict[str, float]:
     view = cluster_from_dict(CPU_CLUSTER).view(world)
     # On CPU the model's kernels are PyTorch's reference ops, and ZeRO-1 exchanges shards over gloo.
     software = Software(
-        fused_kernels=False, gloo_shard_exchange=True, balance_stages=job.parallel.balance_stages
+        fused_kernels=False,
+        gloo_shard_exchange=True,
+        p2p_held_until_step_end=True,
+        balance_stages=job.parallel.balance_stages,
     )
     model = CostModel(Workload.from_job(job), view, software)
     memory = dict(model.evaluate(layout_of_job(job, world)).memory)

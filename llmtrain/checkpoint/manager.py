@@ -430,8 +430,10 @@ class Checkpointer:
     def load(self, path: str | Path, model: nn.Module, optimizer: Any) -> dict[str, Any]:
         """Restore model, optimizer (if given) and this rank's RNG states; return the saved `extra`."""
         self.wait()
+        engine = None
         if hasattr(optimizer, "checkpoint_view"):
-            model, optimizer = optimizer.checkpoint_view(loading=True)
+            # An engine keeping its state elsewhere (DeepSpeed) reads into full tensors, then installs them.
+            engine, (model, optimizer) = optimizer, optimizer.checkpoint_view(loading=True)
         path = resolve(Path(path))
         verify(path, self.rank, self.world_size, self.group)
         self.last_good = path
@@ -457,6 +459,8 @@ class Checkpointer:
         trainer = torch.load(path / TRAINER_STATE, weights_only=True)
         if install is not None:
             install(trainer["optimizer"])
+        if engine is not None:
+            engine.restore(model, optimizer)
         rng_file = path / "rng" / f"rank_{self.rank:05d}.pt"
         if meta["world_size"] == self.world_size and rng_file.exists():
             restore_rng(torch.load(rng_file, weights_only=True), model)

@@ -18,6 +18,7 @@ Precision = Literal["fp32", "bf16", "fp16", "fp8"]
 LrDecay = Literal["cosine", "linear", "constant"]
 OnSaveError = Literal["continue", "stop"]
 Engine = Literal["llmtrain", "deepspeed"]
+OffloadDevice = Literal["cpu", "nvme"]
 RopeScaling = Literal["none", "yarn"]
 Offload = Literal["none", "optimizer", "optimizer+params"]
 CpComm = Literal["ring", "all_to_all"]
@@ -225,6 +226,10 @@ class ParallelConfig:
     """Who runs data parallelism and the optimizer: llmtrain, or deepspeed (ZeRO 1-3 with CPU offload)."""
     offload: Offload = "none"
     """engine=deepspeed: keep in CPU memory none, the optimizer (CPU Adam), or optimizer+params (zero 3)."""
+    offload_device: OffloadDevice = "cpu"
+    """Where parallel.offload keeps what it offloads: cpu memory, or nvme files (zero 3, needs libaio)."""
+    nvme_path: str | None = None
+    """offload_device=nvme: a directory on a local NVMe drive for DeepSpeed's swap files."""
 
 
 @dataclass

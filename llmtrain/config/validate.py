@@ -69,6 +69,7 @@ def validate(job: JobConfig) -> None:
     _require(p.zero_stage in (0, 1, 2, 3), f"parallel.zero_stage must be 0, 1, 2 or 3; got {p.zero_stage}")
     raise_if_problem(zero_problem(p))
     raise_if_problem(engine_problem(job))
+    raise_if_problem(nvme_problem(p))
     rank_order(p)
     _require(
         p.backend in ("auto", "gloo", "nccl"),
@@ -407,6 +408,48 @@ def engine_problem(job: JobConfig) -> str:
             "train.precision=bf16 with parallel.engine=deepspeed, or parallel.engine=llmtrain for fp8"
         )
     return ""
+
+
+def nvme_problem(p: ParallelConfig) -> str:
+    """Why parallel.offload_device / parallel.nvme_path cannot run ("" if they can). DeepSpeed swaps to
+    NVMe at zero stage 3 only (ZeRO-Infinity), through its async_io op, which builds against libaio."""
+    if p.offload_device == "cpu":
+        if p.nvme_path is not None:
+            return (
+                f"parallel.nvme_path={p.nvme_path} is read only with parallel.offload_device=nvme; set "
+                "parallel.offload_device=nvme or leave parallel.nvme_path null"
+            )
+        return ""
+    if p.engine != "deepspeed" or p.offload == "none":
+        return (
+            "parallel.offload_device=nvme says where parallel.offload puts what it offloads; set "
+            "parallel.engine=deepspeed and parallel.offload=optimizer or optimizer+params, or "
+            "parallel.offload_device=cpu"
+        )
+    if p.zero_stage != 3:
+        return (
+            f"parallel.offload_device=nvme needs parallel.zero_stage=3 (DeepSpeed swaps to NVMe at ZeRO-3 "
+            f"only; got {p.zero_stage}); set zero_stage=3 or parallel.offload_device=cpu"
+        )
+    if not p.nvme_path:
+        return (
+            "parallel.offload_device=nvme needs parallel.nvme_path, a directory on a local NVMe drive for "
+            "DeepSpeed's swap files"
+        )
+    if not async_io_available():
+        return (
+            "parallel.offload_device=nvme needs DeepSpeed's async_io op, which needs libaio (headers and "
+            "library not found): apt install libaio-dev (yum install libaio-devel), or set "
+            "parallel.offload_device=cpu"
+        )
+    return ""
+
+
+def async_io_available() -> bool:
+    """Whether DeepSpeed's async_io op (NVMe swapping) can build here: it compiles a test against libaio."""
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    return bool(AsyncIOBuilder().is_compatible(verbose=False))
 
 
 def raise_if_problem(problem: str) -> None:

@@ -1,9 +1,10 @@
-"""DeepSpeed's ZeRO engine (stages 1-3, optimizer and parameter offload to CPU) behind the optimizer
+"""DeepSpeed's ZeRO engine (stages 1-3, optimizer and parameter offload to CPU or NVMe) behind the optimizer
 interface the trainer drives (prepare / apply / skip / zero_grad / backward), selected by
-``parallel.engine=deepspeed``.
+``parallel.engine=deepspeed``; it saves and resumes llmtrain's layout-free checkpoints (checkpoint_view,
+restore).
 
 The model is wrapped whole by ``deepspeed.initialize`` with a config built from the JobConfig: the zero
-stage, CPU offload (DeepSpeedCPUAdam, which ZeRO-Offload requires; torch's AdamW otherwise), bf16,
+stage, offload (DeepSpeedCPUAdam, which ZeRO-Offload requires; torch's AdamW otherwise), bf16,
 gradient clipping at train.grad_clip and accumulation over global / (micro * dp) micro-batches, the same
 AdamW hyper-parameters and weight-decay groups as llmtrain's own engine; the trainer sets the lr per step.
 
@@ -44,10 +45,14 @@ def deepspeed_config(job: JobConfig, dp: int) -> dict[str, Any]:
         "allgather_bucket_size": bucket,
         "contiguous_gradients": True,
     }
+    # offload_device=nvme: the offloaded tensors live in swap files under nvme_path (ZeRO-Infinity).
+    where: dict[str, Any] = {"device": p.offload_device, "pin_memory": pin}
+    if p.offload_device == "nvme":
+        where["nvme_path"] = p.nvme_path
     if p.offload in ("optimizer", "optimizer+params"):
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
+        zero["offload_optimizer"] = dict(where)
     if p.offload == "optimizer+params":
-        zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
+        zero["offload_param"] = dict(where)
     return {
         "train_batch_size": t.global_batch_size,
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
@@ -150,24 +155,17 @@ class DeepSpeedOptimizer:
         full exp_avg, exp_avg_sq and step, so a run on either engine resumes from the checkpoint. Every
         rank gathers full copies (collectives; transient memory of the model plus its Adam states).
 
-        Loading into DeepSpeed is refused: before its first step DeepSpeed has not yet linked its
-        partitioned Adam states to the parameters, so there is nothing to load them into."""
-        if loading:
+        `loading`: an empty view for a checkpoint to be read into, which `restore` then installs (refused
+        with NVMe offload: the Adam states live in DeepSpeed's swap files, which `restore` does not write)."""
+        if loading and self.job.parallel.offload_device == "nvme":
             from llmtrain.checkpoint.errors import CheckpointError
 
             raise CheckpointError(
-                "parallel.engine=deepspeed cannot resume from a checkpoint yet; resume it with "
-                "parallel.engine=llmtrain (checkpoints are layout-free), or start afresh in a new output_dir"
+                "parallel.offload_device=nvme cannot resume from a checkpoint yet; resume with "
+                "parallel.offload_device=cpu (checkpoints are layout-free)"
             )
-        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-
         from llmtrain import models
 
-        if hasattr(self.zero, "_hp_optimizer_states_linked"):
-            # Stages 1/2 link each parameter to its Adam state after the first group's first update, when
-            # the other groups' states do not exist yet (DeepSpeed 0.19.8); link them again now.
-            self.zero._hp_optimizer_states_linked = False
-            self.zero._lazy_init_hp_params_optimizer_state()
         # Built on the CPU (not meta + to_empty, which would untie tied embeddings); overwritten below.
         full = models.build(self.job.model)
         t = self.job.train
@@ -178,6 +176,11 @@ class DeepSpeedOptimizer:
             betas=(t.adam_beta1, t.adam_beta2),
             eps=t.adam_eps,
         )
+        if loading:
+            return full, adamw
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+        self._link_adam_states()
         targets = dict(full.named_parameters())
         steps = [s["step"] for s in self.zero.optimizer.state.values() if "step" in s]
         step = torch.tensor(float(steps[0]) if steps else 0.0)
@@ -185,10 +188,102 @@ class DeepSpeedOptimizer:
             target = targets[name]
             with torch.no_grad():
                 target.copy_(safe_get_full_fp32_param(param))
-            moments = {key: safe_get_full_optimizer_state(param, key) for key in ("exp_avg", "exp_avg_sq")}
+            moments = {key: safe_get_full_optimizer_state(param, key) for key in ADAM_MOMENTS}
             if all(m is not None for m in moments.values()):
                 adamw.state[target] = {"step": step.clone(), **{k: m.cpu() for k, m in moments.items()}}
         return full, adamw
+
+    def restore(self, full: nn.Module, adamw: torch.optim.Optimizer) -> None:
+        """Install a loaded view (see `checkpoint_view(loading=True)`) into the engine: the fp32 masters,
+        the model's own (bf16 or fp32, partitioned at ZeRO-3) weights cast from them, Adam's moments and
+        step, and the param groups' Adam hyper-parameters. Collective at ZeRO-3 (gathers each weight)."""
+        import deepspeed
+
+        sources = dict(full.named_parameters())
+        states = [adamw.state.get(p, {}) for p in full.parameters()]
+        steps = [float(s["step"]) for s in states if "step" in s]
+        if steps:
+            self._create_adam_states(int(steps[0]))
+        stage3 = self.job.parallel.zero_stage == 3
+        with torch.no_grad():
+            for name, param in self.engine.module.named_parameters():
+                source = sources[name].detach()
+                state = adamw.state.get(sources[name], {})
+                self._set_full(param, source, None)
+                for key in ADAM_MOMENTS if steps and state else ():
+                    self._set_full(param, state[key], key)
+            params = list(self.engine.module.parameters())
+            # The model's own copy (full on every rank at stages 1/2, gathered at stage 3, where every rank
+            # writes the same values and rank 0's are kept).
+            with deepspeed.zero.GatheredParameters(params, modifier_rank=0, enabled=stage3):
+                for name, param in self.engine.module.named_parameters():
+                    param.data.copy_(sources[name].detach().to(param.dtype))
+        for group, saved in zip(self.zero.param_groups, adamw.param_groups, strict=True):
+            group.update({k: saved[k] for k in ("betas", "eps", "weight_decay")})
+
+    def _flat_partitions(self) -> list[torch.Tensor]:
+        """The flat fp32 partitions this rank's Adam updates (DeepSpeed keys its Adam states by them)."""
+        if self.job.parallel.zero_stage == 3:
+            return list(self.zero.fp32_partitioned_groups_flat)
+        return list(self.zero.single_partition_of_fp32_groups)
+
+    def _create_adam_states(self, step: int) -> None:
+        """Adam states at `step` (zero moments) for every flat partition that has none yet: torch's AdamW
+        and DeepSpeedCPUAdam create them at their first update, and a resume loads into them before it."""
+        optimizer = self.zero.optimizer
+        if type(optimizer).__name__ == "FusedAdam":  # apex counts steps per param group
+            for group in optimizer.param_groups:
+                group["step"] = step
+        for flat in self._flat_partitions():
+            if optimizer.state.get(flat):
+                optimizer.state[flat]["step"] = _adam_step(optimizer, flat, step)
+                continue
+            optimizer.state[flat] = {
+                "step": _adam_step(optimizer, flat, step),
+                **{key: torch.zeros_like(flat) for key in ADAM_MOMENTS},
+            }
+        self._link_adam_states()
+
+    def _link_adam_states(self) -> None:
+        """Point stages 1/2's per-parameter views at the Adam states (DeepSpeed 0.19.8 links them after the
+        first group's first update, when the other groups' states do not exist yet: linked again here)."""
+        if hasattr(self.zero, "_hp_optimizer_states_linked"):
+            self.zero._hp_optimizer_states_linked = False
+            self.zero._lazy_init_hp_params_optimizer_state()
+
+    def _set_full(self, param: nn.Parameter, value: torch.Tensor, key: str | None) -> None:
+        """Write this rank's share of the full tensor `value` into the fp32 master of `param` (key None)
+        or into its Adam state `key`."""
+        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+        if not hasattr(param, "ds_id"):  # stages 1/2: DeepSpeed's own setters
+            if key is None:
+                safe_set_full_fp32_param(param, value)
+            else:
+                safe_set_full_optimizer_state(param, value, key)
+            return
+        # Stage 3: DeepSpeed's setter narrows the unpadded tensor at the padded partition's offset, which
+        # runs past its end on the last rank of a parameter whose size the ranks do not divide.
+        part, _ = self.zero._get_fp32_opt_state_partition(
+            param, release_swap_buffers=False, optim_state_key=key
+        )
+        start = part.numel() * self.zero._get_param_partition_rank(param)
+        mine = value.reshape(-1)[start : start + part.numel()]
+        part[: mine.numel()].copy_(mine)
+        part[mine.numel() :].zero_()
+
+
+ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def _adam_step(optimizer: Any, flat: torch.Tensor, step: int) -> Any:
+    """Adam's step count as `optimizer` keeps it: an int for DeepSpeedCPUAdam, for torch's AdamW a float32
+    tensor, on the parameter's device when fused or capturable, else on the CPU."""
+    if type(optimizer).__name__ == "DeepSpeedCPUAdam":
+        return step
+    group = optimizer.param_groups[0]
+    on_device = group.get("fused") or group.get("capturable")
+    return torch.tensor(float(step), dtype=torch.float32, device=flat.device if on_device else "cpu")
 
 
 @contextlib.contextmanager

@@ -162,6 +162,9 @@ class Software:
     gloo_shard_exchange: bool = False
     """ZeRO-1 reduce-scatters by point-to-point exchange into separate receive buffers (gloo, CPU) instead
     of NCCL's in-place reduce-scatter."""
+    p2p_held_until_step_end: bool = False
+    """Pipeline transfers of every micro-batch stay alive until the step's end (llmtrain's executor on gloo,
+    measured: received activations, and the sent activations and gradients its pending sends hold)."""
     sharded_init: bool = True
     """Each rank builds only its own shards on the meta device; false: every rank first builds the whole model
     in fp32 and then slices it, which bounds the startup peak."""

@@ -12,6 +12,7 @@ fp32 main gradients by default):
     zero 3  params 4*P/N grads g*P/N  optimizer 8*P/N               (FSDP2: the fp32 shard is the parameter
                                                                      and the master; blocks are gathered)
 
+<<<<<<< HEAD
 Context parallelism (cp): ranks hold the same parameters as data-parallel ones, so the shard group is dp x cp,
 and every token-sized term (activations, logits, sends, buffers) counts the rank's s/cp tokens; ring
 attention also keeps its fp32 output and log-sum-exp. Mixture of experts: a layer's parameters are its
@@ -19,22 +20,32 @@ replicated part (attention, norms, router, shared experts, averaged over the lay
 divided by ep as well as tp; the experts' state shards over the expert-data-parallel group (dp x cp / ep:
 expert_shard_group); a MoE layer's activations keep per routed row (top-k per token) the dispatched input,
 the expert's output and the gated MLP's intermediates (moe_mlp_saved_per_token).
+=======
+The zero 2/3 gradient row at the step's peak, the backward's start, is not the shard (the reduce-scatters
+create the shards as the backward frees the activations, and zero_grad dropped the last step's): with
+gradient accumulation FSDP2 keeps the earlier micro-batches' gradients unsharded in fp32 (the trainer turns
+gradient sync off until the last micro-batch), 4*P; with one micro-batch per step, none. Measured: the
+dp2-zero3 row of benchmarks/bench_memory.py (two micro-batches) peaks 27.3 MiB, the model's 4P, above the
+dp4-zero3-hsdp2 row (one), with the same shards and activations.
+>>>>>>> wt-ds
 
 Offload (zero 2/3, as DeepSpeed's ZeRO-Offload or FSDP2's CPUOffloadPolicy): "optimizer" moves the optimizer
 rows (master and Adam moments) and, at zero 2/3, the gradient shard to host memory; "optimizer+params"
 (zero 3) moves the fp32 parameter shard too. Host bytes are reported apart and never count against the device.
 
 Gathered buffers: ZeRO-3 holds the unsharded 16-bit parameters of the block being computed and of the
-prefetched ones (Software.zero3_prefetch) plus, in the backward, the unsharded gradient of one block before
-its reduce-scatter; ZeRO-2 holds that unsharded gradient; at zero 0/1 the same place is taken by the weight
-gradient autograd produces before a hook adds it into the flat main gradient. The largest block (a layer, the
-embedding or the output layer) sizes them.
+prefetched ones (Software.zero3_prefetch; at the peak, the output layer's backward, the next is a layer) plus,
+in the backward, the unsharded gradient of one block before its reduce-scatter; ZeRO-2 holds that unsharded
+gradient; at zero 0/1 the same place is taken by the weight gradient autograd produces before a hook adds it
+into the flat main gradient. The largest block (a layer, the embedding or the output layer) sizes them.
 
 Pipelines: the measured peaks that the model once missed (pp=2 interleaved 0.81, zb_h1 0.72) were, by
 MemTracker's categories, not activations but backward temporaries ("Temp": 11-47 MiB at the peak) and, for
-zb_h1, the inputs deferred weight gradients keep (below): the interleaved gap stayed ~20-27 MiB when the
-micro-batch halved, so it is not saved activations but the largest block's 8 MiB autograd weight gradient on
-each rank plus layer backward temporaries, the part left unmodelled.
+zb_h1, the inputs deferred weight gradients keep (below). The rest of the interleaved gap (0.855 on its last
+rank) grew through the step: llmtrain's executor on gloo keeps every micro-batch's transfers until the step's
+end (Software.p2p_held_until_step_end; traced per action: the last rank's live bytes rose by five activations
+of one micro-batch, 2.5 MiB, per micro-batch, its received inputs, the gradients it sent back and the output
+it sent on; 1f1b's last rank, receiving one input and sending its gradient, by two). Counted in buffers.
 
 Activations (llmtrain's fused kernels; PyTorch's reference ops save a little more, see
 activation_bytes_per_layer): Korthikanti et al. 2022 per layer (generalised to GQA, gated MLPs, flash
@@ -249,6 +260,17 @@ def weight_grad_inputs_per_layer(model: ModelConfig, tokens: int, act_bytes: int
     return tokens * act_bytes * (outputs + inputs)
 
 
+def p2p_transfers_held(layout: Layout, num_micro: int, rank: int) -> int:
+    """Activation-sized transfers pipeline rank `rank` still holds at its last peak when every micro-batch's
+    are kept until the step's end (Software.p2p_held_until_step_end): per micro-batch an input received and
+    its gradient sent back for each chunk but the first stage's, an output sent on for each but the last
+    stage's; kept by the micro-batches done by then (all but those the schedule has in flight)."""
+    pp, v = layout.pp, layout.virtual_stages
+    per_micro = 2 * (v - (rank == 0)) + v - (rank == pp - 1)
+    in_flight = -(-peak_inflight_closed(layout.schedule, pp, num_micro, v, rank=rank) // v)
+    return max(num_micro - in_flight, 0) * per_micro
+
+
 def doubled_shard(model: ModelConfig, tp: int, group: int) -> float:
     """Elements of the shard FSDP2's to_empty holds twice while materialising: the largest shard of a tied
     weight or of a tensor whose first dimension (per TP rank) does not divide over `group`; 0 if none."""
@@ -403,8 +425,9 @@ def rank_memory(
     # gradients and, on the last stage, the output layer's: the logits' gradient and the final hidden state.
     wgrad = weight_grad_inputs_per_layer(model, tok, e, tp)
 
-    def rank_parts(r: int) -> tuple[float, float, float]:
-        """(replicated parameters, routed experts' parameters, activation bytes) of pipeline rank r."""
+    def rank_parts(r: int) -> tuple[float, float, float, float]:
+        """(replicated parameters, routed experts' parameters, activation bytes, pipeline transfers held
+        until the step's end) of pipeline rank r."""
         layers = [stages[c * pp + r] for c in range(v)]
         first, last = r == 0, r == pp - 1
         if pp == 1:
@@ -420,7 +443,10 @@ def rank_memory(
             act += inflight * e * tok * h / sp_div  # the stage's input
         if last:
             act += logits + owed * tok * (model.vocab_size / tp + h) * e
-        return params, sum(layers) * layer_x, act
+        p2p = 0.0
+        if pp > 1 and software.p2p_held_until_step_end:
+            p2p = p2p_transfers_held(layout, num_micro, r) * e * tok * h / sp_div
+        return params, sum(layers) * layer_x, act, p2p
 
     # Under the trainer's split the first (most in flight) or the last rank (output layer) is the fullest;
     # a split of the layout's own, or per-layer recomputation, may make any rank the fullest.
@@ -436,7 +462,9 @@ def rank_memory(
     largest = max(layer_p + layer_x, max(counts.embedding, counts.head) / tp)
     gathered = 0.0
     if layout.zero_stage == 3:
-        gathered = e * (1 + software.zero3_prefetch) * largest + software.grad_bytes * largest
+        # At the peak (the backward's start, in the output layer) the prefetched block is the last layer.
+        prefetched = software.zero3_prefetch * counts.per_layer / tp
+        gathered = e * (largest + prefetched) + software.grad_bytes * largest
     elif layout.zero_stage == 2:
         gathered = software.grad_bytes * largest
     else:
@@ -446,12 +474,17 @@ def rank_memory(
 
     total_params = counts.total
 
-    def one(dense: float, expert: float, activations: float) -> MemoryBreakdown:
+    def one(dense: float, expert: float, activations: float, p2p_held: float) -> MemoryBreakdown:
         state = state_bytes(dense, layout, precision, software.grad_bytes)
         if expert:
             more = state_bytes(expert, layout, precision, software.grad_bytes, expert_shard_group(layout))
             state = {key: value + more[key] for key, value in state.items()}
         params = dense + expert
+        if layout.zero_stage >= 2 and layout.offload == "none":
+            # FSDP2 at the peak, the backward's start: zero_grad dropped the step's gradient shards; with
+            # accumulation the earlier micro-batches' gradients stay unsharded (gradient sync is off until
+            # the last micro-batch), a whole fp32 gradient of the rank's parameters.
+            state["grads"] = software.grad_bytes * params if num_micro > 1 else 0.0
         exchange = 0.0
         if layout.offload != "none":
             # DeepSpeed's contiguous gradient bucket on the device, in the parameters' dtype (its elements:
@@ -493,7 +526,7 @@ def rank_memory(
             optimizer=state["optimizer"],
             activations=activations,
             gathered=gathered,
-            buffers=buffers + exchange,
+            buffers=buffers + exchange + p2p_held,
             reserved=reserved_bytes,
             startup=startup + reserved_bytes,
             host=state["host"],
@@ -508,7 +541,7 @@ def rank_memory(
             for n in (None, expert_shard_group(layout))
         )
         per_param, per_expert = (sum(v for k, v in rows.items() if k != "host") for rows in unit)
-        steadiest = max(parts, key=lambda pa: per_param * pa[0] + per_expert * pa[1] + pa[2])
+        steadiest = max(parts, key=lambda pa: per_param * pa[0] + per_expert * pa[1] + pa[2] + pa[3])
         parts = list(dict.fromkeys((steadiest, max(parts, key=lambda pa: pa[0] + pa[1]))))
     per_rank = [one(*pa) for pa in parts]
     fuller = max(per_rank, key=lambda m: m.steady)  # the first of equals: rank 0
