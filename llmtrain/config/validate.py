@@ -63,6 +63,7 @@ def validate(job: JobConfig) -> None:
         value = getattr(m, name)
         _require(0.0 <= value < 1.0, f"model.{name} must be in [0, 1); got {value}")
     raise_if_problem(moe_problem(job))
+    raise_if_problem(expert_parallel_problem(job))
 
     _require(p.dp is None or p.dp >= 1, f"parallel.dp must be at least 1 or null; got {p.dp}")
     _require(p.zero_stage in (0, 1, 2, 3), f"parallel.zero_stage must be 0, 1, 2 or 3; got {p.zero_stage}")
@@ -297,6 +298,45 @@ def moe_problem(job: JobConfig) -> str:
                 "or a dense arch"
             )
     return ""
+
+
+def expert_parallel_problem(job: JobConfig) -> str:
+    """Why parallel.ep cannot shard `job`'s experts ("" if it can); the world-size part is
+    expert_layout_problem."""
+    m, p = job.model, job.parallel
+    if p.ep < 1:
+        return f"parallel.ep must be at least 1; got {p.ep}"
+    if p.ep == 1:
+        return ""
+    if not m.is_moe:
+        return (
+            f"parallel.ep={p.ep} shards mixture-of-experts layers, but model.arch={m.arch} is dense; "
+            "set parallel.ep=1 or use an MoE arch (mixtral, qwen3_moe, ernie_moe, deepseek_v3)"
+        )
+    if m.num_experts % p.ep:
+        return (
+            f"parallel.ep={p.ep} does not divide model.num_experts={m.num_experts}; choose an ep dividing "
+            "the expert count (every EP rank holds num_experts / ep experts)"
+        )
+    if p.cp > 1:
+        return f"parallel.ep={p.ep} does not compose with parallel.cp={p.cp} yet; set one of them to 1"
+    if p.dp is not None:
+        return expert_layout_problem(p, p.dp)
+    return ""
+
+
+def expert_layout_problem(p: ParallelConfig, dp: int) -> str:
+    """Why parallel.ep cannot be carved out of the tp x dp ranks at data-parallel degree `dp` ("" if it
+    can). EP takes consecutive ranks of the expert domain, dp innermost (llmtrain.parallel.topology): it
+    lies inside the dp ranks when ep divides dp, and spans whole dp groups of several TP ranks otherwise."""
+    if p.ep == 1:
+        return ""
+    if dp % p.ep == 0 or (p.ep % dp == 0 and p.tp % (p.ep // dp) == 0):
+        return ""
+    return (
+        f"parallel.ep={p.ep} cannot be carved out of the tp x dp = {p.tp}x{dp} ranks; choose an ep dividing "
+        f"the data-parallel degree {dp}, or dp times a divisor of parallel.tp={p.tp}"
+    )
 
 
 def routing_problem(m: ModelConfig) -> str:
@@ -633,6 +673,7 @@ def validate_world(job: JobConfig, world_size: int) -> int:
         f"train.global_batch_size={t.global_batch_size} is not a multiple of train.micro_batch_size * dp = "
         f"{t.micro_batch_size}*{dp}; change the batch sizes",
     )
+    raise_if_problem(expert_layout_problem(job.parallel, dp))
     shard = job.parallel.dp_shard
     _require(
         shard is None or dp % shard == 0,

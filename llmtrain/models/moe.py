@@ -24,6 +24,7 @@ tokens and MoE layers of logsumexp(router logits)^2.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -139,8 +140,30 @@ def capacity_keep(
     return keep.view_as(experts)
 
 
+def expert_compute(
+    rows: torch.Tensor, counts: list[int], gate_up_proj: torch.Tensor, down_proj: torch.Tensor, impl: str
+) -> torch.Tensor:
+    """SwiGLU experts on (sum(counts), hidden) rows sorted by expert: the first counts[0] rows go through
+    expert 0 of the stacked `gate_up_proj` (E, 2F, H) and `down_proj` (E, H, F), and so on. The one place
+    the experts' arithmetic lives (a grouped-GEMM kernel replaces just this function)."""
+    outputs = []
+    for e, part in enumerate(rows.split(counts)):
+        if part.shape[0] == 0:
+            continue
+        gate, up = F.linear(part, gate_up_proj[e]).chunk(2, dim=-1)
+        outputs.append(F.linear(kernels.swiglu(gate, up, impl=impl), down_proj[e]))
+    return torch.cat(outputs) if outputs else rows.new_zeros((0, down_proj.shape[1]))
+
+
+Dispatch = Callable[[torch.Tensor, list[int], "Experts"], torch.Tensor]
+"""(rows sorted by global expert, count per global expert, the Experts) -> each row's expert output, in
+the same order: how expert parallelism (llmtrain.parallel.expert_parallel) computes experts held
+elsewhere."""
+
+
 class Experts(nn.Module):
-    """The SwiGLU experts of one layer, stored stacked (see the module docstring)."""
+    """The SwiGLU experts of one layer, stored stacked (see the module docstring). With `dispatch` set
+    (expert parallelism) this rank holds only some experts and `dispatch` computes every routed row."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -149,6 +172,7 @@ class Experts(nn.Module):
         self.impl = cfg.kernels
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * f, h))
         self.down_proj = nn.Parameter(torch.empty(e, h, f))
+        self.dispatch: Dispatch | None = None
 
     def forward(
         self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, keep: torch.Tensor | None
@@ -163,14 +187,12 @@ class Experts(nn.Module):
         routed = sum(counts)
         order = slots.argsort(stable=True)[:routed]
         token = order // top_k  # the token of each (token, slot) pair, grouped by expert
-        outputs = []
-        for e, rows in enumerate(x[token].split(counts)):
-            if rows.shape[0] == 0:
-                continue
-            gate, up = F.linear(rows, self.gate_up_proj[e]).chunk(2, dim=-1)
-            outputs.append(F.linear(kernels.swiglu(gate, up, impl=self.impl), self.down_proj[e]))
+        if self.dispatch is None:
+            out = expert_compute(x[token], counts, self.gate_up_proj, self.down_proj, self.impl)
+        else:
+            out = self.dispatch(x[token], counts, self)
         # The router weights stay fp32 through the product, as transformers' Mixtral computes it.
-        weighted = (torch.cat(outputs).float() * weights.flatten()[order, None]).to(x.dtype)
+        weighted = (out.float() * weights.flatten()[order, None]).to(x.dtype)
         return torch.zeros_like(x).index_add_(0, token, weighted)
 
 

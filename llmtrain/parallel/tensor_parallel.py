@@ -451,14 +451,17 @@ def reduce_tp_grads(
 @torch.no_grad()
 def gather_full_state_dict(model: nn.Module, topo: Topology) -> dict[str, torch.Tensor]:
     """Full unsharded parameters and buffers under the single-process names (collective over the TP group,
-    and over DP for FSDP-sharded parameters). Read through ``state_dict`` so parameter all-gathers still in
-    flight (zero_stage 1) are waited for."""
+    over DP for FSDP-sharded parameters and over EP for expert shards). Read through ``state_dict`` so
+    parameter all-gathers still in flight (zero_stage 1) are waited for."""
     out: dict[str, torch.Tensor] = {}
     for name, p in model.state_dict(keep_vars=True).items():
         layout = getattr(p, "tp_layout", None)
         t = p.detach()
         if isinstance(t, DTensor):
             t = t.full_tensor()
+        if hasattr(p, "expert_slice"):  # EP ranks hold consecutive experts, in EP-rank order
+            out[name] = _all_gather_dim(t, 0, topo.ep_group).clone()
+            continue
         if layout is None or topo.tp == 1:
             out[name] = t.clone()
             continue

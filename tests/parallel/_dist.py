@@ -34,6 +34,9 @@ ARCH_CONFIGS = {
     "gpt": dict(arch="gpt"),
     "llama": dict(arch="llama", num_kv_heads=2),  # GQA: kv heads split at tp=2, replicated at tp=4
     "ernie": dict(arch="ernie"),
+    # Four experts, top-2. No load-balancing loss: the reference runs the global batch at once, our runs a
+    # micro-batch at a time, and that loss is not a mean over tokens (its statistics are tested apart).
+    "mixtral": dict(arch="mixtral", num_kv_heads=2, num_experts=4, router_aux_loss_coef=0.0),
 }
 
 

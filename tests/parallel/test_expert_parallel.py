@@ -1,0 +1,224 @@
+"""Expert parallelism (llmtrain.parallel.expert_parallel): the dispatch against the one-process MoE layer in
+float64 (outputs and every gradient, with experts that receive no token and with capacity dropping),
+layouts with ep training like one process, and the config errors of impossible splits."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from llmtrain.config import ConfigError, ModelConfig, load, validate_world
+from llmtrain.models.moe import MoEMLP
+from llmtrain.parallel import Topology, apply_ep
+from tests.parallel._dist import batches, parallel_run, sgd, spawn, tiny_job
+from tests.parallel._reference import torch_reference
+
+# (name, model overrides, biased routing): every expert reachable, experts 0 and 1 reached by no token
+# (router rows pushed far down; at ep=4 rank 0 then receives no row at all), capacity dropping, and a
+# sigmoid router with shared experts (DeepSeek-V3).
+DISPATCH_CASES = [
+    ("mixtral", dict(arch="mixtral"), False),
+    ("mixtral idle experts", dict(arch="mixtral"), True),
+    ("mixtral capacity", dict(arch="mixtral", moe_capacity_factor=1.0), False),
+    (
+        "deepseek_v3",
+        dict(arch="deepseek_v3", num_shared_experts=1, num_expert_groups=1, topk_expert_groups=1),
+        False,
+    ),
+]
+
+
+def _moe_config(**overrides: object) -> ModelConfig:
+    return ModelConfig(
+        num_layers=1,
+        hidden_size=16,
+        num_attention_heads=2,
+        vocab_size=32,
+        seq_length=8,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_ffn_hidden_size=12,
+        kernels="torch",
+        **overrides,
+    )
+
+
+def _layer(cfg: ModelConfig, seed: int) -> MoEMLP:
+    """One MoE layer in float64 with random weights (the same on every rank)."""
+    from llmtrain.models.causal_lm import CausalLM
+
+    torch.manual_seed(seed)
+    layer = CausalLM(cfg).layers[0].mlp
+    assert isinstance(layer, MoEMLP)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn_like(p) * 0.5)
+    return layer.double()
+
+
+def _dispatch_against_one_process(rank: int, world: int) -> list[str]:
+    """Each rank routes its own tokens; the reference runs the one-process layer on every rank's tokens
+    (as one process would run each micro-batch) and sums their losses."""
+    from llmtrain.config import ParallelConfig
+
+    topo = Topology(ParallelConfig(ep=world), world, rank)
+    failures = []
+    for name, overrides, idle in DISPATCH_CASES:
+        cfg = _moe_config(**overrides)
+        reference = _layer(cfg, seed=3)
+        g = torch.Generator().manual_seed(7)
+        shapes = [(2, 5 + r, cfg.hidden_size) for r in range(world)]  # ranks route different token counts
+        tokens = [torch.randn(shape, generator=g, dtype=torch.float64) for shape in shapes]
+        douts = [torch.randn(t.shape, generator=g, dtype=torch.float64) for t in tokens]
+        if idle:  # positive tokens against negative router rows: experts 0 and 1 are never chosen
+            tokens = [t.abs() + 0.1 for t in tokens]
+            with torch.no_grad():
+                reference.router.weight[[0, 1]] = -10.0
+        xs = [t.clone().requires_grad_() for t in tokens]
+        want = [reference(x) for x in xs]
+        sum((w * d).sum() for w, d in zip(want, douts, strict=True)).backward()
+        want_stats = [None] * world
+        for r in range(world):  # the reference's router statistics of rank r's tokens alone
+            with torch.no_grad():
+                reference(tokens[r])
+            want_stats[r] = reference.stats
+
+        layer = _layer(cfg, seed=3)
+        if idle:
+            with torch.no_grad():
+                layer.router.weight[[0, 1]] = -10.0
+        apply_ep(layer, topo)
+        x = tokens[rank].clone().requires_grad_()
+        out = layer(x)
+        (out * douts[rank]).sum().backward()
+        local = cfg.num_experts // world
+        mine = slice(rank * local, (rank + 1) * local)
+        compared = [
+            ("output", out, want[rank]),
+            ("input grad", x.grad, xs[rank].grad),
+            ("gate_up grad", layer.experts.gate_up_proj.grad, reference.experts.gate_up_proj.grad[mine]),
+            ("down grad", layer.experts.down_proj.grad, reference.experts.down_proj.grad[mine]),
+        ]
+        # The router (and shared experts) see this rank's tokens only: their gradient is that of its loss.
+        reference.zero_grad()
+        xr = tokens[rank].clone().requires_grad_()
+        (reference(xr) * douts[rank]).sum().backward()
+        for (n, p), (_, q) in zip(layer.named_parameters(), reference.named_parameters(), strict=True):
+            if not n.startswith("experts.") and p.grad is not None:
+                compared.append((f"{n} grad", p.grad, q.grad))
+        s, w = layer.stats, want_stats[rank]
+        for field in ("tokens_per_expert", "prob_sum", "balance_tokens", "z_sum", "dropped"):
+            compared.append((f"stats.{field}", getattr(s, field), getattr(w, field)))
+        for what, got, expected in compared:
+            err = (got - expected).abs().max().item()
+            if not err <= 1e-12:
+                failures.append(f"{name} ep={world} rank {rank}: {what} off by {err:.2e}")
+        if idle:
+            load = torch.stack([want_stats[r].tokens_per_expert for r in range(world)]).sum(0)
+            if load[0] or load[1]:
+                failures.append(f"{name}: experts 0 and 1 were meant to get no token, got {load.tolist()}")
+        if "capacity" in name and not any(want_stats[r].dropped for r in range(world)):
+            failures.append(f"{name}: capacity 1.0 dropped nothing, so dropping went untested")
+    return failures
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_dispatch_matches_one_process_in_float64(world: int) -> None:
+    failures = [f for r in spawn(world, _dispatch_against_one_process) for f in r]
+    assert not failures, "\n".join(failures)
+
+
+STEPS = 3
+LR = 1e-3
+SGD_LR = 1.0
+REL_GAP = 1e-4  # worst relative gap of the losses and gradient norms to the single-process run
+# (parallel settings, optimizer) per world size. SGD shows a gradient off by a factor in the weights, which
+# Adam would normalise away.
+LAYOUTS = {
+    2: [
+        (dict(ep=2), "adamw"),
+        (dict(ep=2), "sgd"),
+    ],
+    4: [
+        (dict(ep=4), "adamw"),
+        (dict(ep=2, zero_stage=1), "adamw"),
+        (dict(ep=2), "sgd"),
+    ],
+}
+
+
+def _train_layouts(rank: int, world: int) -> list[str]:
+    failures = []
+    references = {}
+    for settings, optimizer in LAYOUTS[world]:
+        job = tiny_job("mixtral", **settings)
+        lr = SGD_LR if optimizer == "sgd" else LR
+        if optimizer == "sgd":
+            job.train.grad_clip = job.train.weight_decay = 0.0
+        data = batches(job, STEPS)
+        make = sgd(lr) if optimizer == "sgd" else None
+        run = parallel_run(job, Topology(job.parallel, world, rank), data, lr, make)
+        if rank != 0:
+            continue
+        key = (job.model.num_layers, optimizer)
+        if key not in references:
+            references[key] = torch_reference(job, data, lr, sgd=optimizer == "sgd")
+        ref = references[key]
+        name = f"mixtral {optimizer} world={world} {' '.join(f'{k}={v}' for k, v in settings.items())}"
+        failures += ref.check(name, run["losses"], run["grad_norms"], run["state"])
+        for kind, got, want in (
+            ("loss", run["losses"], ref.losses),
+            ("grad norm", run["grad_norms"], ref.grad_norms),
+        ):
+            gap = max(abs(a - b) / abs(b) for a, b in zip(got, want, strict=True))
+            if not gap <= REL_GAP:
+                failures.append(f"{name}: {kind} relative gap {gap:.1e} to one process")
+    return failures
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_ep_layouts_train_like_one_process(world: int) -> None:
+    failures = [f for r in spawn(world, _train_layouts) for f in r]
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (
+            ["model.arch=mixtral", "model.num_experts=6", "parallel.ep=4"],
+            "parallel.ep=4 does not divide model.num_experts=6; choose an ep dividing the expert count",
+        ),
+        (
+            ["model.arch=llama", "parallel.ep=2"],
+            "parallel.ep=2 shards mixture-of-experts layers, but model.arch=llama is dense",
+        ),
+        (["model.arch=mixtral", "parallel.ep=0"], "parallel.ep must be at least 1"),
+        (
+            ["model.arch=mixtral", "model.num_experts=8", "parallel.ep=4", "parallel.dp=2"],
+            "parallel.ep=4 cannot be carved out of the tp x dp = 1x2 ranks; choose an ep dividing the "
+            "data-parallel degree 2",
+        ),
+        (
+            ["model.arch=mixtral", "parallel.ep=2", "parallel.cp=2"],
+            "does not compose with parallel.cp=2 yet",
+        ),
+    ],
+)
+def test_bad_ep_settings_name_the_field_and_the_fix(overrides: list[str], expected: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        load(None, overrides)
+
+
+def test_ep_is_carved_out_of_the_world() -> None:
+    """ep needs no processes of its own; it must divide dp, or dp times a divisor of tp."""
+    job = load(None, ["model.arch=mixtral", "model.num_experts=8", "parallel.ep=4"])
+    assert validate_world(job, 4) == 4
+    with pytest.raises(
+        ConfigError, match=re.escape("parallel.ep=4 cannot be carved out of the tp x dp = 1x2")
+    ):
+        validate_world(job, 2)
