@@ -72,7 +72,13 @@ class Topology:
         self.coords: dict[str, int] = {d: (rank // self.strides[d]) % self.sizes[d] for d in DIMS}
         self.ep = parallel.ep
         domain = self.coords["dp"] + dp * self.coords["tp"]
-        self.ep_rank, self.expert_dp_rank = domain % self.ep, domain // self.ep
+        self._ep_slot, self._ep_block = domain % self.ep, domain // self.ep
+        # Process groups number their ranks in global order, which need not be the domain's (tp is
+        # innermost by default): the EP rank (which experts) and expert-DP rank (which ZeRO-1 shard) are
+        # positions in the sorted groups. Ranks of one expert-DP group get the same EP rank, as the
+        # domain-to-global order is the same map in every EP group.
+        self.ep_rank = self.ep_ranks().index(rank)
+        self.expert_dp_rank = self.expert_dp_ranks().index(rank)
         # A one-process topology needs no groups, even inside a distributed job (reference runs in tests).
         self.distributed = world_size > 1
         if self.distributed and not (dist.is_available() and dist.is_initialized()):
@@ -118,16 +124,17 @@ class Topology:
         """Global rank of expert-domain index `index` (on this rank's pipeline stage and cp rank, or `at`)."""
         return self._rank_with(dp=index % self.dp, tp=index // self.dp, **at)
 
-    def ep_ranks(self, expert_dp_rank: int | None = None, **at: int) -> list[int]:
-        """Global ranks of this rank's EP group (or that of `expert_dp_rank`), in EP-rank order (sorted)."""
-        k = self.expert_dp_rank if expert_dp_rank is None else expert_dp_rank
-        return [self._domain_rank(k * self.ep + e, **at) for e in range(self.ep)]
+    def ep_ranks(self, block: int | None = None, **at: int) -> list[int]:
+        """Global ranks of this rank's EP group (or of domain block `block`: domain ranks [block * ep,
+        (block + 1) * ep)), sorted (the group's rank order)."""
+        k = self._ep_block if block is None else block
+        return sorted(self._domain_rank(k * self.ep + e, **at) for e in range(self.ep))
 
-    def expert_dp_ranks(self, ep_rank: int | None = None, **at: int) -> list[int]:
-        """Global ranks holding this rank's experts (or those of `ep_rank`): its expert-data-parallel
-        group, sorted."""
-        e = self.ep_rank if ep_rank is None else ep_rank
-        return [self._domain_rank(k * self.ep + e, **at) for k in range(self.expert_dp)]
+    def expert_dp_ranks(self, slot: int | None = None, **at: int) -> list[int]:
+        """Global ranks holding this rank's experts (or those at `slot` of every domain block): its
+        expert-data-parallel group, sorted."""
+        e = self._ep_slot if slot is None else slot
+        return sorted(self._domain_rank(k * self.ep + e, **at) for k in range(self.expert_dp))
 
     expert_dp = property(lambda self: self.tp * self.dp // self.ep)
     """Ranks holding the same experts: tp * dp / ep."""

@@ -137,15 +137,23 @@ SGD_LR = 1.0
 REL_GAP = 1e-4  # worst relative gap of the losses and gradient norms to the single-process run
 # (parallel settings, optimizer) per world size. SGD shows a gradient off by a factor in the weights, which
 # Adam would normalise away.
+# With tp, EP lies inside the dp ranks when ep divides dp and spans the TP ranks otherwise (tp=2 ep=2 at
+# world 2, tp=2 ep=4 at world 4: each TP rank routes its own part of the sequence and holds other experts).
 LAYOUTS = {
     2: [
         (dict(ep=2), "adamw"),
         (dict(ep=2), "sgd"),
+        (dict(tp=2), "adamw"),
+        (dict(tp=2, ep=2), "adamw"),
+        (dict(tp=2, ep=2, sequence_parallel=True), "sgd"),
     ],
     4: [
         (dict(ep=4), "adamw"),
         (dict(ep=2, zero_stage=1), "adamw"),
         (dict(ep=2), "sgd"),
+        (dict(tp=2, ep=2), "adamw"),
+        (dict(tp=2, ep=2, sequence_parallel=True), "sgd"),
+        (dict(tp=2, ep=4, zero_stage=1), "adamw"),
     ],
 }
 
