@@ -282,8 +282,16 @@ def moe_problem(job: JobConfig) -> str:
             f"model.dense_layers names layer {bad[0]}, outside 0..{m.num_layers - 1} (model.num_layers="
             f"{m.num_layers}); list existing layers only"
         )
+    # The load-balancing loss pools every layer's statistics before its product, and a pipeline stage
+    # holds only some layers; the router figures (and so the score-bias update) are not gathered over the
+    # stages either. Without them a pipeline trains the experts as one process does.
+    router_terms = m.router_aux_loss_coef > 0 or m.router_z_loss_coef > 0 or bool(m.bias_update_rate)
     unsupported = [
-        (p.pp > 1, f"parallel.pp={p.pp}", "parallel.pp=1"),
+        (
+            p.pp > 1 and router_terms,
+            f"parallel.pp={p.pp} with router losses or score-bias updates",
+            "parallel.pp=1, or model.router_aux_loss_coef=0, router_z_loss_coef=0 and bias_update_rate=0",
+        ),
         (p.zero_stage >= 2, f"parallel.zero_stage={p.zero_stage}", "parallel.zero_stage 0 or 1"),
         (p.engine == "deepspeed", "parallel.engine=deepspeed", "parallel.engine=llmtrain"),
         (job.train.precision == "fp8", "train.precision=fp8", "train.precision bf16 or fp32"),

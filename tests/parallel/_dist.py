@@ -20,6 +20,7 @@ from llmtrain.config import JobConfig, ModelConfig
 from llmtrain.parallel import (
     Topology,
     apply_cp,
+    apply_ep,
     apply_recompute,
     apply_tp,
     build_optimizer,
@@ -103,6 +104,7 @@ def parallel_run(
     if pipelined:
         # parallelize without apply_dp, which build_optimizer installs on the stages.
         apply_tp(model, topo, job.parallel.sequence_parallel, job.train.seed)
+        apply_ep(model, topo)
         apply_cp(model, topo, job.parallel.cp_comm)
         apply_recompute(model, job.model.recompute)
         model, executor = build_pipeline(model, topo, job)

@@ -143,6 +143,7 @@ LAYOUTS = {
     2: [
         (dict(ep=2), "adamw"),
         (dict(ep=2), "sgd"),
+        (dict(ep=2, recompute="selective"), "adamw"),
         (dict(tp=2), "adamw"),
         (dict(tp=2, ep=2), "adamw"),
         (dict(tp=2, ep=2, sequence_parallel=True), "sgd"),
@@ -154,6 +155,9 @@ LAYOUTS = {
         (dict(tp=2, ep=2), "adamw"),
         (dict(tp=2, ep=2, sequence_parallel=True), "sgd"),
         (dict(tp=2, ep=4, zero_stage=1), "adamw"),
+        (dict(pp=2, ep=2), "adamw"),
+        (dict(pp=2, ep=2, schedule="zb_h1"), "sgd"),
+        (dict(pp=2, ep=2, schedule="interleaved_1f1b", virtual_stages=2, num_layers=4), "adamw"),
     ],
 }
 
@@ -171,6 +175,8 @@ def _train_layouts(rank: int, world: int) -> list[str]:
         run = parallel_run(job, Topology(job.parallel, world, rank), data, lr, make)
         if rank != 0:
             continue
+        if len(run["losses"]) != STEPS:
+            failures.append(f"{settings}: {len(run['losses'])} steps ran of {STEPS}")
         key = (job.model.num_layers, optimizer)
         if key not in references:
             references[key] = torch_reference(job, data, lr, sgd=optimizer == "sgd")
