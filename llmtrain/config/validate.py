@@ -296,8 +296,12 @@ def moe_problem(job: JobConfig) -> str:
         (p.engine == "deepspeed", "parallel.engine=deepspeed", "parallel.engine=llmtrain"),
         (job.train.precision == "fp8", "train.precision=fp8", "train.precision bf16 or fp32"),
         # Reentrant checkpointing runs the forward without autograd, so the router statistics the
-        # load-balancing loss is built from would carry no gradient.
-        (m.recompute == "full", "model.recompute=full", "model.recompute none or selective"),
+        # router losses are built from would carry no gradient.
+        (
+            m.recompute == "full" and (m.router_aux_loss_coef > 0 or m.router_z_loss_coef > 0),
+            "model.recompute=full with router losses",
+            "model.recompute none or selective, or model.router_aux_loss_coef=0 and router_z_loss_coef=0",
+        ),
     ]
     for is_set, setting, fix in unsupported:
         if is_set:

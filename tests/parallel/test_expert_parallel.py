@@ -144,6 +144,7 @@ LAYOUTS = {
         (dict(ep=2), "adamw"),
         (dict(ep=2), "sgd"),
         (dict(ep=2, recompute="selective"), "adamw"),
+        (dict(ep=2, recompute="full"), "sgd"),
         (dict(tp=2), "adamw"),
         (dict(tp=2, ep=2), "adamw"),
         (dict(tp=2, ep=2, sequence_parallel=True), "sgd"),
