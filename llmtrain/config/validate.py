@@ -292,7 +292,6 @@ def moe_problem(job: JobConfig) -> str:
             f"parallel.pp={p.pp} with router losses or score-bias updates",
             "parallel.pp=1, or model.router_aux_loss_coef=0, router_z_loss_coef=0 and bias_update_rate=0",
         ),
-        (p.zero_stage >= 2, f"parallel.zero_stage={p.zero_stage}", "parallel.zero_stage 0 or 1"),
         (p.engine == "deepspeed", "parallel.engine=deepspeed", "parallel.engine=llmtrain"),
         (job.train.precision == "fp8", "train.precision=fp8", "train.precision bf16 or fp32"),
         # Reentrant checkpointing runs the forward without autograd, so the router statistics the
@@ -332,6 +331,11 @@ def expert_parallel_problem(job: JobConfig) -> str:
         )
     if p.cp > 1:
         return f"parallel.ep={p.ep} does not compose with parallel.cp={p.cp} yet; set one of them to 1"
+    if p.zero_stage >= 2 and p.dp_shard is not None:
+        return (
+            f"parallel.ep={p.ep} with parallel.zero_stage={p.zero_stage} shards the experts over all the "
+            "ranks holding them; hybrid sharding is not supported for them yet: set parallel.dp_shard=null"
+        )
     if p.dp is not None:
         return expert_layout_problem(p, p.dp)
     return ""

@@ -91,11 +91,6 @@ def test_bad_values_name_field_and_fix(override, expected):
     [
         (["parallel.pp=2"], "does not support parallel.pp=2 with router losses or score-bias updates yet"),
         (
-            ["parallel.zero_stage=2"],
-            "does not support parallel.zero_stage=2 yet; use parallel.zero_stage 0 or 1",
-        ),
-        (["parallel.zero_stage=3"], "does not support parallel.zero_stage=3 yet"),
-        (
             ["parallel.engine=deepspeed", "parallel.zero_stage=1"],
             "does not support parallel.engine=deepspeed",
         ),

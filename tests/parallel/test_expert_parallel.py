@@ -148,6 +148,7 @@ LAYOUTS = {
         (dict(tp=2), "adamw"),
         (dict(tp=2, ep=2), "adamw"),
         (dict(tp=2, ep=2, sequence_parallel=True), "sgd"),
+        (dict(ep=2, zero_stage=2), "sgd"),
     ],
     4: [
         (dict(ep=4), "adamw"),
@@ -156,6 +157,8 @@ LAYOUTS = {
         (dict(tp=2, ep=2), "adamw"),
         (dict(tp=2, ep=2, sequence_parallel=True), "sgd"),
         (dict(tp=2, ep=4, zero_stage=1), "adamw"),
+        (dict(ep=2, zero_stage=3), "sgd"),
+        (dict(tp=2, ep=2, zero_stage=2), "adamw"),
         (dict(pp=2, ep=2), "adamw"),
         (dict(pp=2, ep=2, schedule="zb_h1"), "sgd"),
         (dict(pp=2, ep=2, schedule="interleaved_1f1b", virtual_stages=2, num_layers=4), "adamw"),
@@ -221,6 +224,10 @@ def test_ep_layouts_train_like_one_process(world: int) -> None:
         (
             ["model.arch=mixtral", "parallel.ep=2", "parallel.cp=2"],
             "does not compose with parallel.cp=2 yet",
+        ),
+        (
+            ["model.arch=mixtral", "parallel.ep=2", "parallel.zero_stage=3", "parallel.dp_shard=2"],
+            "hybrid sharding is not supported for them yet: set parallel.dp_shard=null",
         ),
     ],
 )
