@@ -249,9 +249,10 @@ def _check_ranges(section: object, prefix: str = "") -> None:
 def moe_problem(job: JobConfig) -> str:
     """Why the mixture-of-experts fields of `job` cannot run ("" if they can, or the arch is dense).
 
-    The experts are implemented single-device for now: every parallel layout that splits or shards a
-    model, and fp8, is refused here rather than failing (or silently mis-training) later; tp is refused by
-    tensor_parallel_problem, which checkpoint conversion and the planner ask too.
+    What the experts do not support yet (DeepSpeed, fp8, router losses across pipeline stages or under
+    full recompute) is refused here rather than failing (or silently mis-training) later; their tp limits
+    are tensor_parallel_problem's, which checkpoint conversion and the planner ask too, and parallel.ep's
+    expert_parallel_problem's.
     """
     m, p = job.model, job.parallel
     if not m.is_moe:

@@ -5,6 +5,7 @@ layouts with ep training like one process, and the config errors of impossible s
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,8 +13,10 @@ import torch
 from llmtrain.config import ConfigError, ModelConfig, load, validate_world
 from llmtrain.models.moe import MoEMLP
 from llmtrain.parallel import Topology, apply_ep
+from llmtrain.training.metrics_file import latest_per_step, read_rows
 from tests.parallel._dist import batches, parallel_run, sgd, spawn, tiny_job
 from tests.parallel._reference import torch_reference
+from tests.training._runs import run_cli, torchrun_command
 
 # (name, model overrides, biased routing): every expert reachable, experts 0 and 1 reached by no token
 # (router rows pushed far down; at ep=4 rank 0 then receives no row at all), capacity dropping, and a
@@ -244,3 +247,35 @@ def test_ep_is_carved_out_of_the_world() -> None:
         ConfigError, match=re.escape("parallel.ep=4 cannot be carved out of the tp x dp = 1x2")
     ):
         validate_world(job, 2)
+
+
+# The trainer's tiny MoE job (tests/training/_runs.py) on 2 processes, dp=2 with ZeRO-1.
+RESUME_JOB = [
+    "model.arch=mixtral",
+    "model.num_experts=4",
+    "train.steps=4",
+    "logging.interval=1",
+    "parallel.zero_stage=1",
+    "checkpoint.interval=2",
+]
+
+
+def _run_losses(out: Path, *overrides: str) -> dict[int, float]:
+    done = run_cli(torchrun_command(2, out, *RESUME_JOB, *overrides))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {row["step"]: row["loss"] for row in latest_per_step(read_rows(out)) if "loss" in row}
+
+
+@pytest.mark.slow
+def test_checkpoints_move_between_ep_layouts(tmp_path: Path) -> None:
+    """An ep=2 checkpoint (expert shards saved at their global place) resumes at ep=1 and an ep=1 one at
+    ep=2, each continuing the uninterrupted run's loss curve (fp32, worst relative gap REL_GAP)."""
+    uninterrupted = _run_losses(tmp_path / "whole", "parallel.ep=1")
+    assert sorted(uninterrupted) == [1, 2, 3, 4]
+    for first, then in ((2, 1), (1, 2)):
+        out = tmp_path / f"ep{first}_to_ep{then}"
+        _run_losses(out, f"parallel.ep={first}", "train.steps=2")
+        resumed = _run_losses(out, f"parallel.ep={then}")
+        assert sorted(resumed) == [1, 2, 3, 4]
+        gap = max(abs(resumed[s] - uninterrupted[s]) / abs(uninterrupted[s]) for s in resumed)
+        assert gap <= REL_GAP, f"ep={first} -> ep={then}: {resumed} against {uninterrupted}"
