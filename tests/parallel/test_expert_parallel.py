@@ -140,6 +140,7 @@ SGD_LR = 1.0
 REL_GAP = 1e-4  # worst relative gap of the losses and gradient norms to the single-process run
 # (parallel settings, optimizer) per world size. SGD shows a gradient off by a factor in the weights, which
 # Adam would normalise away.
+ROUTER_LOSSES = dict(router_aux_loss_coef=0.1, router_z_loss_coef=0.01)
 # With tp, EP lies inside the dp ranks when ep divides dp and spans the TP ranks otherwise (tp=2 ep=2 at
 # world 2, tp=2 ep=4 at world 4: each TP rank routes its own part of the sequence and holds other experts).
 LAYOUTS = {
@@ -152,6 +153,10 @@ LAYOUTS = {
         (dict(tp=2, ep=2), "adamw"),
         (dict(tp=2, ep=2, sequence_parallel=True), "sgd"),
         (dict(ep=2, zero_stage=2), "sgd"),
+        # One micro-batch per step at dp=1, so the reference's router losses (over its global batch) are
+        # the same function: they check the router statistics summed over the TP ranks that split it.
+        (dict(tp=2, ep=2, global_batch_size=2, **ROUTER_LOSSES), "adamw"),
+        (dict(tp=2, sequence_parallel=True, global_batch_size=2, **ROUTER_LOSSES), "sgd"),
     ],
     4: [
         (dict(ep=4), "adamw"),
@@ -184,7 +189,7 @@ def _train_layouts(rank: int, world: int) -> list[str]:
             continue
         if len(run["losses"]) != STEPS:
             failures.append(f"{settings}: {len(run['losses'])} steps ran of {STEPS}")
-        key = (job.model.num_layers, optimizer)
+        key = (repr(job.model), job.train.global_batch_size, optimizer)
         if key not in references:
             references[key] = torch_reference(job, data, lr, sgd=optimizer == "sgd")
         ref = references[key]
