@@ -152,6 +152,7 @@ LAYOUTS = {
         (dict(tp=2), "adamw"),
         (dict(tp=2, ep=2), "adamw"),
         (dict(tp=2, ep=2, sequence_parallel=True), "sgd"),
+        (dict(ep=2, zero_stage=1), "adamw"),
         (dict(ep=2, zero_stage=2), "sgd"),
         # One micro-batch per step at dp=1, so the reference's router losses (over its global batch) are
         # the same function: they check the router statistics summed over the TP ranks that split it.
@@ -169,6 +170,7 @@ LAYOUTS = {
         (dict(tp=2, ep=2, zero_stage=2), "adamw"),
         (dict(pp=2, ep=2), "adamw"),
         (dict(pp=2, ep=2, schedule="zb_h1"), "sgd"),
+        (dict(pp=2, ep=2, schedule="gpipe"), "sgd"),
         (dict(pp=2, ep=2, schedule="interleaved_1f1b", virtual_stages=2, num_layers=4), "adamw"),
     ],
 }
