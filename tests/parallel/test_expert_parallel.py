@@ -64,6 +64,38 @@ def _layer(cfg: ModelConfig, seed: int) -> MoEMLP:
     return layer.double()
 
 
+# (tp, dp, ep) at world 4 -> each rank's (EP group, expert-DP group, EP rank), global ranks numbered tp
+# innermost: EP inside the dp ranks (0 with 2, 1 with 3), spanning the TP pairs, spanning everything.
+GROUPS = {
+    (1, 4, 2): [([0, 1], [0, 2], 0), ([0, 1], [1, 3], 1), ([2, 3], [0, 2], 0), ([2, 3], [1, 3], 1)],
+    (2, 2, 2): [([0, 2], [0, 1], 0), ([1, 3], [0, 1], 0), ([0, 2], [2, 3], 1), ([1, 3], [2, 3], 1)],
+    (2, 1, 2): [([0, 1], [0], 0), ([0, 1], [1], 1), ([2, 3], [2], 0), ([2, 3], [3], 1)],
+    (2, 2, 4): [([0, 1, 2, 3], [r], r) for r in range(4)],
+}
+
+
+def _groups(rank: int, world: int) -> dict[tuple[int, int, int], tuple[list[int], list[int], int]]:
+    from torch.distributed import get_process_group_ranks
+
+    from llmtrain.config import ParallelConfig
+
+    facts = {}
+    for tp, dp, ep in GROUPS:
+        pp = world // (tp * dp)
+        topo = Topology(ParallelConfig(tp=tp, dp=dp, pp=pp, ep=ep), world, rank)
+        ranks = get_process_group_ranks(topo.ep_group), get_process_group_ranks(topo.expert_dp_group)
+        assert list(ranks) == [topo.ep_ranks(), topo.expert_dp_ranks()]
+        facts[(tp, dp, ep)] = (*ranks, topo.ep_rank)
+    return facts
+
+
+@pytest.mark.slow
+def test_ep_groups_are_carved_out_of_tp_x_dp() -> None:
+    facts = spawn(4, _groups)
+    for layout, want in GROUPS.items():
+        assert [f[layout] for f in facts] == want, layout
+
+
 def _dispatch_against_one_process(rank: int, world: int) -> list[str]:
     """Each rank routes its own tokens; the reference runs the one-process layer on every rank's tokens
     (as one process would run each micro-batch) and sums their losses."""
