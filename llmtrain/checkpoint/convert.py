@@ -163,7 +163,7 @@ def tp_layouts(cfg: ModelConfig, tp: int) -> dict[str, list[ParamLayout]]:
         model = empty_model(cfg, device="meta")
         # Without a TP group apply_tp only slices: a stand-in for the Topology is enough to get its layout.
         topo = types.SimpleNamespace(
-            tp=tp, tp_rank=rank, pp=1, pp_rank=0, dp_rank=0, tp_group=None, device=torch.device("cpu")
+            tp=tp, tp_rank=rank, pp=1, pp_rank=0, dp_rank=0, ep=1, tp_group=None, device=torch.device("cpu")
         )
         apply_tp(model, topo)
         for name, m in describe_model(model, topo, cfg.tied_embeddings).items():

@@ -55,7 +55,7 @@ class ModelTensor:
         """Whether this rank writes its pieces: the TP/PP writer, on DP rank 0 or, when the tensor is
         sharded over DP, on the first replica of the shards."""
         if self.shard_start is None:
-            return self.layout.writer and _dp_rank(topo) == 0
+            return self.layout.writer and _dp_rank(topo, self.tensor) == 0
         return self.layout.writer and self.replica == 0
 
     def holds_origin(self) -> bool:
@@ -100,10 +100,13 @@ _CHUNK_PREFIX = re.compile(r"^chunks\.\d+\.")
 
 
 def tp_layout(name: str, tensor: torch.Tensor, tp: int, tp_rank: int) -> ParamLayout:
-    """Full-tensor layout of a local tensor from its `tp_layout` / `duplicate` attributes."""
+    """Full-tensor layout of a local tensor from its `tp_layout` / `duplicate` / `expert_slice` attributes."""
     kind = getattr(tensor, "tp_layout", None)
     writer = not getattr(tensor, "duplicate", False)
     shape = tuple(tensor.shape)
+    if hasattr(tensor, "expert_slice"):  # an expert-parallel shard: experts [start, start + local) of total
+        start, total = tensor.expert_slice
+        return ParamLayout.split((total, *shape[1:]), 0, [(start, shape[0])], writer)
     if kind is None or tp == 1:
         return ParamLayout.full(shape, writer)
     rows = shape[0]
@@ -129,10 +132,13 @@ def tp_layout(name: str, tensor: torch.Tensor, tp: int, tp_rank: int) -> ParamLa
     )
 
 
-def _dp_rank(topo: Any) -> int:
-    """This rank's index among the replicas of its parameters: DP ranks, and CP ranks inside them."""
+def _dp_rank(topo: Any, tensor: torch.Tensor | None = None) -> int:
+    """This rank's index among the replicas of `tensor` (of a dense parameter if None): DP ranks, and CP
+    ranks inside them; for an expert-parallel shard, the ranks holding the same experts."""
     if topo is None:
         return 0
+    if tensor is not None and hasattr(tensor, "expert_slice"):
+        return topo.expert_dp_rank
     return getattr(topo, "dp_cp_rank", getattr(topo, "dp_rank", 0))
 
 
@@ -167,7 +173,6 @@ def _slots(
 ) -> tuple[torch.optim.Optimizer | None, list[_Slot]]:
     """The torch optimizer inside `optimizer` and a slot per tensor it updates."""
     names = {id(m.tensor): name for name, m in params.items()}
-    first_dp = _dp_rank(topo) == 0
     if isinstance(optimizer, ModelOptimizer):
         buffers = optimizer.buffers
         slots = []
@@ -176,6 +181,7 @@ def _slots(
             layout = params[name].layout
             offset = start - buffers.offsets[p]
             # zero_stage 1: each DP rank writes the range it owns; zero_stage 0: DP rank 0 writes it all.
+            first_dp = buffers.bucket_of[p].reduce.index == 0
             write = layout.writer and (buffers.zero_stage == 1 or first_dp)
             slots.append(
                 _Slot(

@@ -194,6 +194,8 @@ class ParallelConfig:
     """Data-parallel degree; null means world_size / (tp * cp * pp)."""
     cp: int = 1
     """Context-parallel degree: each sequence split over cp ranks, two mirrored chunks each (balanced)."""
+    ep: int = 1
+    """Expert-parallel degree: MoE experts sharded over ep of the tp x dp ranks, tokens sent by all-to-all."""
     cp_comm: CpComm = "ring"
     """Context-parallel attention: ring (K/V passed around) or all_to_all (Ulysses, heads scattered)."""
     sequence_parallel: bool = False

@@ -64,6 +64,7 @@ def validate(job: JobConfig) -> None:
         value = getattr(m, name)
         _require(0.0 <= value < 1.0, f"model.{name} must be in [0, 1); got {value}")
     raise_if_problem(moe_problem(job))
+    raise_if_problem(expert_parallel_problem(job))
 
     _require(p.dp is None or p.dp >= 1, f"parallel.dp must be at least 1 or null; got {p.dp}")
     _require(p.zero_stage in (0, 1, 2, 3), f"parallel.zero_stage must be 0, 1, 2 or 3; got {p.zero_stage}")
@@ -253,9 +254,10 @@ def _check_ranges(section: object, prefix: str = "") -> None:
 def moe_problem(job: JobConfig) -> str:
     """Why the mixture-of-experts fields of `job` cannot run ("" if they can, or the arch is dense).
 
-    The experts are implemented single-device for now: every parallel layout that splits or shards a
-    model, and fp8, is refused here rather than failing (or silently mis-training) later; tp is refused by
-    tensor_parallel_problem, which checkpoint conversion and the planner ask too.
+    What the experts do not support yet (DeepSpeed, fp8, router losses across pipeline stages or under
+    full recompute) is refused here rather than failing (or silently mis-training) later; their tp limits
+    are tensor_parallel_problem's, which checkpoint conversion and the planner ask too, and parallel.ep's
+    expert_parallel_problem's.
     """
     m, p = job.model, job.parallel
     if not m.is_moe:
@@ -286,15 +288,28 @@ def moe_problem(job: JobConfig) -> str:
             f"model.dense_layers names layer {bad[0]}, outside 0..{m.num_layers - 1} (model.num_layers="
             f"{m.num_layers}); list existing layers only"
         )
+    # The load-balancing loss pools every layer's statistics before its product, and a pipeline stage
+    # holds only some layers; the router figures (and so the score-bias update) are not gathered over the
+    # stages either. Without them a pipeline trains the experts as one process does.
+    router_terms = m.router_aux_loss_coef > 0 or m.router_z_loss_coef > 0 or bool(m.bias_update_rate)
     unsupported = [
-        (p.pp > 1, f"parallel.pp={p.pp}", "parallel.pp=1"),
-        (p.zero_stage >= 2, f"parallel.zero_stage={p.zero_stage}", "parallel.zero_stage 0 or 1"),
+        (
+            p.pp > 1 and router_terms,
+            f"parallel.pp={p.pp} with router losses or score-bias updates",
+            "parallel.pp=1, or model.router_aux_loss_coef=0, router_z_loss_coef=0 and bias_update_rate=0",
+        ),
         (p.engine == "deepspeed", "parallel.engine=deepspeed", "parallel.engine=llmtrain"),
         (job.train.precision == "fp8", "train.precision=fp8", "train.precision bf16 or fp32"),
         # Reentrant checkpointing runs the forward without autograd, so the router statistics the
-        # load-balancing loss is built from would carry no gradient.
-        (m.recompute == "full", "model.recompute=full", "model.recompute none or selective"),
-        ("full" in m.recompute_layers, "full in model.recompute_layers", "none or selective per layer"),
+        # router losses are built from would carry no gradient.
+        (
+            (m.recompute == "full" or "full" in m.recompute_layers)
+            and (m.router_aux_loss_coef > 0 or m.router_z_loss_coef > 0),
+            ("model.recompute=full" if m.recompute == "full" else "full in model.recompute_layers")
+            + " with router losses",
+            "model.recompute none or selective (no full in model.recompute_layers), or "
+            "model.router_aux_loss_coef=0 and router_z_loss_coef=0",
+        ),
     ]
     for is_set, setting, fix in unsupported:
         if is_set:
@@ -303,6 +318,50 @@ def moe_problem(job: JobConfig) -> str:
                 "or a dense arch"
             )
     return ""
+
+
+def expert_parallel_problem(job: JobConfig) -> str:
+    """Why parallel.ep cannot shard `job`'s experts ("" if it can); the world-size part is
+    expert_layout_problem."""
+    m, p = job.model, job.parallel
+    if p.ep < 1:
+        return f"parallel.ep must be at least 1; got {p.ep}"
+    if p.ep == 1:
+        return ""
+    if not m.is_moe:
+        return (
+            f"parallel.ep={p.ep} shards mixture-of-experts layers, but model.arch={m.arch} is dense; "
+            "set parallel.ep=1 or use an MoE arch (mixtral, qwen3_moe, ernie_moe, deepseek_v3)"
+        )
+    if m.num_experts % p.ep:
+        return (
+            f"parallel.ep={p.ep} does not divide model.num_experts={m.num_experts}; choose an ep dividing "
+            "the expert count (every EP rank holds num_experts / ep experts)"
+        )
+    if p.cp > 1:
+        return f"parallel.ep={p.ep} does not compose with parallel.cp={p.cp} yet; set one of them to 1"
+    if p.zero_stage >= 2 and p.dp_shard is not None:
+        return (
+            f"parallel.ep={p.ep} with parallel.zero_stage={p.zero_stage} shards the experts over all the "
+            "ranks holding them; hybrid sharding is not supported for them yet: set parallel.dp_shard=null"
+        )
+    if p.dp is not None:
+        return expert_layout_problem(p, p.dp)
+    return ""
+
+
+def expert_layout_problem(p: ParallelConfig, dp: int) -> str:
+    """Why parallel.ep cannot be carved out of the tp x dp ranks at data-parallel degree `dp` ("" if it
+    can). EP takes consecutive ranks of the expert domain, dp innermost (llmtrain.parallel.topology): it
+    lies inside the dp ranks when ep divides dp, and spans whole dp groups of several TP ranks otherwise."""
+    if p.ep == 1:
+        return ""
+    if dp % p.ep == 0 or (p.ep % dp == 0 and p.tp % (p.ep // dp) == 0):
+        return ""
+    return (
+        f"parallel.ep={p.ep} cannot be carved out of the tp x dp = {p.tp}x{dp} ranks; choose an ep dividing "
+        f"the data-parallel degree {dp}, or dp times a divisor of parallel.tp={p.tp}"
+    )
 
 
 def routing_problem(m: ModelConfig) -> str:
@@ -468,10 +527,22 @@ def tensor_parallel_problem(model: ModelConfig, tp: int, sequence_parallel: bool
     if tp < 1:
         return f"parallel.tp must be at least 1; got {tp}"
     if model.is_moe and tp > 1:
-        return (
-            f"model.arch={model.arch} (mixture of experts) does not support parallel.tp={tp} yet; use "
-            "parallel.tp=1, or a dense arch"
-        )
+        # Attention is split over TP; each TP rank routes 1/tp of the sequence (llmtrain.parallel.
+        # tensor_parallel._shard_moe), so the per-rank capacity would not be one process's.
+        if model.arch == "deepseek_v3" or model.moe_capacity_factor is not None:
+            setting = (
+                "model.arch=deepseek_v3 (latent attention)"
+                if model.arch == "deepseek_v3"
+                else f"model.moe_capacity_factor={model.moe_capacity_factor}"
+            )
+            return f"{setting} does not support parallel.tp={tp} yet; use parallel.tp=1" + (
+                ", or model.moe_capacity_factor=null (dropless)" if model.arch != "deepseek_v3" else ""
+            )
+        if model.seq_length % tp:
+            return (
+                f"model.seq_length={model.seq_length} is not divisible by parallel.tp={tp}: each TP rank "
+                "routes its share of the sequence through the experts; make seq_length a multiple of tp"
+            )
     heads, kv = model.num_attention_heads, model.kv_heads
     if heads % tp:
         return (
@@ -710,6 +781,7 @@ def validate_world(job: JobConfig, world_size: int) -> int:
         f"train.global_batch_size={t.global_batch_size} is not a multiple of train.micro_batch_size * dp = "
         f"{t.micro_batch_size}*{dp}; change the batch sizes",
     )
+    raise_if_problem(expert_layout_problem(job.parallel, dp))
     shard = job.parallel.dp_shard
     _require(
         shard is None or dp % shard == 0,

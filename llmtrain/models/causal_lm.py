@@ -125,7 +125,8 @@ class CausalLM(nn.Module):
         if self.context is not None:  # this rank's tokens are part of each sequence: the whole one's mean
             loss = self.context.reduce_loss(loss, labels)
         coef, z_coef = self.config.router_aux_loss_coef, self.config.router_z_loss_coef
-        # Dense models first: pipeline chunks call this on a shell that is no Module (MoE has no pp yet).
+        # Dense models first: pipeline chunks call this on a shell that is no Module (MoE pipelines run
+        # without router losses, see llmtrain.config.validate.moe_problem).
         if self.config.is_moe and (coef > 0 or z_coef > 0) and self.training and self.router_stats():
             if coef > 0:
                 loss = loss + coef * self.aux_loss()

@@ -25,6 +25,7 @@ tokens and MoE layers of logsumexp(router logits)^2.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -141,8 +142,15 @@ def capacity_keep(
     return keep.view_as(experts)
 
 
+Dispatch = Callable[[torch.Tensor, list[int], "Experts"], torch.Tensor]
+"""(rows sorted by global expert, count per global expert, the Experts) -> each row's expert output, in
+the same order: how expert parallelism (llmtrain.parallel.expert_parallel) computes experts held
+elsewhere."""
+
+
 class Experts(nn.Module):
-    """The SwiGLU experts of one layer, stored stacked (see the module docstring)."""
+    """The SwiGLU experts of one layer, stored stacked (see the module docstring). With `dispatch` set
+    (expert parallelism) this rank holds only some experts and `dispatch` computes every routed row."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -151,6 +159,7 @@ class Experts(nn.Module):
         self.impl = cfg.kernels
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * f, h))
         self.down_proj = nn.Parameter(torch.empty(e, h, f))
+        self.dispatch: Dispatch | None = None
 
     def forward(
         self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, keep: torch.Tensor | None
@@ -164,9 +173,11 @@ class Experts(nn.Module):
         counts = torch.bincount(slots, minlength=n + 1)[:n]
         order = slots.argsort(stable=True)[: int(counts.sum())]
         where = ExpertOrder.of(order, x.shape[0], top_k)
-        out = kernels.moe_experts(
-            to_experts(x, where), counts, self.gate_up_proj, self.down_proj, impl=self.impl
-        )
+        rows = to_experts(x, where)
+        if self.dispatch is None:
+            out = kernels.moe_experts(rows, counts, self.gate_up_proj, self.down_proj, impl=self.impl)
+        else:
+            out = self.dispatch(rows, counts.tolist(), self)
         # The router weights (fp32) stay fp32 through the product, as transformers' Mixtral computes it.
         return combine(out, weights.flatten()[order], where)
 

@@ -7,6 +7,7 @@ from torch import nn
 from llmtrain.config.schema import JobConfig
 from llmtrain.parallel.context_parallel import apply_cp
 from llmtrain.parallel.data_parallel import GradBuffers, apply_data_parallel, apply_dp, grad_sync
+from llmtrain.parallel.expert_parallel import apply_ep
 from llmtrain.parallel.float8 import apply_float8
 from llmtrain.parallel.launch import init_distributed
 from llmtrain.parallel.materialize import is_meta, materialize
@@ -18,13 +19,14 @@ from llmtrain.parallel.topology import Topology
 
 
 def parallelize(model: nn.Module, topo: Topology, job: JobConfig) -> nn.Module:
-    """apply_tp -> apply_cp -> apply_float8 -> apply_recompute -> [materialize] -> apply_data_parallel (flat
-    buffers for zero_stage 0/1), or -> apply_data_parallel -> [materialize] (FSDP2 for 2/3), in place. A meta
-    model (built under torch.device("meta")) is sharded on meta, then this rank's slices (at zero_stage 2/3
-    its FSDP shards of them) are allocated on topo.device and initialised from train.seed. With pp > 1 the
-    pipeline splits stages first, then does the same to them (llmtrain.pipeline.executor.build_pipeline;
-    build_optimizer applies the zero_stage 0/1 layout)."""
+    """apply_tp -> apply_ep -> apply_cp -> apply_float8 -> apply_recompute -> [materialize] ->
+    apply_data_parallel (flat buffers for zero_stage 0/1), or -> apply_data_parallel -> [materialize] (FSDP2
+    for 2/3), in place. A meta model (built under torch.device("meta")) is sharded on meta, then this
+    rank's slices (at zero_stage 2/3 its FSDP shards of them) are allocated on topo.device and initialised
+    from train.seed. With pp > 1 the pipeline splits stages first, then does the same to them
+    (llmtrain.pipeline.executor.build_pipeline; build_optimizer applies the zero_stage 0/1 layout)."""
     apply_tp(model, topo, job.parallel.sequence_parallel, job.train.seed)
+    apply_ep(model, topo)
     apply_cp(model, topo, job.parallel.cp_comm)
     apply_float8(model, job.train.precision)
     apply_recompute(model, job.model.recompute, job.model.recompute_layers)
@@ -51,6 +53,7 @@ __all__ = [
     "apply_cp",
     "apply_data_parallel",
     "apply_dp",
+    "apply_ep",
     "apply_float8",
     "apply_recompute",
     "apply_tp",

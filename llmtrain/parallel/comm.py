@@ -117,17 +117,25 @@ def reduce_scatter_single(
 
 
 def all_to_all_single(
-    output: torch.Tensor, input: torch.Tensor, group: Any = None, async_op: bool = False, detail: str = ""
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: Any = None,
+    async_op: bool = False,
+    detail: str = "",
+    output_split_sizes: list[int] | None = None,
+    input_split_sizes: list[int] | None = None,
 ) -> Pending | None:
-    """all_to_all_single with equal splits along dim 0 (piece i goes to the group's rank i), numbered and
-    watched."""
+    """all_to_all_single along dim 0 (piece i goes to the group's rank i; equal pieces unless the split
+    sizes say otherwise), numbered and watched."""
     return _collective(
         "all_to_all",
         group,
         input,
         detail,
         async_op,
-        lambda: dist.all_to_all_single(output, input, group=group, async_op=async_op),
+        lambda: dist.all_to_all_single(
+            output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op
+        ),
     )
 
 

@@ -5,7 +5,8 @@ view into one flat fp32 gradient buffer, in reverse registration order (roughly 
 them). A post-accumulate-grad hook per parameter counts the parameters of its bucket; when the last one is in,
 the bucket's reduction (all-reduce for zero_stage 0, reduce-scatter for zero_stage 1) starts asynchronously,
 so communication overlaps the rest of backward. A parameter shared by two modules (tied embeddings) is one
-tensor with one hook, so it is reduced once.
+tensor with one hook, so it is reduced once. Under expert parallelism the experts' shards sit in buckets of
+their own, reduced over the expert-data-parallel group (the ranks holding the same experts) instead.
 
 Under zero_stage 1 the optimizer step ends by launching every bucket's parameter all-gather asynchronously,
 in forward order; with ``overlap_param_gather`` a forward pre-hook on each module waits only for the buckets
@@ -33,8 +34,37 @@ from llmtrain.parallel.comm import (
     batch_isend_irecv,
     reduce_scatter_single,
 )
+from llmtrain.parallel.expert_parallel import is_expert
 from llmtrain.parallel.topology import Topology
 from llmtrain.precision import torch_dtype
+
+
+@dataclass(frozen=True)
+class ReduceGroup:
+    """The ranks a bucket's gradients are reduced over (and ZeRO-1 shards its optimizer state over)."""
+
+    group: Any
+    ranks: list[int]
+    """Global ranks of the group, in the group's rank order."""
+    index: int
+    """This rank's position in `ranks`: the shard it owns."""
+    mean_over: int
+    """The data-parallel degree: the reduced sum is divided by it (the loss is a mean over DP ranks)."""
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+
+def reduce_groups(topo: Topology) -> tuple[ReduceGroup, ReduceGroup]:
+    """(dense, expert) ReduceGroups: context-parallel ranks hold the same parameters as DP replicas, each the
+    gradient of its part of the sequences' loss, so dense gradients are summed over cp x dp and averaged
+    over dp; an EP rank's expert gradients already sum every EP rank's tokens, so they are summed over the
+    expert-data-parallel group and divided by dp as well (llmtrain.parallel.expert_parallel)."""
+    dense = ReduceGroup(topo.dp_cp_group, topo.dp_cp_ranks(), topo.dp_cp_rank, topo.dp)
+    if topo.ep == 1:
+        return dense, dense
+    return dense, ReduceGroup(topo.expert_dp_group, topo.expert_dp_ranks(), topo.expert_dp_rank, topo.dp)
 
 
 @dataclass(eq=False)
@@ -45,7 +75,7 @@ class Bucket:
     start: int
     end: int
     params: list[nn.Parameter]
-    dp: int
+    reduce: ReduceGroup
     pending: int = 0
     handle: list[Pending] | None = None
     launched: bool = False
@@ -54,7 +84,12 @@ class Bucket:
 
     @property
     def shard_size(self) -> int:
-        return (self.end - self.start) // self.dp
+        return (self.end - self.start) // self.reduce.size
+
+    @property
+    def shard_start(self) -> int:
+        """Where this rank's ZeRO-1 shard of the bucket starts in the flat buffers."""
+        return self.start + self.reduce.index * self.shard_size
 
 
 class GradBuffers:
@@ -71,18 +106,13 @@ class GradBuffers:
     ) -> None:
         self.dtype = torch_dtype(precision)
         self.topo = topo
-        # Context-parallel ranks hold the same parameters as DP replicas, each the gradient of its part of
-        # the sequences' loss: reduced (and ZeRO-1 sharded) over cp x dp, summed over cp and averaged over dp.
-        self.dp = topo.dp_cp
-        self.dp_group = topo.dp_cp_group
-        self.mean_over = topo.dp
-        self.shard_index = topo.dp_cp_rank
+        self.dense, self.expert = reduce_groups(topo)
         self.zero_stage = zero_stage
         # On gloo (17 MB, dp=2, 2 CPU cores) reduce_scatter_tensor takes 23 ms and all_gather_into_tensor
         # 17 ms, against 6 ms for sending one shard to each peer, so there zero_stage 1 reduce-scatters
         # and gathers by point-to-point shard exchange (the same bytes as a ring). NCCL uses the native
         # collectives.
-        self.native_shard_comm = self.dp > 1 and dist.get_backend(self.dp_group) != "gloo"
+        self.native_shard_comm = self.dense.size > 1 and dist.get_backend(self.dense.group) != "gloo"
         self.sync_enabled = True
         names: dict[int, str] = {}
         for name, p in model.named_parameters():
@@ -98,22 +128,27 @@ class GradBuffers:
         bucket_numel = max(1, int(bucket_mb * 2**20 / 4))
         # Layout: fill buckets in backward order; pad each bucket to a multiple of dp so it splits evenly.
         # A pipeline's tied embedding gets a bucket of its own, so its DP shards cover the same elements on
-        # the first and the last stage and summing the two copies' reduced shards is exact.
+        # the first and the last stage and summing the two copies' reduced shards is exact. Expert and
+        # dense parameters never share a bucket: they are reduced over different groups.
         alone = getattr(model, "tied_param", None)
         self.offsets: dict[nn.Parameter, int] = {}
         self.buckets: list[Bucket] = []
         offset, current = 0, []
         bucket_start = 0
 
+        def group_of(p: nn.Parameter) -> ReduceGroup:
+            return self.expert if is_expert(p) else self.dense
+
         def close_bucket() -> None:
             nonlocal offset, bucket_start, current
-            end = bucket_start + -(-(offset - bucket_start) // self.dp) * self.dp
-            self.buckets.append(Bucket(len(self.buckets), bucket_start, end, current, self.dp))
+            reduce = group_of(current[0])
+            end = bucket_start + -(-(offset - bucket_start) // reduce.size) * reduce.size
+            self.buckets.append(Bucket(len(self.buckets), bucket_start, end, current, reduce))
             offset = bucket_start = end
             current = []
 
         for p in params:
-            if p is alone and current:
+            if current and (p is alone or group_of(p) is not group_of(current[0])):
                 close_bucket()
             self.offsets[p] = offset
             offset += p.numel()
@@ -142,7 +177,7 @@ class GradBuffers:
                 p.main_grad = self._view(self.grad_buffer, p)
                 p.register_post_accumulate_grad_hook(self._on_grad)
         self.params = params
-        sharded = zero_stage == 1 and self.dp > 1
+        sharded = zero_stage == 1 and any(b.reduce.size > 1 for b in self.buckets)
         self.overlap_param_gather = overlap_param_gather and sharded
         if sharded:
             for module in model.modules():
@@ -191,28 +226,31 @@ class GradBuffers:
 
     def _launch(self, bucket: Bucket) -> None:
         bucket.launched = True
-        if self.dp == 1:
-            return
+        reduce = bucket.reduce
         grad = self.grad_buffer[bucket.start : bucket.end]
+        if reduce.size == 1:
+            if reduce.mean_over > 1:  # experts held by one rank of several DP ranks: only the mean's divide
+                grad.div_(reduce.mean_over)
+            return
         detail = f"gradients of bucket {bucket.index}"
         if self.zero_stage == 1 and not self.native_shard_comm:
-            bucket.received = [torch.empty_like(self.shard(grad, bucket)) for _ in range(self.dp - 1)]
+            bucket.received = [torch.empty_like(self.shard(grad, bucket)) for _ in range(reduce.size - 1)]
             bucket.handle = self._exchange_shards(grad, bucket, 2 * bucket.index + 1, bucket.received)
             return
         # Pre-divide so the sum is the mean over DP ranks (gloo has no AVG); CP ranks' parts add up.
-        grad.div_(self.mean_over)
+        grad.div_(reduce.mean_over)
         if self.zero_stage == 1:
             shard = self.shard(grad, bucket)
             bucket.handle = [
-                reduce_scatter_single(shard, grad, group=self.dp_group, async_op=True, detail=detail)
+                reduce_scatter_single(shard, grad, group=reduce.group, async_op=True, detail=detail)
             ]
         else:
-            bucket.handle = [all_reduce(grad, group=self.dp_group, async_op=True, detail=detail)]
+            bucket.handle = [all_reduce(grad, group=reduce.group, async_op=True, detail=detail)]
 
     def shard(self, flat_bucket: torch.Tensor, bucket: Bucket) -> torch.Tensor:
-        """This DP rank's slice of a bucket-sized tensor."""
+        """This rank's slice of a bucket-sized tensor (its ZeRO-1 shard)."""
         size = bucket.shard_size
-        return flat_bucket[self.shard_index * size : (self.shard_index + 1) * size]
+        return flat_bucket[bucket.reduce.index * size : (bucket.reduce.index + 1) * size]
 
     def finish(self, launch: bool = True) -> None:
         """Launch the buckets still waiting (unused parameters) and wait for every reduction."""
@@ -228,16 +266,16 @@ class GradBuffers:
                 shard = self.shard(self.grad_buffer[bucket.start : bucket.end], bucket)
                 for theirs in bucket.received:
                     shard.add_(theirs)
-                shard.div_(self.mean_over)
+                shard.div_(bucket.reduce.mean_over)
                 bucket.received = None
 
     def all_gather_params(self) -> None:
         """After a zero_stage-1 update of this rank's shards, give every DP rank the full parameters: the
         gathers are launched here, last bucket (first layers) first, and waited for by the forward of the
         modules that use them, or right away without ``overlap_param_gather``."""
-        if self.dp == 1:
-            return
         for bucket in reversed(self.buckets):
+            if bucket.reduce.size == 1:
+                continue
             flat = self.param_buffer[bucket.start : bucket.end]
             shard = self.shard(flat, bucket)
             if self.native_shard_comm:
@@ -245,7 +283,7 @@ class GradBuffers:
                     all_gather_single(
                         flat,
                         shard,
-                        group=self.dp_group,
+                        group=bucket.reduce.group,
                         async_op=True,
                         detail=f"parameters of bucket {bucket.index}",
                     )
@@ -263,8 +301,9 @@ class GradBuffers:
         Reduce-scatter: send each peer its shard of ``flat`` and receive the peers' copies of this rank's
         shard into ``into``."""
         ops = []
-        ranks = self.topo.dp_cp_ranks()
-        peers = [r for r in range(self.dp) if r != self.shard_index]
+        reduce = bucket.reduce
+        ranks = reduce.ranks
+        peers = [r for r in range(reduce.size) if r != reduce.index]
         for i, index in enumerate(peers):
             peer = ranks[index]
             theirs = flat[index * bucket.shard_size : (index + 1) * bucket.shard_size]
@@ -272,10 +311,11 @@ class GradBuffers:
                 send, recv = self.shard(flat, bucket), theirs
             else:
                 send, recv = theirs, into[i]
-            ops.append(dist.P2POp(dist.isend, send, peer, self.dp_group, tag))
-            ops.append(dist.P2POp(dist.irecv, recv, peer, self.dp_group, tag))
+            ops.append(dist.P2POp(dist.isend, send, peer, reduce.group, tag))
+            ops.append(dist.P2POp(dist.irecv, recv, peer, reduce.group, tag))
         what = "parameters" if into is None else "gradients"
-        return batch_isend_irecv(ops, "dp", f"{what} of bucket {bucket.index}, shard exchange")
+        name = "expert-dp" if reduce is not self.dense else "dp"
+        return batch_isend_irecv(ops, name, f"{what} of bucket {bucket.index}, shard exchange")
 
     def _wait_gathers(self, buckets: list[Bucket]) -> None:
         for bucket in buckets:
@@ -295,7 +335,7 @@ class GradBuffers:
             if self.zero_stage == 0:
                 lo, hi = bucket.start, bucket.end
             else:
-                lo = bucket.start + self.shard_index * bucket.shard_size
+                lo = bucket.shard_start
                 hi = lo + bucket.shard_size
             for p in bucket.params:
                 start, end = self.offsets[p], self.offsets[p] + p.numel()

@@ -14,7 +14,13 @@ step. zero_stage 3 frees them after the forward and gathers them again for the b
 
 TP layers stay plain local tensors: FSDP shards each rank's TP slice over the DP mesh, which is why the
 attributes tensor_parallel.py puts on parameters (``duplicate``, ``sequence_parallel``, ``kv_replicas``,
-``tp_layout``) are copied onto the sharded parameters here.
+``tp_layout``) and expert_parallel.py's ``expert_slice`` are copied onto the sharded parameters here.
+
+Under expert parallelism each MoE layer's experts are a unit of their own, sharded over the expert-DP mesh
+(the ranks holding the same experts). FSDP averages their gradients over that mesh, but an EP rank's expert
+gradient already sums the tokens of its whole EP group, so the sum must be divided by dp instead
+(llmtrain.parallel.expert_parallel): FSDPOptimizer rescales them by expert_dp / dp after the reduction
+(FSDP's own divide factor needs PREMUL_SUM, which gloo lacks).
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from llmtrain.parallel.tensor_parallel import reduce_tp_grads
 from llmtrain.parallel.topology import Topology
 from llmtrain.precision import torch_dtype
 
-PARAM_ATTRIBUTES = ("tp_layout", "duplicate", "sequence_parallel", "kv_replicas")
+PARAM_ATTRIBUTES = ("tp_layout", "duplicate", "sequence_parallel", "kv_replicas", "expert_slice")
 
 
 def dp_shard_size(job: JobConfig, dp: int) -> int:
@@ -124,8 +130,18 @@ def apply_fsdp(model: nn.Module, topo: Topology, job: JobConfig) -> nn.Module:
         # PipelineStages registers its tied embedding under its own name too; the chunk's name survives.
         tied_name = next(n for n, p in named if p is tied and n != "tied_param")
     options: dict[str, Any] = {"mesh": mesh, "mp_policy": mp_policy}
+    expert_mesh = None
+    if topo.ep > 1:
+        expert_mesh = DeviceMesh.from_group(
+            topo.expert_dp_group, topo.device.type, mesh=topo.expert_dp_ranks(), mesh_dim_names=("shard",)
+        )
     for root in _roots(model):
         for block in _blocks(root):
+            experts = getattr(block.mlp, "experts", None)
+            if expert_mesh is not None and experts is not None:
+                fully_shard(
+                    experts, mesh=expert_mesh, mp_policy=mp_policy, reshard_after_forward=zero_stage == 3
+                )
             fully_shard(block, reshard_after_forward=zero_stage == 3, **options)
         for unit, reshard in _edge_units(root, zero_stage):
             fully_shard(unit, reshard_after_forward=reshard, **options)
@@ -217,6 +233,8 @@ class FSDPOptimizer(LossScaledOptimizer):
             for p in self.params
             if getattr(p, "sequence_parallel", False) or getattr(p, "kv_replicas", 1) > 1
         ]
+        self._experts = [p for p in self.params if hasattr(p, "expert_slice")]
+        self._expert_scale = topo.expert_dp / topo.dp if topo.ep > 1 else 1.0
         # Each rank's shards are distinct across the DP mesh and TP/PP ranks hold different parameters.
         self._norm_group, self._norm_ranks = None, topo.world_size
         groups = make_param_groups(model.named_parameters(), job.train.weight_decay)
@@ -242,3 +260,5 @@ class FSDPOptimizer(LossScaledOptimizer):
         # FSDP's reduction finished with the backward; TP partial gradients are summed over their shards.
         with torch.no_grad():
             reduce_tp_grads(self._tp_reduced, self.topo, lambda p: local_tensor(p.grad))
+            if self._expert_scale != 1:  # FSDP's mean over the expert-DP mesh -> the sum over it / dp
+                torch._foreach_mul_([local_tensor(p.grad) for p in self._experts], self._expert_scale)

@@ -284,6 +284,10 @@ class ModelOptimizer(LossScaledOptimizer):
         counted: list[bool] = []
         decay: list[bool] = []
         pos = 0
+        # Under expert parallelism the experts' gradients differ across EP ranks, so the norm is summed over
+        # the world; with replicated (zero_stage 0) gradients each piece then counts on the first replica of
+        # its reduction group only. ZeRO-1 shards already partition every group.
+        first_replica_only = topo.ep > 1 and buffers.zero_stage == 0
         for p, start, end in pieces:
             if self.master_flat is None:
                 master = source[start:end]
@@ -297,12 +301,13 @@ class ModelOptimizer(LossScaledOptimizer):
             self.grads.append(master.grad)
             # A copy another rank also holds (TP-replicated norm weight, replicated kv head, tied
             # embedding on another stage) adds nothing to the global norm.
-            counted.append(not getattr(p, "duplicate", False))
+            replica = buffers.bucket_of[p].reduce.index
+            counted.append(not getattr(p, "duplicate", False) and not (first_replica_only and replica))
             decay.append(not no_weight_decay(buffers.names[p], p))
         buffers.fp32_init = None
         # zero_stage 0: every DP replica holds the same full gradient, so the norm is summed over the
         # model-parallel ranks only (none at all for pure DP); zero_stage 1: over everyone's shards.
-        if buffers.zero_stage == 1 and buffers.dp > 1:
+        if (buffers.zero_stage == 1 and buffers.dense.size > 1) or topo.ep > 1:
             self._norm_group, self._norm_ranks = None, topo.world_size
         else:
             self._norm_group, self._norm_ranks = topo.mp_group, topo.tp * topo.pp

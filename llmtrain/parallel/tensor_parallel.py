@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from llmtrain.config.schema import ModelConfig
 from llmtrain.config.validate import raise_if_problem, tensor_parallel_problem
+from llmtrain.models.moe import MoEMLP, RouterStats
 from llmtrain.parallel.comm import all_gather_single, all_reduce, reduce_scatter_single
 from llmtrain.parallel.random import RNGTracker
 from llmtrain.parallel.topology import Topology
@@ -115,6 +116,34 @@ class _ReduceScatterSequence(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         return _all_gather_dim(grad, ctx.dim, ctx.group), None, None
+
+
+class _SplitSequence(torch.autograd.Function):
+    """This rank's slice of a TP-replicated tensor along `dim` forward, all-gather backward (entering a
+    region where TP ranks work on different tokens, without SP)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+        ctx.dim, ctx.group = dim, group
+        return x.chunk(_group_size(group), dim)[dist.get_rank(group)].contiguous()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _all_gather_dim(grad, ctx.dim, ctx.group), None, None
+
+
+class _GatherSplitSequence(torch.autograd.Function):
+    """All-gather along `dim` forward, this rank's slice backward (leaving such a region: the gradient of
+    the replicated result is the same on every TP rank, so nothing is summed)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+        ctx.dim, ctx.group = dim, group
+        return _all_gather_dim(x, dim, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return grad.chunk(_group_size(ctx.group), ctx.dim)[dist.get_rank(ctx.group)].contiguous(), None, None
 
 
 def copy_to_region(x: torch.Tensor, group: Any) -> torch.Tensor:
@@ -336,6 +365,30 @@ def _shard_mlp(mlp: nn.Module, topo: Topology, sp: bool) -> None:
     mlp.down_proj = RowParallelLinear(mlp.down_proj, topo, sp)
 
 
+def _shard_moe(mlp: MoEMLP, topo: Topology, sp: bool) -> None:
+    """An MoE layer under TP: its weights stay whole (experts are split by EP, if at all) and each TP rank
+    routes its own 1/tp of the sequence -- the SP shard it already holds, or without SP its slice of the
+    replicated input, gathered back afterwards -- so no token is routed twice. Routers and shared experts
+    get partial gradients, summed over TP as SP regions' are; the router statistics are summed over TP so
+    the router losses see the whole micro-batch (their gradient stays with each rank's own tokens)."""
+    group = topo.tp_group
+    for name, p in mlp.named_parameters():
+        # Under EP the experts' gradients are summed over their expert-DP group, TP ranks included.
+        if topo.ep == 1 or not name.startswith("experts."):
+            _mark_replicated(p, topo, True)
+    if not sp:
+        mlp.register_forward_pre_hook(lambda _m, args: (_SplitSequence.apply(args[0], 1, group), *args[1:]))
+
+    def leave(m: MoEMLP, _args: Any, out: torch.Tensor) -> torch.Tensor:
+        s = m.stats
+        local = [s.tokens_per_expert, s.prob_sum, s.balance_tokens, s.z_sum[None], s.dropped[None]]
+        pooled = reduce_from_region(torch.cat(local), group).split([t.numel() for t in local])
+        m.stats = RouterStats(pooled[0], pooled[1], s.rows * topo.tp, pooled[2], pooled[3][0], pooled[4][0])
+        return out if sp else _GatherSplitSequence.apply(out, 1, group)
+
+    mlp.register_forward_hook(leave)
+
+
 def apply_tp(
     model: nn.Module, topo: Topology, sequence_parallel: bool = False, seed: int = 1234
 ) -> nn.Module:
@@ -373,12 +426,17 @@ def apply_tp(
         tracker.wrap(model.embed_dropout)
 
     for block in model.layers:
+        moe = isinstance(block.mlp, MoEMLP)
         for norm in (block.input_norm, block.post_attn_norm):
             for p in norm.parameters():
                 _mark_replicated(p, topo, sp)
-            _enter_region(norm, group, sp)
+            if not (moe and norm is block.post_attn_norm):
+                _enter_region(norm, group, sp)
         _shard_attention(block.attn, topo, sp)
-        _shard_mlp(block.mlp, topo, sp)
+        if moe:
+            _shard_moe(block.mlp, topo, sp)
+        else:
+            _shard_mlp(block.mlp, topo, sp)
         if sp:
             tracker.wrap(block.dropout)
         if block.attn.dropout_p > 0:
@@ -451,14 +509,17 @@ def reduce_tp_grads(
 @torch.no_grad()
 def gather_full_state_dict(model: nn.Module, topo: Topology) -> dict[str, torch.Tensor]:
     """Full unsharded parameters and buffers under the single-process names (collective over the TP group,
-    and over DP for FSDP-sharded parameters). Read through ``state_dict`` so parameter all-gathers still in
-    flight (zero_stage 1) are waited for."""
+    over DP for FSDP-sharded parameters and over EP for expert shards). Read through ``state_dict`` so
+    parameter all-gathers still in flight (zero_stage 1) are waited for."""
     out: dict[str, torch.Tensor] = {}
     for name, p in model.state_dict(keep_vars=True).items():
         layout = getattr(p, "tp_layout", None)
         t = p.detach()
         if isinstance(t, DTensor):
             t = t.full_tensor()
+        if hasattr(p, "expert_slice"):  # EP ranks hold consecutive experts, in EP-rank order
+            out[name] = _all_gather_dim(t, 0, topo.ep_group).clone()
+            continue
         if layout is None or topo.tp == 1:
             out[name] = t.clone()
             continue

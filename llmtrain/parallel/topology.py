@@ -4,6 +4,13 @@ axis.
 Context-parallel ranks (cp) split each sequence; they hold the same parameters as data-parallel replicas do,
 so gradients are reduced, and ZeRO-1 shards the optimizer, over the cp x dp group (`dp_cp_group`). Unless
 parallel.order names cp, it sits just inside dp: with the default tp-dp-pp the numbering is tp-cp-dp-pp.
+
+Expert parallelism (ep) is no axis of the grid: it is carved out of the tp x dp ranks of one pipeline stage
+(Megatron's expert grid with expert tensor parallelism 1). Those ranks, numbered dp innermost (index
+dp_rank + dp * tp_rank), form the expert domain; each run of ep consecutive domain ranks is an EP group
+holding all experts between them, and the domain ranks with the same EP rank (the expert-data-parallel
+group, tp * dp / ep ranks) hold the same experts and reduce their gradients. So EP lies inside the DP
+ranks when ep divides dp, and spans TP ranks when ep exceeds dp.
 """
 
 from __future__ import annotations
@@ -17,12 +24,11 @@ import torch.distributed as dist
 
 from llmtrain.config.errors import ConfigError
 from llmtrain.config.schema import ParallelConfig, TrainConfig
-from llmtrain.config.validate import rank_order, resolve_dp
+from llmtrain.config.validate import expert_layout_problem, raise_if_problem, rank_order, resolve_dp
 from llmtrain.parallel.watchdog import Watchdog
 
-# Dimensions the grid knows about. ep (expert) has size 1 until the config grows a field for it; it already
-# takes part in the rank arithmetic so adding it later changes no caller.
-DIMS = ("tp", "cp", "ep", "dp", "pp")
+# Dimensions of the grid (ep is carved out of tp x dp; see the module docstring).
+DIMS = ("tp", "cp", "dp", "pp")
 # How reports call a group spanning several dimensions (Megatron's names).
 GROUP_NAMES = {("tp", "pp"): "mp", ("cp", "dp"): "dp+cp"}
 
@@ -43,6 +49,7 @@ class Topology:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ConfigError(f"rank {rank} is outside a world of {world_size} processes")
         dp = resolve_dp(parallel, world_size)
+        raise_if_problem(expert_layout_problem(parallel, dp))
         named = rank_order(parallel)
         self.parallel = parallel
         self.world_size = world_size
@@ -52,7 +59,6 @@ class Topology:
         self.sizes: dict[str, int] = {
             "tp": parallel.tp,
             "cp": parallel.cp,
-            "ep": 1,
             "dp": dp,
             "pp": parallel.pp,
         }
@@ -64,6 +70,15 @@ class Topology:
             self.strides[d] = stride
             stride *= self.sizes[d]
         self.coords: dict[str, int] = {d: (rank // self.strides[d]) % self.sizes[d] for d in DIMS}
+        self.ep = parallel.ep
+        domain = self.coords["dp"] + dp * self.coords["tp"]
+        self._ep_slot, self._ep_block = domain % self.ep, domain // self.ep
+        # Process groups number their ranks in global order, which need not be the domain's (tp is
+        # innermost by default): the EP rank (which experts) and expert-DP rank (which ZeRO-1 shard) are
+        # positions in the sorted groups. Ranks of one expert-DP group get the same EP rank, as the
+        # domain-to-global order is the same map in every EP group.
+        self.ep_rank = self.ep_ranks().index(rank)
+        self.expert_dp_rank = self.expert_dp_ranks().index(rank)
         # A one-process topology needs no groups, even inside a distributed job (reference runs in tests).
         self.distributed = world_size > 1
         if self.distributed and not (dist.is_available() and dist.is_initialized()):
@@ -82,6 +97,8 @@ class Topology:
             for dims in dims_list:
                 self._groups[dims] = self._new_groups(dims)
                 self.watchdog.name_group(self._groups[dims], GROUP_NAMES.get(dims, "+".join(dims)))
+            if self.ep > 1:
+                self._expert_groups()
 
     @classmethod
     def single(cls) -> Topology:
@@ -102,6 +119,41 @@ class Topology:
             if self.rank in ranks:
                 mine = group
         return mine
+
+    def _domain_rank(self, index: int, **at: int) -> int:
+        """Global rank of expert-domain index `index` (on this rank's pipeline stage and cp rank, or `at`)."""
+        return self._rank_with(dp=index % self.dp, tp=index // self.dp, **at)
+
+    def ep_ranks(self, block: int | None = None, **at: int) -> list[int]:
+        """Global ranks of this rank's EP group (or of domain block `block`: domain ranks [block * ep,
+        (block + 1) * ep)), sorted (the group's rank order)."""
+        k = self._ep_block if block is None else block
+        return sorted(self._domain_rank(k * self.ep + e, **at) for e in range(self.ep))
+
+    def expert_dp_ranks(self, slot: int | None = None, **at: int) -> list[int]:
+        """Global ranks holding this rank's experts (or those at `slot` of every domain block): its
+        expert-data-parallel group, sorted."""
+        e = self._ep_slot if slot is None else slot
+        return sorted(self._domain_rank(k * self.ep + e, **at) for k in range(self.expert_dp))
+
+    expert_dp = property(lambda self: self.tp * self.dp // self.ep)
+    """Ranks holding the same experts: tp * dp / ep."""
+
+    def _expert_groups(self) -> None:
+        """Create every EP and expert-DP group (every rank joins every new_group call, in the same order)."""
+        for key, name, count, ranks_of in (
+            (("ep",), "ep", self.expert_dp, self.ep_ranks),
+            (("edp",), "expert-dp", self.ep, self.expert_dp_ranks),
+        ):
+            for pp, cp, index in itertools.product(range(self.pp), range(self.cp), range(count)):
+                ranks = ranks_of(index, pp=pp, cp=cp)
+                group = dist.new_group(ranks)
+                if self.rank in ranks:
+                    self._groups[key] = group
+            self.watchdog.name_group(self._groups[key], name)
+
+    ep_group = property(lambda self: self._groups.get(("ep",)))
+    expert_dp_group = property(lambda self: self._groups.get(("edp",)))
 
     def rank_of(self, **coords: int) -> int:
         """Global rank at the given coordinates (missing ones default to this rank's own)."""
@@ -192,5 +244,7 @@ class Topology:
 
     def __repr__(self) -> str:
         dims = " ".join(f"{d}={self.sizes[d]}/{self.coords[d]}" for d in DIMS if self.sizes[d] > 1)
+        if self.ep > 1:
+            dims += f" ep={self.ep}/{self.ep_rank}"
         order = "-".join(d for d in self.order if d in ("tp", "dp", "pp") or self.sizes[d] > 1)
         return f"Topology(rank={self.rank}/{self.world_size} order={order} {dims or 'single'})"

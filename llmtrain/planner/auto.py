@@ -10,7 +10,6 @@ from llmtrain.config.schema import JobConfig
 from llmtrain.planner.choices import parallelism_notes
 from llmtrain.planner.cluster import Cluster, load_cluster
 from llmtrain.planner.cost_model import (
-    TRAINER_HAS_EP,
     Estimate,
     Layout,
     parallel_overrides,
@@ -60,9 +59,7 @@ def plan_for_world(
         cluster = local_cluster(world_size)
     elif not isinstance(cluster, Cluster):
         cluster = load_cluster(cluster)
-    # Expert parallelism is planned only once the trainer runs it (parallel.ep).
-    fixed = {} if TRAINER_HAS_EP else {"ep": 1}
-    result = plan_job(job, cluster, world_size, fixed=fixed, top=5)
+    result = plan_job(job, cluster, world_size, top=5)
     fitting = result.fitting()
     if not fitting:
         raise ConfigError(

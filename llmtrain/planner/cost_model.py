@@ -43,9 +43,8 @@ import functools
 import itertools
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 
-from llmtrain.config.errors import ConfigError
 from llmtrain.config.schema import JobConfig, ModelConfig, ParallelConfig, TrainConfig
 from llmtrain.config.validate import (
     context_parallel_problem,
@@ -71,9 +70,6 @@ from llmtrain.planner.pipeline_time import PipelineTime, pipeline_time
 
 GIB = 2.0**30
 SCHEDULES = ("1f1b", "interleaved_1f1b", "zb_h1", "gpipe")
-TRAINER_HAS_EP = "ep" in {f.name for f in fields(ParallelConfig)}
-"""Whether the trainer's config has parallel.ep yet: the planner models expert parallelism either way, but
-only writes it into a config (--write, parallel.auto) once the trainer can run it."""
 
 
 @dataclass(frozen=True)
@@ -960,17 +956,8 @@ def sharding_overrides(layout: Layout) -> dict[str, object]:
 
 
 def parallel_overrides(layout: Layout) -> dict[str, object]:
-    """The config overrides of a layout's context and expert parallelism: cp and cp_comm, and ep once the
-    trainer has it (TRAINER_HAS_EP; a layout with ep > 1 before then raises ConfigError)."""
-    out: dict[str, object] = {"parallel.cp": layout.cp, "parallel.cp_comm": layout.cp_comm}
-    if TRAINER_HAS_EP:
-        out["parallel.ep"] = layout.ep
-    elif layout.ep > 1:
-        raise ConfigError(
-            f"layout {layout.short()} uses expert parallelism, which this trainer does not run yet "
-            "(no parallel.ep); plan with --evaluate parallel.ep=1"
-        )
-    return out
+    """The config overrides of a layout's context and expert parallelism."""
+    return {"parallel.cp": layout.cp, "parallel.cp_comm": layout.cp_comm, "parallel.ep": layout.ep}
 
 
 def with_layout(job: JobConfig, layout: Layout, global_batch: int | None = None) -> JobConfig:
@@ -1024,7 +1011,7 @@ def layout_of_job(job: JobConfig, gpus: int, fixed: dict[str, object] | None = N
         stage_layers=tuple(p.stage_layers) or None,
         cp=p.cp,
         cp_comm=p.cp_comm,
-        ep=getattr(p, "ep", 1),  # parallel.ep: once the trainer has it (TRAINER_HAS_EP)
+        ep=p.ep,
     )
     layout = replace(layout, **(fixed or {}))
     if "dp" not in (fixed or {}):

@@ -20,6 +20,7 @@ from llmtrain.config import JobConfig, ModelConfig
 from llmtrain.parallel import (
     Topology,
     apply_cp,
+    apply_ep,
     apply_recompute,
     apply_tp,
     build_optimizer,
@@ -34,6 +35,9 @@ ARCH_CONFIGS = {
     "gpt": dict(arch="gpt"),
     "llama": dict(arch="llama", num_kv_heads=2),  # GQA: kv heads split at tp=2, replicated at tp=4
     "ernie": dict(arch="ernie"),
+    # Four experts, top-2. No load-balancing loss: the reference runs the global batch at once, our runs a
+    # micro-batch at a time, and that loss is not a mean over tokens (its statistics are tested apart).
+    "mixtral": dict(arch="mixtral", num_kv_heads=2, num_experts=4, router_aux_loss_coef=0.0),
 }
 
 
@@ -100,6 +104,7 @@ def parallel_run(
     if pipelined:
         # parallelize without apply_dp, which build_optimizer installs on the stages.
         apply_tp(model, topo, job.parallel.sequence_parallel, job.train.seed)
+        apply_ep(model, topo)
         apply_cp(model, topo, job.parallel.cp_comm)
         apply_recompute(model, job.model.recompute, job.model.recompute_layers)
         model, executor = build_pipeline(model, topo, job)

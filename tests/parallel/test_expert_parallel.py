@@ -1,0 +1,358 @@
+"""Expert parallelism (llmtrain.parallel.expert_parallel): the dispatch against the one-process MoE layer in
+float64 (outputs and every gradient, with experts that receive no token and with capacity dropping),
+layouts with ep training like one process, and the config errors of impossible splits."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from llmtrain import models
+from llmtrain.checkpoint import Checkpointer
+from llmtrain.checkpoint.convert import read_full
+from llmtrain.config import ConfigError, ModelConfig, load, validate_world
+from llmtrain.models.moe import MoEMLP
+from llmtrain.parallel import Topology, apply_ep, build_optimizer, grad_sync, parallelize
+from tests.parallel._dist import batches, parallel_run, sgd, spawn, tiny_job
+from tests.parallel._reference import torch_reference
+
+# (name, model overrides, biased routing): every expert reachable, experts 0 and 1 reached by no token
+# (router rows pushed far down; at ep=4 rank 0 then receives no row at all), capacity dropping, and a
+# sigmoid router with shared experts (DeepSeek-V3).
+DISPATCH_CASES = [
+    ("mixtral", dict(arch="mixtral"), False),
+    ("mixtral idle experts", dict(arch="mixtral"), True),
+    ("mixtral capacity", dict(arch="mixtral", moe_capacity_factor=1.0), False),
+    (
+        "deepseek_v3",
+        dict(arch="deepseek_v3", num_shared_experts=1, num_expert_groups=1, topk_expert_groups=1),
+        False,
+    ),
+]
+
+
+def _moe_config(**overrides: object) -> ModelConfig:
+    return ModelConfig(
+        num_layers=1,
+        hidden_size=16,
+        num_attention_heads=2,
+        vocab_size=32,
+        seq_length=8,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_ffn_hidden_size=12,
+        kernels="torch",
+        **overrides,
+    )
+
+
+def _layer(cfg: ModelConfig, seed: int) -> MoEMLP:
+    """One MoE layer in float64 with random weights (the same on every rank)."""
+    from llmtrain.models.causal_lm import CausalLM
+
+    torch.manual_seed(seed)
+    layer = CausalLM(cfg).layers[0].mlp
+    assert isinstance(layer, MoEMLP)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn_like(p) * 0.5)
+    return layer.double()
+
+
+# (tp, dp, ep) at world 4 -> each rank's (EP group, expert-DP group, EP rank), global ranks numbered tp
+# innermost: EP inside the dp ranks (0 with 2, 1 with 3), spanning the TP pairs, spanning everything.
+GROUPS = {
+    (1, 4, 2): [([0, 1], [0, 2], 0), ([0, 1], [1, 3], 1), ([2, 3], [0, 2], 0), ([2, 3], [1, 3], 1)],
+    (2, 2, 2): [([0, 2], [0, 1], 0), ([1, 3], [0, 1], 0), ([0, 2], [2, 3], 1), ([1, 3], [2, 3], 1)],
+    (2, 1, 2): [([0, 1], [0], 0), ([0, 1], [1], 1), ([2, 3], [2], 0), ([2, 3], [3], 1)],
+    (2, 2, 4): [([0, 1, 2, 3], [r], r) for r in range(4)],
+}
+
+
+def _groups(rank: int, world: int) -> dict[tuple[int, int, int], tuple[list[int], list[int], int]]:
+    from torch.distributed import get_process_group_ranks
+
+    from llmtrain.config import ParallelConfig
+
+    facts = {}
+    for tp, dp, ep in GROUPS:
+        pp = world // (tp * dp)
+        topo = Topology(ParallelConfig(tp=tp, dp=dp, pp=pp, ep=ep), world, rank)
+        ranks = get_process_group_ranks(topo.ep_group), get_process_group_ranks(topo.expert_dp_group)
+        assert list(ranks) == [topo.ep_ranks(), topo.expert_dp_ranks()]
+        facts[(tp, dp, ep)] = (*ranks, topo.ep_rank)
+    return facts
+
+
+@pytest.mark.slow
+def test_ep_groups_are_carved_out_of_tp_x_dp() -> None:
+    facts = spawn(4, _groups)
+    for layout, want in GROUPS.items():
+        assert [f[layout] for f in facts] == want, layout
+
+
+def _dispatch_against_one_process(rank: int, world: int) -> list[str]:
+    """Each rank routes its own tokens; the reference runs the one-process layer on every rank's tokens
+    (as one process would run each micro-batch) and sums their losses."""
+    from llmtrain.config import ParallelConfig
+
+    topo = Topology(ParallelConfig(ep=world), world, rank)
+    failures = []
+    for name, overrides, idle in DISPATCH_CASES:
+        cfg = _moe_config(**overrides)
+        reference = _layer(cfg, seed=3)
+        g = torch.Generator().manual_seed(7)
+        shapes = [(2, 5 + r, cfg.hidden_size) for r in range(world)]  # ranks route different token counts
+        tokens = [torch.randn(shape, generator=g, dtype=torch.float64) for shape in shapes]
+        douts = [torch.randn(t.shape, generator=g, dtype=torch.float64) for t in tokens]
+        if idle:  # positive tokens against negative router rows: experts 0 and 1 are never chosen
+            tokens = [t.abs() + 0.1 for t in tokens]
+            with torch.no_grad():
+                reference.router.weight[[0, 1]] = -10.0
+        xs = [t.clone().requires_grad_() for t in tokens]
+        want = [reference(x) for x in xs]
+        sum((w * d).sum() for w, d in zip(want, douts, strict=True)).backward()
+        want_stats = [None] * world
+        for r in range(world):  # the reference's router statistics of rank r's tokens alone
+            with torch.no_grad():
+                reference(tokens[r])
+            want_stats[r] = reference.stats
+
+        layer = _layer(cfg, seed=3)
+        if idle:
+            with torch.no_grad():
+                layer.router.weight[[0, 1]] = -10.0
+        apply_ep(layer, topo)
+        x = tokens[rank].clone().requires_grad_()
+        out = layer(x)
+        (out * douts[rank]).sum().backward()
+        local = cfg.num_experts // world
+        mine = slice(rank * local, (rank + 1) * local)
+        compared = [
+            ("output", out, want[rank]),
+            ("input grad", x.grad, xs[rank].grad),
+            ("gate_up grad", layer.experts.gate_up_proj.grad, reference.experts.gate_up_proj.grad[mine]),
+            ("down grad", layer.experts.down_proj.grad, reference.experts.down_proj.grad[mine]),
+        ]
+        # The router (and shared experts) see this rank's tokens only: their gradient is that of its loss.
+        reference.zero_grad()
+        xr = tokens[rank].clone().requires_grad_()
+        (reference(xr) * douts[rank]).sum().backward()
+        for (n, p), (_, q) in zip(layer.named_parameters(), reference.named_parameters(), strict=True):
+            if not n.startswith("experts.") and p.grad is not None:
+                compared.append((f"{n} grad", p.grad, q.grad))
+        s, w = layer.stats, want_stats[rank]
+        for field in ("tokens_per_expert", "prob_sum", "balance_tokens", "z_sum", "dropped"):
+            compared.append((f"stats.{field}", getattr(s, field), getattr(w, field)))
+        for what, got, expected in compared:
+            err = (got - expected).abs().max().item()
+            if not err <= 1e-12:
+                failures.append(f"{name} ep={world} rank {rank}: {what} off by {err:.2e}")
+        if idle:
+            load = torch.stack([want_stats[r].tokens_per_expert for r in range(world)]).sum(0)
+            if load[0] or load[1]:
+                failures.append(f"{name}: experts 0 and 1 were meant to get no token, got {load.tolist()}")
+        if "capacity" in name and not any(want_stats[r].dropped for r in range(world)):
+            failures.append(f"{name}: capacity 1.0 dropped nothing, so dropping went untested")
+    return failures
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_dispatch_matches_one_process_in_float64(world: int) -> None:
+    failures = [f for r in spawn(world, _dispatch_against_one_process) for f in r]
+    assert not failures, "\n".join(failures)
+
+
+STEPS = 3
+LR = 1e-3
+SGD_LR = 1.0
+REL_GAP = 1e-4  # worst relative gap of the losses and gradient norms to the single-process run
+# (parallel settings, optimizer) per world size. SGD shows a gradient off by a factor in the weights, which
+# Adam would normalise away.
+ROUTER_LOSSES = dict(router_aux_loss_coef=0.1, router_z_loss_coef=0.01)
+# With tp, EP lies inside the dp ranks when ep divides dp and spans the TP ranks otherwise (tp=2 ep=2 at
+# world 2, tp=2 ep=4 at world 4: each TP rank routes its own part of the sequence and holds other experts).
+LAYOUTS = {
+    2: [
+        (dict(ep=2), "adamw"),
+        (dict(ep=2), "sgd"),
+        (dict(ep=2, recompute="selective"), "adamw"),
+        (dict(ep=2, recompute="full"), "sgd"),
+        (dict(tp=2), "adamw"),
+        (dict(tp=2, ep=2), "adamw"),
+        (dict(tp=2, ep=2, sequence_parallel=True), "sgd"),
+        (dict(ep=2, zero_stage=1), "adamw"),
+        (dict(ep=2, zero_stage=2), "sgd"),
+        # One micro-batch per step at dp=1, so the reference's router losses (over its global batch) are
+        # the same function: they check the router statistics summed over the TP ranks that split it.
+        (dict(tp=2, ep=2, global_batch_size=2, **ROUTER_LOSSES), "adamw"),
+        (dict(tp=2, sequence_parallel=True, global_batch_size=2, **ROUTER_LOSSES), "sgd"),
+    ],
+    4: [
+        (dict(ep=4), "adamw"),
+        (dict(ep=2, zero_stage=1), "adamw"),
+        (dict(ep=2), "sgd"),
+        (dict(tp=2, ep=2), "adamw"),
+        (dict(tp=2, ep=2, sequence_parallel=True), "sgd"),
+        (dict(tp=2, ep=4, zero_stage=1), "adamw"),
+        (dict(ep=2, zero_stage=3), "sgd"),
+        (dict(tp=2, ep=2, zero_stage=2), "adamw"),
+        (dict(pp=2, ep=2), "adamw"),
+        (dict(pp=2, ep=2, schedule="zb_h1"), "sgd"),
+        (dict(pp=2, ep=2, schedule="gpipe"), "sgd"),
+        (dict(pp=2, ep=2, schedule="interleaved_1f1b", virtual_stages=2, num_layers=4), "adamw"),
+    ],
+}
+
+
+def _train_layouts(rank: int, world: int) -> list[str]:
+    failures = []
+    references = {}
+    for settings, optimizer in LAYOUTS[world]:
+        job = tiny_job("mixtral", **settings)
+        lr = SGD_LR if optimizer == "sgd" else LR
+        if optimizer == "sgd":
+            job.train.grad_clip = job.train.weight_decay = 0.0
+        data = batches(job, STEPS)
+        make = sgd(lr) if optimizer == "sgd" else None
+        run = parallel_run(job, Topology(job.parallel, world, rank), data, lr, make)
+        if rank != 0:
+            continue
+        if len(run["losses"]) != STEPS:
+            failures.append(f"{settings}: {len(run['losses'])} steps ran of {STEPS}")
+        key = (repr(job.model), job.train.global_batch_size, optimizer)
+        if key not in references:
+            references[key] = torch_reference(job, data, lr, sgd=optimizer == "sgd")
+        ref = references[key]
+        name = f"mixtral {optimizer} world={world} {' '.join(f'{k}={v}' for k, v in settings.items())}"
+        failures += ref.check(name, run["losses"], run["grad_norms"], run["state"])
+        for kind, got, want in (
+            ("loss", run["losses"], ref.losses),
+            ("grad norm", run["grad_norms"], ref.grad_norms),
+        ):
+            gap = max(abs(a - b) / abs(b) for a, b in zip(got, want, strict=True))
+            if not gap <= REL_GAP:
+                failures.append(f"{name}: {kind} relative gap {gap:.1e} to one process")
+    return failures
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_ep_layouts_train_like_one_process(world: int) -> None:
+    failures = [f for r in spawn(world, _train_layouts) for f in r]
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (
+            ["model.arch=mixtral", "model.num_experts=6", "parallel.ep=4"],
+            "parallel.ep=4 does not divide model.num_experts=6; choose an ep dividing the expert count",
+        ),
+        (
+            ["model.arch=llama", "parallel.ep=2"],
+            "parallel.ep=2 shards mixture-of-experts layers, but model.arch=llama is dense",
+        ),
+        (["model.arch=mixtral", "parallel.ep=0"], "parallel.ep must be at least 1"),
+        (
+            ["model.arch=mixtral", "model.num_experts=8", "parallel.ep=4", "parallel.dp=2"],
+            "parallel.ep=4 cannot be carved out of the tp x dp = 1x2 ranks; choose an ep dividing the "
+            "data-parallel degree 2",
+        ),
+        (
+            ["model.arch=mixtral", "parallel.ep=2", "parallel.cp=2"],
+            "does not compose with parallel.cp=2 yet",
+        ),
+        (
+            ["model.arch=mixtral", "parallel.ep=2", "parallel.zero_stage=3", "parallel.dp_shard=2"],
+            "hybrid sharding is not supported for them yet: set parallel.dp_shard=null",
+        ),
+    ],
+)
+def test_bad_ep_settings_name_the_field_and_the_fix(overrides: list[str], expected: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        load(None, overrides)
+
+
+def test_ep_is_carved_out_of_the_world() -> None:
+    """ep needs no processes of its own; it must divide dp, or dp times a divisor of tp."""
+    job = load(None, ["model.arch=mixtral", "model.num_experts=8", "parallel.ep=4"])
+    assert validate_world(job, 4) == 4
+    with pytest.raises(
+        ConfigError, match=re.escape("parallel.ep=4 cannot be carved out of the tp x dp = 1x2")
+    ):
+        validate_world(job, 2)
+
+
+def _build(ep: int, out: Path, rank: int, world: int) -> tuple[Any, ...]:
+    """The tiny MoE job at dp=2, ZeRO-1 and parallel.ep=`ep`, saving under `out`, built as training does."""
+    job = tiny_job("mixtral", ep=ep, zero_stage=1)
+    job.output_dir = str(out)
+    topo = Topology(job.parallel, world, rank)
+    model = parallelize(models.empty_model(job.model, device="meta"), topo, job)
+    return job, topo, model, build_optimizer(model, topo, job), Checkpointer(job, topo)
+
+
+def _train(parts: tuple[Any, ...], data: list[torch.Tensor]) -> list[float]:
+    """Global-batch mean losses of one step per batch of `data` (the same on every rank)."""
+    job, topo, model, opt, _ = parts
+    losses = []
+    for batch in data:
+        opt.zero_grad()
+        micro = batch.chunk(topo.dp)[topo.dp_rank].split(job.train.micro_batch_size)
+        loss = torch.zeros((), dtype=torch.float64)
+        for i, mb in enumerate(micro):
+            with grad_sync(model, i == len(micro) - 1):
+                part = model(mb[:, :-1], mb[:, 1:]) / len(micro)
+                opt.backward(part)
+            loss += part.detach() / topo.dp
+        dist.all_reduce(loss, group=topo.dp_group)
+        opt.step(LR)
+        losses.append(loss.item())
+    return losses
+
+
+def _resume_across_ep(rank: int, world: int, tmp: str) -> list[str]:
+    root = Path(tmp)
+    data = batches(tiny_job("mixtral"), 4)
+    expected = _train(_build(1, root / "whole", rank, world), data)
+    failures = []
+    for first, then in ((2, 1), (1, 2)):
+        saving = _build(first, root / f"ep{first}", rank, world)
+        _train(saving, data[:2])
+        saving[-1].save(2, saving[2], saving[3], {"step": 2})
+        loading = _build(then, root / f"ep{first}_at_ep{then}", rank, world)
+        loading[-1].load(root / f"ep{first}" / "checkpoints", loading[2], loading[3])
+        loading[-1].save(2, loading[2], loading[3], {"step": 2})  # the same state, written by this layout
+        got = _train(loading, data[2:])
+        gap = max(abs(a - b) / abs(b) for a, b in zip(got, expected[2:], strict=True))
+        if not gap <= REL_GAP:
+            failures.append(f"ep={first} -> ep={then}: losses {got}, uninterrupted {expected[2:]}")
+        dist.barrier()
+        if rank == 0:  # model and optimizer state (experts' Adam moments included) stored bitwise alike
+            saved = read_full(root / f"ep{first}" / "checkpoints")
+            again = read_full(root / f"ep{first}_at_ep{then}" / "checkpoints")
+            if saved.keys() != again.keys():
+                failures.append(f"ep={first} -> ep={then}: keys {sorted(saved.keys() ^ again.keys())}")
+            failures += [
+                f"ep={first} -> ep={then}: {key} differs once re-saved"
+                for key in saved.keys() & again.keys()
+                if not torch.equal(saved[key], again[key])
+            ]
+    return failures
+
+
+@pytest.mark.slow
+def test_checkpoints_move_between_ep_layouts(tmp_path: Path) -> None:
+    """An ep=2 checkpoint (expert shards saved at their global place) resumes at ep=1 and an ep=1 one at
+    ep=2 (dp=2, ZeRO-1), holding the same state and continuing the uninterrupted run's loss curve (fp32,
+    worst relative gap REL_GAP)."""
+    failures = [f for r in spawn(2, _resume_across_ep, str(tmp_path)) for f in r]
+    assert not failures, "\n".join(failures)
