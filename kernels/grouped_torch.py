@@ -88,6 +88,11 @@ class _PackedSwiGLUFn(torch.autograd.Function):
     def backward(ctx, dh):
         gu, act = ctx.saved_tensors
         gate, up = gu.chunk(2, dim=-1)
+        if torch.is_grad_enabled():
+            # A double backward (create_graph, as a Hessian-vector product needs): differentiable ops from
+            # gu itself, since the saved activation carries no graph. silu'(g) = s (1 + g (1 - s)).
+            s = torch.sigmoid(gate)
+            return torch.cat((dh * up * s * (1 + gate * (1 - s)), dh * gate * s), dim=-1)
         dgu = torch.empty_like(gu)
         d_gate, d_up = dgu.chunk(2, dim=-1)
         torch.mul(dh, act, out=d_up)

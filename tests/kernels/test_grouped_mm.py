@@ -68,6 +68,8 @@ def test_torch_moe_experts_gradcheck_float64():
     down = torch.randn(3, 4, 3, dtype=torch.float64, requires_grad=True)
     fn = lambda r, gu, d: kernels.moe_experts(r, c, gu, d, impl="torch")
     assert torch.autograd.gradcheck(fn, (rows, gate_up, down))
+    # Second order too: the tests' one-process reference takes Hessian-vector products through the experts.
+    assert torch.autograd.gradgradcheck(fn, (rows, gate_up, down))
 
 
 @pytest.mark.parametrize("impl", ["triton", "torch"])
