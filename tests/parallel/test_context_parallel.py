@@ -179,7 +179,8 @@ def _train_layouts(rank: int, world: int, layouts: dict[int, list] = LAYOUTS) ->
         def setup(model: torch.nn.Module, separator: int | None = separator) -> None:
             model.document_separator = separator
 
-        run = parallel_run(job, Topology(job.parallel, world, rank), data, LR, setup=setup)
+        topo = Topology(job.parallel, world, rank)
+        run = parallel_run(job, topo, data, LR, setup=setup)
         if rank != 0:
             continue
         key = (arch, job.model.num_layers, packed)
@@ -187,6 +188,13 @@ def _train_layouts(rank: int, world: int, layouts: dict[int, list] = LAYOUTS) ->
             references[key] = torch_reference(job, data, LR, document_separator=separator)
         ref = references[key]
         name = f"{arch} {' '.join(f'{k}={v}' for k, v in settings.items())}"
+        if job.parallel.zero_stage >= 2:
+            # CP ranks hold shards, not copies: a replica is sharded over its dp_shard DP ranks times cp.
+            shard = (job.parallel.dp_shard or topo.dp) * topo.cp
+            want = (shard,) if shard == topo.dp * topo.cp else (topo.dp * topo.cp // shard, shard)
+            mesh = tuple(next(run["model"].parameters()).device_mesh.shape)
+            if mesh != want:
+                failures.append(f"{name}: FSDP mesh {mesh}, expected {want}")
         failures += ref.check(name, run["losses"], run["grad_norms"], run["state"])
         for kind, got, want in (
             ("loss", run["losses"], ref.losses),
