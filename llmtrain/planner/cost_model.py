@@ -90,7 +90,7 @@ class Layout:
     sequence_parallel: bool = False
     zero_stage: int = 0
     dp_shard: int | None = None
-    """Hybrid sharding (HSDP): ranks the state is sharded over inside dp, replicated across; None = dp."""
+    """Hybrid sharding (HSDP): DP ranks sharing a shard (and their CP ranks), replicas across; None = dp."""
     offload: str = "none"
     """CPU offload: none, optimizer (state and gradient shard) or optimizer+params (zero 3)."""
     layer_recompute: tuple[str, ...] | None = None

@@ -106,6 +106,9 @@ def test_zero_stages_hybrid_sharding_and_offload_by_hand():
     assert gloo.buffers == 4 * P * 3 / 4 - gloo.activations
     hsdp = tiny(Layout(**{**base.__dict__, "zero_stage": 2, "dp_shard": 2}))
     assert (hsdp.params, hsdp.grads, hsdp.optimizer, hsdp.gathered) == (2 * P, 2 * P, 6 * P, 4 * LARGEST)
+    # A replica's CP ranks share its shards (llmtrain.parallel.fsdp): N = dp_shard x cp = 4.
+    hsdp_cp = tiny(Layout(**{**base.__dict__, "zero_stage": 2, "dp_shard": 2, "cp": 2}))
+    assert (hsdp_cp.params, hsdp_cp.grads, hsdp_cp.optimizer) == (2 * P, P, 3 * P)
     # Offload runs through the DeepSpeed engine (tp=1): the whole model per rank, 2P parameters.
     flat = Layout(**{**base.__dict__, "tp": 1, "zero_stage": 3, "offload": "optimizer"})
     off = tiny(flat)
