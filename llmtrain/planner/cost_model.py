@@ -796,8 +796,8 @@ class CostModel:
             out[C.Comm("all_gather", group, dp, bucket * e)] = count
         else:
             for unit, reshard in self._fsdp_units(layout, pp_rank):
-                out[C.Comm("all_gather", "dp", dp, unit * e)] += num_micro * (2 if reshard else 1)
-                out[C.Comm("reduce_scatter", "dp", dp, unit * 4)] += 1
+                out[C.Comm("all_gather", group, dp, unit * e)] += num_micro * (2 if reshard else 1)
+                out[C.Comm("reduce_scatter", group, dp, unit * 4)] += 1
         return out
 
     def _fsdp_units(self, layout: Layout, pp_rank: int) -> list[tuple[int, bool]]:
