@@ -152,13 +152,15 @@ LAYOUTS = {
     ],
 }
 # ZeRO-2/3 (FSDP2 over the cp x dp ranks, the gradient summed over cp and averaged over dp), hybrid sharding
-# (a replica: dp_shard DP ranks and their CP ranks) and cp alone sharding at dp=1.
+# (a replica: dp_shard DP ranks and their CP ranks), cp alone sharding at dp=1, and zero-bubble's deferred
+# weight gradients reduced by llmtrain.parallel.fsdp.finish_backward.
 FSDP_LAYOUTS = {
     2: [("llama", dict(cp=2, zero_stage=3))],
     4: [
         ("llama", dict(cp=2, dp=2, zero_stage=2)),
         ("gpt", dict(cp=2, dp=2, zero_stage=3, cp_comm="all_to_all")),
         ("llama", dict(cp=2, dp=2, zero_stage=3, dp_shard=1)),
+        ("llama", dict(cp=2, pp=2, zero_stage=3, schedule="zb_h1")),
     ],
 }
 
