@@ -287,6 +287,7 @@ def moe_problem(job: JobConfig) -> str:
         )
     unsupported = [
         (p.pp > 1, f"parallel.pp={p.pp}", "parallel.pp=1"),
+        (p.zero_stage >= 2, f"parallel.zero_stage={p.zero_stage}", "parallel.zero_stage 0 or 1"),
         (p.engine == "deepspeed", "parallel.engine=deepspeed", "parallel.engine=llmtrain"),
         (job.train.precision == "fp8", "train.precision=fp8", "train.precision bf16 or fp32"),
         # Reentrant checkpointing runs the forward without autograd, so the router statistics the
