@@ -14,7 +14,7 @@ from llmtrain.planner import Software, Workload, load_cluster, plan, plan_job
 from llmtrain.planner.auto import layout_overrides
 from llmtrain.planner.cost_model import CostModel, Layout, with_layout
 from llmtrain.planner.flops import head_cost_in_layers, parameter_counts
-from llmtrain.planner.memory import pending_weight_grads, rank_memory, sharding_problem
+from llmtrain.planner.memory import pending_weight_grads, rank_memory, shard_group, sharding_problem
 from llmtrain.planner.pipeline_time import peak_inflight_closed
 
 GIB = 2**30
@@ -148,14 +148,14 @@ def test_70b_on_64_h100_needs_sharded_construction():
 
 
 def test_70b_on_64_h100_fits_with_zero3_and_sharded_construction():
-    """With sharded construction and ZeRO-3 the state is 16 bytes per parameter over the shard group: at
-    tp=4, dp=16, 70.6e9 / 4 / 16 x 16 bytes = 16.4 GiB, leaving the rest for activations."""
+    """With sharded construction and ZeRO-3 the state is 16 bytes per parameter over the shard group (dp x
+    cp ranks): at 64 ranks 70.6e9 / 64 x 16 bytes = 16.4 GiB, leaving the rest for activations."""
     result = plan_job(seventy_b(), load_cluster("h100-80gb"), 64, top=5)
     best = result.best
     assert best.fits and best.layout.zero_stage == 3
     # The startup peak is the rank's fp32 shard plus at most one init block or one more shard (FSDP2
     # shards the meta model): far below the fp32 TP-local model a whole-slice construction would hold.
-    per_rank = 70.55e9 / (best.layout.tp * best.layout.pp) / (best.layout.dp_shard or best.layout.dp)
+    per_rank = 70.55e9 / (best.layout.tp * best.layout.pp) / shard_group(best.layout)
     tp_local = 4 * 70.55e9 / (best.layout.tp * best.layout.pp)
     assert best.memory["total"] <= 80 * GIB
     assert 4 * per_rank <= best.memory["startup"] < tp_local / 4
