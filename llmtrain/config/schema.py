@@ -203,7 +203,7 @@ class ParallelConfig:
     zero_stage: int = 0
     """0: replicated; 1: optimizer state sharded over DP; 2: + gradients (FSDP2); 3: + parameters (FSDP2)."""
     dp_shard: int | None = None
-    """zero_stage 2/3: DP ranks sharing one sharded copy, replicated across dp / dp_shard groups (HSDP)."""
+    """zero_stage 2/3: DP ranks (and their CP ranks) sharing one sharded copy, dp / dp_shard copies (HSDP)."""
     schedule: Schedule = "1f1b"
     """Pipeline schedule: gpipe, 1f1b, interleaved_1f1b or zb_h1."""
     virtual_stages: int = 1

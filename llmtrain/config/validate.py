@@ -715,7 +715,6 @@ def context_parallel_problem(job: JobConfig) -> str:
         )
     unsupported = [
         (m.is_moe, f"model.arch={m.arch} (mixture of experts)", "a dense arch"),
-        (p.zero_stage >= 2, f"parallel.zero_stage={p.zero_stage}", "parallel.zero_stage 0 or 1"),
         (p.engine == "deepspeed", "parallel.engine=deepspeed", "parallel.engine=llmtrain"),
         (job.train.precision == "fp8", "train.precision=fp8", "train.precision bf16 or fp32"),
     ]

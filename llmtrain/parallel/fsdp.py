@@ -1,10 +1,11 @@
 """ZeRO-2 and ZeRO-3 (and hybrid sharding) through PyTorch FSDP2.
 
 ``apply_fsdp`` calls ``fully_shard`` on every transformer block, on the input embedding and the output
-layer (unless tied), and then on each root (the model, or each pipeline chunk) over a DeviceMesh of this
-rank's DP ranks: 1-D ``(shard,)`` built on ``topo.dp_group`` itself, or 2-D ``(replicate, shard)`` for
-hybrid sharding (HSDP: ``parallel.dp_shard`` ranks share the shards of one replica, gradients are
-all-reduced across replicas). The parameters FSDP shards are the fp32
+layer (unless tied), and then on each root (the model, or each pipeline chunk) over a DeviceMesh of the
+ranks holding this rank's parameters, its cp x dp ranks: 1-D ``(shard,)`` built on ``topo.dp_cp_group``
+itself, or 2-D ``(replicate, shard)`` for hybrid sharding (HSDP: ``parallel.dp_shard`` DP ranks and all
+their CP ranks share the shards of one replica, gradients are all-reduced across the dp / dp_shard
+replicas; torchtitan's dp_shard x cp). The parameters FSDP shards are the fp32
 model parameters, so they are the optimizer's master weights; bf16/fp16 compute comes from
 ``MixedPrecisionPolicy(param_dtype, reduce_dtype=fp32)``, which casts each gathered block.
 
@@ -21,6 +22,11 @@ Under expert parallelism each MoE layer's experts are a unit of their own, shard
 gradient already sums the tokens of its whole EP group, so the sum must be divided by dp instead
 (llmtrain.parallel.expert_parallel): FSDPOptimizer rescales them by expert_dp / dp after the reduction
 (FSDP's own divide factor needs PREMUL_SUM, which gloo lacks).
+
+Context parallelism: each CP rank's gradient is that of its part of the sequences' loss (the loss is
+weighted by labelled tokens over the CP group, llmtrain.parallel.context_parallel), so the reduction sums
+over cp and averages over dp, as GradBuffers does at zero 0/1: the divide factor is dp, not the mesh's
+dp x cp.
 """
 
 from __future__ import annotations
@@ -49,34 +55,43 @@ def dp_shard_size(job: JobConfig, dp: int) -> int:
 
 
 def dp_mesh(topo: Topology, dp_shard: int) -> DeviceMesh:
-    """This rank's DP ranks as a DeviceMesh: (shard,) on topo.dp_group, or (replicate, shard) with
-    ``dp_shard`` < dp, DP rank = replica * dp_shard + shard. Every rank must call it (new groups)."""
+    """This rank's cp x dp ranks as a DeviceMesh: (shard,) on topo.dp_cp_group, or (replicate, shard) with
+    ``dp_shard`` < dp, a replica being DP ranks replica * dp_shard .. + dp_shard - 1 with all their CP ranks.
+    Every rank must call it (new groups)."""
     device_type = topo.device.type
-    dp_ranks = [topo.rank_of(dp_rank=d) for d in range(topo.dp)]
     if dp_shard == topo.dp:
-        return DeviceMesh.from_group(topo.dp_group, device_type, mesh=dp_ranks, mesh_dim_names=("shard",))
+        ranks = topo.dp_cp_ranks()
+        return DeviceMesh.from_group(topo.dp_cp_group, device_type, mesh=ranks, mesh_dim_names=("shard",))
     replicas = topo.dp // dp_shard
-    shard_group = replicate_group = None
+    shard_group = replicate_group = mine = None
     # Every rank joins every new_group call, in the same order: all (tp, pp) coordinates, shards first.
     for tp_rank in range(topo.tp):
         for pp_rank in range(topo.pp):
             at = {"tp_rank": tp_rank, "pp_rank": pp_rank}
+            # Sorted as new_group orders a group's ranks, so a rank's mesh coordinate is its group rank. The
+            # rows are translates of one another (dp_shard DP ranks apart), so each column is sorted too.
             grid = [
-                [topo.rank_of(**at, dp_rank=r * dp_shard + s) for s in range(dp_shard)]
+                sorted(
+                    topo.rank_of(**at, cp_rank=c, dp_rank=r * dp_shard + s)
+                    for s in range(dp_shard)
+                    for c in range(topo.cp)
+                )
                 for r in range(replicas)
             ]
             for ranks in grid:
                 group = dist.new_group(ranks)
                 if topo.rank in ranks:
-                    shard_group = group
-            for s in range(dp_shard):
+                    shard_group, mine = group, grid
+            for s in range(dp_shard * topo.cp):
                 ranks = [row[s] for row in grid]
                 group = dist.new_group(ranks)
                 if topo.rank in ranks:
                     replicate_group = group
-    mesh = torch.tensor(dp_ranks).view(replicas, dp_shard)
     return DeviceMesh.from_group(
-        [replicate_group, shard_group], device_type, mesh=mesh, mesh_dim_names=("replicate", "shard")
+        [replicate_group, shard_group],
+        device_type,
+        mesh=torch.tensor(mine),
+        mesh_dim_names=("replicate", "shard"),
     )
 
 
@@ -147,6 +162,12 @@ def apply_fsdp(model: nn.Module, topo: Topology, job: JobConfig) -> nn.Module:
             fully_shard(unit, reshard_after_forward=reshard, **options)
         # What is left on the root (a tied embedding and head, position embeddings) is needed first and last.
         fully_shard(root, reshard_after_forward=False, **options)
+    if topo.cp > 1:
+        # Sum over cp, mean over dp (module docstring). A plain sum then a division of the shard: gloo has no
+        # PREMUL_SUM, and the division touches 1/shards of the gradient.
+        for module in fsdp_modules(model):
+            module.set_gradient_divide_factor(float(topo.dp))
+            module.set_force_sum_reduction_for_comms(True)
     if tied_name is not None:
         model.tied_param = model.get_parameter(tied_name)
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -217,7 +238,7 @@ def shard_position(t: torch.Tensor) -> tuple[int | None, int]:
 class FSDPOptimizer(LossScaledOptimizer):
     """AdamW (or ``make_optimizer``'s rule) over this rank's FSDP2 shards of the fp32 parameters, with the
     trainer's prepare/apply/skip protocol of LossScaledOptimizer. The gradients are DTensor shards that
-    FSDP reduce-scattered (averaged over the DP ranks) during the last micro-batch's backward."""
+    FSDP reduce-scattered (averaged over DP, summed over CP ranks) during the last micro-batch's backward."""
 
     def __init__(
         self, model: nn.Module, topo: Topology, job: JobConfig, make_optimizer: MakeOptimizer | None = None

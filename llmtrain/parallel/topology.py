@@ -2,7 +2,7 @@
 axis.
 
 Context-parallel ranks (cp) split each sequence; they hold the same parameters as data-parallel replicas do,
-so gradients are reduced, and ZeRO-1 shards the optimizer, over the cp x dp group (`dp_cp_group`). Unless
+so gradients are reduced, and ZeRO 1-3 shard, over the cp x dp group (`dp_cp_group`). Unless
 parallel.order names cp, it sits just inside dp: with the default tp-dp-pp the numbering is tp-cp-dp-pp.
 
 Expert parallelism (ep) is no axis of the grid: it is carved out of the tp x dp ranks of one pipeline stage

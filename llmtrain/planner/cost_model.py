@@ -86,7 +86,7 @@ class Layout:
     sequence_parallel: bool = False
     zero_stage: int = 0
     dp_shard: int | None = None
-    """Hybrid sharding (HSDP): ranks the state is sharded over inside dp, replicated across; None = dp."""
+    """Hybrid sharding (HSDP): DP ranks sharing a shard (and their CP ranks), replicas across; None = dp."""
     offload: str = "none"
     """CPU offload: none, optimizer (state and gradient shard) or optimizer+params (zero 3)."""
     layer_recompute: tuple[str, ...] | None = None
@@ -795,8 +795,8 @@ class CostModel:
             out[C.Comm("all_gather", group, dp, bucket * e)] = count
         else:
             for unit, reshard in self._fsdp_units(layout, pp_rank):
-                out[C.Comm("all_gather", "dp", dp, unit * e)] += num_micro * (2 if reshard else 1)
-                out[C.Comm("reduce_scatter", "dp", dp, unit * 4)] += 1
+                out[C.Comm("all_gather", group, dp, unit * e)] += num_micro * (2 if reshard else 1)
+                out[C.Comm("reduce_scatter", group, dp, unit * 4)] += 1
         return out
 
     def _fsdp_units(self, layout: Layout, pp_rank: int) -> list[tuple[int, bool]]:

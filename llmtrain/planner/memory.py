@@ -1,8 +1,8 @@
 """Per-rank memory of one layout: model state, activations, gathered and communication buffers, startup.
 
 Model state per parameter on the rank (P: its parameters after the TP and PP splits; N: the shard group,
-parallel.dp_shard under hybrid sharding, else dp; e: bytes of a 16-bit or fp32 weight; g: gradient bytes,
-fp32 main gradients by default):
+(parallel.dp_shard under hybrid sharding, else dp) x cp; e: bytes of a 16-bit or fp32 weight; g: gradient
+bytes, fp32 main gradients by default):
 
     zero 0  params e*P   grads g*P    optimizer (8 + master)*P      (master: 4 in bf16/fp16, 0 in fp32)
     zero 1  params e*P   grads g*P    optimizer (8 + master)*P/N    (Megatron's distributed optimizer)
@@ -296,11 +296,12 @@ def doubled_shard(model: ModelConfig, tp: int, group: int) -> float:
 
 
 def shard_group(layout: Layout) -> int:
-    """Ranks the model state is sharded over: 1 at zero 0, dp_shard (hybrid) or dp x cp otherwise (context
-    parallel ranks hold the same parameters as data-parallel ones: llmtrain.parallel.topology)."""
+    """Ranks the model state is sharded over: 1 at zero 0, else dp x cp, or dp_shard x cp under hybrid
+    sharding (context parallel ranks hold the same parameters as data-parallel ones, so they share the
+    shards: llmtrain.parallel.topology, llmtrain.parallel.fsdp)."""
     if layout.zero_stage == 0:
         return 1
-    return layout.dp_shard or layout.dp * layout.cp
+    return (layout.dp_shard or layout.dp) * layout.cp
 
 
 def expert_shard_group(layout: Layout) -> int:

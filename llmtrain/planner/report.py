@@ -16,6 +16,7 @@ from llmtrain.config.loader import dump_yaml
 from llmtrain.config.schema import JobConfig
 from llmtrain.planner.choices import parallelism_notes
 from llmtrain.planner.cost_model import GIB, Estimate, Layout, with_layout
+from llmtrain.planner.memory import shard_group
 from llmtrain.planner.search import PlanResult
 
 COLUMNS = (
@@ -118,7 +119,7 @@ _MEMORY_ROWS = (
 
 def _state_notes(lay: Layout, precision: str) -> dict[str, str]:
     """What each model-state row holds for this layout (llmtrain.planner.memory's table)."""
-    shard = lay.dp_shard or lay.dp * lay.cp
+    shard = shard_group(lay)
     over = f" / {shard}" if lay.zero_stage else ""
     if lay.zero_stage and lay.ep > 1:
         over += f" (routed experts / {max(shard // lay.ep, 1)})"

@@ -59,10 +59,11 @@ class Run:
         sp: bool = False,
         model: Any = None,
         async_save: bool = False,
+        cp: int = 1,
     ) -> None:
         self.job = tiny_job(
             out, "ernie", model__hidden_dropout=0.0, model__num_layers=4, parallel__tp=tp, parallel__pp=pp,
-            parallel__dp=dp, parallel__zero_stage=zero, parallel__sequence_parallel=sp,
+            parallel__dp=dp, parallel__zero_stage=zero, parallel__sequence_parallel=sp, parallel__cp=cp,
             train__global_batch_size=8, checkpoint__async_save=async_save,
         )  # fmt: skip
         job = self.job

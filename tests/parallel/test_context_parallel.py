@@ -151,12 +151,24 @@ LAYOUTS = {
         ("ernie", dict(cp=2, tp=2, sequence_parallel=True, packed=True)),
     ],
 }
+# ZeRO-2/3 (FSDP2 over the cp x dp ranks, the gradient summed over cp and averaged over dp), hybrid sharding
+# (a replica: dp_shard DP ranks and their CP ranks), cp alone sharding at dp=1, and zero-bubble's deferred
+# weight gradients reduced by llmtrain.parallel.fsdp.finish_backward.
+FSDP_LAYOUTS = {
+    2: [("llama", dict(cp=2, zero_stage=3))],
+    4: [
+        ("llama", dict(cp=2, dp=2, zero_stage=2)),
+        ("gpt", dict(cp=2, dp=2, zero_stage=3, cp_comm="all_to_all")),
+        ("llama", dict(cp=2, dp=2, zero_stage=3, dp_shard=1)),
+        ("llama", dict(cp=2, pp=2, zero_stage=3, schedule="zb_h1")),
+    ],
+}
 
 
-def _train_layouts(rank: int, world: int) -> list[str]:
+def _train_layouts(rank: int, world: int, layouts: dict[int, list] = LAYOUTS) -> list[str]:
     failures = []
     references = {}
-    for arch, settings in LAYOUTS[world]:
+    for arch, settings in layouts[world]:
         packed = settings.get("packed", False)
         job = tiny_job(arch, **{k: v for k, v in settings.items() if k != "packed"})
         data = batches(job, STEPS)
@@ -169,7 +181,8 @@ def _train_layouts(rank: int, world: int) -> list[str]:
         def setup(model: torch.nn.Module, separator: int | None = separator) -> None:
             model.document_separator = separator
 
-        run = parallel_run(job, Topology(job.parallel, world, rank), data, LR, setup=setup)
+        topo = Topology(job.parallel, world, rank)
+        run = parallel_run(job, topo, data, LR, setup=setup)
         if rank != 0:
             continue
         key = (arch, job.model.num_layers, packed)
@@ -177,6 +190,13 @@ def _train_layouts(rank: int, world: int) -> list[str]:
             references[key] = torch_reference(job, data, LR, document_separator=separator)
         ref = references[key]
         name = f"{arch} {' '.join(f'{k}={v}' for k, v in settings.items())}"
+        if job.parallel.zero_stage >= 2:
+            # CP ranks hold shards, not copies: a replica is sharded over its dp_shard DP ranks times cp.
+            shard = (job.parallel.dp_shard or topo.dp) * topo.cp
+            want = (shard,) if shard == topo.dp * topo.cp else (topo.dp * topo.cp // shard, shard)
+            mesh = tuple(next(run["model"].parameters()).device_mesh.shape)
+            if mesh != want:
+                failures.append(f"{name}: FSDP mesh {mesh}, expected {want}")
         failures += ref.check(name, run["losses"], run["grad_norms"], run["state"])
         for kind, got, want in (
             ("loss", run["losses"], ref.losses),
@@ -192,6 +212,13 @@ def _train_layouts(rank: int, world: int) -> list[str]:
 @pytest.mark.parametrize("world", [2, 4])
 def test_cp_layouts_train_like_one_process(world: int) -> None:
     failures = [f for r in spawn(world, _train_layouts) for f in r]
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_cp_with_zero_2_and_3_trains_like_one_process(world: int) -> None:
+    failures = [f for r in spawn(world, _train_layouts, FSDP_LAYOUTS) for f in r]
     assert not failures, "\n".join(failures)
 
 
@@ -217,7 +244,10 @@ def test_cp_layouts_train_like_one_process(world: int) -> None:
         ),
         (["parallel.cp=2", "model.kernels=triton"], "use model.kernels=auto or torch"),
         (["parallel.cp=2", "model.attention_dropout=0.1"], "set model.attention_dropout=0"),
-        (["parallel.cp=2", "parallel.zero_stage=2"], "does not support parallel.zero_stage=2 yet"),
+        (
+            ["parallel.cp=2", "parallel.engine=deepspeed", "parallel.zero_stage=2"],
+            "does not support parallel.engine=deepspeed yet; use parallel.engine=llmtrain",
+        ),
         (["parallel.cp=2", "model.arch=mixtral"], "does not support model.arch=mixtral"),
         (["parallel.order=tp-dp-pp-cp-cp"], "parallel.order must name tp, dp and pp once each"),
         (

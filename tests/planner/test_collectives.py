@@ -164,14 +164,21 @@ def test_data_parallel_bytes_match_the_trace(zero: int) -> None:
 
 @pytest.mark.parametrize(
     "arch,zero,overrides",
-    [("llama", 2, {}), ("llama", 3, {}), ("gpt", 3, {}), ("llama", 3, dict(tp=2, sequence_parallel=True))],
-    ids=["zero2", "zero3", "zero3-gpt-tied", "zero3-tp-sp"],
+    [
+        ("llama", 2, {}),
+        ("llama", 3, {}),
+        ("gpt", 3, {}),
+        ("llama", 3, dict(tp=2, sequence_parallel=True)),
+        ("llama", 3, dict(cp=2, dp=1)),
+    ],
+    ids=["zero2", "zero3", "zero3-gpt-tied", "zero3-tp-sp", "zero3-cp"],
 )
 def test_fsdp_collectives_match_the_trace(arch: str, zero: int, overrides: dict) -> None:
     # FSDP2 units (blocks, embedding, output layer, root) are counted exactly: gathers per micro-batch,
-    # one reduce-scatter per step.
-    world = 2 * overrides.get("tp", 1)
-    _check(arch, world, dict(overrides, dp=2, zero_stage=zero))
+    # one reduce-scatter per step, over the cp x dp ranks (named "cp" at dp=1).
+    overrides = {"dp": 2, **overrides}
+    world = overrides["dp"] * overrides.get("tp", 1) * overrides.get("cp", 1)
+    _check(arch, world, dict(overrides, zero_stage=zero))
 
 
 @pytest.mark.parametrize(

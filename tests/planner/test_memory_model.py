@@ -18,6 +18,7 @@ from llmtrain.planner.memory import (
     p2p_transfers_held,
     pending_weight_grads,
     rank_memory,
+    shard_group,
     sharding_problem,
 )
 from llmtrain.planner.pipeline_time import peak_inflight_closed
@@ -115,6 +116,10 @@ def test_zero_stages_hybrid_sharding_and_offload_by_hand():
     assert gloo.buffers == 4 * P * 3 / 4 - gloo.activations
     hsdp = tiny(Layout(**{**base.__dict__, "zero_stage": 2, "dp_shard": 2}))
     assert (hsdp.params, hsdp.grads, hsdp.optimizer, hsdp.gathered) == (2 * P, 4 * P, 6 * P, 4 * LARGEST)
+    # A replica's CP ranks share its shards (llmtrain.parallel.fsdp): N = dp_shard x cp = 4; the gradients
+    # accumulate unsharded, so they do not shrink.
+    hsdp_cp = tiny(Layout(**{**base.__dict__, "zero_stage": 2, "dp_shard": 2, "cp": 2}))
+    assert (hsdp_cp.params, hsdp_cp.grads, hsdp_cp.optimizer) == (2 * P, 4 * P, 3 * P)
     # Offload runs through the DeepSpeed engine (tp=1): the whole model per rank, 2P parameters.
     flat = Layout(**{**base.__dict__, "tp": 1, "zero_stage": 3, "offload": "optimizer"})
     off = tiny(flat)
@@ -172,14 +177,14 @@ def test_70b_on_64_h100_needs_sharded_construction():
 
 def test_70b_on_64_h100_fits_with_zero3_and_sharded_construction():
     """With sharded construction and ZeRO-3 the parameters and Adam's state are 12 bytes per parameter over
-    the shard group; the gradients, under gradient accumulation, stay unsharded in fp32 (FSDP2 with gradient
-    sync off until the last micro-batch): 4 bytes per TP/PP-local parameter."""
+    the shard group (dp x cp ranks); the gradients, under gradient accumulation, stay unsharded in fp32 (FSDP2
+    with gradient sync off until the last micro-batch): 4 bytes per TP/PP-local parameter."""
     result = plan_job(seventy_b(), load_cluster("h100-80gb"), 64, top=5)
     best = result.best
     assert best.fits and best.layout.zero_stage == 3
     # The startup peak is the rank's fp32 shard plus at most one init block or one more shard (FSDP2
     # shards the meta model): far below the fp32 TP-local model a whole-slice construction would hold.
-    per_rank = 70.55e9 / (best.layout.tp * best.layout.pp) / (best.layout.dp_shard or best.layout.dp)
+    per_rank = 70.55e9 / (best.layout.tp * best.layout.pp) / shard_group(best.layout)
     tp_local = 4 * 70.55e9 / (best.layout.tp * best.layout.pp)
     assert best.memory["total"] <= 80 * GIB
     assert 4 * per_rank <= best.memory["startup"] < tp_local / 2
