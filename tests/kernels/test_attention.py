@@ -132,3 +132,73 @@ def test_every_autotune_config_is_correct(index, causal, dtype, monkeypatch):
         assert_close(got[0], exp[0], dtype, what=f"output (seq {seq}, dim {dim})")
         for name, a, e in zip("qkv", got_g, exp_g, strict=True):
             assert_close(a, e, dtype, scale=2.0, what=f"grad {name} (seq {seq}, dim {dim})")
+
+
+# Ring attention's blocks: queries [0, 20) and [20, 48) against keys [0, 13), [13, 30), [30, 48) of one
+# causal sequence of 48: fully visible, diagonal-straddling, partly hidden (rows that see no key) and fully
+# hidden pairs, none aligned to the kernels' block sizes.
+Q_CHUNKS = [(0, 20), (20, 48)]
+K_CHUNKS = [(0, 13), (13, 30), (30, 48)]
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_attention_blocks_merged_by_lse_equal_whole_attention(dtype, impl):
+    """flash_attention_block's (output, log-sum-exp) per block, merged by log-sum-exp, is causal attention
+    over the whole sequence (SDPA in float64), and flash_attention_block_grads from the merged output's
+    log-sum-exp and delta, summed over blocks, is its gradient; every block also matches the PyTorch block
+    in float64, including the -inf log-sum-exp and zero output of rows that see none of a block's keys."""
+    b, hq, hk, seq, dim, scale = 2, 4, 2, 48, 16, 0.3
+    q, k, v = (randn(b, h, seq, dim, dtype=dtype) for h in (hq, hk, hk))
+    exp, exp_g = forward_backward(
+        lambda q, k, v: _sdpa64(q, k, v, True, scale),
+        [t.detach().double().requires_grad_() for t in (q, k, v)],
+    )
+    do = torch.randn(b, hq, seq, dim, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    do = do.half().to(DEVICE, dtype)  # forward_backward's cotangent: the same seed, rounded the same way
+    q64, k64, v64 = (t.detach().double() for t in (q, k, v))
+    outs, lses = [], []
+    for q0, q1 in Q_CHUNKS:
+        out = lse = None
+        for k0, k1 in K_CHUNKS:
+            args = (q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], True, scale, q0, k0)
+            o, lo = kernels.flash_attention_block(*args, impl=impl)
+            want_o, want_lse = kernels.reference.attention_block(
+                q64[:, :, q0:q1], k64[:, :, k0:k1], v64[:, :, k0:k1], True, scale, q0, k0
+            )
+            assert o.dtype == lo.dtype == torch.float32
+            assert torch.equal(lo.isinf(), want_lse.isinf()), f"rows without keys, block q{q0} k{k0}"
+            assert_close(o, want_o, dtype, what=f"block output q{q0} k{k0}")
+            seen = want_lse.isfinite()
+            assert_close(lo[seen], want_lse[seen], dtype, what=f"block lse q{q0} k{k0}")
+            if out is None:
+                out, lse = o, lo
+            else:
+                new = torch.logaddexp(lse, lo)
+                out = out * (lse - new).exp()[..., None] + o * (lo - new).exp()[..., None]
+                lse = new
+        outs.append(out)
+        lses.append(lse)
+    out, lse = torch.cat(outs, 2), torch.cat(lses, 2)
+    assert_close(out, exp[0], dtype, what="merged output")
+    delta = (do.float() * out).sum(-1)
+    grads = [torch.zeros(t.shape, dtype=torch.float64) for t in (q, k, v)]
+    for q0, q1 in Q_CHUNKS:
+        for k0, k1 in K_CHUNKS:
+            dq, dk, dv = kernels.flash_attention_block_grads(
+                do[:, :, q0:q1], q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], lse[:, :, q0:q1],
+                delta[:, :, q0:q1], True, scale, q0, k0, impl=impl,
+            )  # fmt: skip
+            grads[0][:, :, q0:q1] += dq.cpu().double()
+            grads[1][:, :, k0:k1] += dk.cpu().double()
+            grads[2][:, :, k0:k1] += dv.cpu().double()
+    # Gradients sum products over the sequence (and over a GQA group for dk/dv): allow 2x, as above.
+    for name, a, e in zip("qkv", grads, exp_g, strict=True):
+        assert_close(a, e.cpu(), dtype, scale=2.0, what=f"grad {name}")
+
+
+def test_triton_attention_block_refuses_document_masks():
+    q = torch.zeros(1, 2, 8, 16, device=DEVICE)
+    allowed = torch.ones(1, 8, 8, dtype=torch.bool)
+    with pytest.raises(ValueError, match="no `allowed` mask"):
+        kernels.flash_attention_block(q, q, q, impl="triton", allowed=allowed)

@@ -215,7 +215,6 @@ def test_cp_layouts_train_like_one_process(world: int) -> None:
             ["parallel.cp=2", "parallel.tp=4", "parallel.sequence_parallel=true", "model.seq_length=12"],
             "make seq_length a multiple of cp * tp = 8",
         ),
-        (["parallel.cp=2", "model.kernels=triton"], "use model.kernels=auto or torch"),
         (["parallel.cp=2", "model.attention_dropout=0.1"], "set model.attention_dropout=0"),
         (["parallel.cp=2", "parallel.zero_stage=2"], "does not support parallel.zero_stage=2 yet"),
         (["parallel.cp=2", "model.arch=mixtral"], "does not support model.arch=mixtral"),
