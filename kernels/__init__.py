@@ -168,13 +168,13 @@ def flash_attention_block(
     k/v (b, hk, m, d) at k_offset.. -> (output (b, hq, n, d), log-sum-exp (b, hq, n)), both in at least
     fp32. Causal: key j is visible to query i when k_offset + j <= q_offset + i; a row that sees no key gets
     output 0 and log-sum-exp -inf. `allowed` (b, n, m) further restricts the pairs (PyTorch path only)."""
-    from kernels.checks import check_attention_args
-
-    check_attention_args(q, k, v)
     if _block_impl(impl, q, allowed) == "triton":
         from kernels import attention
 
         return attention.attention_block(q, k, v, causal, softmax_scale, q_offset, k_offset)
+    from kernels.checks import check_attention_args
+
+    check_attention_args(q, k, v)
     return reference.attention_block(q, k, v, causal, softmax_scale, q_offset, k_offset, allowed)
 
 
@@ -196,15 +196,15 @@ def flash_attention_block_grads(
     """dq, dk, dv (at least fp32) of one flash_attention_block, given the rows' final log-sum-exp `lse`
     (b, hq, n) and `delta` = rowsum(dO * O) (b, hq, n) of the final (merged) output O: the block's share of
     the gradient of the whole attention. Same masks and arguments as flash_attention_block."""
-    from kernels.checks import check_attention_args
-
-    check_attention_args(q, k, v)
     if _block_impl(impl, q, allowed) == "triton":
         from kernels import attention
 
         return attention.attention_block_grads(
             do, q, k, v, lse, delta, causal, softmax_scale, q_offset, k_offset
         )
+    from kernels.checks import check_attention_args
+
+    check_attention_args(q, k, v)
     return reference.attention_block_grads(
         do, q, k, v, lse, delta, causal, softmax_scale, q_offset, k_offset, allowed
     )
