@@ -21,6 +21,8 @@ __all__ = [
     "apply_rotary",
     "cross_entropy",
     "flash_attention",
+    "flash_attention_block",
+    "flash_attention_block_grads",
     "fused_linear_cross_entropy",
     "geglu",
     "grouped_mm",
@@ -141,6 +143,75 @@ def flash_attention(
 
     check_attention_args(q, k, v)
     return reference.flash_attention(q, k, v, causal, softmax_scale)
+
+
+def _block_impl(impl: str, q: torch.Tensor, allowed: torch.Tensor | None) -> str:
+    """The path of a block function: 'auto' keeps PyTorch on CUDA too until the Triton block kernels are
+    measured there; the Triton kernels have no arbitrary (document) masks."""
+    chosen = resolve_impl(impl, q, auto_on_cuda="torch")
+    if chosen == "triton" and allowed is not None:
+        raise ValueError(
+            "the Triton attention kernels take no `allowed` mask (packed documents); use impl='torch'"
+        )
+    return chosen
+
+
+def flash_attention_block(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    q_offset: int = 0,
+    k_offset: int = 0,
+    impl: str = "auto",
+    *,
+    allowed: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block of a longer attention, for ring attention: q (b, hq, n, d) at global positions q_offset..,
+    k/v (b, hk, m, d) at k_offset.. -> (output (b, hq, n, d), log-sum-exp (b, hq, n)), both in at least
+    fp32. Causal: key j is visible to query i when k_offset + j <= q_offset + i; a row that sees no key gets
+    output 0 and log-sum-exp -inf. `allowed` (b, n, m) further restricts the pairs (PyTorch path only)."""
+    if _block_impl(impl, q, allowed) == "triton":
+        from kernels import attention
+
+        return attention.attention_block(q, k, v, causal, softmax_scale, q_offset, k_offset)
+    from kernels.checks import check_attention_args
+
+    check_attention_args(q, k, v)
+    return reference.attention_block(q, k, v, causal, softmax_scale, q_offset, k_offset, allowed)
+
+
+def flash_attention_block_grads(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    q_offset: int = 0,
+    k_offset: int = 0,
+    impl: str = "auto",
+    *,
+    allowed: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv (at least fp32) of one flash_attention_block, given the rows' final log-sum-exp `lse`
+    (b, hq, n) and `delta` = rowsum(dO * O) (b, hq, n) of the final (merged) output O: the block's share of
+    the gradient of the whole attention. Same masks and arguments as flash_attention_block."""
+    if _block_impl(impl, q, allowed) == "triton":
+        from kernels import attention
+
+        return attention.attention_block_grads(
+            do, q, k, v, lse, delta, causal, softmax_scale, q_offset, k_offset
+        )
+    from kernels.checks import check_attention_args
+
+    check_attention_args(q, k, v)
+    return reference.attention_block_grads(
+        do, q, k, v, lse, delta, causal, softmax_scale, q_offset, k_offset, allowed
+    )
 
 
 def cross_entropy(

@@ -3,7 +3,10 @@
 q is (batch, q_heads, seq_q, head_dim); k and v are (batch, kv_heads, seq_k, head_dim) with q_heads a
 multiple of kv_heads. Query head h reads kv head h // (q_heads // kv_heads) through pointer arithmetic,
 so k/v are never repeated. The causal mask is top-left aligned (key j is visible to query i when j <= i),
-the convention of torch's scaled_dot_product_attention(is_causal=True).
+the convention of torch's scaled_dot_product_attention(is_causal=True). Blocks of a longer sequence
+(ring attention) give their global offsets: key j is then visible to query i when k_offset + j <=
+q_offset + i, i.e. j <= i + SHIFT with SHIFT = q_offset - k_offset; a row that sees no key gets output 0
+and log-sum-exp -inf, so that merging blocks by their log-sum-exps ignores it.
 
 Forward: online softmax over key blocks in base 2; saves the output and the per-row log-sum-exp (natural
 log, fp32). Backward: delta = rowsum(dO * O) by a small kernel; one kernel per key block accumulates dK and
@@ -15,6 +18,9 @@ diagonal or at a ragged tail pay for masks. The backward kernels compute transpo
 (S^T = K Q^T, dS^T) from transposed loads, so no tile computed in registers is ever transposed before a
 matrix product: the GEMM operands all come from memory.
 Under the interpreter every loaded tile is cast to fp32 first: fp16/bf16 arithmetic there is unreliable.
+
+attention_block / attention_block_grads expose one block's forward (output and log-sum-exp, fp32) and its
+backward from given (final) log-sum-exp and delta rows, the two steps ring attention runs per block.
 """
 
 from __future__ import annotations
@@ -42,6 +48,20 @@ def _load(ptrs, mask, HAS_MASK: tl.constexpr):
 
 
 @triton.jit
+def _visible_keys(start_m, SK, SHIFT, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(full, hi) of query block `start_m`: key blocks [0, full) are visible to all its rows and inside SK
+    (no mask), [full, hi) need the masks, keys from hi on are invisible to every row. Causal: key j is
+    visible to row i when j <= i + SHIFT, so the block's first row sees keys < start_m * BLOCK_M + SHIFT
+    + 1 and its last row keys < (start_m + 1) * BLOCK_M + SHIFT (bounds clamped at 0 before dividing)."""
+    full = (SK // BLOCK_N) * BLOCK_N
+    hi = SK
+    if CAUSAL:
+        full = tl.minimum(full, (tl.maximum(start_m * BLOCK_M + SHIFT, 0) // BLOCK_N) * BLOCK_N)
+        hi = tl.minimum(SK, tl.maximum((start_m + 1) * BLOCK_M + SHIFT, 0))
+    return full, hi
+
+
+@triton.jit
 def _fwd_blocks(
     acc,
     l_i,
@@ -56,6 +76,7 @@ def _fwd_blocks(
     start,
     end,
     SK,
+    SHIFT,
     sk_s,
     sv_s,
     scale_log2,
@@ -83,15 +104,19 @@ def _fwd_blocks(
         if MASKED:
             valid = (cols < SK)[None, :]
             if CAUSAL:
-                valid = valid & (cols[None, :] <= rows[:, None])
+                valid = valid & (cols[None, :] <= rows[:, None] + SHIFT)
             s = tl.where(valid, s * scale_log2, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            p = tl.exp2(s - m_new[:, None])
+            # A row that has seen no key yet (offset blocks) keeps max -inf: subtract 0 instead of -inf
+            # so its p and alpha are 0, not NaN.
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_use[:, None])
         else:
             # Scale the row max, not the tile, then one fused multiply-add per score.
             m_new = tl.maximum(m_i, tl.max(s, axis=1) * scale_log2)
+            m_use = m_new
             p = tl.exp2(s * scale_log2 - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
+        alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         # Accumulate into acc inside the matrix product (no separate product tile and add).
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
@@ -111,6 +136,7 @@ def _attn_fwd_kernel(
     GROUP,
     SQ,
     SK,
+    SHIFT,
     D,
     sq_b,
     sq_h,
@@ -157,22 +183,20 @@ def _attn_fwd_kernel(
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    # Unmasked: whole key blocks before this query block's first row (causal) and inside SK.
-    full = (SK // BLOCK_N) * BLOCK_N
-    hi = SK
-    if CAUSAL:
-        full = tl.minimum(full, (start_m * BLOCK_M // BLOCK_N) * BLOCK_N)
-        hi = tl.minimum(SK, (start_m + 1) * BLOCK_M)
+    full, hi = _visible_keys(start_m, SK, SHIFT, CAUSAL, BLOCK_M, BLOCK_N)
     acc, l_i, m_i = _fwd_blocks(
-        acc, l_i, m_i, q, k_base, v_base, rows, offs_n, offs_d, d_ok, 0, full, SK, sk_s, sv_s,
+        acc, l_i, m_i, q, k_base, v_base, rows, offs_n, offs_d, d_ok, 0, full, SK, SHIFT, sk_s, sv_s,
         scale_log2, False, CAUSAL, EVEN_D, UPCAST, PRECISION, BLOCK_N,
     )  # fmt: skip
     acc, l_i, m_i = _fwd_blocks(
-        acc, l_i, m_i, q, k_base, v_base, rows, offs_n, offs_d, d_ok, full, hi, SK, sk_s, sv_s,
+        acc, l_i, m_i, q, k_base, v_base, rows, offs_n, offs_d, d_ok, full, hi, SK, SHIFT, sk_s, sv_s,
         scale_log2, True, CAUSAL, EVEN_D, UPCAST, PRECISION, BLOCK_N,
     )  # fmt: skip
-    acc = acc / l_i[:, None]
-    lse = (m_i + tl.log2(l_i)) * 0.6931471805599453
+    # Rows that saw no key (l = 0): output 0, log-sum-exp -inf.
+    seen = l_i > 0.0
+    l_safe = tl.where(seen, l_i, 1.0)
+    acc = acc / l_safe[:, None]
+    lse = tl.where(seen, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
     tl.store(LSE + bh.to(tl.int64) * SQ + rows, lse, mask=row_ok)
     tl.store(
         OUT + b * so_b + h * so_h + rows[:, None] * so_s + offs_d[None, :],
@@ -216,6 +240,7 @@ def _dkdv_blocks(
     start,
     end,
     SQ,
+    SHIFT,
     sq_s,
     sdo_s,
     scale_log2,
@@ -248,7 +273,7 @@ def _dkdv_blocks(
         st = tl.dot(k, qt, input_precision=PRECISION)
         pt = tl.exp2(st * scale_log2 - lse_log2[None, :])
         if MASKED and CAUSAL:
-            pt = tl.where(cols[:, None] <= rows[None, :], pt, 0.0)
+            pt = tl.where(cols[:, None] <= rows[None, :] + SHIFT, pt, 0.0)
         dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=PRECISION)
         dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)
         dst = pt * (dpt - delta[None, :])
@@ -273,6 +298,7 @@ def _attn_bwd_dkdv_kernel(
     GROUP,
     SQ,
     SK,
+    SHIFT,
     D,
     sq_b,
     sq_h,
@@ -325,10 +351,14 @@ def _attn_bwd_dkdv_kernel(
     lo = 0
     mid = 0
     if CAUSAL:
-        # Queries before this key block cannot see it; from the first query block starting at or after
-        # the block's last key, every query sees every key.
-        lo = (start_n * BLOCK_N // BLOCK_M) * BLOCK_M
-        mid = tl.minimum(tl.cdiv((start_n + 1) * BLOCK_N, BLOCK_M) * BLOCK_M, tl.cdiv(SQ, BLOCK_M) * BLOCK_M)
+        # Query i sees key j when j <= i + SHIFT: queries before the block's first key - SHIFT cannot see
+        # it; from the first query block starting at or after its last key - SHIFT, every query sees every
+        # key (bounds clamped at 0 before dividing).
+        lo = (tl.maximum(start_n * BLOCK_N - SHIFT, 0) // BLOCK_M) * BLOCK_M
+        mid = tl.minimum(
+            tl.cdiv(tl.maximum((start_n + 1) * BLOCK_N - SHIFT, 0), BLOCK_M) * BLOCK_M,
+            tl.cdiv(SQ, BLOCK_M) * BLOCK_M,
+        )
     full = tl.maximum((SQ // BLOCK_M) * BLOCK_M, mid)
     for g in range(GROUP):
         h = hk * GROUP + g
@@ -338,15 +368,15 @@ def _attn_bwd_dkdv_kernel(
         delta_base = DELTA + (b * HQ + h) * SQ
         dk, dv = _dkdv_blocks(
             dk, dv, k, v, q_base, do_base, lse_base, delta_base, cols, offs_m, offs_d, d_ok, lo, mid, SQ,
-            sq_s, sdo_s, scale_log2, True, CAUSAL, EVEN_D, UPCAST, PRECISION, BLOCK_M,
+            SHIFT, sq_s, sdo_s, scale_log2, True, CAUSAL, EVEN_D, UPCAST, PRECISION, BLOCK_M,
         )  # fmt: skip
         dk, dv = _dkdv_blocks(
             dk, dv, k, v, q_base, do_base, lse_base, delta_base, cols, offs_m, offs_d, d_ok, mid, full, SQ,
-            sq_s, sdo_s, scale_log2, False, CAUSAL, EVEN_D, UPCAST, PRECISION, BLOCK_M,
+            SHIFT, sq_s, sdo_s, scale_log2, False, CAUSAL, EVEN_D, UPCAST, PRECISION, BLOCK_M,
         )  # fmt: skip
         dk, dv = _dkdv_blocks(
             dk, dv, k, v, q_base, do_base, lse_base, delta_base, cols, offs_m, offs_d, d_ok, full, SQ, SQ,
-            sq_s, sdo_s, scale_log2, True, CAUSAL, EVEN_D, UPCAST, PRECISION, BLOCK_M,
+            SHIFT, sq_s, sdo_s, scale_log2, True, CAUSAL, EVEN_D, UPCAST, PRECISION, BLOCK_M,
         )  # fmt: skip
     dk = dk * scale
     tl.store(
@@ -377,6 +407,7 @@ def _dq_blocks(
     start,
     end,
     SK,
+    SHIFT,
     sk_s,
     sv_s,
     scale_log2,
@@ -403,7 +434,7 @@ def _dq_blocks(
         s = tl.dot(q, kt, input_precision=PRECISION)
         p = tl.exp2(s * scale_log2 - lse_log2[:, None])
         if MASKED and CAUSAL:
-            p = tl.where(cols[None, :] <= rows[:, None], p, 0.0)
+            p = tl.where(cols[None, :] <= rows[:, None] + SHIFT, p, 0.0)
         dp = tl.dot(do, vt, input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(kt.dtype), tl.trans(kt), dq, input_precision=PRECISION)
@@ -425,6 +456,7 @@ def _attn_bwd_dq_kernel(
     GROUP,
     SQ,
     SK,
+    SHIFT,
     D,
     sq_b,
     sq_h,
@@ -474,18 +506,14 @@ def _attn_bwd_dq_kernel(
     v_base = V + b * sv_b + hk * sv_h
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     # The same stages as the forward's: whole visible key blocks unmasked, the diagonal and tail masked.
-    full = (SK // BLOCK_N) * BLOCK_N
-    hi = SK
-    if CAUSAL:
-        full = tl.minimum(full, (start_m * BLOCK_M // BLOCK_N) * BLOCK_N)
-        hi = tl.minimum(SK, (start_m + 1) * BLOCK_M)
+    full, hi = _visible_keys(start_m, SK, SHIFT, CAUSAL, BLOCK_M, BLOCK_N)
     dq = _dq_blocks(
-        dq, q, do, lse_log2, delta, k_base, v_base, rows, offs_n, offs_d, d_ok, 0, full, SK, sk_s, sv_s,
-        scale_log2, False, CAUSAL, EVEN_D, UPCAST, PRECISION, BLOCK_N,
+        dq, q, do, lse_log2, delta, k_base, v_base, rows, offs_n, offs_d, d_ok, 0, full, SK, SHIFT, sk_s,
+        sv_s, scale_log2, False, CAUSAL, EVEN_D, UPCAST, PRECISION, BLOCK_N,
     )  # fmt: skip
     dq = _dq_blocks(
-        dq, q, do, lse_log2, delta, k_base, v_base, rows, offs_n, offs_d, d_ok, full, hi, SK, sk_s, sv_s,
-        scale_log2, True, CAUSAL, EVEN_D, UPCAST, PRECISION, BLOCK_N,
+        dq, q, do, lse_log2, delta, k_base, v_base, rows, offs_n, offs_d, d_ok, full, hi, SK, SHIFT, sk_s,
+        sv_s, scale_log2, True, CAUSAL, EVEN_D, UPCAST, PRECISION, BLOCK_N,
     )  # fmt: skip
     dq = dq * scale
     tl.store(
@@ -524,46 +552,104 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def _forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: float,
+    shift: int,
+    out_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward kernel: output (b, hq, sq, d) in `out_dtype` and log-sum-exp (b, hq, sq) fp32."""
+    bsz, hq, sq, dim = q.shape
+    hk, sk = k.shape[1], k.shape[2]
+    o = torch.empty((bsz, hq, sq, dim), dtype=out_dtype, device=q.device)
+    lse = torch.empty((bsz, hq, sq), dtype=torch.float32, device=q.device)
+    block_d = max(16, triton.next_power_of_2(dim))
+    grid = lambda meta: (triton.cdiv(sq, meta["BLOCK_M"]), bsz * hq)
+    _FWD(q.device)[grid](
+        q,
+        k,
+        v,
+        o,
+        lse,
+        scale * LOG2E,
+        hq,
+        hq // hk,
+        sq,
+        sk,
+        shift,
+        dim,
+        *q.stride()[:3],
+        *k.stride()[:3],
+        *v.stride()[:3],
+        *o.stride()[:3],
+        CAUSAL=causal,
+        EVEN_D=dim == block_d,
+        UPCAST=interpreting(),
+        PRECISION=_precision(q.dtype),
+        BLOCK_D=block_d,
+    )
+    return o, lse
+
+
+def _delta(o: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
+    """rowsum(dO * O) (b, h, s) in fp32 by the delta kernel."""
+    bsz, hq, sq, dim = o.shape
+    delta = torch.empty((bsz, hq, sq), dtype=torch.float32, device=o.device)
+    rows = 16 if interpreting() else 64
+    _attn_bwd_delta_kernel[(triton.cdiv(sq, rows), bsz * hq)](
+        o, do, delta, hq, sq, dim, *o.stride()[:3], *do.stride()[:3], BLOCK_M=rows,
+        BLOCK_D=max(16, triton.next_power_of_2(dim)),
+    )  # fmt: skip
+    return delta
+
+
+def _backward(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    causal: bool,
+    scale: float,
+    shift: int,
+    grad_dtype: torch.dtype | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The dK/dV and dQ kernels from the rows' log-sum-exp and delta (contiguous (b, hq, sq) fp32);
+    gradients in `grad_dtype` (None: each input's own)."""
+    bsz, hq, sq, dim = q.shape
+    hk, sk = k.shape[1], k.shape[2]
+    block_d = max(16, triton.next_power_of_2(dim))
+    dq = torch.empty(q.shape, dtype=grad_dtype or q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=grad_dtype or k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=grad_dtype or v.dtype, device=v.device)
+    common = dict(
+        CAUSAL=causal,
+        EVEN_D=dim == block_d,
+        UPCAST=interpreting(),
+        PRECISION=_precision(q.dtype),
+        BLOCK_D=block_d,
+    )
+    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3])
+    _DKDV(q.device)[lambda meta: (triton.cdiv(sk, meta["BLOCK_N"]), bsz * hk)](
+        q, k, v, do, lse, delta, dk, dv, scale, scale * LOG2E, hq, hk, hq // hk, sq, sk, shift, dim,
+        *strides, *dk.stride()[:3], *dv.stride()[:3], **common,
+    )  # fmt: skip
+    _DQ(q.device)[lambda meta: (triton.cdiv(sq, meta["BLOCK_M"]), bsz * hq)](
+        q, k, v, do, lse, delta, dq, scale, scale * LOG2E, hq, hq // hk, sq, sk, shift, dim,
+        *strides, *dq.stride()[:3], **common,
+    )  # fmt: skip
+    return dq, dk, dv
+
+
 class _FlashAttentionFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal, scale):
         q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-        bsz, hq, sq, dim = q.shape
-        hk, sk = k.shape[1], k.shape[2]
-        o = torch.empty_like(q, memory_format=torch.contiguous_format)
-        lse = torch.empty((bsz, hq, sq), dtype=torch.float32, device=q.device)
-        block_d = max(16, triton.next_power_of_2(dim))
-        grid = lambda meta: (triton.cdiv(sq, meta["BLOCK_M"]), bsz * hq)
-        _FWD(q.device)[grid](
-            q,
-            k,
-            v,
-            o,
-            lse,
-            scale * LOG2E,
-            hq,
-            hq // hk,
-            sq,
-            sk,
-            dim,
-            q.stride(0),
-            q.stride(1),
-            q.stride(2),
-            k.stride(0),
-            k.stride(1),
-            k.stride(2),
-            v.stride(0),
-            v.stride(1),
-            v.stride(2),
-            o.stride(0),
-            o.stride(1),
-            o.stride(2),
-            CAUSAL=causal,
-            EVEN_D=dim == block_d,
-            UPCAST=interpreting(),
-            PRECISION=_precision(q.dtype),
-            BLOCK_D=block_d,
-        )
+        o, lse = _forward(q, k, v, causal, scale, 0, q.dtype)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.causal = causal
         ctx.scale = scale
@@ -573,97 +659,62 @@ class _FlashAttentionFn(torch.autograd.Function):
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
         do = _last_dim_contiguous(do)
-        bsz, hq, sq, dim = q.shape
-        hk, sk = k.shape[1], k.shape[2]
-        block_d = max(16, triton.next_power_of_2(dim))
-        delta = torch.empty((bsz, hq, sq), dtype=torch.float32, device=q.device)
-        delta_rows = 16 if interpreting() else 64
-        _attn_bwd_delta_kernel[(triton.cdiv(sq, delta_rows), bsz * hq)](
-            o, do, delta, hq, sq, dim, *o.stride()[:3], *do.stride()[:3], BLOCK_M=delta_rows, BLOCK_D=block_d
-        )
-        dq = torch.empty_like(q)
-        dk = torch.empty_like(k, memory_format=torch.contiguous_format)
-        dv = torch.empty_like(v, memory_format=torch.contiguous_format)
-        common = dict(
-            CAUSAL=ctx.causal,
-            EVEN_D=dim == block_d,
-            UPCAST=interpreting(),
-            PRECISION=_precision(q.dtype),
-            BLOCK_D=block_d,
-        )
-        strides = (
-            q.stride(0),
-            q.stride(1),
-            q.stride(2),
-            k.stride(0),
-            k.stride(1),
-            k.stride(2),
-            v.stride(0),
-            v.stride(1),
-            v.stride(2),
-            do.stride(0),
-            do.stride(1),
-            do.stride(2),
-        )
-        _DKDV(q.device)[lambda meta: (triton.cdiv(sk, meta["BLOCK_N"]), bsz * hk)](
-            q,
-            k,
-            v,
-            do,
-            lse,
-            delta,
-            dk,
-            dv,
-            ctx.scale,
-            ctx.scale * LOG2E,
-            hq,
-            hk,
-            hq // hk,
-            sq,
-            sk,
-            dim,
-            *strides,
-            dk.stride(0),
-            dk.stride(1),
-            dk.stride(2),
-            dv.stride(0),
-            dv.stride(1),
-            dv.stride(2),
-            **common,
-        )
-        _DQ(q.device)[lambda meta: (triton.cdiv(sq, meta["BLOCK_M"]), bsz * hq)](
-            q,
-            k,
-            v,
-            do,
-            lse,
-            delta,
-            dq,
-            ctx.scale,
-            ctx.scale * LOG2E,
-            hq,
-            hq // hk,
-            sq,
-            sk,
-            dim,
-            *strides,
-            dq.stride(0),
-            dq.stride(1),
-            dq.stride(2),
-            **common,
-        )
+        dq, dk, dv = _backward(do, q, k, v, lse, _delta(o, do), ctx.causal, ctx.scale, 0, None)
         return dq, dk, dv, None, None
 
 
-def flash_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True, softmax_scale: float | None = None
-) -> torch.Tensor:
-    """Triton flash attention over (batch, heads, seq, head_dim); k/v may have fewer heads."""
+def _checked_scale(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None) -> float:
+    """Validate the arguments for the Triton kernels; the softmax scale (default 1/sqrt(head_dim))."""
     check_attention_args(q, k, v)
     check_same_device(q=q, k=k, v=v)
     if q.shape[3] > 256:
         raise ValueError(
             f"triton flash_attention supports head_dim <= 256; got {q.shape[3]}, use impl='torch'"
         )
-    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[3])
+    return float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[3])
+
+
+def flash_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True, softmax_scale: float | None = None
+) -> torch.Tensor:
+    """Triton flash attention over (batch, heads, seq, head_dim); k/v may have fewer heads."""
+    scale = _checked_scale(q, k, v, softmax_scale)
     return _FlashAttentionFn.apply(q, k, v, bool(causal), scale)
+
+
+def attention_block(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    q_offset: int = 0,
+    k_offset: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block of attention without autograd: q (b, hq, n, d) at global positions q_offset.., k/v
+    (b, hk, m, d) at k_offset.. -> output (b, hq, n, d) and log-sum-exp (b, hq, n), both fp32 so blocks
+    merge without rounding. Causal: key j visible to query i when k_offset + j <= q_offset + i."""
+    scale = _checked_scale(q, k, v, softmax_scale)
+    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    return _forward(q, k, v, bool(causal), scale, q_offset - k_offset, torch.float32)
+
+
+def attention_block_grads(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    q_offset: int = 0,
+    k_offset: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv (fp32) of one block of attention_block's, its probabilities recomputed from `lse` (b, hq,
+    n), the log-sum-exp of the rows' final (merged) output, with `delta` (b, hq, n) = rowsum(dO * O) of that
+    final output: a block's share of the gradient of the whole attention."""
+    scale = _checked_scale(q, k, v, softmax_scale)
+    q, k, v, do = (_last_dim_contiguous(t) for t in (q, k, v, do))
+    lse, delta = lse.float().contiguous(), delta.float().contiguous()
+    return _backward(do, q, k, v, lse, delta, bool(causal), scale, q_offset - k_offset, torch.float32)

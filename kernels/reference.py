@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -55,6 +57,89 @@ def flash_attention(
     return F.scaled_dot_product_attention(
         q, k, v, is_causal=causal, scale=softmax_scale, enable_gqa=k.shape[1] != q.shape[1]
     )
+
+
+def _block_scores(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    scale: float,
+    causal: bool,
+    q_offset: int,
+    k_offset: int,
+    allowed: torch.Tensor | None,
+) -> torch.Tensor:
+    """q (b, hk, g, n, d), k (b, hk, m, d) -> scaled scores (b, hk, g, n, m), -inf where key j is causally
+    hidden from query i (k_offset + j > q_offset + i) or `allowed` (b, n, m), if given, is false."""
+    s = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)) * scale
+    if causal:
+        n, m = s.shape[-2:]
+        rows = torch.arange(n, device=s.device)[:, None] + q_offset
+        hidden = torch.arange(m, device=s.device)[None, :] + k_offset > rows
+        s = s.masked_fill(hidden, -math.inf)
+    if allowed is not None:
+        s = s.masked_fill(~allowed[:, None, None], -math.inf)
+    return s
+
+
+def _grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """(b, h, n, d) -> (b, kv_heads, h / kv_heads, n, d): the query heads of each kv head together."""
+    b, h, n, d = x.shape
+    return x.reshape(b, kv_heads, h // kv_heads, n, d)
+
+
+def attention_block(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    q_offset: int = 0,
+    k_offset: int = 0,
+    allowed: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block of attention (kernels/attention.py's attention_block): q (b, hq, n, d) at global positions
+    q_offset.., k/v (b, hk, m, d) at k_offset.., restricted to `allowed` (b, n, m) pairs if given -> output
+    (b, hq, n, d) and log-sum-exp (b, hq, n) in at least fp32. A row that sees no key has output 0 and
+    log-sum-exp -inf, which a merge by log-sum-exps ignores."""
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    hk = k.shape[1]
+    s = _block_scores(_grouped(q.to(dtype), hk), k.to(dtype), scale, causal, q_offset, k_offset, allowed)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse.masked_fill(lse == -math.inf, 0.0).unsqueeze(-1))
+    out = torch.matmul(p, v.to(dtype).unsqueeze(2))
+    return out.flatten(1, 2), lse.flatten(1, 2)
+
+
+def attention_block_grads(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    q_offset: int = 0,
+    k_offset: int = 0,
+    allowed: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv (at least fp32) of one block of attention_block's, its probabilities recomputed from
+    `lse` (b, hq, n), the log-sum-exp of the rows' final (merged) output; `delta` (b, hq, n) is
+    rowsum(dO * O) of that final output (the softmax's backward)."""
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    hk = k.shape[1]
+    qg, dog = _grouped(q.to(dtype), hk), _grouped(do.to(dtype), hk)
+    k, v = k.to(dtype), v.to(dtype)
+    s = _block_scores(qg, k, scale, causal, q_offset, k_offset, allowed)
+    p = torch.exp(s - _grouped(lse.to(dtype)[..., None], hk))
+    dv = torch.matmul(p.transpose(-1, -2), dog).sum(2)
+    dp = torch.matmul(dog, v.unsqueeze(2).transpose(-1, -2))
+    ds = p * (dp - _grouped(delta.to(dtype)[..., None], hk))
+    dq = torch.matmul(ds, k.unsqueeze(2)) * scale
+    dk = torch.matmul(ds.transpose(-1, -2), qg).sum(2) * scale
+    return dq.flatten(1, 2), dk, dv
 
 
 def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:

@@ -701,13 +701,6 @@ def context_parallel_problem(job: JobConfig) -> str:
             f"model.num_attention_heads={m.num_attention_heads} gives {heads} per tensor-parallel rank "
             f"(parallel.tp={p.tp}); choose a cp dividing {heads}, or parallel.cp_comm=ring"
         )
-    if p.cp_comm == "ring" and m.kernels == "triton":
-        return (
-            "model.kernels=triton: ring attention (parallel.cp > 1, parallel.cp_comm=ring) needs each "
-            "block's log-sum-exp and block offsets, which the Triton flash-attention kernel does not give "
-            "yet; use model.kernels=auto or torch (ring attention runs in PyTorch), or "
-            "parallel.cp_comm=all_to_all"
-        )
     if m.attention_dropout > 0:
         return (
             f"model.attention_dropout={m.attention_dropout}: context-parallel attention (parallel.cp={cp}) "

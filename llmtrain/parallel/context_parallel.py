@@ -13,7 +13,9 @@ Attention (each block's `attn.core` is replaced, as apply_tp and apply_recompute
   overlapped with attention on the K/V block in hand. Each (query chunk, key chunk) pair is fully visible,
   fully masked (skipped) or diagonal (causal); the partial outputs are merged by their log-sum-exp. The
   backward recomputes each block's probabilities from the final log-sum-exp and passes dK/dV around the
-  ring with the K/V they belong to, so they arrive home after cp transfers. Plain PyTorch, any backend.
+  ring with the K/V they belong to, so they arrive home after cp transfers. Each block is
+  kernels.flash_attention_block(_grads) at the chunks' global offsets: the Triton kernel with
+  model.kernels=triton, PyTorch otherwise and always with packed documents.
 * ``all_to_all`` (Ulysses): an all-to-all scatters the heads and gathers the sequence, each rank runs causal
   attention over the whole sequence for cp-th of the heads, and the reverse all-to-all brings its tokens
   back. Grouped-query K/V with fewer heads than cp ranks are replicated up to a multiple of cp first.
@@ -143,65 +145,6 @@ def pair_kind(q_chunk: int, kv_chunk: int) -> str:
     return DIAGONAL if kv_chunk == q_chunk else MASKED
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """At least fp32 (bf16/fp16 inputs accumulate in fp32; float64 stays float64)."""
-    return torch.promote_types(dtype, torch.float32)
-
-
-def _scores(
-    q: torch.Tensor, k: torch.Tensor, scale: float, kind: str, allowed: torch.Tensor | None = None
-) -> torch.Tensor:
-    """q (b, hk, g, n, d), k (b, hk, m, d) -> scaled scores (b, hk, g, n, m), causal on the diagonal, and
-    -inf where `allowed` (b, n, m), if given, is false (packed documents)."""
-    s = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)) * scale
-    if kind == DIAGONAL:
-        n, m = s.shape[-2:]
-        s = s.masked_fill(torch.ones(n, m, dtype=torch.bool, device=s.device).triu(1), -math.inf)
-    if allowed is not None:
-        s = s.masked_fill(~allowed[:, None, None], -math.inf)
-    return s
-
-
-def block_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    scale: float,
-    kind: str,
-    allowed: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of one block: q (b, hk, g, n, d) against k/v (b, hk, m, d) (g query heads per kv head),
-    fully visible or causal (`kind` diagonal), restricted to `allowed` (b, n, m) pairs if given. Returns the
-    output (b, hk, g, n, d) and its log-sum-exp (b, hk, g, n); a row that sees no key has output 0 and
-    log-sum-exp -inf, which the merge then ignores."""
-    s = _scores(q, k, scale, kind, allowed)
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - lse.masked_fill(lse == -math.inf, 0.0).unsqueeze(-1))
-    return torch.matmul(p, v.unsqueeze(2)), lse
-
-
-def block_attention_grads(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    dout: torch.Tensor,
-    lse: torch.Tensor,
-    delta: torch.Tensor,
-    scale: float,
-    kind: str,
-    allowed: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv of one block, its probabilities recomputed from the final log-sum-exp `lse` of the rows;
-    `delta` is rowsum(dout * out) of the final output (the softmax's backward)."""
-    p = torch.exp(_scores(q, k, scale, kind, allowed) - lse.unsqueeze(-1))
-    dv = torch.matmul(p.transpose(-1, -2), dout).sum(2)
-    dp = torch.matmul(dout, v.unsqueeze(2).transpose(-1, -2))
-    ds = p * (dp - delta.unsqueeze(-1))
-    dq = torch.matmul(ds, k.unsqueeze(2)) * scale
-    dk = torch.matmul(ds.transpose(-1, -2), q).sum(2) * scale
-    return dq, dk, dv
-
-
 def _merge(
     out: torch.Tensor | None, lse: torch.Tensor | None, o: torch.Tensor, lo: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -229,7 +172,10 @@ def _chunks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class _RingAttention(torch.autograd.Function):
-    """Causal ring attention over the CP group; q (b, h, s, d), k/v (b, hk, s, d), this rank's two chunks."""
+    """Causal ring attention over the CP group; q (b, h, s, d), k/v (b, hk, s, d), this rank's two chunks.
+
+    Each block runs kernels.flash_attention_block(_grads) with impl `impl`, given the chunks' global offsets;
+    K/V travel in their own dtype, outputs and gradients are merged and accumulated in at least fp32."""
 
     @staticmethod
     def forward(
@@ -240,23 +186,23 @@ class _RingAttention(torch.autograd.Function):
         split: ContextSplit,
         scale: float,
         documents: torch.Tensor | None,
+        impl: str,
     ) -> torch.Tensor:
-        b, h, s, d = q.shape
-        hk = k.shape[1]
-        dtype = _compute_dtype(q.dtype)
-        qg = q.to(dtype).reshape(b, hk, h // hk, s, d)
-        q_parts = _chunks(qg)
+        size = q.shape[2] // 2
+        q_parts = _chunks(q)
         outs: list[torch.Tensor | None] = [None, None]
         lses: list[torch.Tensor | None] = [None, None]
-        kv = torch.stack((k.to(dtype), v.to(dtype)))
+        kv = torch.stack((k, v))
         for step in range(split.cp):
             source = (split.rank - step) % split.cp
             pending: list = []
             if step < split.cp - 1:  # the next block travels while this one is computed
                 pending, received = _exchange(split, [kv], f"ring attention K/V, step {step}")
             k_parts, v_parts = _chunks(kv[0]), _chunks(kv[1])
-            for i, j, kind, allowed in _visible_pairs(split, source, documents, s // 2):
-                o, lo = block_attention(q_parts[i], k_parts[j], v_parts[j], scale, kind, allowed)
+            for i, j, q_offset, k_offset, allowed in _visible_pairs(split, source, documents, size):
+                o, lo = kernels.flash_attention_block(
+                    q_parts[i], k_parts[j], v_parts[j], True, scale, q_offset, k_offset, impl, allowed=allowed
+                )
                 outs[i], lses[i] = _merge(outs[i], lses[i], o, lo)
             for work in pending:
                 work.wait()
@@ -265,25 +211,21 @@ class _RingAttention(torch.autograd.Function):
         out = torch.cat(outs, dim=-2)  # type: ignore[arg-type]
         lse = torch.cat(lses, dim=-1)  # type: ignore[arg-type]
         ctx.save_for_backward(q, k, v, out, lse, documents)
-        ctx.split, ctx.scale = split, scale
-        return out.reshape(b, h, s, d).to(q.dtype)
+        ctx.split, ctx.scale, ctx.impl = split, scale, impl
+        return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple:
         q, k, v, out, lse, documents = ctx.saved_tensors
         split: ContextSplit = ctx.split
-        scale = ctx.scale
-        b, h, s, d = q.shape
-        hk = k.shape[1]
+        size = q.shape[2] // 2
         dtype = out.dtype
-        qg = q.to(dtype).reshape(b, hk, h // hk, s, d)
-        do = dout.to(dtype).reshape(qg.shape)
-        delta = (do * out).sum(-1)
-        q_parts, do_parts = _chunks(qg), _chunks(do)
+        delta = (dout.to(dtype) * out).sum(-1)
+        q_parts, do_parts = _chunks(q), _chunks(dout)
         lse_parts, delta_parts = lse.chunk(2, dim=-1), delta.chunk(2, dim=-1)
-        dq = torch.zeros_like(qg)
+        dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
         dq_parts = _chunks(dq)
-        kv = torch.stack((k.to(dtype), v.to(dtype)))
+        kv = torch.stack((k, v))
         dkv: torch.Tensor | None = None  # gradient of the block in hand, from the ranks it has visited
         for step in range(split.cp):
             source = (split.rank - step) % split.cp
@@ -293,21 +235,14 @@ class _RingAttention(torch.autograd.Function):
             if dkv is not None:  # the previous block's gradient moves on with it
                 sends.append(dkv)
             pending, received = _exchange(split, sends, f"ring attention backward, step {step}")
-            own = torch.zeros_like(kv)
+            own = torch.zeros(kv.shape, dtype=dtype, device=kv.device)
             k_parts, v_parts = _chunks(kv[0]), _chunks(kv[1])
             dk_parts, dv_parts = _chunks(own[0]), _chunks(own[1])
-            for i, j, kind, allowed in _visible_pairs(split, source, documents, s // 2):
-                dq_ij, dk_ij, dv_ij = block_attention_grads(
-                    q_parts[i],
-                    k_parts[j],
-                    v_parts[j],
-                    do_parts[i],
-                    lse_parts[i],
-                    delta_parts[i],
-                    scale,
-                    kind,
-                    allowed,
-                )
+            for i, j, q_offset, k_offset, allowed in _visible_pairs(split, source, documents, size):
+                dq_ij, dk_ij, dv_ij = kernels.flash_attention_block_grads(
+                    do_parts[i], q_parts[i], k_parts[j], v_parts[j], lse_parts[i], delta_parts[i], True,
+                    ctx.scale, q_offset, k_offset, ctx.impl, allowed=allowed,
+                )  # fmt: skip
                 dq_parts[i].add_(dq_ij)
                 dk_parts[j].add_(dk_ij)
                 dv_parts[j].add_(dv_ij)
@@ -321,20 +256,18 @@ class _RingAttention(torch.autograd.Function):
         for work in pending:
             work.wait()
         dkv = received[0]
-        dq = dq.reshape(b, h, s, d).to(q.dtype)
-        return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
 def _visible_pairs(
     split: ContextSplit, source: int, documents: torch.Tensor | None, size: int
-) -> Iterator[tuple[int, int, str, torch.Tensor | None]]:
-    """(local query chunk, source key chunk, pair kind, same-document mask) of every pair of this rank's
-    query chunks with `source`'s key chunks that the causal mask leaves anything of."""
+) -> Iterator[tuple[int, int, int, int, torch.Tensor | None]]:
+    """(local query chunk, source key chunk, their global offsets, same-document mask) of every pair of this
+    rank's query chunks with `source`'s key chunks that the causal mask leaves anything of."""
     for i, qi in enumerate(chunk_ids(split.cp, split.rank)):
         for j, kj in enumerate(chunk_ids(split.cp, source)):
-            kind = pair_kind(qi, kj)
-            if kind != MASKED:
-                yield i, j, kind, _allowed(documents, qi, kj, size)
+            if pair_kind(qi, kj) != MASKED:
+                yield i, j, qi * size, kj * size, _allowed(documents, qi, kj, size)
 
 
 def _allowed(documents: torch.Tensor | None, q_chunk: int, kv_chunk: int, size: int) -> torch.Tensor | None:
@@ -352,16 +285,20 @@ def ring_attention(
     split: ContextSplit,
     softmax_scale: float | None = None,
     documents: torch.Tensor | None = None,
+    impl: str = "torch",
 ) -> torch.Tensor:
     """Causal attention of this CP rank's queries over the whole sequence's keys: q (b, heads, s, d), k/v
     (b, kv_heads, s, d), each this rank's two chunks (split_sequence) -> context (b, heads, s, d). With
-    `documents` (b, S), the packed documents' ids of the whole sequences, only inside each document."""
+    `documents` (b, S), the packed documents' ids of the whole sequences, only inside each document. Each
+    block runs kernels.flash_attention_block with `impl`; packed documents always take the PyTorch path
+    (the Triton kernels have no document mask), as the model's attention does without cp."""
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} kv heads")
     if q.shape[2] % 2:
         raise ValueError(f"a CP rank holds two equal chunks; got {q.shape[2]} tokens")
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-    return _RingAttention.apply(q, k, v, split, scale, documents)
+    block_impl = "torch" if documents is not None else impl
+    return _RingAttention.apply(q, k, v, split, scale, documents, block_impl)
 
 
 # --- All-to-all (Ulysses) ---------------------------------------------------------------------------------
@@ -449,7 +386,7 @@ def _core(split: ContextSplit, impl: str) -> Any:
     ) -> torch.Tensor:
         if split.comm == "all_to_all":
             return all_to_all_attention(q, k, v, split, impl, documents)
-        return ring_attention(q, k, v, split, documents=documents)
+        return ring_attention(q, k, v, split, documents=documents, impl=impl)
 
     return core
 

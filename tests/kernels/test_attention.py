@@ -97,6 +97,20 @@ def _one_config(kernel, config):
     return lambda device: triton.autotune(configs=[config], key=attention._KEY)(kernel)
 
 
+def _one_config_each(index, monkeypatch):
+    """Every attention kernel launched with its index-th config only (cycling through shorter lists)."""
+    pick = lambda configs: configs[index % len(configs)]
+    monkeypatch.setattr(
+        attention, "_FWD", _one_config(attention._attn_fwd_kernel, pick(attention.FWD_CONFIGS))
+    )
+    monkeypatch.setattr(
+        attention, "_DKDV", _one_config(attention._attn_bwd_dkdv_kernel, pick(attention.DKDV_CONFIGS))
+    )
+    monkeypatch.setattr(
+        attention, "_DQ", _one_config(attention._attn_bwd_dq_kernel, pick(attention.DQ_CONFIGS))
+    )
+
+
 # Interpreted, fp16 tiles are upcast to fp32 (the fp32 case already covers that arithmetic); compiled, every
 # dtype runs its own tensor-core path.
 @pytest.mark.slow
@@ -108,16 +122,7 @@ def test_every_autotune_config_is_correct(index, causal, dtype, monkeypatch):
     (BLOCK_M below, equal to and above BLOCK_N; several blocks, a causal diagonal that straddles blocks, a
     ragged tail, a head dim that is not a power of two) must give the same answer. The configs run in
     turn, the i-th of each kernel together; the first H100 run found an fp16 dK error at one of them."""
-    pick = lambda configs: configs[index % len(configs)]
-    monkeypatch.setattr(
-        attention, "_FWD", _one_config(attention._attn_fwd_kernel, pick(attention.FWD_CONFIGS))
-    )
-    monkeypatch.setattr(
-        attention, "_DKDV", _one_config(attention._attn_bwd_dkdv_kernel, pick(attention.DKDV_CONFIGS))
-    )
-    monkeypatch.setattr(
-        attention, "_DQ", _one_config(attention._attn_bwd_dq_kernel, pick(attention.DQ_CONFIGS))
-    )
+    _one_config_each(index, monkeypatch)
     for seq, dim in ((200, 128), (131, 40)):
         q = randn(1, 4, seq, dim, dtype=dtype)
         k = randn(1, 2, seq, dim, dtype=dtype)
@@ -132,3 +137,88 @@ def test_every_autotune_config_is_correct(index, causal, dtype, monkeypatch):
         assert_close(got[0], exp[0], dtype, what=f"output (seq {seq}, dim {dim})")
         for name, a, e in zip("qkv", got_g, exp_g, strict=True):
             assert_close(a, e, dtype, scale=2.0, what=f"grad {name} (seq {seq}, dim {dim})")
+
+
+# Ring attention's blocks: queries [0, 20) and [20, 48) against keys [0, 13), [13, 30), [30, 48) of one
+# causal sequence of 48: fully visible, diagonal-straddling, partly hidden (rows that see no key) and fully
+# hidden pairs, none aligned to the kernels' block sizes.
+CHUNKS_48 = ([(0, 20), (20, 48)], [(0, 13), (13, 30), (30, 48)])
+# The same kinds of pairs for the larger blocks of the other autotune configs (BLOCK_M/BLOCK_N up to 128).
+CHUNKS_200 = ([(0, 90), (90, 200)], [(0, 57), (57, 130), (130, 200)])
+
+
+def _check_blocks_against_whole(dtype, impl, seq, chunks):
+    """flash_attention_block's (output, log-sum-exp) per (query chunk, key chunk) pair, merged by
+    log-sum-exp, against causal attention over the whole sequence (SDPA in float64), and
+    flash_attention_block_grads from the merged output's log-sum-exp and delta, summed over the pairs,
+    against its gradient; every block also against the PyTorch block in float64, including the -inf
+    log-sum-exp and zero output of rows that see none of a block's keys."""
+    q_chunks, k_chunks = chunks
+    b, hq, hk, dim, scale = 2, 4, 2, 16, 0.3
+    q, k, v = (randn(b, h, seq, dim, dtype=dtype) for h in (hq, hk, hk))
+    exp, exp_g = forward_backward(
+        lambda q, k, v: _sdpa64(q, k, v, True, scale),
+        [t.detach().double().requires_grad_() for t in (q, k, v)],
+    )
+    do = torch.randn(b, hq, seq, dim, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    do = do.half().to(DEVICE, dtype)  # forward_backward's cotangent: the same seed, rounded the same way
+    q64, k64, v64 = (t.detach().double() for t in (q, k, v))
+    outs, lses = [], []
+    for q0, q1 in q_chunks:
+        out = lse = None
+        for k0, k1 in k_chunks:
+            args = (q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], True, scale, q0, k0)
+            o, lo = kernels.flash_attention_block(*args, impl=impl)
+            want_o, want_lse = kernels.reference.attention_block(
+                q64[:, :, q0:q1], k64[:, :, k0:k1], v64[:, :, k0:k1], True, scale, q0, k0
+            )
+            assert o.dtype == lo.dtype == torch.float32
+            assert torch.equal(lo.isinf(), want_lse.isinf()), f"rows without keys, block q{q0} k{k0}"
+            assert_close(o, want_o, dtype, what=f"block output q{q0} k{k0}")
+            seen = want_lse.isfinite()
+            assert_close(lo[seen], want_lse[seen], dtype, what=f"block lse q{q0} k{k0}")
+            if out is None:
+                out, lse = o, lo
+            else:
+                new = torch.logaddexp(lse, lo)
+                out = out * (lse - new).exp()[..., None] + o * (lo - new).exp()[..., None]
+                lse = new
+        outs.append(out)
+        lses.append(lse)
+    out, lse = torch.cat(outs, 2), torch.cat(lses, 2)
+    assert_close(out, exp[0], dtype, what="merged output")
+    delta = (do.float() * out).sum(-1)
+    grads = [torch.zeros(t.shape, dtype=torch.float64) for t in (q, k, v)]
+    for q0, q1 in q_chunks:
+        for k0, k1 in k_chunks:
+            dq, dk, dv = kernels.flash_attention_block_grads(
+                do[:, :, q0:q1], q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], lse[:, :, q0:q1],
+                delta[:, :, q0:q1], True, scale, q0, k0, impl=impl,
+            )  # fmt: skip
+            grads[0][:, :, q0:q1] += dq.cpu().double()
+            grads[1][:, :, k0:k1] += dk.cpu().double()
+            grads[2][:, :, k0:k1] += dv.cpu().double()
+    # Gradients sum products over the sequence (and over a GQA group for dk/dv): allow 2x, as above.
+    for name, a, e in zip("qkv", grads, exp_g, strict=True):
+        assert_close(a, e.cpu(), dtype, scale=2.0, what=f"grad {name}")
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_attention_blocks_merged_by_lse_equal_whole_attention(dtype, impl):
+    _check_blocks_against_whole(dtype, impl, 48, CHUNKS_48)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("index", range(max(map(len, (attention.FWD_CONFIGS, attention.DKDV_CONFIGS)))))
+def test_every_autotune_config_gets_block_offsets_right(index, monkeypatch):
+    """The stage bounds shifted by the block offsets, for every block shape autotuning may pick (fp32)."""
+    _one_config_each(index, monkeypatch)
+    _check_blocks_against_whole(torch.float32, "triton", 200, CHUNKS_200)
+
+
+def test_triton_attention_block_refuses_document_masks():
+    q = torch.zeros(1, 2, 8, 16, device=DEVICE)
+    allowed = torch.ones(1, 8, 8, dtype=torch.bool)
+    with pytest.raises(ValueError, match="no `allowed` mask"):
+        kernels.flash_attention_block(q, q, q, impl="triton", allowed=allowed)

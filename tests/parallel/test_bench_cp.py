@@ -1,0 +1,74 @@
+"""benchmarks/bench_cp.py: activation memory per rank falls as 1/cp in the trainer's own memory records, and
+the speed/overlap section runs end to end (timings are reported, never asserted)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_cp.py"
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_cp", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_activation_memory_per_rank_falls_as_one_over_cp():
+    """llama-small, 4 layers, one sequence of 1024 tokens, trained by tools/pretrain.py at cp = 1, 2, 4:
+    static bytes (parameters, gradients, Adam: 16 per parameter) are the same on every rank at every cp,
+    and the rest, the activations, is each rank's share of per-token tensors: exactly activations(1) / cp
+    of them, so never less, plus what ring attention alone holds, bounded by bench_cp.ring_extra_bytes
+    (one chunk pair's fp32 score-sized temporaries, the K/V and dK/dV in flight). The live-tensor tracker
+    counts exact bytes, so no other slack is needed."""
+    bench = _bench()
+    rows = bench.memory_table(seq=1024, layers=4, cps=[1, 2, 4], steps=2)
+    base = rows[0]["activations"]
+    assert base > rows[0]["static"] / 2, "activations must dominate enough for the ratio to mean anything"
+    for row in rows:
+        assert len(set(row["rank_peaks_mib"])) == 1, f"cp={row['cp']}: ranks differ {row['rank_peaks_mib']}"
+        share = base / row["cp"]
+        assert share <= row["activations"] <= share + row["ring_extra"], (
+            f"cp={row['cp']}: activations {row['activations']} bytes, expected {share:.0f} + at most "
+            f"{row['ring_extra']}"
+        )
+
+
+@pytest.mark.slow
+def test_speed_section_reports_every_cp(tmp_path):
+    out = tmp_path / "cp.json"
+    args = [
+        "--skip-memory",
+        "--seq",
+        "64",
+        "--layers",
+        "1",
+        "--cps",
+        "2",
+        "--repeats",
+        "1",
+        "--json",
+        str(out),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, str(BENCH), *args], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "overlap" in done.stdout
+    (row,) = json.loads(out.read_text())["speed"]
+    assert row["cp"] == 2 and 0.0 <= row["overlap"] <= 1.0
+    assert row["with"] > 0 and row["without"] > 0 and row["comm"] > 0
+    # The replayed transfers are the ring's of one step: a K/V block is (2, batch 1, 4 kv heads, 64 / cp
+    # tokens, head 32) fp32 = 32 KiB; at cp = 2 it travels once forward and once backward, then its dK/dV
+    # (the same size) moves on once and goes home once.
+    assert row["bytes"] == 4 * 2 * 4 * 32 * 32 * 4
