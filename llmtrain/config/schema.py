@@ -262,6 +262,8 @@ class TrainConfig:
     """Samples per optimizer step over all data-parallel ranks."""
     micro_batch_size: int = 4
     """Samples per forward/backward on one rank; the rest is gradient accumulation."""
+    dp_micro_batches: list[int] = field(default_factory=list)
+    """Micro-batches per data-parallel replica (dp counts summing to global/micro); empty: equal shares."""
     seed: int = 1234
     """Seed of initialisation, data order and dropout."""
     precision: Precision = "fp32"

@@ -83,6 +83,7 @@ def validate(job: JobConfig) -> None:
     )
     raise_if_problem(context_parallel_problem(job))
     raise_if_problem(float8_problem(job))
+    raise_if_problem(uneven_batch_problem(job))
 
     _require(t.steps >= 1, f"train.steps must be at least 1; got {t.steps}")
     _require(t.lr > 0, f"train.lr must be positive; got {t.lr}")
@@ -717,6 +718,44 @@ def context_parallel_problem(job: JobConfig) -> str:
     return ""
 
 
+def uneven_batch_problem(job: JobConfig, dp: int | None = None) -> str:
+    """Why train.dp_micro_batches (micro-batches per data-parallel replica) cannot run this job, naming the
+    fix ("" if it can, or is empty). `dp`: the data-parallel degree once the world size is known. Uneven
+    counts are verified against one process with llmtrain's own data parallelism (zero 0/1, whose gradient
+    reduction divides by dp, which the runner's loss weighting relies on) and without pipeline, context or
+    expert parallelism: the pipeline schedule is built for one micro-batch count on every replica, and the
+    other paths (FSDP2, DeepSpeed, cp, ep) have not been checked with uneven shares."""
+    t, p = job.train, job.parallel
+    counts = t.dp_micro_batches
+    if not counts:
+        return ""
+    total = t.global_batch_size // t.micro_batch_size
+    if min(counts) < 1 or sum(counts) != total:
+        return (
+            f"train.dp_micro_batches={list(counts)} must be positive counts summing to "
+            f"train.global_batch_size / train.micro_batch_size = {total}; every replica runs at least one"
+        )
+    unsupported = [
+        (p.engine != "llmtrain", f"parallel.engine={p.engine}", "parallel.engine=llmtrain"),
+        (p.zero_stage > 1, f"parallel.zero_stage={p.zero_stage}", "parallel.zero_stage 0 or 1"),
+        (p.pp > 1, f"parallel.pp={p.pp}", "parallel.pp=1"),
+        (p.cp > 1, f"parallel.cp={p.cp}", "parallel.cp=1"),
+        (p.ep > 1, f"parallel.ep={p.ep}", "parallel.ep=1"),
+    ]
+    for bad, setting, fix in unsupported:
+        if bad:
+            return (
+                f"train.dp_micro_batches (uneven micro-batches per replica) is not supported with {setting}; "
+                f"use {fix}, or leave train.dp_micro_batches empty for equal shares"
+            )
+    if dp is not None and len(counts) != dp:
+        return (
+            f"train.dp_micro_batches has {len(counts)} entries for the data-parallel degree {dp}; give one "
+            "micro-batch count per replica"
+        )
+    return ""
+
+
 def zero_problem(p: ParallelConfig) -> str:
     """Why the zero stage cannot run with the rest of the layout ("" when it can)."""
     if p.dp_shard is not None and p.dp_shard < 1:
@@ -768,8 +807,9 @@ def validate_world(job: JobConfig, world_size: int) -> int:
     dp = resolve_dp(job.parallel, world_size)
     t = job.train
     per_step = t.micro_batch_size * dp
+    raise_if_problem(uneven_batch_problem(job, dp))
     _require(
-        t.global_batch_size % per_step == 0,
+        bool(t.dp_micro_batches) or t.global_batch_size % per_step == 0,
         f"train.global_batch_size={t.global_batch_size} is not a multiple of train.micro_batch_size * dp = "
         f"{t.micro_batch_size}*{dp}; change the batch sizes",
     )

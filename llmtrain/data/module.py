@@ -1,8 +1,9 @@
 """`build_data`: what the trainer calls to get tokens (contract E), resharding-safe by construction.
 
 Global batch b is samples [c + b*G, c + (b+1)*G) of one fixed global order (c = consumed samples at
-start, G = global batch size); data-parallel rank r of D reads the r-th of D equal slices. The order
-depends only on the seed and the data, so a run resumed with another D continues exactly.
+start, G = global batch size); data-parallel rank r of D reads the r-th of D equal slices, or with uneven
+shares (train.dp_micro_batches) the r-th of D contiguous slices of those sizes. The order depends only on
+the seed and the data, so a run resumed with another D or other shares continues exactly.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import itertools
 import os
 import signal
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -32,10 +33,21 @@ def entropy_nats(counts: np.ndarray) -> float:
     return float(-(p * np.log(p)).sum())
 
 
-def slice_of_batch(global_batch_size: int, dp_rank: int, dp_size: int) -> tuple[int, int]:
-    """[start, stop) of rank dp_rank's share within a global batch."""
+def slice_of_batch(
+    global_batch_size: int, dp_rank: int, dp_size: int, shares: Sequence[int] = ()
+) -> tuple[int, int]:
+    """[start, stop) of rank dp_rank's share within a global batch: the r-th of dp_size equal slices, or
+    with `shares` (samples per replica, summing to the global batch) the r-th slice of those sizes."""
     if dp_size < 1 or not 0 <= dp_rank < dp_size:
         raise DataError(f"dp_rank={dp_rank} must lie in [0, dp_size={dp_size})")
+    if shares:
+        if len(shares) != dp_size or sum(shares) != global_batch_size:
+            raise DataError(
+                f"samples per replica {list(shares)} must be {dp_size} counts summing to "
+                f"train.global_batch_size={global_batch_size}; fix train.dp_micro_batches"
+            )
+        start = sum(shares[:dp_rank])
+        return start, start + shares[dp_rank]
     if global_batch_size % dp_size:
         raise DataError(
             f"train.global_batch_size={global_batch_size} is not divisible by the data-parallel size "
@@ -58,13 +70,14 @@ class DataModule:
         dp_size: int,
         unigram_entropy: float,
         num_workers: int = 0,
+        shares: Sequence[int] = (),
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size: int = tokenizer.vocab_size
         self.unigram_entropy = unigram_entropy
         self.train, self.valid = train, valid
         self.global_batch_size = global_batch_size
-        self._lo, self._hi = slice_of_batch(global_batch_size, dp_rank, dp_size)
+        self._lo, self._hi = slice_of_batch(global_batch_size, dp_rank, dp_size, shares)
         self.num_workers = num_workers
 
     def _batch(self, source: GPTDataset | BlendedDataset, first: int) -> torch.Tensor:
@@ -73,7 +86,8 @@ class DataModule:
         return torch.from_numpy(np.stack(rows))
 
     def train_batches(self, consumed_samples: int = 0) -> Iterator[torch.Tensor]:
-        """Endless: this rank's slice (global_batch/dp, seq+1) of each global batch after consumed_samples."""
+        """Endless: this rank's slice (its share of the global batch, seq+1) of each global batch after
+        consumed_samples."""
         firsts = itertools.count(consumed_samples, self.global_batch_size)
         if self.num_workers == 0:
             for first in firsts:
@@ -162,7 +176,8 @@ def _check_vocab(tokenizer: Tokenizer, model_vocab: int, origin: str) -> None:
 def build_data(job: JobConfig, dp_rank: int = 0, dp_size: int = 1) -> DataModule:
     """The DataModule of `job` for data-parallel rank dp_rank of dp_size (prepares caches on first use)."""
     d, m, t = job.data, job.model, job.train
-    slice_of_batch(t.global_batch_size, dp_rank, dp_size)  # fail early on an indivisible batch
+    shares = [count * t.micro_batch_size for count in t.dp_micro_batches]
+    slice_of_batch(t.global_batch_size, dp_rank, dp_size, shares)  # fail early on an indivisible batch
     if d.num_workers < 0:
         raise DataError(
             f"data.num_workers must be >= 0 (0 reads in the training process); got {d.num_workers}"
@@ -234,4 +249,5 @@ def build_data(job: JobConfig, dp_rank: int = 0, dp_size: int = 1) -> DataModule
         dp_size,
         entropy_nats(np.asarray(mixture)),
         num_workers=d.num_workers,
+        shares=shares,
     )

@@ -71,8 +71,17 @@ def _llmtrain_parts(job: JobConfig, topo: Topology) -> tuple[torch.nn.Module, An
         optimizer = build_optimizer(model, topo, job)
         return model, optimizer, PipelineStepRunner(executor, optimizer, job.train.micro_batch_size)
     optimizer = build_optimizer(model, topo, job)
-    runner = LocalStepRunner(model, optimizer, job.train.micro_batch_size, grad_sync, topo.device)
+    runner = LocalStepRunner(
+        model, optimizer, job.train.micro_batch_size, grad_sync, topo.device, loss_divisor(job, topo.dp)
+    )
     return model, optimizer, runner
+
+
+def loss_divisor(job: JobConfig, dp: int) -> float | None:
+    """LocalStepRunner.loss_divisor: with train.dp_micro_batches, the global batch's micro-batches / dp
+    (the reduction divides the replicas' sum by dp); None with equal shares."""
+    t = job.train
+    return t.global_batch_size / t.micro_batch_size / dp if t.dp_micro_batches else None
 
 
 def build_trainer(
@@ -160,7 +169,11 @@ def startup_block(job: JobConfig, topo: Topology, launch: Launch) -> str:
     from llmtrain.planner.flops import num_parameters
 
     m, p, t, c = job.model, job.parallel, job.train, job.checkpoint
-    accumulation = t.global_batch_size // (t.micro_batch_size * topo.dp)
+    accumulation = (
+        "/".join(map(str, t.dp_micro_batches)) + " (per replica)"
+        if t.dp_micro_batches
+        else str(t.global_batch_size // (t.micro_batch_size * topo.dp))
+    )
     pipeline = (
         f"pipeline schedule {p.schedule}, {p.virtual_stages} virtual stage(s) per rank" if topo.pp > 1 else ""
     )

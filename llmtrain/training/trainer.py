@@ -37,7 +37,9 @@ class StepRunner(Protocol):
 
     def train_step(self, batch: torch.Tensor, timer: StepTimer) -> torch.Tensor:
         """Accumulate gradients over the micro-batches of `batch`; return the mean loss (a 0-d tensor, on
-        the host or still on the device: the trainer reads it once)."""
+        the host or still on the device: the trainer reads it once). With uneven shares per replica it is
+        the replica's summed loss over the even share's micro-batch count, so the mean over replicas is the
+        global batch's mean."""
 
     def eval_step(self, batch: torch.Tensor) -> torch.Tensor:
         """Mean loss of `batch` without gradients."""
@@ -89,12 +91,18 @@ class LocalStepRunner:
         micro_batch_size: int,
         grad_sync: Any,
         device: torch.device | str = "cpu",
+        loss_divisor: float | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
         self.micro_batch_size = micro_batch_size
         self.grad_sync = grad_sync
         self.device = torch.device(device)
+        self.loss_divisor = loss_divisor
+        """With uneven micro-batches per replica (train.dp_micro_batches): the global batch's micro-batches
+        / dp, what each micro-batch's loss is divided by, so that the data-parallel reduction's mean over
+        replicas of their sums is the mean over the global batch. None: this replica's own count (equal
+        shares, where the two agree)."""
         self.router_figures: RouterFigures | None = None
         """The last train_step's RouterFigures; None for a dense model."""
 
@@ -104,6 +112,7 @@ class LocalStepRunner:
         # Summed on the device: one host sync per step (the trainer's), not one per micro-batch.
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         figures: list[RouterFigures] = []
+        divisor = self.loss_divisor or len(micro_batches)
         for index, micro in enumerate(micro_batches):
             # Data-parallel gradient reduction only runs with the last micro-batch's backward.
             with self.grad_sync(self.model, enabled=index == len(micro_batches) - 1):
@@ -111,10 +120,10 @@ class LocalStepRunner:
                     loss = self.model(micro[:, :-1], labels=micro[:, 1:])
                     figures += self._router_figures()
                 with timer.section("backward"):
-                    self.optimizer.backward(loss / len(micro_batches))
+                    self.optimizer.backward(loss / divisor)
             total += loss.detach().float()
         self.router_figures = RouterFigures.combine(figures) if figures else None
-        return total / len(micro_batches)
+        return total / divisor
 
     def _router_figures(self) -> list[RouterFigures]:
         """The RouterFigures of the forward that just ran, detached; [] for a dense model."""
@@ -137,7 +146,7 @@ class LocalStepRunner:
             self.model(m[:, :-1], labels=m[:, 1:]).float()
             for m in batch.to(self.device).split(self.micro_batch_size)
         ]
-        return torch.stack(losses).mean()
+        return torch.stack(losses).sum() / (self.loss_divisor or len(losses))
 
 
 @dataclass

@@ -162,6 +162,22 @@ def test_world_size_must_match_degrees():
         validate_world(inferred, 3)
 
 
+def test_uneven_micro_batches_per_replica_are_checked():
+    base = ["train.global_batch_size=12", "train.micro_batch_size=2"]
+    job = load(None, [*base, "train.dp_micro_batches=[4,2]"])
+    # 12 / (2 * 4) is no whole count: only equal shares need the divisibility.
+    assert validate_world(job, 2) == 2
+    with pytest.raises(ConfigError, match="has 2 entries for the data-parallel degree 3"):
+        validate_world(job, 3)
+    with pytest.raises(ConfigError, match=r"summing to train.global_batch_size / train.micro_batch_size = 6"):
+        load(None, [*base, "train.dp_micro_batches=[4,1]"])
+    with pytest.raises(ConfigError, match="positive counts"):
+        load(None, [*base, "train.dp_micro_batches=[6,0]"])
+    for setting in ("parallel.pp=2", "parallel.zero_stage=2", "parallel.cp=2"):
+        with pytest.raises(ConfigError, match=f"not supported with {setting}.*leave train.dp_micro_batches"):
+            load(None, [*base, "train.dp_micro_batches=[4,2]", setting])
+
+
 def _literal_fields(section: object, prefix: str = "") -> list[tuple[str, tuple[str, ...]]]:
     """(dotted name, choices) of every Literal-typed field of a JobConfig, found by reading types."""
     found = []

@@ -59,6 +59,22 @@ def test_resuming_with_another_dp_degree_continues_exactly(tmp_path, dataset_pre
     assert len({tuple(r.tolist()) for r in rows}) == len(rows)  # no sample repeated within the epoch
 
 
+def test_uneven_shares_read_the_even_split_s_samples(tmp_path, dataset_prefix, sp_model):
+    """train.dp_micro_batches [3, 1]: replica slices of 6 and 2 samples whose union, in rank order, is the
+    global batch one rank (or two equal replicas) reads; eval batches likewise."""
+    job = _job(tmp_path, [dataset_prefix], sp_model, steps=4)
+    job.train.micro_batch_size = 2
+    reference = _global_batches(job, 1, 0, 4)
+    job.train.dp_micro_batches = [3, 1]
+    assert [len(x) for x in (next(build_data(job, r, 2).train_batches()) for r in range(2))] == [6, 2]
+    got = _global_batches(job, 2, 0, 4)
+    assert all(torch.equal(a, b) for a, b in zip(got, reference, strict=True))
+    evals = [list(build_data(job, r, 2).eval_batches(2)) for r in range(2)]
+    job.train.dp_micro_batches = []
+    whole = list(build_data(job, 0, 1).eval_batches(2))
+    assert all(torch.equal(torch.cat([evals[0][b], evals[1][b]]), whole[b]) for b in range(2))
+
+
 def test_dataloader_workers_give_the_same_batches(tmp_path, dataset_prefix, sp_model):
     job = _job(tmp_path, [dataset_prefix], sp_model)
     plain = build_data(job, 1, 2).train_batches(16)
