@@ -19,7 +19,10 @@
     python tools/plan.py --config MODEL.yaml --cluster my-cluster.yaml --gpus 2
 
 --cluster takes a shipped preset by name (a100-40gb, a100-80gb, h100-80gb, h200-141gb: one node type, any
---gpus) or the path of a cluster YAML file (tools/calibrate.py writes one for this machine).
+--gpus; mixed-h100-a100: 16 H100 + 16 A100, planned as a whole with uneven splits) or the path of a
+cluster YAML file (tools/calibrate.py writes one for this machine). A cluster of several node kinds also
+gets the fastest uneven split (layers per pipeline stage or micro-batches per data-parallel replica, in
+proportion to device speed) and its gain over the even split; --write writes it when it is faster.
 
 After the table it explains the choice (--no-explain: not): the best layout's step time split (compute,
 recompute, exposed TP / pipeline / DP communication, bubble, optimizer), its memory per rank, and the best
@@ -48,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--cluster",
         default="a100-80gb",
-        help="cluster YAML path or preset name (a100-40gb, a100-80gb, h100-80gb, h200-141gb)",
+        help="cluster YAML path or preset (a100-40gb, a100-80gb, h100-80gb, h200-141gb, mixed-h100-a100)",
     )
     parser.add_argument("--gpus", type=int, help="number of GPUs")
     parser.add_argument(
@@ -142,6 +145,7 @@ def main(argv: list[str]) -> int:
     from llmtrain.config import ConfigError, load
     from llmtrain.planner import CostModel, Software, load_cluster, parse_fixed, plan_job
     from llmtrain.planner.explain import explain, format_explanation
+    from llmtrain.planner.hetero import HeteroPlanner
     from llmtrain.planner.per_layer import search_per_layer
     from llmtrain.planner.report import check_new_file, format_table, plot, to_records, write_config
     from llmtrain.planner.search import build_space
@@ -170,11 +174,27 @@ def main(argv: list[str]) -> int:
     if args.per_layer:
         model = CostModel(result.workload, view, software)
         per_layer = search_per_layer(model, build_space(model, fixed), result.ranked)
+    # Several node kinds: the fastest uneven split (layers per stage or micro-batches per replica) of the
+    # search's layouts, which ranked them on the slowest device (an even split runs at its pace).
+    hetero = None
+    if len(cluster.nodes) > 1:
+        hetero = HeteroPlanner(result.workload, cluster, args.gpus, software).best(result.ranked, job)
     if args.json:
         out = {
             "layouts": to_records(result, args.top),
             "explanation": why.as_dict() if why else None,
             "per_layer": per_layer.as_dict() if per_layer else None,
+            "heterogeneous": None
+            if hetero is None
+            else {
+                "layout": hetero.layout.short(),
+                "devices": list(hetero.devices),
+                "overrides": hetero.overrides(),
+                "step_time_s": hetero.step_time,
+                "closed_form_step_time_s": hetero.closed_form_step_time,
+                "even_step_time_s": hetero.even_step_time,
+                "best_even_step_time_s": result.best.step_time,
+            },
         }
         print(json.dumps(out, indent=1))
     else:
@@ -185,11 +205,20 @@ def main(argv: list[str]) -> int:
             )
         if per_layer:
             print("\n" + per_layer.format())
+        if hetero:
+            best_even = result.best.step_time
+            print(
+                f"\n{hetero.format()}; {best_even / hetero.step_time:.2f}x the best even layout's "
+                f"{best_even:.3f}s ({result.best.layout.short()})"
+            )
     chosen = per_layer.best if per_layer else result.best
+    uneven: tuple[int, ...] = ()
+    if hetero and hetero.step_time < chosen.step_time:
+        chosen, uneven = hetero.estimate, hetero.dp_micro_batches
     if args.write:
         if not chosen.fits:
             raise ConfigError(f"no layout fits in memory ({chosen.why}); nothing written to {args.write}")
-        write_config(job, chosen, args.write, result.workload.global_batch, args.overwrite)
+        write_config(job, chosen, args.write, result.workload.global_batch, args.overwrite, uneven)
         print(f"wrote {args.write} ({chosen.layout.short()})", file=sys.stderr)
     if args.plot:
         plot(result, args.plot, args.top, args.overwrite)

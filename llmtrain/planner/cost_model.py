@@ -844,13 +844,10 @@ class CostModel:
             reasons.append(f"startup peak {mem['startup'] / GIB:.1f} GiB > {cap:g} GiB ({built})")
         return "; ".join(reasons)
 
-    def evaluate(self, layout: Layout, use_simulator: bool = False) -> Estimate:
-        """Predicted step time, breakdown and memory of `layout` (raises ValueError if it cannot run)."""
-        why = self.invalid_reason(layout)
-        if why:
-            raise ValueError(f"layout {layout.short()} is invalid: {why}")
+    def rank_costs(self, layout: Layout) -> tuple[list[float], ...]:
+        """Per pipeline rank, the costs of ONE chunk's pass of one micro-batch: forward, backward, weight
+        gradient, and the tensor-parallel, recompute, context-parallel and expert-parallel parts of them."""
         tp, pp, v, b = layout.tp, layout.pp, layout.virtual_stages, layout.micro_batch
-        num_micro = self.w.global_batch // (layout.dp * b)
         sp, cp = layout.sequence_parallel, layout.cp
         first, last = self._extras(tp, b, sp, cp)
 
@@ -889,12 +886,28 @@ class CostModel:
             wgt.append(min(wg, bk))
             tpc.append(tcomm)
             rec.append(redo)
+        return fwd, bwd, wgt, tpc, rec, cpc, epc
+
+    def p2p_time(self, layout: Layout) -> float:
+        """Seconds of one pipeline send of a micro-batch's activation (0 without pipeline parallelism)."""
+        tp, pp, cp, b = layout.tp, layout.pp, layout.cp, layout.micro_batch
         send = self.act_bytes * b * self.w.seq // cp * self.w.model.hidden_size
         split = layout.sequence_parallel or self.sw.p2p_scatter_gather
         cross = self.c.spans_nodes(pp, tp * cp * layout.dp)
         p2p = self.c.p2p(send / (tp if split else 1), cross) if pp > 1 else 0.0
         if split and not layout.sequence_parallel and tp > 1 and pp > 1:
             p2p += self.c.all_gather(send, tp)  # scatter/gather re-assembles the activation over NVLink
+        return p2p
+
+    def evaluate(self, layout: Layout, use_simulator: bool = False) -> Estimate:
+        """Predicted step time, breakdown and memory of `layout` (raises ValueError if it cannot run)."""
+        why = self.invalid_reason(layout)
+        if why:
+            raise ValueError(f"layout {layout.short()} is invalid: {why}")
+        pp, v, b = layout.pp, layout.virtual_stages, layout.micro_batch
+        num_micro = self.w.global_batch // (layout.dp * b)
+        fwd, bwd, wgt, tpc, rec, cpc, epc = self.rank_costs(layout)
+        p2p = self.p2p_time(layout)
         pipe: PipelineTime = pipeline_time(
             layout.schedule, pp, num_micro, v, fwd, bwd, wgt, p2p, use_simulator
         )

@@ -7,7 +7,8 @@ file is replaced only when the caller says so: a config the user edited is never
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -211,9 +212,12 @@ def write_config(
     path: str | Path,
     global_batch: int | None = None,
     overwrite: bool = False,
+    dp_micro_batches: Sequence[int] = (),
 ) -> JobConfig:
-    """Write `job` running the estimate's layout as a YAML that llmtrain.config.load accepts."""
+    """Write `job` running the estimate's layout (and `dp_micro_batches`, a heterogeneous plan's
+    micro-batches per replica) as a YAML that llmtrain.config.load accepts."""
     best = with_layout(job, estimate.layout, global_batch)
+    best = replace(best, train=replace(best.train, dp_micro_batches=list(dp_micro_batches)))
     validate(best)
     write_yaml(to_dict(best), path, overwrite)
     return best
