@@ -20,10 +20,11 @@ largest stage against the smallest device (the memory model does not place stage
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from llmtrain.config import JobConfig
-from llmtrain.config.validate import uneven_batch_problem
+from llmtrain.config.validate import rank_order, uneven_batch_problem
 from llmtrain.planner.cluster import Cluster, Device
 from llmtrain.planner.cost_model import CostModel, Estimate, Layout, Software, Workload, with_layout
 from llmtrain.planner.pipeline_time import pipeline_time
@@ -93,7 +94,7 @@ def _slowest(devices: list[Device], precision: str) -> Device:
     return min(devices, key=lambda d: (d.peak_flops(precision), d.memory_gb))
 
 
-def _min_max(costs: list, total: int) -> list[int]:
+def _min_max(costs: Sequence[Callable[[int], float]], total: int) -> list[int]:
     """Counts (each at least 1, summing to `total`) minimising max_i costs[i](counts[i]), costs increasing:
     each unit goes to the part whose cost grows to the least."""
     counts = [1] * len(costs)
@@ -127,6 +128,8 @@ class HeteroPlanner:
         """Why this layout gets no uneven split ("" if it does)."""
         if len({d.name for d in self.devices}) < 2:
             return "the devices used are all of one kind"
+        if rank_order(job.parallel) != ["tp", "cp", "dp", "pp"]:
+            return f"parallel.order={job.parallel.order}: stages and replicas are placed for tp-dp-pp only"
         if layout.pp > 1:
             if layout.virtual_stages > 1 or layout.layer_recompute:
                 return "uneven stages are planned for one chunk per rank and one recompute mode"
@@ -172,7 +175,9 @@ class HeteroPlanner:
     def _pipeline_plan(self, layout: Layout, devices: list[Device]) -> HeteroPlan:
         pp, m = layout.pp, self.w.global_batch // (layout.dp * layout.micro_batch)
 
-        def cost(stage: int):  # noqa: ANN202 - a closure over the stage: seconds of fwd+bwd for n layers
+        def cost(stage: int) -> Callable[[int], float]:
+            """Seconds of the stage's forward + backward of one micro-batch holding n layers."""
+
             def of(n: int) -> float:
                 layers = [1] * pp
                 layers[stage] = n
