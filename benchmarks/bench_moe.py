@@ -1,8 +1,12 @@
 """Time one MoE block forward+backward: llmtrain's MoEMLP (kernels.moe_experts, model.kernels=auto) against
 transformers' MixtralSparseMoeBlock holding the same weights, in the same run, with transformers' default
 experts implementation ("grouped_mm", which calls torch.nn.functional.grouped_mm) and with its per-expert
-loop ("eager"); in fp32 and bf16. A last section times the token dispatch alone (routing, sort, gather,
-weighted combine; the experts replaced by the identity), which expert parallelism will extend.
+loop ("eager"); in fp32 and bf16. A further section times the token dispatch alone (routing, sort, gather,
+weighted combine; the experts replaced by the identity). With `--ep`, a last section runs the same block
+under expert parallelism on that many gloo processes (one thread each): every rank routes its own `tokens`
+and holds experts/ep of the experts (llmtrain.parallel.expert_parallel.apply_ep), against the whole block
+at ep=1 on the same tokens in the same processes; it shows the slowest rank's median step, the part of it
+spent in the all-to-alls (counts, rows and their gradients, including the wait for peers), and ep/ep=1.
 
 Before timing, each dtype checks that llmtrain's output and gradients match transformers' grouped_mm block.
 Each rep times the implementations back to back (interleaved, so a load change on a shared machine hits
@@ -12,6 +16,7 @@ done (no barrier spinning), the steadier comparison.
 
   python benchmarks/bench_moe.py                        # CPU, both presets, fp32 and bf16
   python benchmarks/bench_moe.py --preset mixtral --reps 9 --threads 1
+  python benchmarks/bench_moe.py --preset fine --dtype fp32 --ep 2 4   # with the expert-parallel section
   python benchmarks/bench_moe.py --smoke                # tiny shapes, one rep: checks the harness runs
 """
 
@@ -19,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import os
 import statistics
 import sys
@@ -29,14 +33,17 @@ from pathlib import Path
 from unittest import mock
 
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kernels  # noqa: E402
-from llmtrain.config import ModelConfig  # noqa: E402
+from llmtrain.config import ModelConfig, ParallelConfig  # noqa: E402
 from llmtrain.models import build  # noqa: E402, F401  (registers the archs)
 from llmtrain.models.moe import MoEMLP  # noqa: E402
 from llmtrain.models.registry import get_arch  # noqa: E402
+from llmtrain.parallel import Topology, apply_ep, expert_parallel  # noqa: E402
+from tests.parallel._dist import spawn  # noqa: E402  (the gloo launcher the parallel tests use)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,12 +201,67 @@ def bench_dispatch(shape: Shape, dtype: torch.dtype, reps: int, warmup: int) -> 
             {"local dispatch": lambda: forward_backward(ours, ours, x, dy)}, reps, warmup
         )
     print(_row("local dispatch (no experts)", times["local dispatch"]))
-    ep = importlib.util.find_spec("llmtrain.parallel.expert_parallel")
-    if ep is None:
-        print("  expert-parallel dispatch: awaits llmtrain.parallel's EP MoE path (not in this tree yet)")
-    else:
-        print("  expert-parallel dispatch: llmtrain.parallel.expert_parallel exists; add its timing here")
     return times
+
+
+@dataclasses.dataclass(frozen=True)
+class EpTiming:
+    """One rank's medians over the reps, in milliseconds: the block at ep=1 and under EP, and the part of
+    the EP step spent in its all-to-alls."""
+
+    whole: float
+    ep: float
+    exchange: float
+
+
+def _ep_rank(rank: int, world: int, shape: Shape, dtype: torch.dtype, reps: int, warmup: int) -> EpTiming:
+    """This rank's timings: the same weights on every rank, its own tokens, ep = world."""
+    _, whole = build_blocks(shape, dtype)
+    _, sharded = build_blocks(shape, dtype)
+    apply_ep(sharded, Topology(ParallelConfig(ep=world), world, rank))
+    gen = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(1, shape.tokens, shape.hidden, generator=gen).to(dtype).requires_grad_()
+    dy = torch.randn(1, shape.tokens, shape.hidden, generator=gen).to(dtype)
+    exchange = [0.0]
+    all_to_all = expert_parallel._all_to_all
+
+    def timed_all_to_all(*args: object, **kwargs: object) -> torch.Tensor:
+        start = time.perf_counter()
+        out = all_to_all(*args, **kwargs)
+        exchange[0] += time.perf_counter() - start
+        return out
+
+    times: dict[str, list[float]] = {"whole": [], "ep": [], "exchange": []}
+    with mock.patch.object(expert_parallel, "_all_to_all", timed_all_to_all):
+        for i in range(warmup + reps):
+            for name, block in (("whole", whole), ("ep", sharded)):
+                dist.barrier()  # every rank starts together: the EP step's waits are its own
+                exchange[0] = 0.0
+                start = time.perf_counter()
+                forward_backward(block, block, x, dy)
+                if i >= warmup:
+                    times[name].append((time.perf_counter() - start) * 1e3)
+            if i >= warmup:
+                times["exchange"].append(exchange[0] * 1e3)
+    return EpTiming(*(statistics.median(times[k]) for k in ("whole", "ep", "exchange")))
+
+
+def bench_ep(
+    shape: Shape, dtype: torch.dtype, degrees: list[int], reps: int, warmup: int
+) -> dict[int, EpTiming]:
+    """The slowest rank's timings of the block under each EP degree (see the module docstring)."""
+    results = {}
+    for ep in degrees:
+        ranks = spawn(ep, _ep_rank, shape, dtype, reps, warmup)
+        t = max(ranks, key=lambda t: t.ep)
+        results[ep] = t
+        print(
+            f"  ep={ep} ({ep} processes, 1 thread each, {shape.tokens} tokens per rank, slowest rank): "
+            f"ep=1 {t.whole:.1f} ms, ep={ep} {t.ep:.1f} ms ({t.ep / t.whole:.2f}x ep=1), "
+            f"of which all-to-all {t.exchange:.1f} ms ({t.exchange / t.ep:.0%}), "
+            f"rest {t.ep - t.exchange:.1f} ms"
+        )
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -211,6 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, one rep, no warm-up")
+    parser.add_argument(
+        "--ep", type=int, nargs="*", default=[], help="expert-parallel degrees to time (gloo processes)"
+    )
     parser.add_argument(
         "--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)"
     )
@@ -234,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"== {preset} {dname}: {shape}")
             bench_block(shape, dtype, reps, warmup)
             bench_dispatch(shape, dtype, reps, warmup)
+            if args.ep:
+                bench_ep(shape, dtype, args.ep, reps, warmup)
     return 0
 
 

@@ -1,8 +1,10 @@
 """The communication one training step issues on one rank, as the cost model counts it.
 
-Each entry is an operation (all_reduce, all_gather, reduce_scatter, send), the parallel dimensions of its
-group that have more than one rank ("tp", "dp", "tp+pp", ...), the group's size and the bytes of the full
-buffer (the all-reduced tensor, the all-gather's output, the reduce-scatter's input, the sent tensor).
+Each entry is an operation (all_reduce, all_gather, reduce_scatter, all_to_all, send), the parallel
+dimensions of its group that have more than one rank ("tp", "dp", "tp+pp", ...; the expert-parallel groups
+are "ep" and "edp", the expert-data-parallel group), the group's size and the bytes of the full buffer (the
+all-reduced tensor, the all-gather's output, the reduce-scatter's input, the all-to-all's input, the sent
+tensor).
 tests/planner/test_collectives.py traces what the trainer issues on gloo and compares the two.
 """
 
@@ -128,6 +130,28 @@ def cp_layer(
     return PassComms(fwd, fwd + bwd if recompute != "none" else bwd)
 
 
+COUNT_BYTES = 8
+"""Bytes of one per-expert row count the EP ranks exchange (int64)."""
+
+
+def ep_layer(ep: int, experts: int, rows: int, row_bytes: int, recompute: str) -> PassComms:
+    """One MoE layer's expert-parallel traffic for a rank's `rows` routed rows (tokens x top-k, dropless) of
+    `row_bytes` each (llmtrain.parallel.expert_parallel.ExpertDispatch).
+
+    Forward: the per-expert counts (all_to_all of `experts` int64), the dispatch of the rows to the ranks
+    holding their experts and the combine that brings their outputs back; backward: the reverse exchanges
+    of their gradients. Bytes are what the rank sends (the all-to-all's input): all its rows for the
+    dispatch and the combine's backward, the rows it received for the other two, as many under balanced
+    routing (the planner's assumption; summed over the EP group the two are equal under any routing).
+    Full recomputation runs the forward's again in the backward."""
+    if ep == 1:
+        return PassComms()
+    counts = Comm("all_to_all", "ep", ep, COUNT_BYTES * experts)
+    exchange = Comm("all_to_all", "ep", ep, rows * row_bytes)
+    fwd, bwd = (counts, exchange, exchange), (exchange, exchange)
+    return PassComms(fwd, fwd + bwd if recompute == "full" else bwd)
+
+
 def cp_loss(cp: int) -> PassComms:
     """The loss of a context-parallel micro-batch: its labelled-token count and each rank's weighted share
     summed over the CP group (fp32 scalars; llmtrain.parallel.context_parallel.ContextSplit.reduce_loss)."""
@@ -160,12 +184,11 @@ def rank_parameters(model: ModelConfig, tp: int, layers: int, first: bool, last:
     layers plus the embedding (`first`) and the final norm and untied output layer (`last`): q heads,
     MLP columns and vocabulary rows split over tp, each rank holding max(kv/tp, 1) kv heads; norms, the
     row-parallel biases and the learned position table replicated."""
-    h, d, f, v = model.hidden_size, model.head_size, model.ffn_size, model.vocab_size
+    h, d, v = model.hidden_size, model.head_size, model.vocab_size
     a, kv = model.num_attention_heads // tp, max(model.kv_heads // tp, 1)
     norm = 2 * h if model.arch == "gpt" else h
-    gated = model.arch != "gpt"
     attn = h * (a + 2 * kv) * d + a * d * h + ((a + 2 * kv) * d if model.bias else 0)
-    mlp = (3 if gated else 2) * h * f // tp + (((2 if gated else 1) * f // tp) if model.bias else 0)
+    mlp = _dense_mlp_parameters(model, tp)
     replicated_layer = 2 * norm + (2 * h if model.bias else 0)
     total = layers * (attn + mlp + replicated_layer)
     replicated = layers * replicated_layer
@@ -177,3 +200,20 @@ def rank_parameters(model: ModelConfig, tp: int, layers: int, first: bool, last:
         total += norm + (0 if model.tied_embeddings and first else v // tp * h)
         replicated += norm
     return total, replicated
+
+
+def _dense_mlp_parameters(model: ModelConfig, tp: int) -> int:
+    """A dense MLP's column- and row-parallel weights (and column biases) on one TP rank."""
+    h, f, gated = model.hidden_size, model.ffn_size, model.arch != "gpt"
+    return (3 if gated else 2) * h * f // tp + (((2 if gated else 1) * f // tp) if model.bias else 0)
+
+
+def moe_layer_parameters(model: ModelConfig, tp: int, ep: int) -> tuple[int, int]:
+    """(parameters beyond the dense layer rank_parameters counts, routed experts) of one MoE layer on one
+    rank: the router and shared experts (gated, no biases) in place of the dense MLP, and the rank's
+    num_experts / ep routed experts, reduced apart over the expert-data-parallel group. Counted as the
+    planner's memory model counts them (MLP weights split over tp); traced at tp=1 only."""
+    h, fe = model.hidden_size, model.expert_ffn_size
+    shared = 3 * h * fe * model.num_shared_experts // tp
+    routed = model.num_experts // ep * 3 * h * fe // tp
+    return model.num_experts * h + shared - _dense_mlp_parameters(model, tp), routed

@@ -710,8 +710,11 @@ class CostModel:
         the data-parallel gradient reduction (and ZeRO-1 parameter gather) over the gradient buffer's
         buckets (collectives.buckets: the same bytes, the bucket count an estimate). Under context
         parallelism each layer adds its ring sends or all-to-alls (collectives.cp_layer), the last stage the
-        loss's sums over cp, and the gradients are reduced over dp x cp. Expert parallelism is not listed
-        (the trainer has none yet to trace)."""
+        loss's sums over cp, and the gradients are reduced over dp x cp. Under expert parallelism each MoE
+        layer adds its all-to-alls (collectives.ep_layer, balanced routing), the routed experts' gradients
+        are all-reduced apart over the expert-data-parallel group (dp / ep ranks; the trainer's, at tp = cp
+        = 1; at zero_stage 0 only: ZeRO's expert shards are not listed yet) and the gradient norm is summed
+        over the world."""
         m, tp, pp, v, dp, cp = self.w.model, layout.tp, layout.pp, layout.virtual_stages, layout.dp, layout.cp
         sp, e, b = layout.sequence_parallel, self.act_bytes, layout.micro_batch
         sizes = {"tp": tp, "cp": cp, "pp": pp, "dp": dp}
@@ -729,13 +732,23 @@ class CostModel:
         starts = list(itertools.accumulate(stages, initial=0))
         heads, kv = m.num_attention_heads // tp, max(m.kv_heads // tp, 1)
         numel = replicated = 0
+        ep = layout.ep
+        moe_extra, routed = C.moe_layer_parameters(m, tp, ep)
+        experts = 0
         for chunk in range(v):
             stage = chunk * pp + pp_rank
             first, last = stage == 0, stage == pp * v - 1
-            for mode, n in Counter(modes[starts[stage] : starts[stage + 1]]).items():
+            layers = range(starts[stage], starts[stage + 1])
+            for (mode, moe), n in Counter((modes[i], m.is_moe_layer(i)) for i in layers).items():
                 layer = C.tp_layer(tp, activation, sp, mode)
                 context = C.cp_layer(cp, layout.cp_comm, tok, heads, kv, m.head_size, e, mode)
                 add(layer.fwd + layer.bwd + context.fwd + context.bwd, num_micro * n)
+                if moe:
+                    rows = tok * m.num_experts_per_tok
+                    expert = C.ep_layer(ep, m.num_experts, rows, e * m.hidden_size, mode)
+                    add(expert.fwd + expert.bwd, num_micro * n)
+                    numel += (moe_extra + (routed if ep == 1 else 0)) * n
+                    experts += (routed if ep > 1 else 0) * n
             if first:
                 emb = C.tp_embedding(tp, activation, sp)
                 add(emb.fwd + emb.bwd, num_micro)
@@ -756,7 +769,8 @@ class CostModel:
             # FSDP2 sums this rank's shards of them (dim 0 split over dp; exact when it divides).
             shards = dp if layout.zero_stage >= 2 else 1
             out[C.Comm("all_reduce", "tp", tp, 4 * replicated // shards)] += 1
-        sharded_norm = layout.zero_stage >= 1 and dp * cp > 1
+        # Under EP every rank's expert gradients differ: the norm is summed over the world.
+        sharded_norm = (layout.zero_stage >= 1 and dp * cp > 1) or ep > 1
         norm_dims = ("tp", "cp", "pp", "dp") if sharded_norm else ("tp", "pp")
         norm_size = tp * pp * (dp * cp if sharded_norm else 1)
         if norm_size > 1:
@@ -764,6 +778,11 @@ class CostModel:
         if dp * cp > 1:
             for comm, times in self._dp_collectives(layout, numel, v, pp_rank).items():
                 out[comm] += times
+        if experts and dp // ep > 1 and layout.zero_stage == 0:
+            # Their own fp32 buckets, all-reduced over the ranks holding the same experts.
+            count = C.buckets(experts // v, int(self.w.dp_bucket_mb * 2**20 / 4)) * v
+            bucket = experts // count * self.sw.grad_bytes
+            out[C.Comm("all_reduce", "edp", dp // ep, bucket)] += count
         return out
 
     def _dp_collectives(self, layout: Layout, numel: int, chunks: int, pp_rank: int) -> Counter[C.Comm]:

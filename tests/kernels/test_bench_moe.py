@@ -43,3 +43,20 @@ def test_check_match_catches_different_weights():
         ours.experts.down_proj[1] *= 1.01
     with pytest.raises(AssertionError, match="differ"):
         bench.check_match(hf, ours, x, dy)
+
+
+@pytest.mark.slow
+def test_smoke_run_times_expert_parallel_dispatch():
+    # Its own test: spawning the gloo processes takes longer than the rest of the smoke run.
+    cmd = [sys.executable, str(BENCH), "--smoke", "--dtype", "fp32", "--ep", "2"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    row = re.search(
+        r"^  ep=2 \(2 processes.*: ep=1 (\d+\.\d) ms, ep=2 (\d+\.\d) ms \(\d+\.\d\dx ep=1\), "
+        r"of which all-to-all (\d+\.\d) ms",
+        out.stdout,
+        flags=re.MULTILINE,
+    )
+    assert row, out.stdout
+    whole, ep, exchange = map(float, row.groups())
+    assert 0 < exchange <= ep and whole > 0  # the all-to-alls ran, inside the timed EP step

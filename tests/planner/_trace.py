@@ -37,7 +37,8 @@ class Tracer:
     """Collectives (op, group, full-buffer bytes) and sends of this rank while `recording()` is active.
 
     Groups are named as llmtrain.planner.collectives names them: the parallel dimensions they span that have
-    more than one rank ("tp", "dp", "tp+pp", ...), found by comparing rank sets with the topology's groups.
+    more than one rank ("tp", "dp", "tp+pp", ...), found by comparing rank sets with the topology's groups;
+    the topology's EP and expert-DP groups "ep" and "edp".
     """
 
     def __init__(self, topo: Topology) -> None:
@@ -52,10 +53,16 @@ class Tracer:
                 ranks = tuple(dist.get_process_group_ranks(topo.group(*dims)))
                 self._names.setdefault(ranks, "+".join(dims))
         self._world = "+".join(live)
+        # The expert-parallel groups by identity: their ranks may also form a dimension's group (ep = dp).
+        self._expert_groups = (
+            {id(topo.ep_group): "ep", id(topo.expert_dp_group): "edp"} if topo.ep > 1 else {}
+        )
 
     def _group(self, group: Any) -> str:
         if group is None or group is dist.group.WORLD:
             return self._world
+        if id(group) in self._expert_groups:
+            return self._expert_groups[id(group)]
         return self._names.get(tuple(dist.get_process_group_ranks(group)), f"ranks{group}")
 
     def _peer_dims(self, peer: int) -> str:
@@ -70,7 +77,9 @@ class Tracer:
     def _wrap(self, op: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def traced(*args: Any, **kwargs: Any) -> Any:
             tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-            self._record(op, kwargs.get("group"), max(_nbytes(t) for t in tensors))
+            # An all-to-all's input is what the rank sends (output and input differ under variable splits).
+            nbytes = _nbytes(tensors[1]) if op == "all_to_all" else max(_nbytes(t) for t in tensors)
+            self._record(op, kwargs.get("group"), nbytes)
             return fn(*args, **kwargs)
 
         return traced

@@ -7,6 +7,7 @@ data-parallel gradient buckets by total bytes per operation (the trainer closes 
 boundaries, the model splits the same bytes into equal buckets: collectives.buckets), up to the padding of
 each bucket to a multiple of dp elements. Under context parallelism the gradient buckets are reduced over
 the cp x dp group (named "cp" when dp is 1), and the ring's K/V sends and the all-to-alls are exact rows.
+Under expert parallelism the row exchanges depend on the routing: see test_expert_parallel_collectives_match.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from llmtrain.parallel import (
 )
 from llmtrain.pipeline.executor import build_pipeline
 from llmtrain.planner import CostModel, Workload, load_cluster
-from llmtrain.planner.collectives import Comm
+from llmtrain.planner.collectives import COUNT_BYTES, Comm
 from llmtrain.planner.cost_model import Layout, Software
 from tests.parallel._dist import batches, spawn, tiny_job
 from tests.planner._trace import Tracer
@@ -76,7 +77,7 @@ def _predicted(arch: str, overrides: dict, world: int, pp_rank: int) -> Counter[
     layout = Layout(
         tp=p.tp, pp=p.pp, dp=world // (p.tp * p.cp * p.pp), micro_batch=job.train.micro_batch_size,
         virtual_stages=p.virtual_stages, schedule=p.schedule, recompute=job.model.recompute,
-        sequence_parallel=p.sequence_parallel, zero_stage=p.zero_stage, cp=p.cp, cp_comm=p.cp_comm,
+        sequence_parallel=p.sequence_parallel, zero_stage=p.zero_stage, cp=p.cp, cp_comm=p.cp_comm, ep=p.ep,
         layer_recompute=tuple(job.model.recompute_layers) or None, stage_layers=tuple(p.stage_layers) or None,
     )  # fmt: skip
     work = Workload(job.model, job.train.global_batch_size, job.train.precision, p.dp_bucket_mb)
@@ -86,14 +87,15 @@ def _predicted(arch: str, overrides: dict, world: int, pp_rank: int) -> Counter[
 
 def _split(
     counts: Counter[Comm], buckets: dict[str, tuple[str, ...]] | None
-) -> tuple[Counter[Comm], dict[str, int]]:
-    """(everything but the data-parallel buckets, the buckets' total bytes per operation); `buckets` names
-    the groups and operations the buckets travel on; without it everything is compared exactly."""
+) -> tuple[Counter[Comm], dict[tuple[str, str], int]]:
+    """(everything but the data-parallel buckets, the buckets' total bytes per operation and group);
+    `buckets` names the groups and operations the buckets travel on; without it everything is compared
+    exactly."""
     exact: Counter[Comm] = Counter()
-    totals: dict[str, int] = {}
+    totals: dict[tuple[str, str], int] = {}
     for c, n in counts.items():
         if buckets and c.op in buckets.get(c.group, ()) and c.nbytes > 8:
-            totals[c.op] = totals.get(c.op, 0) + c.nbytes * n
+            totals[c.op, c.group] = totals.get((c.op, c.group), 0) + c.nbytes * n
         else:
             exact[c] = n
     return exact, totals
@@ -202,3 +204,48 @@ def test_context_parallel_collectives_match_the_trace(world: int, overrides: dic
     # group; each padded to the group's size.
     group = overrides.get("dp", 1) * overrides["cp"]
     _check("llama", world, overrides, bucket_slack=2 * 4 * group * 16, buckets=buckets)
+
+
+def _row_exchanges(counts: Counter[Comm], experts: int) -> tuple[Counter[Comm], Counter[Comm]]:
+    """(everything else, the EP all-to-alls of routed rows: all but the per-expert count exchanges)."""
+    rows = Counter({c: n for c, n in counts.items() if c.group == "ep" and c.nbytes != COUNT_BYTES * experts})
+    return counts - rows, rows
+
+
+@pytest.mark.parametrize(
+    "world,overrides",
+    [(2, dict(dp=2, ep=2)), (4, dict(dp=4, ep=2, recompute="full"))],
+    ids=["ep2", "ep2-expert-dp2-full-recompute"],
+)
+def test_expert_parallel_collectives_match_the_trace(world: int, overrides: dict) -> None:
+    # Per MoE layer and micro-batch: the count exchange (E int64) and the dispatch and combine forward,
+    # their reverses backward (the forward's again under full recomputation). A rank's all-to-all bytes
+    # are what it sends: all its own routed rows (tokens x top-k, dropless) in the dispatch and in the
+    # combine's backward, exactly as predicted; in the other two the rows routed to its experts, which
+    # depend on the routing. The model assumes balanced routing (as many received as sent); routing here
+    # is whatever the random weights choose, but each row one rank receives is one another sends, so over
+    # the EP group the received rows add up to the sent ones: the row exchanges' bytes summed over the
+    # world (whole EP groups) are exact. Everything else is exact per rank, the dense buckets over dp and
+    # the experts' over the expert-DP group ("edp", dp / ep ranks; none at dp = ep) by total bytes.
+    experts = tiny_job("mixtral").model.num_experts
+    buckets = {"dp": ("all_reduce",), "edp": ("all_reduce",)}
+    traced_rows = predicted_rows = 0
+    for pp_rank, traced in spawn(world, _traced_step, "mixtral", overrides):
+        predicted = _predicted("mixtral", overrides, world, pp_rank)
+        (got, got_rows), (want, want_rows) = (_row_exchanges(c, experts) for c in (traced, predicted))
+        assert got_rows.total() == want_rows.total() > 0, (got_rows, want_rows)
+        [(own, sends)] = want_rows.items()  # one size predicted: the rank's own rows
+        assert got_rows[own] >= sends // 2, (got_rows, own)  # dispatch and combine backward, exact
+        traced_rows += sum(c.nbytes * n for c, n in got_rows.items())
+        predicted_rows += own.nbytes * sends
+        (exact, totals), (want_exact, want_totals) = (_split(c, buckets) for c in (got, want))
+        assert exact == want_exact, f"traced {sorted(exact.items(), key=str)}\n" \
+            f"predicted {sorted(want_exact.items(), key=str)}"  # fmt: skip
+        assert totals.keys() == want_totals.keys()
+        for key, total in totals.items():
+            # fp32 gradients (4 bytes): the trainer pads each of its (at most 16) buckets to a multiple of
+            # the group's ranks; the model's equal buckets (at most 32) round the total down by less than
+            # one element each.
+            slack = 4 * (16 * world + 32)
+            assert abs(total - want_totals[key]) <= slack, (key, total, want_totals[key])
+    assert traced_rows == predicted_rows
