@@ -255,10 +255,9 @@ def _check_ranges(section: object, prefix: str = "") -> None:
 def moe_problem(job: JobConfig) -> str:
     """Why the mixture-of-experts fields of `job` cannot run ("" if they can, or the arch is dense).
 
-    What the experts do not support yet (DeepSpeed, fp8, router losses across pipeline stages or under
-    full recompute) is refused here rather than failing (or silently mis-training) later; their tp limits
-    are tensor_parallel_problem's, which checkpoint conversion and the planner ask too, and parallel.ep's
-    expert_parallel_problem's.
+    What the experts do not support yet (DeepSpeed, fp8, router losses under full recompute) is refused
+    here rather than failing (or silently mis-training) later; their tp limits are tensor_parallel_problem's,
+    which checkpoint conversion and the planner ask too, and parallel.ep's expert_parallel_problem's.
     """
     m, p = job.model, job.parallel
     if not m.is_moe:
@@ -289,16 +288,7 @@ def moe_problem(job: JobConfig) -> str:
             f"model.dense_layers names layer {bad[0]}, outside 0..{m.num_layers - 1} (model.num_layers="
             f"{m.num_layers}); list existing layers only"
         )
-    # The load-balancing loss pools every layer's statistics before its product, and a pipeline stage
-    # holds only some layers; the router figures (and so the score-bias update) are not gathered over the
-    # stages either. Without them a pipeline trains the experts as one process does.
-    router_terms = m.router_aux_loss_coef > 0 or m.router_z_loss_coef > 0 or bool(m.bias_update_rate)
     unsupported = [
-        (
-            p.pp > 1 and router_terms,
-            f"parallel.pp={p.pp} with router losses or score-bias updates",
-            "parallel.pp=1, or model.router_aux_loss_coef=0, router_z_loss_coef=0 and bias_update_rate=0",
-        ),
         (p.engine == "deepspeed", "parallel.engine=deepspeed", "parallel.engine=llmtrain"),
         (job.train.precision == "fp8", "train.precision=fp8", "train.precision bf16 or fp32"),
         # Reentrant checkpointing runs the forward without autograd, so the router statistics the
@@ -708,7 +698,6 @@ def context_parallel_problem(job: JobConfig) -> str:
             "has no attention dropout; set model.attention_dropout=0 or parallel.cp=1"
         )
     unsupported = [
-        (m.is_moe, f"model.arch={m.arch} (mixture of experts)", "a dense arch"),
         (p.engine == "deepspeed", "parallel.engine=deepspeed", "parallel.engine=llmtrain"),
         (job.train.precision == "fp8", "train.precision=fp8", "train.precision bf16 or fp32"),
     ]

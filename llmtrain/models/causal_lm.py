@@ -121,17 +121,21 @@ class CausalLM(nn.Module):
         layers' last forward (as transformers does with output_router_logits) and router_z_loss_coef times
         their z-loss; evaluation reports the cross-entropy alone, comparable with dense models.
         """
-        loss = kernels.cross_entropy(logits, labels, tp_group=self.loss_tp_group, impl=self.config.kernels)
-        if self.context is not None:  # this rank's tokens are part of each sequence: the whole one's mean
-            loss = self.context.reduce_loss(loss, labels)
+        loss = self.token_loss(logits, labels)
         coef, z_coef = self.config.router_aux_loss_coef, self.config.router_z_loss_coef
-        # Dense models first: pipeline chunks call this on a shell that is no Module (MoE pipelines run
-        # without router losses, see llmtrain.config.validate.moe_problem).
         if self.config.is_moe and (coef > 0 or z_coef > 0) and self.training and self.router_stats():
             if coef > 0:
                 loss = loss + coef * self.aux_loss()
             if z_coef > 0:
                 loss = loss + z_coef * z_loss(self.router_stats())
+        return loss
+
+    def token_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy (fp32) over labels != -100, of the whole sequences under context parallelism;
+        no router terms (pipeline stages add those across stages: llmtrain.pipeline.router_stats)."""
+        loss = kernels.cross_entropy(logits, labels, tp_group=self.loss_tp_group, impl=self.config.kernels)
+        if self.context is not None:  # this rank's tokens are part of each sequence: the whole one's mean
+            loss = self.context.reduce_loss(loss, labels)
         return loss
 
     def routers(self) -> list[Router]:

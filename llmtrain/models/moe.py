@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -238,6 +239,53 @@ def z_loss(stats: list[RouterStats]) -> torch.Tensor:
 def dropped_fraction(stats: list[RouterStats], top_k: int) -> torch.Tensor:
     """The share of the layers' top-k assignments the expert capacity dropped (0 when dropless)."""
     return torch.stack([s.dropped for s in stats]).sum() / (top_k * sum(s.rows for s in stats))
+
+
+@dataclass
+class RouterFigures:
+    """What a mixture-of-experts model's routers did in one train_step (on this rank)."""
+
+    aux_loss: torch.Tensor
+    """Mean over micro-batches of the load-balancing loss (before router_aux_loss_coef), 0-d."""
+    z_loss: torch.Tensor
+    """Mean over micro-batches of the router z-loss (before router_z_loss_coef), 0-d."""
+    dropped: torch.Tensor
+    """Mean over micro-batches of the share of top-k assignments the expert capacity dropped, 0-d."""
+    expert_load: torch.Tensor
+    """(MoE layers, experts) tokens routed to each expert over the step's micro-batches."""
+
+    @staticmethod
+    @torch.no_grad()
+    def of(stats: list[RouterStats], cfg: ModelConfig) -> RouterFigures:
+        """The figures of one forward's statistics (every MoE layer's, in layer order), detached."""
+        return RouterFigures(
+            load_balancing_loss(stats, cfg.num_experts),
+            z_loss(stats),
+            dropped_fraction(stats, cfg.num_experts_per_tok),
+            expert_load(stats),
+        )
+
+    @staticmethod
+    def combine(figures: list[RouterFigures]) -> RouterFigures:
+        """One step's figures from its micro-batches' (means of the losses, sums of the loads)."""
+        mean = [
+            torch.stack([getattr(f, k) for f in figures]).mean() for k in ("aux_loss", "z_loss", "dropped")
+        ]
+        return RouterFigures(*mean, sum(f.expert_load for f in figures))
+
+    def metrics(self) -> dict[str, Any]:
+        """aux_loss, z_loss, dropped_fraction, and expert_load_max / expert_load_mean: the busiest expert's
+        tokens over all MoE layers and the mean tokens per expert (their ratio is 1 when the routers balance
+        perfectly), with expert_load_layers: that ratio for each MoE layer."""
+        per_layer = self.expert_load.max(dim=1).values / self.expert_load.mean(dim=1).clamp(min=1e-9)
+        return {
+            "aux_loss": float(self.aux_loss),
+            "z_loss": float(self.z_loss),
+            "dropped_fraction": float(self.dropped),
+            "expert_load_max": float(self.expert_load.max()),
+            "expert_load_mean": float(self.expert_load.mean()),
+            "expert_load_layers": [round(float(r), 4) for r in per_layer],
+        }
 
 
 @torch.no_grad()

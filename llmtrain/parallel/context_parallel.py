@@ -24,10 +24,16 @@ Loss. Each rank's mean cross-entropy over its tokens is weighted by its share of
 micro-batch, and the shares are summed over the CP group in forward (identity in backward): every CP rank
 holds the loss of the whole sequence, and the gradient of its own part. GradBuffers sums the parts over cp
 while averaging over dp (the cp x dp group of llmtrain.parallel.topology).
+
+Mixtures of experts. Routing is per token, so an MoE layer routes this rank's tokens unchanged; its router
+statistics are summed over the CP group after each forward (as over TP: sum_router_stats), so the router
+losses, the load figures and the score-bias update see the whole micro-batch, each rank's gradient staying
+with its own tokens.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -39,7 +45,9 @@ from torch import nn
 
 import kernels
 from llmtrain.models.documents import document_attention, same_document
+from llmtrain.models.moe import MoEMLP
 from llmtrain.parallel import comm
+from llmtrain.parallel.tensor_parallel import sum_router_stats
 from llmtrain.parallel.topology import Topology
 
 FULL, DIAGONAL, MASKED = "full", "diagonal", "masked"
@@ -408,4 +416,10 @@ def apply_cp(model: nn.Module, topo: Topology, cp_comm: str = "ring") -> nn.Modu
     model.context = split
     for block in model.layers:
         block.attn.core = _core(split, block.attn.impl)
+        if isinstance(block.mlp, MoEMLP):
+            block.mlp.register_forward_hook(functools.partial(_sum_router_stats, split))
     return model
+
+
+def _sum_router_stats(split: ContextSplit, mlp: MoEMLP, _args: Any, _out: torch.Tensor) -> None:
+    mlp.stats = sum_router_stats(mlp.stats, split.group, split.cp)

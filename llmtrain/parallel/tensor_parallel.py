@@ -365,6 +365,14 @@ def _shard_mlp(mlp: nn.Module, topo: Topology, sp: bool) -> None:
     mlp.down_proj = RowParallelLinear(mlp.down_proj, topo, sp)
 
 
+def sum_router_stats(s: RouterStats, group: Any, ranks: int) -> RouterStats:
+    """Router statistics summed over the `ranks` ranks of `group`, which each routed a part of the same
+    micro-batch (TP, CP), so the router losses see all of it; the gradient stays with this rank's tokens."""
+    local = [s.tokens_per_expert, s.prob_sum, s.balance_tokens, s.z_sum[None], s.dropped[None]]
+    pooled = reduce_from_region(torch.cat(local), group).split([t.numel() for t in local])
+    return RouterStats(pooled[0], pooled[1], s.rows * ranks, pooled[2], pooled[3][0], pooled[4][0])
+
+
 def _shard_moe(mlp: MoEMLP, topo: Topology, sp: bool) -> None:
     """An MoE layer under TP: its weights stay whole (experts are split by EP, if at all) and each TP rank
     routes its own 1/tp of the sequence -- the SP shard it already holds, or without SP its slice of the
@@ -380,10 +388,7 @@ def _shard_moe(mlp: MoEMLP, topo: Topology, sp: bool) -> None:
         mlp.register_forward_pre_hook(lambda _m, args: (_SplitSequence.apply(args[0], 1, group), *args[1:]))
 
     def leave(m: MoEMLP, _args: Any, out: torch.Tensor) -> torch.Tensor:
-        s = m.stats
-        local = [s.tokens_per_expert, s.prob_sum, s.balance_tokens, s.z_sum[None], s.dropped[None]]
-        pooled = reduce_from_region(torch.cat(local), group).split([t.numel() for t in local])
-        m.stats = RouterStats(pooled[0], pooled[1], s.rows * topo.tp, pooled[2], pooled[3][0], pooled[4][0])
+        m.stats = sum_router_stats(m.stats, group, topo.tp)
         return out if sp else _GatherSplitSequence.apply(out, 1, group)
 
     mlp.register_forward_hook(leave)

@@ -31,12 +31,14 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from llmtrain.config.schema import JobConfig
+from llmtrain.models.moe import RouterFigures
 from llmtrain.parallel import comm
 from llmtrain.parallel.data_parallel import apply_data_parallel, grad_sync
 from llmtrain.parallel.fsdp import finish_backward, is_fsdp
 from llmtrain.parallel.materialize import is_meta, materialize
 from llmtrain.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, gather_sequence
 from llmtrain.parallel.topology import Topology
+from llmtrain.pipeline.router_stats import PipelineRouter
 from llmtrain.pipeline.schedules import (
     RECV_B,
     RECV_F,
@@ -223,6 +225,10 @@ class PipelineExecutor:
                 "parallel.virtual_stages > 1 needs parallel.pp > 1 (chunks hand activations to the next rank)"
             )
         self._split = _SplitBackward()
+        # A mixture of experts' router losses and figures span the stages (llmtrain.pipeline.router_stats).
+        self.router = PipelineRouter(stages.chunks, topo) if stages.chunks[0].num_moe_layers else None
+        self.router_figures: RouterFigures | None = None
+        """The last training run's RouterFigures (every MoE layer's, every rank); None for a dense model."""
         if schedule.split_backward:
             self._defer_weight_grads()
 
@@ -294,6 +300,9 @@ class PipelineExecutor:
         pending_sends: list[Any] = []
         losses: list[torch.Tensor] = []
         self.trace = [] if trace else None
+        router = None if forward_only else self.router
+        if router is not None:
+            router.start(self._loss_scale / m)
         actions = (
             [a for a in self.actions if a.kind in ("F", SEND_F, RECV_F)] if forward_only else self.actions
         )
@@ -372,6 +381,8 @@ class PipelineExecutor:
             try:
                 if a.kind == "F":
                     out = self._forward(chunk, micro_batches[a.microbatch], inputs.get(key), forward_only)
+                    if router is not None:
+                        out = router.after_forward(chunk, a.microbatch, out)
                     if chunk.is_last:
                         losses.append(out.detach().float())
                     outputs[key] = out
@@ -408,7 +419,11 @@ class PipelineExecutor:
                 work.wait()
         if not forward_only:
             self.stages.sync_tied_grads()
-        return self._mean_loss(losses, m)
+        loss = self._mean_loss(losses, m)
+        if router is None:
+            return loss
+        terms, self.router_figures = router.finish(m)
+        return loss + terms.cpu()
 
     def _forward(
         self, chunk: nn.Module, micro: torch.Tensor, received: torch.Tensor | None, forward_only: bool
@@ -472,6 +487,11 @@ class PipelineStepRunner:
         self.executor = executor
         self.optimizer = optimizer
         self.micro_batch_size = micro_batch_size
+
+    @property
+    def router_figures(self) -> RouterFigures | None:
+        """The last train_step's RouterFigures (every MoE layer's); None for a dense model."""
+        return self.executor.router_figures
 
     def train_step(self, batch: torch.Tensor, timer: Any) -> torch.Tensor:
         """Accumulate gradients over the micro-batches of ``batch``; the mean loss (0-d)."""

@@ -19,6 +19,7 @@ from torch import nn
 
 from llmtrain.config.validate import raise_if_problem, sequence_parallel_problem
 from llmtrain.models import CausalLM
+from llmtrain.models.moe import MoEMLP, Router, RouterStats
 from llmtrain.parallel import comm
 from llmtrain.parallel.fsdp import local_tensor
 from llmtrain.parallel.topology import Topology
@@ -38,8 +39,8 @@ class _ModelShell:
         self.loss_tp_group = model.loss_tp_group
         self.context = model.context  # context parallelism's split (None without it)
         self._rope_cache: dict = {}
-        # apply_tp may have replaced the loss by a vocabulary-parallel one: bind the same function here.
-        self.loss = types.MethodType(model.loss.__func__, self)
+        # The cross-entropy alone: the router terms span stages (llmtrain.pipeline.router_stats).
+        self.loss = types.MethodType(CausalLM.token_loss, self)
 
 
 class StageModule(nn.Module):
@@ -64,6 +65,10 @@ class StageModule(nn.Module):
         self.embed_positions = model.embed_positions if self.is_first else None
         self.embed_dropout = model.embed_dropout if self.is_first else None
         self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layers})
+        moe = [i for i, layer in enumerate(model.layers) if isinstance(layer.mlp, MoEMLP)]
+        self.num_moe_layers = len(moe)
+        self.router_rows = [row for row, i in enumerate(moe) if i in layers]
+        """This chunk's MoE layers as rows of the model's (MoE layers, experts) tables."""
         self.final_norm = model.final_norm if self.is_last else None
         self.lm_head = model.lm_head if self.is_last else None
 
@@ -85,6 +90,17 @@ class StageModule(nn.Module):
             x = layer(x, rope)
         return self.lm_head(self.final_norm(x)) if self.is_last else x
 
+    def _moe(self) -> list[MoEMLP]:
+        return [layer.mlp for layer in self.layers.values() if isinstance(layer.mlp, MoEMLP)]
+
+    def routers(self) -> list[Router]:
+        """This chunk's routers, in layer order (rows `router_rows`)."""
+        return [mlp.router for mlp in self._moe()]
+
+    def router_stats(self) -> list[RouterStats]:
+        """The RouterStats of this chunk's MoE layers' last forward, in layer order."""
+        return [mlp.stats for mlp in self._moe()]
+
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The model's loss (mean fp32 cross-entropy over labels != -100, vocabulary-parallel under TP) of
         whole sequences' `labels`: under context parallelism the logits are this rank's chunks of them."""
@@ -102,6 +118,14 @@ class PipelineStages(nn.Module):
         self.chunks = nn.ModuleList(chunks)
         self.tied_group = tied_group
         self.tied_param = tied_param
+
+    def routers(self) -> list[Router]:
+        """This rank's routers, chunk by chunk in layer order (rows `router_rows()`)."""
+        return [router for chunk in self.chunks for router in chunk.routers()]
+
+    def router_rows(self) -> list[int]:
+        """This rank's MoE layers as rows of the model's (MoE layers, experts) tables."""
+        return [row for chunk in self.chunks for row in chunk.router_rows]
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's parameters under the single-process names (detached clones)."""

@@ -634,6 +634,8 @@ class CostModel:
             return f"ep={ep} does not divide model.num_experts={m.num_experts}"
         if layout.dp % ep:
             return f"ep={ep} does not divide dp={layout.dp} (expert-parallel ranks are data-parallel ranks)"
+        if layout.cp > 1:  # the trainer's rule (llmtrain.config.validate.expert_parallel_problem)
+            return f"parallel.ep={ep} does not compose with parallel.cp={layout.cp} yet; set one of them to 1"
         return ""
 
     def _data_parallel_time(

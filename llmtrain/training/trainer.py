@@ -17,13 +17,7 @@ import torch.distributed as dist
 from llmtrain.config import JobConfig, to_dict
 from llmtrain.errors import UserError
 from llmtrain.faults import injected
-from llmtrain.models.moe import (
-    dropped_fraction,
-    expert_load,
-    load_balancing_loss,
-    update_score_bias,
-    z_loss,
-)
+from llmtrain.models.moe import RouterFigures, update_score_bias
 from llmtrain.parallel import comm
 from llmtrain.training.interrupt import StopRequest, exit_code
 from llmtrain.training.lr_schedule import learning_rate
@@ -43,42 +37,6 @@ class StepRunner(Protocol):
 
     def eval_step(self, batch: torch.Tensor) -> torch.Tensor:
         """Mean loss of `batch` without gradients."""
-
-
-@dataclass
-class RouterFigures:
-    """What a mixture-of-experts model's routers did in one train_step (on this rank)."""
-
-    aux_loss: torch.Tensor
-    """Mean over micro-batches of the load-balancing loss (before router_aux_loss_coef), 0-d."""
-    z_loss: torch.Tensor
-    """Mean over micro-batches of the router z-loss (before router_z_loss_coef), 0-d."""
-    dropped: torch.Tensor
-    """Mean over micro-batches of the share of top-k assignments the expert capacity dropped, 0-d."""
-    expert_load: torch.Tensor
-    """(MoE layers, experts) tokens routed to each expert over the step's micro-batches."""
-
-    @staticmethod
-    def combine(figures: list[RouterFigures]) -> RouterFigures:
-        """One step's figures from its micro-batches' (means of the losses, sums of the loads)."""
-        mean = [
-            torch.stack([getattr(f, k) for f in figures]).mean() for k in ("aux_loss", "z_loss", "dropped")
-        ]
-        return RouterFigures(*mean, sum(f.expert_load for f in figures))
-
-    def metrics(self) -> dict[str, Any]:
-        """aux_loss, z_loss, dropped_fraction, and expert_load_max / expert_load_mean: the busiest expert's
-        tokens over all MoE layers and the mean tokens per expert (their ratio is 1 when the routers balance
-        perfectly), with expert_load_layers: that ratio for each MoE layer."""
-        per_layer = self.expert_load.max(dim=1).values / self.expert_load.mean(dim=1).clamp(min=1e-9)
-        return {
-            "aux_loss": float(self.aux_loss),
-            "z_loss": float(self.z_loss),
-            "dropped_fraction": float(self.dropped),
-            "expert_load_max": float(self.expert_load.max()),
-            "expert_load_mean": float(self.expert_load.mean()),
-            "expert_load_layers": [round(float(r), 4) for r in per_layer],
-        }
 
 
 class LocalStepRunner:
@@ -128,16 +86,7 @@ class LocalStepRunner:
     def _router_figures(self) -> list[RouterFigures]:
         """The RouterFigures of the forward that just ran, detached; [] for a dense model."""
         stats = self.model.router_stats() if hasattr(self.model, "router_stats") else []
-        if not stats:
-            return []
-        cfg = self.model.config
-        with torch.no_grad():
-            aux = load_balancing_loss(stats, cfg.num_experts)
-            return [
-                RouterFigures(
-                    aux, z_loss(stats), dropped_fraction(stats, cfg.num_experts_per_tok), expert_load(stats)
-                )
-            ]
+        return [RouterFigures.of(stats, self.model.config)] if stats else []
 
     @torch.no_grad()
     def eval_step(self, batch: torch.Tensor) -> torch.Tensor:
@@ -442,6 +391,8 @@ class Trainer:
             load = load.to(self.topo.device, copy=True)  # NCCL reduces only device tensors
             with self.timer.section("dp_comm"):
                 comm.all_reduce(load, group=group, detail="expert load")
+        if hasattr(self.model, "router_rows"):  # pipeline stages: the figures hold every stage's layers
+            load = load[self.model.router_rows()]
         update_score_bias(self.model.routers(), load, self.job.model.bias_update_rate)
 
     def _diverged(self) -> TrainingDiverged:

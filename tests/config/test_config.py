@@ -89,7 +89,6 @@ def test_bad_values_name_field_and_fix(override, expected):
 @pytest.mark.parametrize(
     "overrides, expected",
     [
-        (["parallel.pp=2"], "does not support parallel.pp=2 with router losses or score-bias updates yet"),
         (
             ["parallel.engine=deepspeed", "parallel.zero_stage=1"],
             "does not support parallel.engine=deepspeed",
@@ -106,6 +105,14 @@ def test_moe_rejects_layouts_it_does_not_support(arch, overrides, expected):
     # The same layouts (but DeepSpeed, which may not be installed) stay fine for a dense model.
     dense = [o for o in overrides if not o.startswith("parallel.engine")]
     assert load(None, ["model.arch=llama", *dense]).model.arch == "llama"
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3"])
+def test_moe_router_terms_run_under_pipeline_and_context_parallelism(arch):
+    """The router losses and the score-bias update (arch defaults) span pipeline stages and CP ranks."""
+    for layout in (["parallel.pp=2"], ["parallel.cp=2"], ["parallel.pp=2", "parallel.cp=2"]):
+        job = load(None, [f"model.arch={arch}", *layout])
+        assert job.model.router_aux_loss_coef > 0 or job.model.bias_update_rate > 0
 
 
 @pytest.mark.parametrize(

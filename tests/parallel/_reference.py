@@ -145,11 +145,14 @@ def torch_reference(
     sgd: bool = False,
     held_out: torch.Tensor | None = None,
     document_separator: int | None = None,
+    micro_batch_size: int | None = None,
 ) -> Reference:
     """Plain torch on one process: the model on each whole global batch (b, s+1) token ids, the llmtrain
     weight-decay groups under AdamW (or ``sgd``: plain SGD over the same groups), clip_grad_norm_ at
     ``job.train.grad_clip`` (0: none), constant ``lr``. In float64 it also derives the fp32 bounds.
-    ``document_separator``: packed documents split at that token (the model's document_separator)."""
+    ``document_separator``: packed documents split at that token (the model's document_separator).
+    ``micro_batch_size``: the loss is the mean of the losses of the batch's micro-batches of that size, as
+    training accumulates them (an MoE's router losses are per micro-batch); None: the whole batch at once."""
     t = job.train
     torch.manual_seed(t.seed)
     model = models.build(job.model).to(dtype)
@@ -172,7 +175,8 @@ def torch_reference(
     def loss_and_gradient(batch: torch.Tensor, with_hessian: bool) -> tuple[torch.Tensor, list, list | None]:
         """The loss, its gradient and (``with_hessian``) the Hessian times the gradient's direction."""
         with _float64_math() if bounded else contextlib.nullcontext():
-            loss = model(batch[:, :-1], batch[:, 1:])
+            parts = batch.split(micro_batch_size or batch.shape[0])
+            loss = torch.stack([model(mb[:, :-1], mb[:, 1:]) for mb in parts]).mean()
             grads = torch.autograd.grad(loss, params, create_graph=with_hessian)
             if not with_hessian:
                 return loss.detach(), list(grads), None

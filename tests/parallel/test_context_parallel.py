@@ -267,7 +267,10 @@ def test_ring_with_triton_kernels_trains_like_one_process() -> None:
             ["parallel.cp=2", "parallel.engine=deepspeed", "parallel.zero_stage=2"],
             "does not support parallel.engine=deepspeed yet; use parallel.engine=llmtrain",
         ),
-        (["parallel.cp=2", "model.arch=mixtral"], "does not support model.arch=mixtral"),
+        (
+            ["parallel.cp=2", "model.arch=mixtral", "parallel.ep=2"],
+            "parallel.ep=2 does not compose with parallel.cp=2 yet; set one of them to 1",
+        ),
         (["parallel.order=tp-dp-pp-cp-cp"], "parallel.order must name tp, dp and pp once each"),
         (
             ["data.reset_attention_mask=true", "parallel.pp=2"],

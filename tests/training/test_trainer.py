@@ -151,10 +151,11 @@ def test_score_bias_update_is_checkpointed_and_resumes_exactly(tmp_path):
         assert len(entry["expert_load_layers"]) == 2 and min(entry["expert_load_layers"]) >= 1
 
 
-def _bias_worker(rank, world, out):
+def _bias_worker(rank, world, out, *extra):
+    """Each MoE layer's score bias after 3 steps, by its row in the model's MoE layers (this rank's)."""
     torch.set_num_threads(1)
     job = tiny_job(
-        out, *DEEPSEEK, "model.router_bias_update_rate=0.01", "train.steps=3", "train.eval_interval=0"
+        out, *DEEPSEEK, "model.router_bias_update_rate=0.01", "train.steps=3", "train.eval_interval=0", *extra
     )
     trainer = build_trainer(job, Topology(job.parallel, world, rank))
     try:
@@ -162,7 +163,13 @@ def _bias_worker(rank, world, out):
     finally:
         trainer.metrics.close()
         trainer.checkpointer.close()
-    return [r.score_bias.detach().clone() for r in trainer.model.routers()]
+    model = trainer.model
+    rows = model.router_rows() if hasattr(model, "router_rows") else range(len(model.routers()))
+    return {row: r.score_bias.detach().clone() for row, r in zip(rows, model.routers(), strict=True)}
+
+
+def _same_biases(got, want):
+    return got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
 
 @pytest.mark.slow
@@ -173,9 +180,31 @@ def test_score_bias_update_agrees_over_data_parallel_replicas(tmp_path):
 
     two = spawn(2, _bias_worker, str(tmp_path / "dp2"))
     one = _bias_worker(0, 1, str(tmp_path / "dp1"))
-    assert any(b.any() for b in one)
+    assert any(b.any() for b in one.values())
     for replica in two:
-        assert all(torch.equal(a, b) for a, b in zip(replica, one, strict=True))
+        assert _same_biases(replica, one)
+
+
+@pytest.mark.slow
+def test_score_bias_update_and_router_figures_under_pipeline_stages(tmp_path):
+    """pp=2 (one MoE layer per stage, z-loss on): each stage moves its own layers' biases as one process
+    does, and rank 0 logs every layer's router figures, the whole model's aux and z losses included."""
+    from tests.parallel._dist import spawn
+
+    z = "model.router_z_loss_coef=0.01"
+    stages = spawn(2, _bias_worker, str(tmp_path / "pp2"), "parallel.pp=2", z)
+    one = _bias_worker(0, 1, str(tmp_path / "pp1"), z)
+    assert any(b.any() for b in one.values()) and len(one) == 2
+    assert not stages[0].keys() & stages[1].keys()
+    assert _same_biases({**stages[0], **stages[1]}, one)
+    piped, single = read_metrics(tmp_path / "pp2"), read_metrics(tmp_path / "pp1")
+    assert [e["step"] for e in piped] == [e["step"] for e in single]
+    for a, b in zip(piped, single, strict=True):
+        assert a["expert_load_layers"] == b["expert_load_layers"]
+        assert (a["expert_load_max"], a["dropped_fraction"]) == (b["expert_load_max"], b["dropped_fraction"])
+        # fp32 sums in another order (over stages): a relative gap of 1e-4 as the equivalence tests allow.
+        for key in ("loss", "aux_loss", "z_loss"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4), key
 
 
 @pytest.mark.slow
