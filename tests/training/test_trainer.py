@@ -116,8 +116,19 @@ DEEPSEEK = [
 ]
 
 
+@pytest.fixture
+def one_thread():
+    """torch's intra-op threads at train.num_threads=1 (what `run` sets for the tiny jobs), restored after:
+    a reduction split over another number of threads rounds differently, so runs compared bitwise must
+    use the same count."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.mark.slow
-def test_score_bias_update_is_checkpointed_and_resumes_exactly(tmp_path):
+def test_score_bias_update_is_checkpointed_and_resumes_exactly(tmp_path, one_thread):
     """deepseek_v3 moves its routers' score biases by +-rate per expert after every applied step (the rate
     set high to show in few steps), the checkpoint carries them, and a resumed run equals a straight one;
     the router figures (z-loss, dropped fraction, per-layer load) reach metrics.jsonl."""
