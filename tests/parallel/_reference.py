@@ -47,6 +47,8 @@ from llmtrain import models
 from llmtrain.config import JobConfig
 from llmtrain.parallel.optimizer import no_weight_decay
 
+ISSUE_GAP = 1e-4
+"""Worst relative gap of losses and gradient norms to one process that the issues accept (fp32 runs)."""
 U32 = 2.0**-24  # unit roundoff of fp32 (round to nearest)
 
 
@@ -134,6 +136,18 @@ class Reference:
                     f"{want.flatten()[at].item()!r}: {ratio.max().item():.1f} times the bound "
                     f"{self.weight_bounds[key].flatten()[at].item():.2e}"
                 )
+        return failures
+
+    def check_gap(
+        self, name: str, losses: Sequence[float], grad_norms: Sequence[float], bound: float = ISSUE_GAP
+    ) -> list[str]:
+        """The issues' criterion on top of `check`: the worst relative gap of the losses and of the gradient
+        norms to this one-process run at most `bound`, one line per failure."""
+        failures = []
+        for kind, got, want in (("loss", losses, self.losses), ("grad norm", grad_norms, self.grad_norms)):
+            gap = max(abs(a - b) / abs(b) for a, b in zip(got, want, strict=True))
+            if not gap <= bound:
+                failures.append(f"{name}: {kind} relative gap {gap:.1e} to one process, bound {bound:.0e}")
         return failures
 
 
