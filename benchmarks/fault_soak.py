@@ -9,6 +9,7 @@ N restarts (the i-th kill hits attempt i) and every step's loss equals the refer
 final loss does too); steps re-run after a restart must reproduce the loss they logged before it.
 
   python benchmarks/fault_soak.py                        # 20 kills, tp 2 x pp 2 on 4 workers
+  python benchmarks/fault_soak.py --kills 5 --kind ep2-moe --no-busy
   python benchmarks/fault_soak.py --kills 5 --layout parallel.zero_stage=1 --no-busy
 """
 
@@ -39,6 +40,22 @@ TINY = [
     "logging.tensorboard=false", "logging.interval=1",
 ]  # fmt: skip
 SHARE_STORE_OPT_OUT = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+# Every layout kind on 4 workers, by name: each builds its own process groups (FSDP meshes, EP all-to-all
+# groups, CP rings, DeepSpeed's engine) and so is its own chance to leak state from one attempt into the next.
+KINDS: dict[str, list[str]] = {
+    "tp2-pp2": ["parallel.tp=2", "parallel.pp=2"],
+    "dp4-zero1": ["parallel.zero_stage=1"],
+    "cp2-ring": ["parallel.cp=2"],
+    "cp2-a2a-zero3": ["parallel.cp=2", "parallel.cp_comm=all_to_all", "parallel.zero_stage=3"],
+    "dp4-zero2-hsdp": ["parallel.zero_stage=2", "parallel.dp_shard=2"],
+    "ep2-moe": ["model.arch=mixtral", "model.num_experts=4", "parallel.ep=2"],
+    "tp2-pp2-per-layer": [
+        "parallel.tp=2", "parallel.pp=2", "parallel.stage_layers=[1,1]",
+        "model.recompute_layers=[full,selective]",
+    ],
+    "deepspeed-zero2": ["parallel.engine=deepspeed", "parallel.zero_stage=2"],
+    "deepspeed-zero3": ["parallel.engine=deepspeed", "parallel.zero_stage=3"],
+}  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -48,7 +65,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--kills", type=int, default=20, help="SIGKILLs to inject (torchrun gets as many restarts)"
     )
     p.add_argument("--nproc", type=int, default=4, help="workers")
-    p.add_argument("--layout", nargs="*", default=["parallel.tp=2", "parallel.pp=2"], help="config overrides")
+    p.add_argument("--kind", choices=sorted(KINDS), default="tp2-pp2", help="a named layout (see KINDS)")
+    p.add_argument("--layout", nargs="*", default=None, help="config overrides instead of --kind's")
     p.add_argument("--steps", type=int, default=0, help="training steps (default: 3 per kill)")
     p.add_argument("--checkpoint-interval", type=int, default=2, help="checkpoint.interval of the job")
     p.add_argument("--busy", action=argparse.BooleanOptionalAction, default=True, help="a busy loop per core")
@@ -131,6 +149,8 @@ def soak(args: argparse.Namespace, out: Path, deadline: float) -> tuple[int, lis
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.steps = args.steps or 3 * args.kills
+    if args.layout is None:
+        args.layout = KINDS[args.kind]
     if args.kills >= args.steps:
         raise SystemExit(f"--kills {args.kills} needs more than {args.kills} --steps (one kill per step)")
     out = args.output or Path(tempfile.mkdtemp(prefix="fault_soak_"))

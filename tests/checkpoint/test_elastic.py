@@ -1,8 +1,10 @@
 """Elastic restart under torchrun as launched, without TORCH_DISABLE_SHARE_RDZV_TCP_STORE: a worker killed
-with SIGKILL mid-training, the job restarts and resumes from the last complete checkpoint, for tensor,
-pipeline (with tensor) and ZeRO-1 data-parallel layouts. Reference: the same job run without interruption
-(final loss equal, bit for bit); and a 4-worker checkpoint resumed on 2 workers (resharded, loss within
-fp32 tolerance)."""
+with SIGKILL mid-training, the job restarts and resumes from the last complete checkpoint, for every layout
+kind: tensor, pipeline (with tensor, and with per-layer stage and recompute plans), ZeRO-1, ZeRO-2/3 through
+FSDP2 (with hybrid sharding), context parallelism (ring; all-to-all under ZeRO-3), expert parallelism and
+DeepSpeed's engine (the layouts of benchmarks/fault_soak.py's KINDS). Reference: the same job run without
+interruption (final loss equal, bit for bit); and a 4-worker checkpoint resumed on 2 workers (resharded, loss
+within fp32 tolerance)."""
 
 from __future__ import annotations
 
@@ -109,13 +111,28 @@ def test_sigkill_restart_resumes_tensor_parallel_and_reshards(tmp_path: Path) ->
     assert abs(loss - final_loss) <= 1e-5 * abs(final_loss)
 
 
+# Each kind builds process groups of its own on every attempt (pipeline stages, ZeRO buckets, FSDP2's
+# meshes, CP rings and all-to-all groups, EP groups, DeepSpeed's engine), so each gets a kill of its own.
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "layout",
-    [("parallel.tp=2", "parallel.pp=2"), ("parallel.zero_stage=1",)],
-    ids=["tp2-pp2", "dp4-zero1"],
-)
-def test_sigkill_restart_resumes_pipeline_and_zero_layouts(tmp_path: Path, layout: tuple[str, ...]) -> None:
+    [
+        ("parallel.tp=2", "parallel.pp=2"),
+        ("parallel.zero_stage=1",),
+        ("parallel.cp=2",),
+        ("parallel.cp=2", "parallel.cp_comm=all_to_all", "parallel.zero_stage=3"),
+        ("parallel.zero_stage=2", "parallel.dp_shard=2"),
+        ("model.arch=mixtral", "model.num_experts=4", "parallel.ep=2"),
+        ("parallel.tp=2", "parallel.pp=2", "parallel.stage_layers=[1,1]",
+         "model.recompute_layers=[full,selective]"),
+        ("parallel.engine=deepspeed", "parallel.zero_stage=3"),
+    ],
+    ids=[
+        "tp2-pp2", "dp4-zero1", "cp2-ring", "cp2-a2a-zero3", "dp4-zero2-hsdp", "ep2-moe", "tp2-pp2-per-layer",
+        "deepspeed-zero3",
+    ],
+)  # fmt: skip
+def test_sigkill_restart_resumes_every_layout_kind(tmp_path: Path, layout: tuple[str, ...]) -> None:
     _kill_a_worker_and_compare(tmp_path, *layout)
 
 
