@@ -100,7 +100,15 @@ def wait_or_end(proc: subprocess.Popen, deadline: float) -> int:
     try:
         return proc.wait(timeout=max(1.0, deadline - time.time()))
     except subprocess.TimeoutExpired:
+        # torchrun's workers can sit in sessions of their own (seen: four left running after a timeout),
+        # so every descendant is ended by pid as well as the session.
+        family = psutil.Process(proc.pid).children(recursive=True)
         os.killpg(proc.pid, signal.SIGKILL)
+        for member in family:
+            try:
+                member.kill()
+            except psutil.NoSuchProcess:
+                continue
         proc.wait()
         return -1
 
