@@ -12,14 +12,19 @@ the paper); --reference reads another.
 With --activations it also compares the predicted saved-activation bytes of one layer with the bytes the
 tensor-parallel issue's saved-tensor hooks measure (llmtrain.parallel.memory) on small CPU models.
 
-With --local it also describes this machine (tools/plan.py --profile-local's compute and memory
-measurements with loopback link defaults, or the cluster file given with --local-cluster), trains a small
-LLaMA for a few steps with torchrun on gloo in several (tp, pp, dp) layouts of 1-2 processes (one core
-each), and prints the predicted against the measured step time with the Spearman rank correlation
-(llmtrain.planner.local_validation; about 3 minutes on 2 cores, twice that with --local-repeats 2):
+With --local it also trains a small LLaMA for a few steps with torchrun on gloo in 12 (tp, pp, dp) layouts of
+1-2 processes (one core each; ZeRO 0-3, recompute none/selective/full, SP) and prints, per layout, the
+predicted and measured step time and |predicted - measured| / measured, then the median and max error
+against issue 19's target (median <= 15%) and the Spearman rank correlation
+(llmtrain.planner.local_validation, whose docstring says why not 3-4 processes on 2 cores; about 4 minutes
+on 2 cores, twice that with --local-repeats 2). The cluster is the one tools/calibrate.py measured:
 
-    python benchmarks/validate_planner.py --local [--local-cluster local-cluster.yaml] [--local-steps 6]
-        [--local-repeats 2]   # round-robin repeats, fastest median each: steadier on a shared machine
+    python tools/calibrate.py --output local.yaml && \
+        python benchmarks/validate_planner.py --local --local-cluster local.yaml
+        [--local-steps 6] [--local-repeats 2]  # round-robin repeats, fastest median each: steadier if shared
+
+Without --local-cluster it profiles the machine now (tools/plan.py --profile-local's compute and memory
+measurements with loopback link defaults), which leaves the links unmeasured.
 """
 
 from __future__ import annotations
@@ -154,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         "--local", action="store_true", help="also predict vs measure step time on this machine (gloo)"
     )
     parser.add_argument(
-        "--local-cluster", help="cluster file of this machine for --local (default: profile it now)"
+        "--local-cluster",
+        help="cluster file of this machine for --local, from tools/calibrate.py (default: profile it now)",
     )
     parser.add_argument("--local-steps", type=int, default=6, help="training steps per --local run")
     parser.add_argument("--local-warmup", type=int, default=2, help="steps left out of the --local median")
@@ -203,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
                             predicted_s=p.predicted,
                             measured_s=p.measured,
                             ratio=p.ratio,
+                            error=p.error,
                         )
                         for p in local
                     ],
