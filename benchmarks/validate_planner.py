@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 
 from llmtrain.config import ConfigError
+from llmtrain.planner.cluster import Cluster
 from llmtrain.planner.cost_model import Layout
 from llmtrain.planner.local_validation import (
     LOCAL_CONFIG,
@@ -99,30 +100,34 @@ def measure_step_time(layout: Layout, steps: int, warmup: int, output_dir: Path)
     return median_step_time((output_dir / "metrics.jsonl").read_text().splitlines(), warmup)
 
 
-def local_check(cluster_file: str | None, steps: int, warmup: int, repeats: int = 1) -> list[LocalPoint]:
+def local_cluster(cluster_file: str | None) -> Cluster:
+    """The cluster of this machine: the file given (tools/calibrate.py's), else a profile measured now."""
+    from llmtrain.planner import cluster_from_dict, load_cluster
+
+    if cluster_file:
+        return load_cluster(cluster_file)
+    from llmtrain.planner.profile import describe_local
+
+    start = time.perf_counter()
+    # 2 processes sharing the machine, as the 2-process layouts run. Links: profile.py's loopback
+    # defaults, since its gloo measurement times its loops per rank, so the ranks can run different
+    # numbers of all-reduces and abort or hang; tools/calibrate.py's file measures them (--local-cluster).
+    desc = describe_local(2, measure_links=False)
+    device = next(iter(desc["devices"].values()))
+    print(
+        f"profiled this machine in {time.perf_counter() - start:.1f} s: {device['peak_tflops']} TFLOP/s, "
+        f"{device['memory_bandwidth_gbs']} GB/s per process; link {desc['links']['intra_node']}",
+        file=sys.stderr,
+    )
+    return cluster_from_dict(desc, "describe_local(2)")
+
+
+def local_check(cluster: Cluster, steps: int, warmup: int, repeats: int = 1) -> list[LocalPoint]:
     """Predicted and measured step time of every local layout, the fastest of `repeats` runs each."""
     from llmtrain.config import load
-    from llmtrain.planner import Workload, cluster_from_dict, load_cluster
+    from llmtrain.planner import Workload
 
-    job = load(REPO / LOCAL_CONFIG, list(LOCAL_MODEL_OVERRIDES))
-    workload = Workload.from_job(job)
-    if cluster_file:
-        cluster = load_cluster(cluster_file)
-    else:
-        from llmtrain.planner.profile import describe_local
-
-        start = time.perf_counter()
-        # 2 processes sharing the machine, as the 2-process layouts run. Links: profile.py's loopback
-        # defaults, since its gloo measurement times its loops per rank, so the ranks can run different
-        # numbers of all-reduces and abort or hang; a file from a fixed --profile-local can be given instead.
-        desc = describe_local(2, measure_links=False)
-        cluster = cluster_from_dict(desc, "describe_local(2)")
-        device = next(iter(desc["devices"].values()))
-        print(
-            f"profiled this machine in {time.perf_counter() - start:.1f} s: {device['peak_tflops']} TFLOP/s, "
-            f"{device['memory_bandwidth_gbs']} GB/s per process; link {desc['links']['intra_node']}",
-            file=sys.stderr,
-        )
+    workload = Workload.from_job(load(REPO / LOCAL_CONFIG, list(LOCAL_MODEL_OVERRIDES)))
     predicted = [predict(workload, cluster, layout).step_time for layout in LOCAL_LAYOUTS]
     measured: list[list[float]] = [[] for _ in LOCAL_LAYOUTS]
     with tempfile.TemporaryDirectory(prefix="validate-local-") as tmp:
@@ -174,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--local-repeats must be at least 1")
     try:
         results = validate_megatron(args.cluster, args.reference)
+        # Before the Megatron table and minutes of runs: a bad --local-cluster fails at once.
+        cluster = local_cluster(args.local_cluster) if args.local else None
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -183,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         print(activation_check())
     local = []
     if args.local:
-        local = local_check(args.local_cluster, args.local_steps, args.local_warmup, args.local_repeats)
+        local = local_check(cluster, args.local_steps, args.local_warmup, args.local_repeats)
         print(format_local(local))
     if args.json:
         rows = [

@@ -6,6 +6,7 @@ overrides, the cost model for the fixed-layout prediction and a cluster file as 
 No training runs here.
 """
 
+import importlib.util
 import json
 import math
 import random
@@ -161,3 +162,12 @@ def test_table_lists_every_layout_and_the_summary():
     close = [LocalPoint(lay, p.measured * 1.1, p.measured) for lay, p in zip(layouts, points, strict=True)]
     assert s["median_error"] > ERROR_TARGET >= local_summary(close)["median_error"]
     assert "(meets the median <= 15% target)" in format_local(close)
+
+
+def test_a_bad_local_cluster_fails_before_any_run(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("validate_planner", REPO / "benchmarks/validate_planner.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    missing = str(tmp_path / "local.yaml")
+    assert bench.main(["--local", "--local-cluster", missing]) == 2
+    assert f"cluster file {missing} does not exist" in capsys.readouterr().err
