@@ -12,14 +12,19 @@ the paper); --reference reads another.
 With --activations it also compares the predicted saved-activation bytes of one layer with the bytes the
 tensor-parallel issue's saved-tensor hooks measure (llmtrain.parallel.memory) on small CPU models.
 
-With --local it also describes this machine (tools/plan.py --profile-local's compute and memory
-measurements with loopback link defaults, or the cluster file given with --local-cluster), trains a small
-LLaMA for a few steps with torchrun on gloo in several (tp, pp, dp) layouts of 1-2 processes (one core
-each), and prints the predicted against the measured step time with the Spearman rank correlation
-(llmtrain.planner.local_validation; about 3 minutes on 2 cores, twice that with --local-repeats 2):
+With --local it also trains a small LLaMA for a few steps with torchrun on gloo in 12 (tp, pp, dp) layouts of
+1-2 processes (one core each; ZeRO 0-3, recompute none/selective/full, SP) and prints, per layout, the
+predicted and measured step time and |predicted - measured| / measured, then the median and max error
+against issue 19's target (median <= 15%) and the Spearman rank correlation
+(llmtrain.planner.local_validation, whose docstring says why not 3-4 processes on 2 cores; about 4 minutes
+on 2 cores, twice that with --local-repeats 2). The cluster is the one tools/calibrate.py measured:
 
-    python benchmarks/validate_planner.py --local [--local-cluster local-cluster.yaml] [--local-steps 6]
-        [--local-repeats 2]   # round-robin repeats, fastest median each: steadier on a shared machine
+    python tools/calibrate.py --output local.yaml && \
+        python benchmarks/validate_planner.py --local --local-cluster local.yaml
+        [--local-steps 6] [--local-repeats 2]  # round-robin repeats, fastest median each: steadier if shared
+
+Without --local-cluster it profiles the machine now (tools/plan.py --profile-local's compute and memory
+measurements with loopback link defaults), which leaves the links unmeasured.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import time
 from pathlib import Path
 
 from llmtrain.config import ConfigError
+from llmtrain.planner.cluster import Cluster
 from llmtrain.planner.cost_model import Layout
 from llmtrain.planner.local_validation import (
     LOCAL_CONFIG,
@@ -94,30 +100,34 @@ def measure_step_time(layout: Layout, steps: int, warmup: int, output_dir: Path)
     return median_step_time((output_dir / "metrics.jsonl").read_text().splitlines(), warmup)
 
 
-def local_check(cluster_file: str | None, steps: int, warmup: int, repeats: int = 1) -> list[LocalPoint]:
+def local_cluster(cluster_file: str | None) -> Cluster:
+    """The cluster of this machine: the file given (tools/calibrate.py's), else a profile measured now."""
+    from llmtrain.planner import cluster_from_dict, load_cluster
+
+    if cluster_file:
+        return load_cluster(cluster_file)
+    from llmtrain.planner.profile import describe_local
+
+    start = time.perf_counter()
+    # 2 processes sharing the machine, as the 2-process layouts run. Links: profile.py's loopback
+    # defaults, since its gloo measurement times its loops per rank, so the ranks can run different
+    # numbers of all-reduces and abort or hang; tools/calibrate.py's file measures them (--local-cluster).
+    desc = describe_local(2, measure_links=False)
+    device = next(iter(desc["devices"].values()))
+    print(
+        f"profiled this machine in {time.perf_counter() - start:.1f} s: {device['peak_tflops']} TFLOP/s, "
+        f"{device['memory_bandwidth_gbs']} GB/s per process; link {desc['links']['intra_node']}",
+        file=sys.stderr,
+    )
+    return cluster_from_dict(desc, "describe_local(2)")
+
+
+def local_check(cluster: Cluster, steps: int, warmup: int, repeats: int = 1) -> list[LocalPoint]:
     """Predicted and measured step time of every local layout, the fastest of `repeats` runs each."""
     from llmtrain.config import load
-    from llmtrain.planner import Workload, cluster_from_dict, load_cluster
+    from llmtrain.planner import Workload
 
-    job = load(REPO / LOCAL_CONFIG, list(LOCAL_MODEL_OVERRIDES))
-    workload = Workload.from_job(job)
-    if cluster_file:
-        cluster = load_cluster(cluster_file)
-    else:
-        from llmtrain.planner.profile import describe_local
-
-        start = time.perf_counter()
-        # 2 processes sharing the machine, as the 2-process layouts run. Links: profile.py's loopback
-        # defaults, since its gloo measurement times its loops per rank, so the ranks can run different
-        # numbers of all-reduces and abort or hang; a file from a fixed --profile-local can be given instead.
-        desc = describe_local(2, measure_links=False)
-        cluster = cluster_from_dict(desc, "describe_local(2)")
-        device = next(iter(desc["devices"].values()))
-        print(
-            f"profiled this machine in {time.perf_counter() - start:.1f} s: {device['peak_tflops']} TFLOP/s, "
-            f"{device['memory_bandwidth_gbs']} GB/s per process; link {desc['links']['intra_node']}",
-            file=sys.stderr,
-        )
+    workload = Workload.from_job(load(REPO / LOCAL_CONFIG, list(LOCAL_MODEL_OVERRIDES)))
     predicted = [predict(workload, cluster, layout).step_time for layout in LOCAL_LAYOUTS]
     measured: list[list[float]] = [[] for _ in LOCAL_LAYOUTS]
     with tempfile.TemporaryDirectory(prefix="validate-local-") as tmp:
@@ -154,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         "--local", action="store_true", help="also predict vs measure step time on this machine (gloo)"
     )
     parser.add_argument(
-        "--local-cluster", help="cluster file of this machine for --local (default: profile it now)"
+        "--local-cluster",
+        help="cluster file of this machine for --local, from tools/calibrate.py (default: profile it now)",
     )
     parser.add_argument("--local-steps", type=int, default=6, help="training steps per --local run")
     parser.add_argument("--local-warmup", type=int, default=2, help="steps left out of the --local median")
@@ -168,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--local-repeats must be at least 1")
     try:
         results = validate_megatron(args.cluster, args.reference)
+        # Before the Megatron table and minutes of runs: a bad --local-cluster fails at once.
+        cluster = local_cluster(args.local_cluster) if args.local else None
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -177,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         print(activation_check())
     local = []
     if args.local:
-        local = local_check(args.local_cluster, args.local_steps, args.local_warmup, args.local_repeats)
+        local = local_check(cluster, args.local_steps, args.local_warmup, args.local_repeats)
         print(format_local(local))
     if args.json:
         rows = [
@@ -203,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
                             predicted_s=p.predicted,
                             measured_s=p.measured,
                             ratio=p.ratio,
+                            error=p.error,
                         )
                         for p in local
                     ],

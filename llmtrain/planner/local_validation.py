@@ -1,12 +1,24 @@
 """Validation on this machine: the planner's predicted step time against measured gloo runs of a small model.
 
-A small model (configs/llama-small.yaml with LOCAL_MODEL_OVERRIDES) is trained for a few steps in several
-layouts that fit 1-2 processes, one CPU core each (train.num_threads=1); each measured step time is the
-median of the `step_time_s` entries of the run's metrics.jsonl after the warm-up steps. The prediction is
-the planner's fixed-layout evaluation (every setting given, as `tools/plan.py --evaluate`) on a cluster file
-describing this machine (`tools/plan.py --profile-local`). One cluster and one model for every row, no
-per-row factors; the agreement is summarised by the Spearman rank correlation (does the planner order the
-layouts as the machine does?) and the spread of measured/predicted ratios (absolute calibration).
+A small model (configs/llama-small.yaml with LOCAL_MODEL_OVERRIDES) is trained for a few steps in the
+LOCAL_LAYOUTS, each measured step time being the median of the `step_time_s` entries of the run's
+metrics.jsonl after the warm-up steps. The prediction is the planner's fixed-layout evaluation (every setting
+given, as `tools/plan.py --evaluate`) on a cluster file describing this machine, the one
+`tools/calibrate.py --output local.yaml` writes (`benchmarks/validate_planner.py --local --local-cluster
+local.yaml`). One cluster and one model for every row, no per-row factors and nothing fitted on these rows;
+the agreement is summarised by the per-layout error |predicted - measured| / measured, its median and max
+against ERROR_TARGET (issue 19: median <= 15%), the Spearman rank correlation (does the planner order the
+layouts as the machine does?) and the spread of measured/predicted ratios.
+
+Why 1-2 processes, one core each (train.num_threads=1), although the issue allows 1-4 ranks: the machine
+this runs on has 2 cores, and the planner models one device per rank that nothing else uses. Two
+single-threaded processes on 2 cores match that model (the calibration divides the machine's matmul rate
+and copy bandwidth between the 2 processes it describes). Three or four processes on 2 cores time-share:
+the step time then depends on the OS scheduler interleaving ranks that wait on each other in gloo, a
+slowdown the planner does not model, so the error would measure the oversubscription, not the planner.
+Per-process CPU time would remove the time-sharing but also the waiting (pipeline bubbles, collectives)
+that the planner does predict, so it is not the step time either. On a machine with 4 or more cores the
+same code takes 3-4 rank layouts unchanged (calibrate with --devices 4).
 
 Pure Python: launching the runs is the benchmark's job (benchmarks/validate_planner.py --local).
 """
@@ -38,14 +50,20 @@ LOCAL_LAYOUTS = (
     Layout(micro_batch=16),
     Layout(micro_batch=4),
     Layout(micro_batch=4, recompute="full"),
+    Layout(micro_batch=4, recompute="selective"),
     Layout(tp=2, micro_batch=4),
     Layout(tp=2, micro_batch=4, sequence_parallel=True),
     Layout(pp=2, micro_batch=2),
-    Layout(pp=2, micro_batch=8),
+    Layout(pp=2, micro_batch=8, recompute="full"),
     Layout(dp=2, micro_batch=8),
     Layout(dp=2, micro_batch=2, zero_stage=1),
+    Layout(dp=2, micro_batch=4, zero_stage=2),
+    Layout(dp=2, micro_batch=8, zero_stage=3),
 )
-"""(tp, pp, dp) in (1,1,1), (2,1,1), (1,2,1), (1,1,2) with micro-batch, recompute, SP and ZeRO variations."""
+"""(tp, pp, dp) in (1,1,1), (2,1,1), (1,2,1), (1,1,2) with micro-batch, recompute, SP and ZeRO 1-3."""
+
+ERROR_TARGET = 0.15
+"""Issue 19's bound on the median |predicted - measured| / measured over the local layouts."""
 
 
 def run_overrides(layout: Layout, steps: int, output_dir: str) -> list[str]:
@@ -132,11 +150,20 @@ class LocalPoint:
         """Measured over predicted (1: exact; the same value on every row: perfectly scaled)."""
         return self.measured / self.predicted
 
+    @property
+    def error(self) -> float:
+        """|predicted - measured| / measured: the relative error of the prediction."""
+        return abs(self.predicted - self.measured) / self.measured
+
 
 def local_summary(points: Sequence[LocalPoint]) -> dict[str, float]:
-    """Spearman correlation of predicted vs measured, and the median/min/max measured/predicted ratio."""
+    """Median and max relative error, Spearman correlation of predicted vs measured, and the median/min/max
+    measured/predicted ratio."""
     ratios = [p.ratio for p in points]
+    errors = [p.error for p in points]
     return {
+        "median_error": statistics.median(errors),
+        "max_error": max(errors),
         "spearman": spearman([p.predicted for p in points], [p.measured for p in points]),
         "median_ratio": statistics.median(ratios),
         "min_ratio": min(ratios),
@@ -145,13 +172,20 @@ def local_summary(points: Sequence[LocalPoint]) -> dict[str, float]:
 
 
 def format_local(points: Sequence[LocalPoint]) -> str:
-    """Table of layouts with predicted and measured step time, then the rank correlation."""
-    lines = [f"{'procs':>5}  {'layout':<55} {'pred_s':>8} {'meas_s':>8} {'meas/pred':>9}"]
+    """Table of layouts with predicted and measured step time and the error, then the summary lines."""
+    lines = [f"{'procs':>5}  {'layout':<55} {'pred_s':>8} {'meas_s':>8} {'meas/pred':>9} {'error':>7}"]
     for p in points:
         lines.append(
-            f"{p.layout.gpus:5d}  {p.layout.short():<55} {p.predicted:8.4f} {p.measured:8.4f} {p.ratio:9.2f}"
+            f"{p.layout.gpus:5d}  {p.layout.short():<55} {p.predicted:8.4f} {p.measured:8.4f} {p.ratio:9.2f} "
+            f"{100 * p.error:6.1f}%"
         )
     s = local_summary(points)
+    verdict = "meets" if s["median_error"] <= ERROR_TARGET else "misses"
+    target = f"({verdict} the median <= {100 * ERROR_TARGET:.0f}% target)"
+    lines.append(
+        f"|predicted - measured| / measured over {len(points)} layouts: "
+        f"median {100 * s['median_error']:.1f}%, max {100 * s['max_error']:.1f}% {target}"
+    )
     lines.append(
         f"Spearman rank correlation {s['spearman']:+.3f} over {len(points)} layouts; measured/predicted "
         f"median {s['median_ratio']:.2f} (min {s['min_ratio']:.2f}, max {s['max_ratio']:.2f})"

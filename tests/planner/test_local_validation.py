@@ -1,10 +1,12 @@
 """The local (this machine) validation's pieces: rank correlation, metrics parsing, run overrides, table.
 
 References: the worked example of Wikipedia's "Spearman's rank correlation coefficient" article, pandas'
-Spearman correlation (tie-averaged ranks), the config loader for the run overrides and the cost model for
-the fixed-layout prediction. No training runs here.
+Spearman correlation (tie-averaged ranks), hand-computed relative errors, the config loader for the run
+overrides, the cost model for the fixed-layout prediction and a cluster file as tools/calibrate.py writes it.
+No training runs here.
 """
 
+import importlib.util
 import json
 import math
 import random
@@ -15,8 +17,11 @@ import pytest
 from llmtrain.config import load
 from llmtrain.config.validate import validate_world
 from llmtrain.planner import CostModel, Workload, cluster_from_dict
+from llmtrain.planner.calibration import profile_of
+from llmtrain.planner.cluster import load_cluster
 from llmtrain.planner.cost_model import Layout
 from llmtrain.planner.local_validation import (
+    ERROR_TARGET,
     LOCAL_CONFIG,
     LOCAL_LAYOUTS,
     LOCAL_MODEL_OVERRIDES,
@@ -28,6 +33,8 @@ from llmtrain.planner.local_validation import (
     run_overrides,
     spearman,
 )
+from llmtrain.planner.report import write_yaml
+from tests.planner.test_calibration import _measurements
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -91,7 +98,10 @@ def test_run_overrides_load_as_exactly_the_layout(layout, tmp_path):
 def test_local_layouts_cover_every_layout_kind_with_enough_points():
     kinds = {(lay.tp, lay.pp, lay.dp) for lay in LOCAL_LAYOUTS}
     assert kinds == {(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2)}
-    assert len(set(LOCAL_LAYOUTS)) == len(LOCAL_LAYOUTS) >= 6
+    assert len(set(LOCAL_LAYOUTS)) == len(LOCAL_LAYOUTS) >= 10  # issue 19: at least ten layouts
+    assert {lay.zero_stage for lay in LOCAL_LAYOUTS} == {0, 1, 2, 3}
+    assert {lay.recompute for lay in LOCAL_LAYOUTS} == {"none", "selective", "full"}
+    assert any(lay.sequence_parallel for lay in LOCAL_LAYOUTS)
 
 
 def local_like_cluster():
@@ -116,17 +126,48 @@ def test_prediction_is_the_cost_model_of_exactly_that_layout():
         assert est.step_time == pytest.approx(direct.step_time)
 
 
+def test_a_calibration_file_is_the_cluster_the_predictions_use(tmp_path):
+    path = tmp_path / "local.yaml"
+    write_yaml(profile_of(_measurements(), when="2026-01-01 00:00 UTC"), path)
+    cluster = load_cluster(path)
+    workload = Workload.from_job(load(REPO / LOCAL_CONFIG, list(LOCAL_MODEL_OVERRIDES)))
+    times = [predict(workload, cluster, layout).step_time for layout in LOCAL_LAYOUTS]
+    assert all(t > 0 and math.isfinite(t) for t in times)
+
+
+def test_error_is_relative_to_the_measurement():
+    assert LocalPoint(LOCAL_LAYOUTS[0], 1.0, 2.0).error == pytest.approx(0.5)  # under by half the measurement
+    assert LocalPoint(LOCAL_LAYOUTS[0], 3.0, 2.0).error == pytest.approx(0.5)  # over by as much
+    assert LocalPoint(LOCAL_LAYOUTS[0], 2.0, 2.0).error == 0.0
+
+
 def test_table_lists_every_layout_and_the_summary():
     layouts = LOCAL_LAYOUTS[:4]
     points = [LocalPoint(lay, p, m) for lay, p, m in zip(layouts, [1.0, 2.0, 3.0, 4.0], [2.0, 3.0, 9.0, 8.0],
                                                           strict=True)]  # fmt: skip
     table = format_local(points)
     lines = table.splitlines()
-    assert len(lines) == 1 + len(points) + 1
-    for line, point in zip(lines[1:-1], points, strict=True):
+    assert len(lines) == 1 + len(points) + 2
+    for line, point in zip(lines[1:-2], points, strict=True):
         assert point.layout.short() in line
-        assert line.split()[-3:] == [f"{point.predicted:.4f}", f"{point.measured:.4f}", f"{point.ratio:.2f}"]
+        assert line.split()[-4:] == [f"{point.predicted:.4f}", f"{point.measured:.4f}", f"{point.ratio:.2f}",
+                                     f"{100 * point.error:.1f}%"]  # fmt: skip
     s = local_summary(points)
     assert s["spearman"] == pytest.approx(0.8)  # one swapped pair of 4: 1 - 6*2/(4*15)
     assert (s["median_ratio"], s["min_ratio"], s["max_ratio"]) == pytest.approx((2.0, 1.5, 3.0))
+    # Errors 1/2, 1/3, 2/3, 1/2: median 1/2, max 2/3.
+    assert (s["median_error"], s["max_error"]) == pytest.approx((0.5, 2 / 3))
+    assert "median 50.0%, max 66.7% (misses the median <= 15% target)" in lines[-2]
     assert "Spearman rank correlation +0.800 over 4 layouts" in lines[-1]
+    close = [LocalPoint(lay, p.measured * 1.1, p.measured) for lay, p in zip(layouts, points, strict=True)]
+    assert s["median_error"] > ERROR_TARGET >= local_summary(close)["median_error"]
+    assert "(meets the median <= 15% target)" in format_local(close)
+
+
+def test_a_bad_local_cluster_fails_before_any_run(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("validate_planner", REPO / "benchmarks/validate_planner.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    missing = str(tmp_path / "local.yaml")
+    assert bench.main(["--local", "--local-cluster", missing]) == 2
+    assert f"cluster file {missing} does not exist" in capsys.readouterr().err
