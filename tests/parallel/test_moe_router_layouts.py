@@ -1,8 +1,8 @@
-"""A mixture of experts with its router losses on (load-balancing and z-loss) under pipeline and context
-parallelism trains like one process: the pooled load-balancing loss spans the pipeline stages
-(llmtrain.pipeline.router_stats) and the CP ranks' router statistics are summed (llmtrain.parallel.
-context_parallel). The reference runs each micro-batch as training accumulates them, since the
-load-balancing loss of a micro-batch is no mean over its tokens."""
+"""A mixture of experts with its router losses on (load-balancing and z-loss) under pipeline parallelism
+(also on ZeRO-2/3 sharded stages) and context parallelism trains like one process: the pooled
+load-balancing loss spans the pipeline stages (llmtrain.pipeline.router_stats) and the CP ranks' router
+statistics are summed (llmtrain.parallel.context_parallel). The reference runs each micro-batch as training
+accumulates them, since the load-balancing loss of a micro-batch is no mean over its tokens."""
 
 from __future__ import annotations
 
@@ -31,6 +31,9 @@ LAYOUTS = {
         (dict(pp=2, ep=2, **INTERLEAVED), "adamw"),
         (dict(pp=2, cp=2), "sgd"),
         (dict(tp=2, cp=2, sequence_parallel=True), "sgd"),
+        # FSDP2 (ZeRO-3 and ZeRO-2) on pipeline stages: the router losses' gradients through sharded routers.
+        (dict(pp=2, zero_stage=3), "adamw"),
+        (dict(pp=2, ep=2, zero_stage=2), "sgd"),
     ],
 }
 
