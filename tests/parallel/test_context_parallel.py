@@ -236,8 +236,8 @@ def test_ring_with_triton_kernels_trains_like_one_process() -> None:
             "does not support parallel.engine=deepspeed yet; use parallel.engine=llmtrain",
         ),
         (
-            ["parallel.cp=2", "model.arch=mixtral", "parallel.ep=2"],
-            "parallel.ep=2 does not compose with parallel.cp=2 yet; set one of them to 1",
+            ["parallel.cp=2", "model.arch=mixtral", "model.num_experts=8", "parallel.ep=8", "parallel.dp=1"],
+            "parallel.ep=8 cannot be carved out of the tp x cp x dp = 1x2x1 ranks; choose an ep dividing",
         ),
         (["parallel.order=tp-dp-pp-cp-cp"], "parallel.order must name tp, dp and pp once each"),
         (
