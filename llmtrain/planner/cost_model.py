@@ -714,7 +714,8 @@ class CostModel:
         the data-parallel gradient reduction (and ZeRO-1 parameter gather) over the gradient buffer's
         buckets (collectives.buckets: the same bytes, the bucket count an estimate). Under context
         parallelism each layer adds its ring sends or all-to-alls (collectives.cp_layer), the last stage the
-        loss's sums over cp, and the gradients are reduced over dp x cp. Under expert parallelism each MoE
+        loss's sums over cp, each MoE layer its router statistics' sums over tp and cp (collectives.
+        router_stats), and the gradients are reduced over dp x cp. Under expert parallelism each MoE
         layer adds its all-to-alls (collectives.ep_layer, balanced routing), the routed experts' gradients
         are all-reduced apart over the expert-data-parallel group (memory.expert_dp_size: cp x dp / ep ranks,
         the trainer's at tp = 1; at zero_stage 0 only: ZeRO's expert shards are not listed yet) and the
@@ -750,7 +751,8 @@ class CostModel:
                 if moe:
                     rows = tok * m.num_experts_per_tok
                     expert = C.ep_layer(ep, m.num_experts, rows, e * m.hidden_size, mode)
-                    add(expert.fwd + expert.bwd, num_micro * n)
+                    stats = C.router_stats(m.num_experts, tp, cp, mode)
+                    add(expert.fwd + expert.bwd + stats.fwd + stats.bwd, num_micro * n)
                     numel += (moe_extra + (routed if ep == 1 else 0)) * n
                     experts += (routed if ep > 1 else 0) * n
             if first:
