@@ -293,9 +293,9 @@ def test_ep_is_carved_out_of_the_world() -> None:
     assert validate_world(load(None, across_tp), 8) == 2  # ep = dp x cp x tp
 
 
-def _build(ep: int, out: Path, rank: int, world: int) -> tuple[Any, ...]:
-    """The tiny MoE job at dp=2, ZeRO-1 and parallel.ep=`ep`, saving under `out`, built as training does."""
-    job = tiny_job("mixtral", ep=ep, zero_stage=1)
+def _build(settings: dict[str, int], out: Path, rank: int, world: int) -> tuple[Any, ...]:
+    """The tiny MoE job at ZeRO-1 and `settings` (ep, cp), saving under `out`, built as training does."""
+    job = tiny_job("mixtral", zero_stage=1, **settings)
     job.output_dir = str(out)
     topo = Topology(job.parallel, world, rank)
     model = parallelize(models.empty_model(job.model, device="meta"), topo, job)
@@ -324,27 +324,31 @@ def _train(parts: tuple[Any, ...], data: list[torch.Tensor]) -> list[float]:
 def _resume_across_ep(rank: int, world: int, tmp: str) -> list[str]:
     root = Path(tmp)
     data = batches(tiny_job("mixtral"), 4)
-    expected = _train(_build(1, root / "whole", rank, world), data)
+    expected = _train(_build({}, root / "whole", rank, world), data)
     failures = []
-    for first, then in ((2, 1), (1, 2)):
-        saving = _build(first, root / f"ep{first}", rank, world)
+    ep2, cp2 = dict(ep=2), dict(ep=2, cp=2)
+    for first, then in (({}, ep2), (ep2, cp2), (cp2, {})):
+        was = "_".join(f"{k}{v}" for k, v in first.items()) or "ep1"
+        now = "_".join(f"{k}{v}" for k, v in then.items()) or "ep1"
+        what = f"{was} -> {now}"
+        saving = _build(first, root / was, rank, world)
         _train(saving, data[:2])
         saving[-1].save(2, saving[2], saving[3], {"step": 2})
-        loading = _build(then, root / f"ep{first}_at_ep{then}", rank, world)
-        loading[-1].load(root / f"ep{first}" / "checkpoints", loading[2], loading[3])
+        loading = _build(then, root / f"{was}_at_{now}", rank, world)
+        loading[-1].load(root / was / "checkpoints", loading[2], loading[3])
         loading[-1].save(2, loading[2], loading[3], {"step": 2})  # the same state, written by this layout
         got = _train(loading, data[2:])
         gap = max(abs(a - b) / abs(b) for a, b in zip(got, expected[2:], strict=True))
         if not gap <= ISSUE_GAP:
-            failures.append(f"ep={first} -> ep={then}: losses {got}, uninterrupted {expected[2:]}")
+            failures.append(f"{what}: losses {got}, uninterrupted {expected[2:]}")
         dist.barrier()
         if rank == 0:  # model and optimizer state (experts' Adam moments included) stored bitwise alike
-            saved = read_full(root / f"ep{first}" / "checkpoints")
-            again = read_full(root / f"ep{first}_at_ep{then}" / "checkpoints")
+            saved = read_full(root / was / "checkpoints")
+            again = read_full(root / f"{was}_at_{now}" / "checkpoints")
             if saved.keys() != again.keys():
-                failures.append(f"ep={first} -> ep={then}: keys {sorted(saved.keys() ^ again.keys())}")
+                failures.append(f"{what}: keys {sorted(saved.keys() ^ again.keys())}")
             failures += [
-                f"ep={first} -> ep={then}: {key} differs once re-saved"
+                f"{what}: {key} differs once re-saved"
                 for key in saved.keys() & again.keys()
                 if not torch.equal(saved[key], again[key])
             ]
@@ -353,8 +357,8 @@ def _resume_across_ep(rank: int, world: int, tmp: str) -> list[str]:
 
 @pytest.mark.slow
 def test_checkpoints_move_between_ep_layouts(tmp_path: Path) -> None:
-    """An ep=2 checkpoint (expert shards saved at their global place) resumes at ep=1 and an ep=1 one at
-    ep=2 (dp=2, ZeRO-1), holding the same state and continuing the uninterrupted run's loss curve (fp32,
-    worst relative gap ISSUE_GAP)."""
+    """Checkpoints move around ep=1 -> ep=2 (dp=2, ZeRO-1) -> ep=2 cp=2 (EP spanning the CP ranks, dp=1)
+    -> ep=1, expert shards saved at their global place: each resumed run holds the same state and continues
+    the uninterrupted run's loss curve (fp32, worst relative gap ISSUE_GAP)."""
     failures = [f for r in spawn(2, _resume_across_ep, str(tmp_path)) for f in r]
     assert not failures, "\n".join(failures)
