@@ -25,6 +25,10 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send")
 GEMM_SHAPES_GPU = ((4096, 4096, 4096), (8192, 8192, 2048), (2048, 8192, 8192), (16384, 4096, 1024))
 GEMM_SHAPES_CPU = ((512, 512, 512), (1024, 1024, 1024), (2048, 512, 2048))
 """(m, n, k) of the timed matmuls: square, and the wide/deep shapes transformer projections have."""
+TABLE_WIDTHS_GPU = (256, 512, 1024, 2048, 4096)
+TABLE_WIDTHS_CPU = (64, 128, 256, 512)
+"""Widths d of the matmul table: per d, 8d tokens through a d -> d, a d -> 4d and a 4d -> d projection (a
+layer's attention and MLP shapes), so the table spans the small kernels of small layers up to large ones."""
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,11 @@ class Measurements:
     launch_us: float
     host_bandwidth_gbs: float
     host_adam_gparams: float
+    gemm_table: dict[str, list[list[float]]] = field(default_factory=dict)
+    """dtype -> [FLOPs, achieved TFLOP/s] of the table's matmuls, timed with one process's share of the
+    cores (CPU) or one GPU."""
+    host_op_us: float = 0.0
+    """Host time per dispatched operator (forward and backward) of a tiny autograd chain."""
     links: list[LinkFit] = field(default_factory=list)
 
     def peak(self, dtype: str) -> float:
@@ -104,6 +113,91 @@ def measure_gemms(kind: str, dtypes: tuple[str, ...], seconds: float) -> dict[st
 
             out[dtype][f"{m}x{n}x{k}"] = 2 * m * n * k / _best_time(run, seconds / len(shapes)) / 1e12
     return out
+
+
+def table_shapes(kind: str) -> list[tuple[int, int, int]]:
+    """(m, n, k) of the matmul table (TABLE_WIDTHS_*)."""
+    widths = TABLE_WIDTHS_GPU if kind == "cuda" else TABLE_WIDTHS_CPU
+    return [shape for d in widths for shape in ((8 * d, d, d), (8 * d, 4 * d, d), (8 * d, d, 4 * d))]
+
+
+def process_threads(devices: int) -> int:
+    """CPU threads one of `devices` processes gets when they share this machine's cores."""
+    return max(1, (os.cpu_count() or 1) // devices)
+
+
+def measure_gemm_table(
+    kind: str, dtypes: tuple[str, ...], seconds: float, threads: int
+) -> dict[str, list[list[float]]]:
+    """[FLOPs of one matmul, achieved TFLOP/s] of a linear layer's three matmuls per table shape (m tokens,
+    n outputs, k inputs), on `threads` CPU threads (one process's share of the cores; ignored on a GPU): the
+    forward (x @ W^T), the input gradient (dy @ W) and the weight gradient (dy^T @ x), timed together as
+    the trainer runs them, since the transposed operands of the backward run at their own rates. The cost
+    model looks the rate up at each matmul's FLOPs (cluster.Device.gemm_table)."""
+    import torch
+    import torch.nn.functional as F
+
+    from llmtrain.precision import torch_dtype
+
+    shapes = table_shapes(kind)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    out: dict[str, list[list[float]]] = {}
+    try:
+        for dtype in dtypes:
+            out[dtype] = []
+            for m, n, k in shapes:
+                x, dy = (torch.randn(m, c, dtype=torch_dtype(dtype), device=kind) for c in (k, n))
+                w = torch.randn(n, k, dtype=torch_dtype(dtype), device=kind)
+
+                def run(x=x, w=w, dy=dy) -> None:
+                    F.linear(x, w)
+                    torch.mm(dy, w)
+                    torch.mm(dy.t(), x)
+                    _sync(kind)
+
+                flops = 2.0 * m * n * k
+                out[dtype].append([flops, 3 * flops / _best_time(run, seconds / len(shapes)) / 1e12])
+    finally:
+        torch.set_num_threads(before)
+    return out
+
+
+def measure_host_op_us(kind: str, seconds: float, threads: int) -> float:
+    """Microseconds of host time per operator of a tiny autograd chain (a linear, an RMS norm, SiLU and a
+    residual add, repeated; forward and backward), whose operators a TorchDispatchMode counts: the Python,
+    dispatcher and autograd cost every operator of a layer pays before its kernel does any work."""
+    import torch
+    import torch.nn.functional as F
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    w = torch.randn(8, 8, device=kind, requires_grad=True)
+    x0 = torch.randn(4, 8, device=kind, requires_grad=True)
+
+    def chain() -> None:
+        x = x0
+        for _ in range(10):
+            y = F.linear(x, w)
+            y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6)
+            x = x + F.silu(y)
+        x.sum().backward()
+        _sync(kind)
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        chain()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return _best_time(chain, seconds) / Count.ops * 1e6
+    finally:
+        torch.set_num_threads(before)
 
 
 def measure_attention_tflops(kind: str, dtype: str, seconds: float) -> float:
@@ -243,7 +337,7 @@ def measure_links(backend: str, group: int, sizes: tuple[int, ...], reps: int) -
 def measure(
     devices: int = 2,
     group_sizes: tuple[int, ...] = (2, 4),
-    sizes: tuple[int, ...] = (2**12, 2**16, 2**20, 2**23),
+    sizes: tuple[int, ...] = (2**10, 2**12, 2**14, 2**16, 2**18, 2**20, 2**23),
     reps: int = 10,
     seconds: float = 0.3,
 ) -> Measurements:
@@ -259,6 +353,7 @@ def measure(
         kind, name = "cpu", f"cpu-{os.cpu_count()}-cores"
         memory_gb = _ram_gb() / devices
         dtypes = ("fp32", "bf16")
+    threads = process_threads(devices) if kind == "cpu" else torch.get_num_threads()
     from llmtrain.planner.profile import measure_memory_bandwidth_gbs
 
     host_gbs, adam = measure_host(kind, seconds)
@@ -273,6 +368,8 @@ def measure(
         launch_us=measure_launch_us(kind, seconds),
         host_bandwidth_gbs=host_gbs,
         host_adam_gparams=adam,
+        gemm_table=measure_gemm_table(kind, dtypes, seconds, threads),
+        host_op_us=measure_host_op_us(kind, seconds, threads),
     )
     backends = ["gloo"] + (["nccl"] if kind == "cuda" and dist_has_nccl() else [])
     for backend in backends:
@@ -310,6 +407,19 @@ def link_of(m: Measurements) -> tuple[dict[str, float], str]:
     return link, f"{best.backend} all-reduce over {p} local processes"
 
 
+def measured_collectives(m: Measurements) -> dict[str, dict[int, list[list[float]]]]:
+    """The link's `measured` table (cluster.Link.measured): per operation and group size the measured
+    (bytes, seconds) points of the backend the trainer runs on this device (nccl on GPUs where measured,
+    else gloo)."""
+    backends = {f.backend for f in m.links}
+    backend = "nccl" if m.device_kind == "cuda" and "nccl" in backends else "gloo"
+    out: dict[str, dict[int, list[list[float]]]] = {}
+    for f in m.links:
+        if f.backend == backend:
+            out.setdefault(f.op, {})[f.group] = [[float(n), t] for n, t in f.points]
+    return out
+
+
 def profile_of(m: Measurements, when: str | None = None) -> dict[str, Any]:
     """The cluster YAML structure of a calibration: one node of `m.devices` devices; every constant's
     source names this run."""
@@ -333,6 +443,15 @@ def profile_of(m: Measurements, when: str | None = None) -> dict[str, Any]:
         "host_bandwidth_gbs": round(m.host_bandwidth_gbs / share, 2),
         "host_adam_gparams": round(m.host_adam_gparams / share, 4),
     }
+    if m.gemm_table:
+        device["gemm_table"] = {
+            dtype: [[flops, round(tflops, 5)] for flops, tflops in points]
+            for dtype, points in m.gemm_table.items()
+        }
+    if m.host_op_us:
+        device["host_op_us"] = round(m.host_op_us, 3)
+        device["host_is_device"] = cpu
+    table = measured_collectives(m)
     shared = f" per process ({m.devices} share this machine)" if cpu and m.devices > 1 else ""
     sources = {
         f"{d}.peak_tflops": f"{run}: best matmul TFLOP/s per dtype over the shapes of calibration.gemm_tflops"
@@ -351,10 +470,20 @@ def profile_of(m: Measurements, when: str | None = None) -> dict[str, Any]:
         "links.intra_node.bandwidth_gbs": f"{run}: {how}, fitted alpha-beta (calibration.links)",
         "links.intra_node.latency_us": f"{run}: {how}, fitted alpha-beta (calibration.links)",
         "links.intra_node.efficiency": f"{run}: 1 (the bandwidth is the achieved one)",
+        "links.intra_node.measured": f"{run}: {', '.join(table)} times over message sizes per group size "
+        "(calibration.links' points)",
         "links.inter_node.bandwidth_gbs": "not measured (one machine): the intra-node link's",
         "links.inter_node.latency_us": "not measured (one machine): the intra-node link's",
         "links.inter_node.efficiency": "not measured (one machine): the intra-node link's",
     }
+    if m.gemm_table:
+        sources[f"{d}.gemm_table"] = (
+            f"{run}: matmuls of calibration.TABLE_WIDTHS shapes, achieved TFLOP/s"
+            + (f" on {process_threads(m.devices)} thread(s) per process" if cpu else "")
+        )
+    if m.host_op_us:
+        sources[f"{d}.host_op_us"] = f"{run}: tiny autograd op chain, host time per dispatched operator"
+        sources[f"{d}.host_is_device"] = f"{run}: the device is {'the host CPU' if cpu else 'a GPU'}"
     raw = asdict(m)
     raw["links"] = [
         {k: (list(map(list, v)) if k == "points" else v) for k, v in asdict(f).items()} for f in m.links
@@ -364,7 +493,7 @@ def profile_of(m: Measurements, when: str | None = None) -> dict[str, Any]:
         "description": f"{run}; tools/plan.py --cluster reads it",
         "devices": {name: device},
         "nodes": [{"count": 1, "devices_per_node": m.devices, "device": name, "intra_link": "intra_node"}],
-        "links": {"intra_node": link, "inter_node": dict(link)},
+        "links": {"intra_node": {**link, "measured": table}, "inter_node": dict(link)},
         "sources": sources,
         "calibration": raw,
     }

@@ -55,6 +55,7 @@ from llmtrain.config.validate import (
 )
 from llmtrain.planner import collectives as C
 from llmtrain.planner import flops as F
+from llmtrain.planner import host_ops as H
 from llmtrain.planner.cluster import ClusterView
 from llmtrain.planner.memory import (
     MemoryBreakdown,
@@ -390,9 +391,21 @@ class CostModel:
         # Tensor-parallel collectives on the b*s*h activation, as the trainer issues them (collectives.py).
         comms = C.tp_layer(tp, e * tok * h, sp, recompute)
         tp_f, tp_b = self._comm_time(comms.fwd), self._comm_time(comms.bwd)
+        ops_f, ops_b = H.layer_ops(m, comms, recompute)
+        fwd, bwd = self._with_host(fwd, ops_f), self._with_host(bwd, ops_b)
         cp_f, cp_b = self._cp_exposed(tp, tok, cp, cp_comm, recompute, core_f, core_b)
         ep_f = ep_b = self._ep_time(tp, tok, cp, ep)
         return _Pass(fwd, bwd, wgrad, tp_f, tp_b, cp_f, cp_b, ep_f, ep_b)
+
+    def _with_host(self, device: float, ops: int) -> float:
+        """Seconds of a pass of `device` seconds of compute that dispatches `ops` operators (host_ops).
+
+        On a CPU the host is the device: each operator's dispatch runs on the cores between the kernels, so
+        the two add. On an accelerator the host queues kernels while earlier ones run: the pass takes the
+        longer of the two, so the host shows only when kernels are too small to cover their own dispatch
+        (the large matmuls of a GPU cluster's layers hide it entirely)."""
+        host = ops * self.dev.host_op_us * 1e-6
+        return device + host if self.dev.host_is_device else max(device, host)
 
     def _mlp_costs(self, tp: int, tok: int, ep: int) -> tuple[float, float]:
         """(matmul seconds, bytes of its memory-bound kernels) of the mean layer's MLP on `tok` tokens of a
@@ -489,7 +502,11 @@ class CostModel:
         norm = dev.memory_time(2 * e * tok * h / (tp if sp else 1))
         head = C.tp_head(tp, size, tok, sp)
         head_tp, head_tp_b = self._comm_time(head.fwd), self._comm_time(head.bwd)
-        last = _Pass(logits + ce / 3 + norm, 2 * logits + 2 * ce / 3 + 2 * norm, logits, head_tp, head_tp_b)
+        # The embedding's few operators are counted with the head's (host_ops.extra_ops).
+        ops_f, ops_b = H.extra_ops(m)
+        last_f = self._with_host(logits + ce / 3 + norm, ops_f)
+        last_b = self._with_host(2 * logits + 2 * ce / 3 + 2 * norm, ops_b)
+        last = _Pass(last_f, last_b, logits, head_tp, head_tp_b)
         return first, last
 
     def _comm_time(self, comms: tuple[C.Comm, ...]) -> float:

@@ -1,0 +1,83 @@
+"""Operators per layer (llmtrain.planner.host_ops) against what the real blocks dispatch, and how the cost
+model charges their host time: added to the compute on a CPU, hidden behind it on an accelerator."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from llmtrain.config import load
+from llmtrain.models.causal_lm import build
+from llmtrain.planner import Workload, load_cluster
+from llmtrain.planner import collectives as C
+from llmtrain.planner.cost_model import CostModel
+from llmtrain.planner.host_ops import BLOCK_OPS, extra_ops, layer_ops
+
+SMALL = ["model.num_layers=2", "model.hidden_size=64", "model.seq_length=16", "model.vocab_size=256"]
+
+
+class _Count(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _dispatched(fn) -> int:  # noqa: ANN001
+    with _Count() as count:
+        fn()
+    return count.ops
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt"])
+def test_operator_counts_are_what_the_reference_blocks_and_the_model_dispatch(arch):
+    job = load("configs/llama-small.yaml", [*SMALL, f"model.arch={arch}", "model.kernels=torch"])
+    torch.manual_seed(0)
+    model = build(job.model).train()
+    x = torch.randn(2, 16, 64, requires_grad=True)
+    rope = model.rope(16)
+    out = []
+    fwd = _dispatched(lambda: out.append(model.layers[0](x, rope)))
+    bwd = _dispatched(lambda: out[0].sum().backward())
+    # The backward's count includes the seed gradient (ones_like) and the sum's expand: one each.
+    sum_ops = _dispatched(lambda: out[0].sum())
+    assert (fwd, bwd - 1 - sum_ops) == BLOCK_OPS[arch != "gpt"]
+    assert layer_ops(job.model, C.PassComms(), "none") == BLOCK_OPS[arch != "gpt"]
+    ids = torch.randint(0, 256, (2, 16))
+    model(ids, ids).backward()  # warm: the rotary tables are cached after the first step
+    loss = []
+    whole_f = _dispatched(lambda: loss.append(model(ids, ids)))
+    whole_b = _dispatched(lambda: loss[0].backward())
+    layers = job.model.num_layers
+    assert (whole_f - layers * fwd, whole_b - layers * (bwd - 1 - sum_ops)) == extra_ops(job.model)
+
+
+def test_recomputation_and_collectives_add_their_operators():
+    model = load("configs/llama-small.yaml", SMALL).model
+    fwd, bwd = BLOCK_OPS[True]
+    sp = C.tp_layer(2, 1024, True, "none")
+    assert layer_ops(model, sp, "none") == (fwd + 4, bwd + 8)
+    assert layer_ops(model, C.PassComms(), "full") == (fwd, bwd + fwd)
+    assert layer_ops(model, C.PassComms(), "selective") == (fwd, bwd + 1)
+
+
+def _evaluate(host_op_us: float, host_is_device: bool) -> float:
+    workload = Workload.from_job(load("configs/llama-small.yaml", ["train.precision=fp32"]))
+    view = load_cluster("a100-80gb").view(1)
+    device = replace(view.device, host_op_us=host_op_us, host_is_device=host_is_device)
+    model = CostModel(workload, replace(view, device=device))
+    return model._layer(1, 1, False, "none").fwd
+
+
+def test_host_time_adds_on_a_cpu_and_hides_behind_an_accelerators_kernels():
+    base = _evaluate(0.0, False)
+    ops = BLOCK_OPS[True][0]
+    assert _evaluate(2.0, True) == pytest.approx(base + ops * 2e-6)
+    quick = 0.5 * base / ops * 1e6  # the host issues the layer in half its compute time: hidden
+    assert _evaluate(quick, False) == base
+    slow = 2 * base / ops * 1e6  # twice the compute time: the host sets the pace
+    assert _evaluate(slow, False) == pytest.approx(ops * slow * 1e-6)
