@@ -1,16 +1,20 @@
 """Calibrate a cluster profile by measuring this machine (tools/calibrate.py).
 
-Measures matmul throughput over shapes and dtypes, fused attention, memory copy bandwidth, kernel launch
-overhead, host copies and a host Adam step on the device; then, per backend (gloo; nccl where there are
-GPUs enough) and group size, all-reduce, all-gather, reduce-scatter and point-to-point times over message
-sizes between local processes, each fitted as time = alpha + bytes * beta. `profile_of` turns the
-measurements into a cluster YAML structure whose every constant names this run as its source, with the raw
-tables kept under `calibration`. Torch is imported lazily (the planner itself runs without it).
+Measures matmul throughput over shapes and dtypes (and a table of a linear layer's three matmuls from small
+to large shapes on one process's share of the cores), fused attention, memory copy bandwidth, kernel launch
+overhead, the host time per dispatched operator, host copies and a host Adam step on the device; then, per
+backend (gloo; nccl where there are GPUs enough) and group size, all-reduce, all-gather, reduce-scatter and
+point-to-point times over message sizes between local processes, each fitted as time = alpha + bytes * beta
+and kept as measured, and what FSDP2 adds per collective. `profile_of` turns the measurements into a cluster
+YAML structure whose every constant names this run as its source (the tables as Device.gemm_table and
+Link.measured, which the cost model interpolates), with the raw tables kept under `calibration`. Torch is
+imported lazily (the planner itself runs without it).
 """
 
 from __future__ import annotations
 
 import datetime
+import itertools
 import os
 import platform
 import statistics
@@ -26,7 +30,7 @@ GEMM_SHAPES_GPU = ((4096, 4096, 4096), (8192, 8192, 2048), (2048, 8192, 8192), (
 GEMM_SHAPES_CPU = ((512, 512, 512), (1024, 1024, 1024), (2048, 512, 2048))
 """(m, n, k) of the timed matmuls: square, and the wide/deep shapes transformer projections have."""
 TABLE_WIDTHS_GPU = (256, 512, 1024, 2048, 4096)
-TABLE_WIDTHS_CPU = (64, 128, 256, 512)
+TABLE_WIDTHS_CPU = (32, 64, 128, 256)
 """Widths d of the matmul table: per d, 8d tokens through a d -> d, a d -> 4d and a 4d -> d projection (a
 layer's attention and MLP shapes), so the table spans the small kernels of small layers up to large ones."""
 
@@ -42,6 +46,8 @@ class LinkFit:
     bytes_per_s: float
     points: tuple[tuple[int, float], ...]
     """(bytes per rank's full buffer, median seconds) as measured."""
+    fsdp_call_s: float = 0.0
+    """Seconds FSDP2 added per collective in this backend and group (_fsdp_call_s; the same on each op)."""
 
 
 @dataclass
@@ -115,6 +121,12 @@ def measure_gemms(kind: str, dtypes: tuple[str, ...], seconds: float) -> dict[st
     return out
 
 
+COLD_BYTES = 64 * 2**20
+"""The matmul table cycles through operand copies of at least this many bytes, more than a CPU's last-level
+cache or a GPU's L2, so each matmul finds its operands cold, as in a training step, where the layers between
+two uses of a weight or activation evict it (hot operands ran up to 30% faster for small shapes here)."""
+
+
 def table_shapes(kind: str) -> list[tuple[int, int, int]]:
     """(m, n, k) of the matmul table (TABLE_WIDTHS_*)."""
     widths = TABLE_WIDTHS_GPU if kind == "cuda" else TABLE_WIDTHS_CPU
@@ -132,8 +144,8 @@ def measure_gemm_table(
     """[FLOPs of one matmul, achieved TFLOP/s] of a linear layer's three matmuls per table shape (m tokens,
     n outputs, k inputs), on `threads` CPU threads (one process's share of the cores; ignored on a GPU): the
     forward (x @ W^T), the input gradient (dy @ W) and the weight gradient (dy^T @ x), timed together as
-    the trainer runs them, since the transposed operands of the backward run at their own rates. The cost
-    model looks the rate up at each matmul's FLOPs (cluster.Device.gemm_table)."""
+    the trainer runs them (the backward's transposed operands run at their own rates), on cold operands
+    (COLD_BYTES). The cost model looks the rate up at each matmul's FLOPs (cluster.Device.gemm_table)."""
     import torch
     import torch.nn.functional as F
 
@@ -147,10 +159,18 @@ def measure_gemm_table(
         for dtype in dtypes:
             out[dtype] = []
             for m, n, k in shapes:
-                x, dy = (torch.randn(m, c, dtype=torch_dtype(dtype), device=kind) for c in (k, n))
-                w = torch.randn(n, k, dtype=torch_dtype(dtype), device=kind)
+                size = torch_dtype(dtype).itemsize * (m * k + n * k + m * n)
+                operands = [
+                    [
+                        torch.randn(r, c, dtype=torch_dtype(dtype), device=kind)
+                        for r, c in ((m, k), (n, k), (m, n))
+                    ]
+                    for _ in range(max(1, COLD_BYTES // size))
+                ]
+                turn = itertools.count()
 
-                def run(x=x, w=w, dy=dy) -> None:
+                def run(operands=operands, turn=turn) -> None:
+                    x, w, dy = operands[next(turn) % len(operands)]
                     F.linear(x, w)
                     torch.mm(dy, w)
                     torch.mm(dy.t(), x)
@@ -304,10 +324,56 @@ def _collective_worker(
                 # A ping-pong moves the buffer twice: one send is half of it.
                 median = statistics.median(times) / (2 if op == "send" else 1)
                 result[op].append((full.numel() * 4, median))
+        fsdp = _fsdp_call_s(dist, world, device, backend, reps, gather, scatter)
         if rank == 0:
-            out.put(result)
+            out.put((result, fsdp))
     finally:
         dist.destroy_process_group()
+
+
+FSDP_UNIT_BYTES = 2**18
+"""fp32 parameter bytes of the unit _fsdp_call_s shards: a small layer's, where per-call costs show."""
+
+
+def _fsdp_call_s(
+    dist: Any, world: int, device: str, backend: str, reps: int, gather: Any, scatter: Any
+) -> float:
+    """Seconds FSDP2 adds per collective: a fully_shard'ed linear resharded after its forward (ZeRO-3: an
+    all-gather in the forward, another in the backward, a reduce-scatter of its gradient) stepped on one
+    row, minus the same three collectives issued bare, over three. Its matmuls are one row: microseconds."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    side = int((FSDP_UNIT_BYTES // 4) ** 0.5) // world * world
+    layer = torch.nn.Linear(side, side, bias=False, device=device)
+    fully_shard(layer, mesh=init_device_mesh(device.split(":")[0], (world,)), reshard_after_forward=True)
+    x = torch.ones(1, side, device=device)
+    full = torch.zeros(side * side, device=device)
+    part = torch.zeros(side * side // world, device=device)
+
+    def sharded() -> None:
+        layer(x).sum().backward()
+
+    def bare() -> None:
+        gather(full, part)
+        gather(full, part)
+        scatter(part, full)
+
+    times = {}
+    for name, call in (("sharded", sharded), ("bare", bare)):
+        call()  # warm-up
+        dist.barrier()
+        runs = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            call()
+            if backend == "nccl":
+                torch.cuda.synchronize()
+            runs.append(time.perf_counter() - start)
+        dist.barrier()
+        times[name] = statistics.median(runs)
+    return max(times["sharded"] - times["bare"], 0.0) / 3
 
 
 def _ping(dist: Any, t: Any, rank: int) -> None:
@@ -323,11 +389,11 @@ def _ping(dist: Any, t: Any, rank: int) -> None:
 def measure_links(backend: str, group: int, sizes: tuple[int, ...], reps: int) -> list[LinkFit]:
     """Time every collective of COLLECTIVES between `group` local processes over message `sizes` (bytes of
     the full buffer), each fitted as alpha + bytes / bandwidth."""
-    raw = run_local_workers(_collective_worker, group, backend, sizes, reps)
+    raw, fsdp = run_local_workers(_collective_worker, group, backend, sizes, reps)
     fits = []
     for op, points in raw.items():
         alpha, bandwidth = fit_alpha_beta(points)
-        fits.append(LinkFit(backend, op, group, alpha, bandwidth, tuple(points)))
+        fits.append(LinkFit(backend, op, group, alpha, bandwidth, tuple(points), fsdp))
     return fits
 
 
@@ -368,7 +434,8 @@ def measure(
         launch_us=measure_launch_us(kind, seconds),
         host_bandwidth_gbs=host_gbs,
         host_adam_gparams=adam,
-        gemm_table=measure_gemm_table(kind, dtypes, seconds, threads),
+        # Four times the peak's budget: 12 shapes, and the largest need a few runs each to be timed at all.
+        gemm_table=measure_gemm_table(kind, dtypes, 4 * seconds, threads),
         host_op_us=measure_host_op_us(kind, seconds, threads),
     )
     backends = ["gloo"] + (["nccl"] if kind == "cuda" and dist_has_nccl() else [])
@@ -407,12 +474,25 @@ def link_of(m: Measurements) -> tuple[dict[str, float], str]:
     return link, f"{best.backend} all-reduce over {p} local processes"
 
 
+def fsdp_call_us(m: Measurements) -> float:
+    """Microseconds FSDP2 adds per collective in the trainer's backend, over the group sizes measured (the
+    median)."""
+    backend = trainer_backend(m)
+    values = [f.fsdp_call_s for f in m.links if f.backend == backend and f.op == "all_gather"]
+    return statistics.median(values) * 1e6 if values else 0.0
+
+
+def trainer_backend(m: Measurements) -> str:
+    """The backend the trainer runs on this device: nccl on GPUs where it was measured, else gloo."""
+    backends = {f.backend for f in m.links}
+    return "nccl" if m.device_kind == "cuda" and "nccl" in backends else "gloo"
+
+
 def measured_collectives(m: Measurements) -> dict[str, dict[int, list[list[float]]]]:
     """The link's `measured` table (cluster.Link.measured): per operation and group size the measured
     (bytes, seconds) points of the backend the trainer runs on this device (nccl on GPUs where measured,
     else gloo)."""
-    backends = {f.backend for f in m.links}
-    backend = "nccl" if m.device_kind == "cuda" and "nccl" in backends else "gloo"
+    backend = trainer_backend(m)
     out: dict[str, dict[int, list[list[float]]]] = {}
     for f in m.links:
         if f.backend == backend:
@@ -448,6 +528,9 @@ def profile_of(m: Measurements, when: str | None = None) -> dict[str, Any]:
             dtype: [[flops, round(tflops, 5)] for flops, tflops in points]
             for dtype, points in m.gemm_table.items()
         }
+    fsdp = fsdp_call_us(m)
+    if fsdp:
+        device["fsdp_call_us"] = round(fsdp, 2)
     if m.host_op_us:
         device["host_op_us"] = round(m.host_op_us, 3)
         device["host_is_device"] = cpu
@@ -480,6 +563,11 @@ def profile_of(m: Measurements, when: str | None = None) -> dict[str, Any]:
         sources[f"{d}.gemm_table"] = (
             f"{run}: matmuls of calibration.TABLE_WIDTHS shapes, achieved TFLOP/s"
             + (f" on {process_threads(m.devices)} thread(s) per process" if cpu else "")
+        )
+    if fsdp:
+        sources[f"{d}.fsdp_call_us"] = (
+            f"{run}: a fully_shard'ed layer's step minus its bare collectives, per collective "
+            "(calibration.links' fsdp_call_s)"
         )
     if m.host_op_us:
         sources[f"{d}.host_op_us"] = f"{run}: tiny autograd op chain, host time per dispatched operator"

@@ -60,6 +60,9 @@ class Device:
     host_op_us: float = 0.0
     """Host time per framework operator the trainer dispatches (Python, dispatcher, autograd recording and
     the backward node's own dispatch), measured by tools/calibrate.py on a tiny op chain; 0: not modelled."""
+    fsdp_call_us: float = 0.0
+    """Host time FSDP2 adds to each collective it issues (hooks, copy-in/out, DTensor bookkeeping), measured
+    by tools/calibrate.py as a sharded unit's step minus its bare collectives; 0: not modelled."""
     host_is_device: bool = False
     """The device is the host CPU: operator overhead runs on the same cores as the compute and adds to it,
     rather than overlapping an accelerator's queue of kernels (read only with host_op_us)."""
@@ -139,7 +142,7 @@ class Link:
         return self.latency_us * 1e-6
 
 
-MEASURED_ONLY = {"gemm_table", "host_op_us", "measured"}
+MEASURED_ONLY = {"gemm_table", "host_op_us", "fsdp_call_us", "measured"}
 """Device and link fields that only calibration sets: unset (empty, 0), the cost model does not read them."""
 
 

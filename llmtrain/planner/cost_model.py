@@ -682,6 +682,19 @@ class CostModel:
             if shard < dp:
                 reduce += self.c.all_reduce(params * g / shard, dp // shard, tp * shard)
             gather = self.c.all_gather(params * e, shard, tp)
+        calls = 0
+        if z >= 2 and layout.offload == "none":
+            # FSDP2 issues one collective per unit (collectives.py counts them): per-call costs (latency,
+            # the framework's per-call host time) scale with the units, not with the bytes alone.
+            units = self._fsdp_units(layout, 0)
+            per_micro = [(n, 2 if reshard else 1) for n, reshard in units]
+            reduce = sum(self.c.reduce_scatter(n * g, shard, tp) for n, _ in units)
+            if shard < dp:
+                reduce += self.c.all_reduce(params * g / shard, dp // shard, tp * shard)
+            # Per gather round (a micro-batch's forward, at zero 3 also its backward), as `gathers` counts.
+            gather = sum(k * self.c.all_gather(n * e, shard, tp) for n, k in per_micro)
+            gather /= 2 if z == 3 else 1
+            calls = len(units) + num_micro * sum(k for _, k in per_micro)
         if experts:
             # Routed experts over the expert-data-parallel group: the ranks ep apart holding the same ones.
             group, stride, xshard = dp // layout.ep, tp * layout.cp * layout.ep, expert_shard_group(layout)
@@ -707,6 +720,9 @@ class CostModel:
                 exposed += gather
         else:
             exposed = reduce + gather
+        # The framework's own host time per FSDP2 collective (hooks, copy-in/out, DTensor bookkeeping) is
+        # not overlapped: the collective cannot start before it.
+        exposed += calls * self.dev.fsdp_call_us * 1e-6
         local = params / shard + experts / expert_shard_group(layout)
         if layout.offload == "none":
             # Adam: read grad, master, m, v; write master, m, v, the 16-bit weights; plus the grad norm.

@@ -11,7 +11,7 @@ from llmtrain.config import load
 from llmtrain.models.causal_lm import build
 from llmtrain.planner import Workload, load_cluster
 from llmtrain.planner import collectives as C
-from llmtrain.planner.cost_model import CostModel
+from llmtrain.planner.cost_model import CostModel, Layout
 from llmtrain.planner.host_ops import BLOCK_OPS, extra_ops, layer_ops
 
 SMALL = ["model.num_layers=2", "model.hidden_size=64", "model.seq_length=16", "model.vocab_size=256"]
@@ -81,3 +81,17 @@ def test_host_time_adds_on_a_cpu_and_hides_behind_an_accelerators_kernels():
     assert _evaluate(quick, False) == base
     slow = 2 * base / ops * 1e6  # twice the compute time: the host sets the pace
     assert _evaluate(slow, False) == pytest.approx(ops * slow * 1e-6)
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_fsdp_host_time_is_charged_per_collective_the_step_issues(zero):
+    workload = Workload.from_job(load("configs/llama-small.yaml", ["train.precision=fp32"]))
+    view = load_cluster("a100-80gb").view(2)
+    layout = Layout(dp=2, micro_batch=4, zero_stage=zero)
+    costs = []
+    for us in (0.0, 100.0):
+        device = replace(view.device, fsdp_call_us=us)
+        costs.append(CostModel(workload, replace(view, device=device)).evaluate(layout).dp_exposed)
+    issued = CostModel(workload, view).collectives(layout)
+    calls = sum(n for c, n in issued.items() if c.group == "dp" and c.op in ("all_gather", "reduce_scatter"))
+    assert costs[1] - costs[0] == pytest.approx(calls * 100e-6)
