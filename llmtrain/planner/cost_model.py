@@ -155,7 +155,8 @@ class Software:
     """Bytes per gradient element held and reduced (fp32 main gradients)."""
     fused_kernels: bool = True
     """The model's norms, SwiGLU/GeGLU, attention and cross-entropy run as llmtrain's fused Triton kernels
-    (model.kernels auto on CUDA); false: the PyTorch reference ops (CPU), which save more for backward."""
+    (model.kernels auto on CUDA); false: the PyTorch reference ops (CPU), which save more for backward and
+    move more bytes (host_ops.reference_bytes)."""
     gloo_shard_exchange: bool = False
     """ZeRO-1 reduce-scatters by point-to-point exchange into separate receive buffers (gloo, CPU) instead
     of NCCL's in-place reduce-scatter."""
@@ -381,9 +382,16 @@ class CostModel:
         nh = tok * h / (tp if sp else 1)
         dropout = 1 if m.hidden_dropout > 0 else 0
         rotary = 0 if m.arch == "gpt" else 2 * e * tok * (a + kv) * d
-        elem = dev.memory_time(2 * 2 * e * nh + 2 * (3 * e + dropout) * nh + mlp_bytes + rotary, kernels=6)
+        if self.sw.fused_kernels:
+            elem = dev.memory_time(
+                2 * 2 * e * nh + 2 * (3 * e + dropout) * nh + mlp_bytes + rotary, kernels=6
+            )
+            elem_b = 2 * elem
+        else:  # PyTorch's ops (the CPU): more passes, as host_ops counts them (a dense layer's)
+            ref_f, ref_b = H.reference_bytes(m, tok, tp, sp, e)
+            elem, elem_b = dev.memory_time(ref_f, kernels=6), dev.memory_time(ref_b, kernels=12)
         fwd = gemms + core_f + elem
-        bwd = 2 * gemms + core_b + 2 * elem
+        bwd = 2 * gemms + core_b + elem_b
         if recompute == "full":
             bwd += fwd
         elif recompute == "selective":
