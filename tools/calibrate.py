@@ -62,7 +62,8 @@ def summary(m) -> str:  # noqa: ANN001 (imports stay lazy)
     for f in m.links:
         lines.append(
             f"  {f.backend} {f.op:14s} group {f.group}: alpha {f.alpha_s * 1e6:8.1f} us, "
-            f"{f.bytes_per_s / 1e9:7.3f} GB/s"
+            f"{f.bytes_per_s / 1e9:7.3f} GB/s; +{f.after_compute_s * 1e6:.0f} us after compute, "
+            f"+{f.fsdp_call_s * 1e6:.0f} us per FSDP2 call"
         )
     return "\n".join(lines)
 

@@ -48,6 +48,9 @@ class LinkFit:
     """(bytes per rank's full buffer, median seconds) as measured."""
     fsdp_call_s: float = 0.0
     """Seconds FSDP2 added per collective in this backend and group (_fsdp_call_s; the same on each op)."""
+    after_compute_s: float = 0.0
+    """Seconds a collective of this backend and group took more after a burst of compute on every rank than
+    back to back (_after_compute_s; the same on each op)."""
 
 
 @dataclass
@@ -325,10 +328,48 @@ def _collective_worker(
                 median = statistics.median(times) / (2 if op == "send" else 1)
                 result[op].append((full.numel() * 4, median))
         fsdp = _fsdp_call_s(dist, world, device, backend, reps, gather, scatter)
+        after = _after_compute_s(dist, device, backend, 2 * reps)
         if rank == 0:
-            out.put((result, fsdp))
+            out.put((result, fsdp, after))
     finally:
         dist.destroy_process_group()
+
+
+BURST_MATMULS = 8
+"""256^3 matmuls each rank runs before each collective in _after_compute_s: about a millisecond on one CPU
+core, what a small layer computes between two tensor-parallel collectives."""
+
+
+def _after_compute_s(dist: Any, device: str, backend: str, reps: int) -> float:
+    """Seconds a small all-reduce costs more when every rank issues it after a burst of compute, as training
+    does, than back to back as the size sweep times it: the ranks finish their bursts apart (scheduling
+    noise) and the waiting thread must be woken. Rank 0's loop of burst + all-reduce, minus its loops of
+    bursts alone and of all-reduces alone, per iteration."""
+    import torch
+
+    a = torch.randn(256, 256, device=device)
+    t = torch.zeros(2**14, device=device)
+
+    def burst() -> None:
+        for _ in range(BURST_MATMULS):
+            torch.mm(a, a)
+
+    def per_iteration(step: Any) -> float:
+        step()  # warm-up
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(reps):
+            step()
+        if backend == "nccl":
+            torch.cuda.synchronize()
+        elapsed = (time.perf_counter() - start) / reps
+        dist.barrier()
+        return elapsed
+
+    alone = per_iteration(burst)
+    bare = per_iteration(lambda: dist.all_reduce(t))
+    both = per_iteration(lambda: (burst(), dist.all_reduce(t)))
+    return max(both - alone - bare, 0.0)
 
 
 FSDP_UNIT_BYTES = 2**18
@@ -389,11 +430,11 @@ def _ping(dist: Any, t: Any, rank: int) -> None:
 def measure_links(backend: str, group: int, sizes: tuple[int, ...], reps: int) -> list[LinkFit]:
     """Time every collective of COLLECTIVES between `group` local processes over message `sizes` (bytes of
     the full buffer), each fitted as alpha + bytes / bandwidth."""
-    raw, fsdp = run_local_workers(_collective_worker, group, backend, sizes, reps)
+    raw, fsdp, after = run_local_workers(_collective_worker, group, backend, sizes, reps)
     fits = []
     for op, points in raw.items():
         alpha, bandwidth = fit_alpha_beta(points)
-        fits.append(LinkFit(backend, op, group, alpha, bandwidth, tuple(points), fsdp))
+        fits.append(LinkFit(backend, op, group, alpha, bandwidth, tuple(points), fsdp, after))
     return fits
 
 
@@ -478,7 +519,15 @@ def fsdp_call_us(m: Measurements) -> float:
     """Microseconds FSDP2 adds per collective in the trainer's backend, over the group sizes measured (the
     median)."""
     backend = trainer_backend(m)
-    values = [f.fsdp_call_s for f in m.links if f.backend == backend and f.op == "all_gather"]
+    values = [f.fsdp_call_s for f in m.links if f.backend == backend]
+    return statistics.median(values) * 1e6 if values else 0.0
+
+
+def after_compute_us(m: Measurements) -> float:
+    """Microseconds a collective of the trainer's backend costs more after compute than back to back, over
+    the group sizes measured (the median)."""
+    backend = trainer_backend(m)
+    values = [f.after_compute_s for f in m.links if f.backend == backend]
     return statistics.median(values) * 1e6 if values else 0.0
 
 
@@ -535,6 +584,10 @@ def profile_of(m: Measurements, when: str | None = None) -> dict[str, Any]:
         device["host_op_us"] = round(m.host_op_us, 3)
         device["host_is_device"] = cpu
     table = measured_collectives(m)
+    intra = {**link, "measured": table}
+    after = after_compute_us(m)
+    if after:
+        intra["after_compute_us"] = round(after, 2)
     shared = f" per process ({m.devices} share this machine)" if cpu and m.devices > 1 else ""
     sources = {
         f"{d}.peak_tflops": f"{run}: best matmul TFLOP/s per dtype over the shapes of calibration.gemm_tflops"
@@ -569,6 +622,11 @@ def profile_of(m: Measurements, when: str | None = None) -> dict[str, Any]:
             f"{run}: a fully_shard'ed layer's step minus its bare collectives, per collective "
             "(calibration.links' fsdp_call_s)"
         )
+    if after:
+        sources["links.intra_node.after_compute_us"] = (
+            f"{run}: a 64 KiB {trainer_backend(m)} all-reduce after {BURST_MATMULS} 256^3 matmuls per "
+            "rank, minus the two apart (calibration.links' after_compute_s)"
+        )
     if m.host_op_us:
         sources[f"{d}.host_op_us"] = f"{run}: tiny autograd op chain, host time per dispatched operator"
         sources[f"{d}.host_is_device"] = f"{run}: the device is {'the host CPU' if cpu else 'a GPU'}"
@@ -581,7 +639,7 @@ def profile_of(m: Measurements, when: str | None = None) -> dict[str, Any]:
         "description": f"{run}; tools/plan.py --cluster reads it",
         "devices": {name: device},
         "nodes": [{"count": 1, "devices_per_node": m.devices, "device": name, "intra_link": "intra_node"}],
-        "links": {"intra_node": {**link, "measured": table}, "inter_node": dict(link)},
+        "links": {"intra_node": intra, "inter_node": dict(link)},
         "sources": sources,
         "calibration": raw,
     }

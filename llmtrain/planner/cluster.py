@@ -128,6 +128,9 @@ class Link:
     bandwidth_gbs: float
     latency_us: float
     efficiency: float = 0.85
+    after_compute_us: float = 0.0
+    """What a measured collective costs more when the ranks issue it after compute, as training does, than
+    back to back as `measured` times it (their skew, the waiting thread's wake-up); tools/calibrate.py."""
     measured: dict[str, dict[int, list[list[float]]]] = field(default_factory=dict)
     """Measured collectives inside one node of this link (tools/calibrate.py): operation (all_reduce,
     all_gather, reduce_scatter, send) -> group size -> [full-buffer bytes, seconds] each; where a group's
@@ -142,7 +145,7 @@ class Link:
         return self.latency_us * 1e-6
 
 
-MEASURED_ONLY = {"gemm_table", "host_op_us", "fsdp_call_us", "measured"}
+MEASURED_ONLY = {"gemm_table", "host_op_us", "fsdp_call_us", "measured", "after_compute_us"}
 """Device and link fields that only calibration sets: unset (empty, 0), the cost model does not read them."""
 
 
@@ -270,7 +273,7 @@ class ClusterView:
         points = self.intra.measured.get(op, {}).get(size)
         if not points or self.members_per_node(size, stride) < size:
             return None
-        return time_at(points, nbytes)
+        return time_at(points, nbytes) + self.intra.after_compute_us * 1e-6
 
     def spans_nodes(self, size: int, stride: int = 1) -> bool:
         """True when the group's ranks are on more than one node."""
@@ -317,7 +320,7 @@ class ClusterView:
         """Seconds for a point-to-point send of `nbytes`, `parallel` senders of one node sharing the work."""
         sends = self.intra.measured.get("send", {}).get(2)
         if sends and not cross_node and parallel == 1:
-            return time_at(sends, nbytes)
+            return time_at(sends, nbytes) + self.intra.after_compute_us * 1e-6
         link = self.inter if cross_node else self.intra
         return nbytes / (parallel * link.bytes_per_s) + link.alpha
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -68,6 +69,7 @@ def test_the_measured_tables_reach_the_cost_model_with_their_sources():
     m.gemm_table = {"fp32": [[1e6, 0.05], [1e9, 0.2]]}
     m.host_op_us = 4.0
     m.links.append(LinkFit("nccl", "all_reduce", 2, 1e-6, 1e11, ((2**12, 1e-5), (2**20, 2e-5))))
+    m.links[0] = replace(m.links[0], fsdp_call_s=300e-6, after_compute_s=100e-6)
     profile = profile_of(m, when="2026-01-01 00:00 UTC")
     cluster = cluster_from_dict(profile, "calibrated.yaml")
     assert cluster.unsourced() == []
@@ -77,10 +79,10 @@ def test_the_measured_tables_reach_the_cost_model_with_their_sources():
     assert device.gemm_time(100, 100, 100, "fp32") == pytest.approx(
         2e6 / (rate_at(m.gemm_table["fp32"], 2e6) * 1e12)
     )
-    assert device.host_op_us == 4.0 and device.host_is_device
-    # A CPU's trainer runs gloo: the gloo points, interpolated, not the nccl ones.
+    assert device.host_op_us == 4.0 and device.host_is_device and device.fsdp_call_us == 300.0
+    # A CPU's trainer runs gloo: the gloo points interpolated (not nccl's), plus the after-compute cost.
     assert cluster.view(2).all_reduce(2**16, 2) == pytest.approx(
-        time_at([[float(n), t] for n, t in m.links[0].points], 2**16)
+        time_at([[float(n), t] for n, t in m.links[0].points], 2**16) + 100e-6
     )
 
 

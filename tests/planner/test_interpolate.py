@@ -77,9 +77,21 @@ def test_measured_collectives_replace_the_formula_only_for_the_measured_group_in
     assert wide.spans_nodes(2, 2) and wide.all_gather(1e6, 2, stride=2) == pytest.approx(0.5e-3 + 50e-6)
 
 
+def test_the_after_compute_cost_joins_every_measured_collective_and_send_but_not_the_formulas():
+    raw = _cpu()
+    points = [[1e3, 300e-6], [1e6, 1.3e-3]]
+    raw["links"]["intra_node"].update(
+        measured={"all_reduce": {2: points}, "send": {2: points}}, after_compute_us=200.0
+    )
+    view = cluster_from_dict(raw).view(2)
+    assert view.all_reduce(1e6, 2) == pytest.approx(1.3e-3 + 200e-6)
+    assert view.p2p(1e3, cross_node=False) == pytest.approx(300e-6 + 200e-6)
+    assert view.all_gather(1e6, 2) == pytest.approx(0.5 * 1e6 / 1e9 + 50e-6)
+
+
 def test_measured_only_fields_are_constants_only_where_set():
     assert not any(
-        name.endswith((".gemm_table", ".host_op_us", ".host_is_device", ".measured"))
+        name.endswith((".gemm_table", ".host_op_us", ".host_is_device", ".fsdp_call_us", ".measured"))
         for name in load_cluster("a100-80gb").constants()
     )
     raw = _cpu(gemm_table={"fp32": RATES}, host_op_us=5.0)
