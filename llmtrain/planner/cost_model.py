@@ -411,7 +411,8 @@ class CostModel:
         On a CPU the host is the device: each operator's dispatch runs on the cores between the kernels, so
         the two add. On an accelerator the host queues kernels while earlier ones run: the pass takes the
         longer of the two, so the host shows only when kernels are too small to cover their own dispatch
-        (the large matmuls of a GPU cluster's layers hide it entirely)."""
+        (the large matmuls of a GPU cluster's layers hide it entirely). memory_time's per-kernel overhead
+        already covers the few kernels it times: an overlap of a handful of the operators counted here."""
         host = ops * self.dev.host_op_us * 1e-6
         return device + host if self.dev.host_is_device else max(device, host)
 
