@@ -130,6 +130,11 @@ cache or a GPU's L2, so each matmul finds its operands cold, as in a training st
 two uses of a weight or activation evict it (hot operands ran up to 30% faster for small shapes here)."""
 
 
+TABLE_RUNS = 3
+"""At least this many timed runs per table shape (the largest take longer than their share of the budget,
+and one disturbed run would set the rate of every larger matmul)."""
+
+
 def table_shapes(kind: str) -> list[tuple[int, int, int]]:
     """(m, n, k) of the matmul table (TABLE_WIDTHS_*)."""
     widths = TABLE_WIDTHS_GPU if kind == "cuda" else TABLE_WIDTHS_CPU
@@ -180,7 +185,8 @@ def measure_gemm_table(
                     _sync(kind)
 
                 flops = 2.0 * m * n * k
-                out[dtype].append([flops, 3 * flops / _best_time(run, seconds / len(shapes)) / 1e12])
+                best = min(_best_time(run, seconds / len(shapes) / TABLE_RUNS) for _ in range(TABLE_RUNS))
+                out[dtype].append([flops, 3 * flops / best / 1e12])
     finally:
         torch.set_num_threads(before)
     return out
