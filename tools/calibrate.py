@@ -4,11 +4,13 @@
     python tools/calibrate.py --output quick.yaml --quick          # fewer sizes and repeats (about a minute)
     python tools/plan.py --config MODEL.yaml --cluster my-cluster.yaml --gpus 2
 
-Measures matmul TFLOP/s over shapes and dtypes, fused attention, memory copy bandwidth, kernel launch
-overhead, host copy bandwidth and a host Adam step, and per backend (gloo; nccl where GPUs allow) and group
-size all-reduce, all-gather, reduce-scatter and point-to-point times over message sizes, each fitted as
-alpha + bytes / bandwidth (llmtrain.planner.calibration). Every constant of the written profile names this
-run as its source; the raw measurements are kept under `calibration`.
+Measures matmul TFLOP/s over shapes and dtypes (a table from small to large kernels, on one process's
+share of the cores, that the cost model interpolates), the host time per dispatched operator, fused
+attention, memory copy bandwidth, kernel launch overhead, host copy bandwidth and a host Adam step, and per
+backend (gloo; nccl where GPUs allow) and group size all-reduce, all-gather, reduce-scatter and
+point-to-point times over message sizes, kept as a table the cost model interpolates and fitted as alpha +
+bytes / bandwidth (llmtrain.planner.calibration). Every constant of the written profile names this run as
+its source; the raw measurements are kept under `calibration`.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--group-sizes", type=int, nargs="+", default=[2, 4], help="process-group sizes to time"
     )
     parser.add_argument(
-        "--quick", action="store_true", help="3 message sizes, 5 repeats, shorter compute timings"
+        "--quick", action="store_true", help="5 message sizes, 5 repeats, shorter compute timings"
     )
     add_debug_flag(parser)
     return parser
@@ -50,12 +52,18 @@ def summary(m) -> str:  # noqa: ANN001 (imports stay lazy)
     )
     lines.append(
         f"  kernel {m.launch_us:.1f} us, host copy {m.host_bandwidth_gbs:.1f} GB/s, "
-        f"host Adam {m.host_adam_gparams:.3g} Gparams/s"
+        f"host Adam {m.host_adam_gparams:.3g} Gparams/s, {m.host_op_us:.1f} us host time per operator"
     )
+    for dtype, points in m.gemm_table.items():
+        lines.append(
+            f"  matmul table {dtype} (GFLOP: TFLOP/s): "
+            + ", ".join(f"{flops / 1e9:.3g}: {tflops:.3g}" for flops, tflops in points)
+        )
     for f in m.links:
         lines.append(
             f"  {f.backend} {f.op:14s} group {f.group}: alpha {f.alpha_s * 1e6:8.1f} us, "
-            f"{f.bytes_per_s / 1e9:7.3f} GB/s"
+            f"{f.bytes_per_s / 1e9:7.3f} GB/s; +{f.after_compute_s * 1e6:.0f} us after compute, "
+            f"+{f.fsdp_call_s * 1e6:.0f} us per FSDP2 call"
         )
     return "\n".join(lines)
 
@@ -72,7 +80,7 @@ def main(argv: list[str]) -> int:
         raise ConfigError("--devices must be at least 1 and every --group-sizes entry at least 2")
     check_new_file(args.output, args.overwrite)  # before minutes of measuring, not after
     if args.quick:
-        m = measure(args.devices, tuple(args.group_sizes), (2**12, 2**18, 2**22), reps=5, seconds=0.1)
+        m = measure(args.devices, tuple(args.group_sizes), (2**10, 2**13, 2**16, 2**19, 2**22), 5, 0.1)
     else:
         m = measure(args.devices, tuple(args.group_sizes))
     profile = profile_of(m)

@@ -1,16 +1,20 @@
 """Calibrate a cluster profile by measuring this machine (tools/calibrate.py).
 
-Measures matmul throughput over shapes and dtypes, fused attention, memory copy bandwidth, kernel launch
-overhead, host copies and a host Adam step on the device; then, per backend (gloo; nccl where there are
-GPUs enough) and group size, all-reduce, all-gather, reduce-scatter and point-to-point times over message
-sizes between local processes, each fitted as time = alpha + bytes * beta. `profile_of` turns the
-measurements into a cluster YAML structure whose every constant names this run as its source, with the raw
-tables kept under `calibration`. Torch is imported lazily (the planner itself runs without it).
+Measures matmul throughput over shapes and dtypes (and a table of a linear layer's three matmuls from small
+to large shapes on one process's share of the cores), fused attention, memory copy bandwidth, kernel launch
+overhead, the host time per dispatched operator, host copies and a host Adam step on the device; then, per
+backend (gloo; nccl where there are GPUs enough) and group size, all-reduce, all-gather, reduce-scatter and
+point-to-point times over message sizes between local processes, each fitted as time = alpha + bytes * beta
+and kept as measured, and what FSDP2 adds per collective. `profile_of` turns the measurements into a cluster
+YAML structure whose every constant names this run as its source (the tables as Device.gemm_table and
+Link.measured, which the cost model interpolates), with the raw tables kept under `calibration`. Torch is
+imported lazily (the planner itself runs without it).
 """
 
 from __future__ import annotations
 
 import datetime
+import itertools
 import os
 import platform
 import statistics
@@ -25,6 +29,10 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send")
 GEMM_SHAPES_GPU = ((4096, 4096, 4096), (8192, 8192, 2048), (2048, 8192, 8192), (16384, 4096, 1024))
 GEMM_SHAPES_CPU = ((512, 512, 512), (1024, 1024, 1024), (2048, 512, 2048))
 """(m, n, k) of the timed matmuls: square, and the wide/deep shapes transformer projections have."""
+TABLE_WIDTHS_GPU = (256, 512, 1024, 2048, 4096)
+TABLE_WIDTHS_CPU = (32, 64, 128, 256)
+"""Widths d of the matmul table: per d, 8d tokens through a d -> d, a d -> 4d and a 4d -> d projection (a
+layer's attention and MLP shapes), so the table spans the small kernels of small layers up to large ones."""
 
 
 @dataclass(frozen=True)
@@ -38,6 +46,11 @@ class LinkFit:
     bytes_per_s: float
     points: tuple[tuple[int, float], ...]
     """(bytes per rank's full buffer, median seconds) as measured."""
+    fsdp_call_s: float = 0.0
+    """Seconds FSDP2 added per collective in this backend and group (_fsdp_call_s; the same on each op)."""
+    after_compute_s: float = 0.0
+    """Seconds a collective of this backend and group took more after a burst of compute on every rank than
+    back to back (_after_compute_s; the same on each op)."""
 
 
 @dataclass
@@ -57,6 +70,11 @@ class Measurements:
     launch_us: float
     host_bandwidth_gbs: float
     host_adam_gparams: float
+    gemm_table: dict[str, list[list[float]]] = field(default_factory=dict)
+    """dtype -> [FLOPs, achieved TFLOP/s] of the table's matmuls, timed with one process's share of the
+    cores (CPU) or one GPU."""
+    host_op_us: float = 0.0
+    """Host time per dispatched operator (forward and backward) of a tiny autograd chain."""
     links: list[LinkFit] = field(default_factory=list)
 
     def peak(self, dtype: str) -> float:
@@ -104,6 +122,111 @@ def measure_gemms(kind: str, dtypes: tuple[str, ...], seconds: float) -> dict[st
 
             out[dtype][f"{m}x{n}x{k}"] = 2 * m * n * k / _best_time(run, seconds / len(shapes)) / 1e12
     return out
+
+
+COLD_BYTES = 64 * 2**20
+"""The matmul table cycles through operand copies of at least this many bytes, more than a CPU's last-level
+cache or a GPU's L2, so each matmul finds its operands cold, as in a training step, where the layers between
+two uses of a weight or activation evict it (hot operands ran up to 30% faster for small shapes here)."""
+
+
+TABLE_RUNS = 3
+"""At least this many timed runs per table shape (the largest take longer than their share of the budget,
+and one disturbed run would set the rate of every larger matmul)."""
+
+
+def table_shapes(kind: str) -> list[tuple[int, int, int]]:
+    """(m, n, k) of the matmul table (TABLE_WIDTHS_*)."""
+    widths = TABLE_WIDTHS_GPU if kind == "cuda" else TABLE_WIDTHS_CPU
+    return [shape for d in widths for shape in ((8 * d, d, d), (8 * d, 4 * d, d), (8 * d, d, 4 * d))]
+
+
+def process_threads(devices: int) -> int:
+    """CPU threads one of `devices` processes gets when they share this machine's cores."""
+    return max(1, (os.cpu_count() or 1) // devices)
+
+
+def measure_gemm_table(
+    kind: str, dtypes: tuple[str, ...], seconds: float, threads: int
+) -> dict[str, list[list[float]]]:
+    """[FLOPs of one matmul, achieved TFLOP/s] of a linear layer's three matmuls per table shape (m tokens,
+    n outputs, k inputs), on `threads` CPU threads (one process's share of the cores; ignored on a GPU): the
+    forward (x @ W^T), the input gradient (dy @ W) and the weight gradient (dy^T @ x), timed together as
+    the trainer runs them (the backward's transposed operands run at their own rates), on cold operands
+    (COLD_BYTES). The cost model looks the rate up at each matmul's FLOPs (cluster.Device.gemm_table)."""
+    import torch
+    import torch.nn.functional as F
+
+    from llmtrain.precision import torch_dtype
+
+    shapes = table_shapes(kind)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    out: dict[str, list[list[float]]] = {}
+    try:
+        for dtype in dtypes:
+            out[dtype] = []
+            for m, n, k in shapes:
+                size = torch_dtype(dtype).itemsize * (m * k + n * k + m * n)
+                operands = [
+                    [
+                        torch.randn(r, c, dtype=torch_dtype(dtype), device=kind)
+                        for r, c in ((m, k), (n, k), (m, n))
+                    ]
+                    for _ in range(max(1, COLD_BYTES // size))
+                ]
+                turn = itertools.count()
+
+                def run(operands=operands, turn=turn) -> None:
+                    x, w, dy = operands[next(turn) % len(operands)]
+                    F.linear(x, w)
+                    torch.mm(dy, w)
+                    torch.mm(dy.t(), x)
+                    _sync(kind)
+
+                flops = 2.0 * m * n * k
+                best = min(_best_time(run, seconds / len(shapes) / TABLE_RUNS) for _ in range(TABLE_RUNS))
+                out[dtype].append([flops, 3 * flops / best / 1e12])
+    finally:
+        torch.set_num_threads(before)
+    return out
+
+
+def measure_host_op_us(kind: str, seconds: float, threads: int) -> float:
+    """Microseconds of host time per operator of a tiny autograd chain (a linear, an RMS norm, SiLU and a
+    residual add, repeated; forward and backward), whose operators a TorchDispatchMode counts: the Python,
+    dispatcher and autograd cost every operator of a layer pays before its kernel does any work."""
+    import torch
+    import torch.nn.functional as F
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    w = torch.randn(8, 8, device=kind, requires_grad=True)
+    x0 = torch.randn(4, 8, device=kind, requires_grad=True)
+
+    def chain() -> None:
+        x = x0
+        for _ in range(10):
+            y = F.linear(x, w)
+            y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6)
+            x = x + F.silu(y)
+        x.sum().backward()
+        _sync(kind)
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        chain()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return _best_time(chain, seconds) / Count.ops * 1e6
+    finally:
+        torch.set_num_threads(before)
 
 
 def measure_attention_tflops(kind: str, dtype: str, seconds: float) -> float:
@@ -210,10 +333,94 @@ def _collective_worker(
                 # A ping-pong moves the buffer twice: one send is half of it.
                 median = statistics.median(times) / (2 if op == "send" else 1)
                 result[op].append((full.numel() * 4, median))
+        fsdp = _fsdp_call_s(dist, world, device, backend, reps, gather, scatter)
+        after = _after_compute_s(dist, device, backend, 2 * reps)
         if rank == 0:
-            out.put(result)
+            out.put((result, fsdp, after))
     finally:
         dist.destroy_process_group()
+
+
+BURST_MATMULS = 8
+"""256^3 matmuls each rank runs before each collective in _after_compute_s: about a millisecond on one CPU
+core, what a small layer computes between two tensor-parallel collectives."""
+
+
+def _after_compute_s(dist: Any, device: str, backend: str, reps: int) -> float:
+    """Seconds a small all-reduce costs more when every rank issues it after a burst of compute, as training
+    does, than back to back as the size sweep times it: the ranks finish their bursts apart (scheduling
+    noise) and the waiting thread must be woken. Rank 0's loop of burst + all-reduce, minus its loops of
+    bursts alone and of all-reduces alone, per iteration."""
+    import torch
+
+    a = torch.randn(256, 256, device=device)
+    t = torch.zeros(2**14, device=device)
+
+    def burst() -> None:
+        for _ in range(BURST_MATMULS):
+            torch.mm(a, a)
+
+    def per_iteration(step: Any) -> float:
+        step()  # warm-up
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(reps):
+            step()
+        if backend == "nccl":
+            torch.cuda.synchronize()
+        elapsed = (time.perf_counter() - start) / reps
+        dist.barrier()
+        return elapsed
+
+    alone = per_iteration(burst)
+    bare = per_iteration(lambda: dist.all_reduce(t))
+    both = per_iteration(lambda: (burst(), dist.all_reduce(t)))
+    return max(both - alone - bare, 0.0)
+
+
+FSDP_UNIT_BYTES = 2**18
+"""fp32 parameter bytes of the unit _fsdp_call_s shards: a small layer's, where per-call costs show."""
+
+
+def _fsdp_call_s(
+    dist: Any, world: int, device: str, backend: str, reps: int, gather: Any, scatter: Any
+) -> float:
+    """Seconds FSDP2 adds per collective: a fully_shard'ed linear resharded after its forward (ZeRO-3: an
+    all-gather in the forward, another in the backward, a reduce-scatter of its gradient) stepped on one
+    row, minus the same three collectives issued bare, over three. Its matmuls are one row: microseconds."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    side = int((FSDP_UNIT_BYTES // 4) ** 0.5) // world * world
+    layer = torch.nn.Linear(side, side, bias=False, device=device)
+    fully_shard(layer, mesh=init_device_mesh(device.split(":")[0], (world,)), reshard_after_forward=True)
+    x = torch.ones(1, side, device=device)
+    full = torch.zeros(side * side, device=device)
+    part = torch.zeros(side * side // world, device=device)
+
+    def sharded() -> None:
+        layer(x).sum().backward()
+
+    def bare() -> None:
+        gather(full, part)
+        gather(full, part)
+        scatter(part, full)
+
+    times = {}
+    for name, call in (("sharded", sharded), ("bare", bare)):
+        call()  # warm-up
+        dist.barrier()
+        runs = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            call()
+            if backend == "nccl":
+                torch.cuda.synchronize()
+            runs.append(time.perf_counter() - start)
+        dist.barrier()
+        times[name] = statistics.median(runs)
+    return max(times["sharded"] - times["bare"], 0.0) / 3
 
 
 def _ping(dist: Any, t: Any, rank: int) -> None:
@@ -229,11 +436,11 @@ def _ping(dist: Any, t: Any, rank: int) -> None:
 def measure_links(backend: str, group: int, sizes: tuple[int, ...], reps: int) -> list[LinkFit]:
     """Time every collective of COLLECTIVES between `group` local processes over message `sizes` (bytes of
     the full buffer), each fitted as alpha + bytes / bandwidth."""
-    raw = run_local_workers(_collective_worker, group, backend, sizes, reps)
+    raw, fsdp, after = run_local_workers(_collective_worker, group, backend, sizes, reps)
     fits = []
     for op, points in raw.items():
         alpha, bandwidth = fit_alpha_beta(points)
-        fits.append(LinkFit(backend, op, group, alpha, bandwidth, tuple(points)))
+        fits.append(LinkFit(backend, op, group, alpha, bandwidth, tuple(points), fsdp, after))
     return fits
 
 
@@ -243,7 +450,7 @@ def measure_links(backend: str, group: int, sizes: tuple[int, ...], reps: int) -
 def measure(
     devices: int = 2,
     group_sizes: tuple[int, ...] = (2, 4),
-    sizes: tuple[int, ...] = (2**12, 2**16, 2**20, 2**23),
+    sizes: tuple[int, ...] = (2**10, 2**12, 2**14, 2**16, 2**18, 2**20, 2**23),
     reps: int = 10,
     seconds: float = 0.3,
 ) -> Measurements:
@@ -259,6 +466,7 @@ def measure(
         kind, name = "cpu", f"cpu-{os.cpu_count()}-cores"
         memory_gb = _ram_gb() / devices
         dtypes = ("fp32", "bf16")
+    threads = process_threads(devices) if kind == "cpu" else torch.get_num_threads()
     from llmtrain.planner.profile import measure_memory_bandwidth_gbs
 
     host_gbs, adam = measure_host(kind, seconds)
@@ -273,6 +481,9 @@ def measure(
         launch_us=measure_launch_us(kind, seconds),
         host_bandwidth_gbs=host_gbs,
         host_adam_gparams=adam,
+        # Four times the peak's budget: 12 shapes, and the largest need a few runs each to be timed at all.
+        gemm_table=measure_gemm_table(kind, dtypes, 4 * seconds, threads),
+        host_op_us=measure_host_op_us(kind, seconds, threads),
     )
     backends = ["gloo"] + (["nccl"] if kind == "cuda" and dist_has_nccl() else [])
     for backend in backends:
@@ -310,6 +521,40 @@ def link_of(m: Measurements) -> tuple[dict[str, float], str]:
     return link, f"{best.backend} all-reduce over {p} local processes"
 
 
+def fsdp_call_us(m: Measurements) -> float:
+    """Microseconds FSDP2 adds per collective in the trainer's backend, over the group sizes measured (the
+    median)."""
+    backend = trainer_backend(m)
+    values = [f.fsdp_call_s for f in m.links if f.backend == backend]
+    return statistics.median(values) * 1e6 if values else 0.0
+
+
+def after_compute_us(m: Measurements) -> float:
+    """Microseconds a collective of the trainer's backend costs more after compute than back to back, over
+    the group sizes measured (the median)."""
+    backend = trainer_backend(m)
+    values = [f.after_compute_s for f in m.links if f.backend == backend]
+    return statistics.median(values) * 1e6 if values else 0.0
+
+
+def trainer_backend(m: Measurements) -> str:
+    """The backend the trainer runs on this device: nccl on GPUs where it was measured, else gloo."""
+    backends = {f.backend for f in m.links}
+    return "nccl" if m.device_kind == "cuda" and "nccl" in backends else "gloo"
+
+
+def measured_collectives(m: Measurements) -> dict[str, dict[int, list[list[float]]]]:
+    """The link's `measured` table (cluster.Link.measured): per operation and group size the measured
+    (bytes, seconds) points of the backend the trainer runs on this device (nccl on GPUs where measured,
+    else gloo)."""
+    backend = trainer_backend(m)
+    out: dict[str, dict[int, list[list[float]]]] = {}
+    for f in m.links:
+        if f.backend == backend:
+            out.setdefault(f.op, {})[f.group] = [[float(n), t] for n, t in f.points]
+    return out
+
+
 def profile_of(m: Measurements, when: str | None = None) -> dict[str, Any]:
     """The cluster YAML structure of a calibration: one node of `m.devices` devices; every constant's
     source names this run."""
@@ -333,6 +578,22 @@ def profile_of(m: Measurements, when: str | None = None) -> dict[str, Any]:
         "host_bandwidth_gbs": round(m.host_bandwidth_gbs / share, 2),
         "host_adam_gparams": round(m.host_adam_gparams / share, 4),
     }
+    if m.gemm_table:
+        device["gemm_table"] = {
+            dtype: [[flops, round(tflops, 5)] for flops, tflops in points]
+            for dtype, points in m.gemm_table.items()
+        }
+    fsdp = fsdp_call_us(m)
+    if fsdp:
+        device["fsdp_call_us"] = round(fsdp, 2)
+    if m.host_op_us:
+        device["host_op_us"] = round(m.host_op_us, 3)
+        device["host_is_device"] = cpu
+    table = measured_collectives(m)
+    intra = {**link, "measured": table}
+    after = after_compute_us(m)
+    if after:
+        intra["after_compute_us"] = round(after, 2)
     shared = f" per process ({m.devices} share this machine)" if cpu and m.devices > 1 else ""
     sources = {
         f"{d}.peak_tflops": f"{run}: best matmul TFLOP/s per dtype over the shapes of calibration.gemm_tflops"
@@ -351,10 +612,30 @@ def profile_of(m: Measurements, when: str | None = None) -> dict[str, Any]:
         "links.intra_node.bandwidth_gbs": f"{run}: {how}, fitted alpha-beta (calibration.links)",
         "links.intra_node.latency_us": f"{run}: {how}, fitted alpha-beta (calibration.links)",
         "links.intra_node.efficiency": f"{run}: 1 (the bandwidth is the achieved one)",
+        "links.intra_node.measured": f"{run}: {', '.join(table)} times over message sizes per group size "
+        "(calibration.links' points)",
         "links.inter_node.bandwidth_gbs": "not measured (one machine): the intra-node link's",
         "links.inter_node.latency_us": "not measured (one machine): the intra-node link's",
         "links.inter_node.efficiency": "not measured (one machine): the intra-node link's",
     }
+    if m.gemm_table:
+        sources[f"{d}.gemm_table"] = (
+            f"{run}: matmuls of calibration.TABLE_WIDTHS shapes, achieved TFLOP/s"
+            + (f" on {process_threads(m.devices)} thread(s) per process" if cpu else "")
+        )
+    if fsdp:
+        sources[f"{d}.fsdp_call_us"] = (
+            f"{run}: a fully_shard'ed layer's step minus its bare collectives, per collective "
+            "(calibration.links' fsdp_call_s)"
+        )
+    if after:
+        sources["links.intra_node.after_compute_us"] = (
+            f"{run}: a 64 KiB {trainer_backend(m)} all-reduce after {BURST_MATMULS} 256^3 matmuls per "
+            "rank, minus the two apart (calibration.links' after_compute_s)"
+        )
+    if m.host_op_us:
+        sources[f"{d}.host_op_us"] = f"{run}: tiny autograd op chain, host time per dispatched operator"
+        sources[f"{d}.host_is_device"] = f"{run}: the device is {'the host CPU' if cpu else 'a GPU'}"
     raw = asdict(m)
     raw["links"] = [
         {k: (list(map(list, v)) if k == "points" else v) for k, v in asdict(f).items()} for f in m.links
@@ -364,7 +645,7 @@ def profile_of(m: Measurements, when: str | None = None) -> dict[str, Any]:
         "description": f"{run}; tools/plan.py --cluster reads it",
         "devices": {name: device},
         "nodes": [{"count": 1, "devices_per_node": m.devices, "device": name, "intra_link": "intra_node"}],
-        "links": {"intra_node": link, "inter_node": dict(link)},
+        "links": {"intra_node": intra, "inter_node": dict(link)},
         "sources": sources,
         "calibration": raw,
     }

@@ -14,7 +14,7 @@ picks; a group spanning nodes with ``k`` members per node drives ``k`` NICs in p
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -23,6 +23,7 @@ import yaml
 
 from llmtrain.config.errors import ConfigError
 from llmtrain.config.loader import load_yaml
+from llmtrain.planner.interpolate import rate_at, time_at
 
 PRESETS = resources.files("llmtrain.planner") / "clusters"
 """The shipped cluster files (package data): `--cluster NAME` reads PRESETS / NAME.yaml."""
@@ -52,6 +53,19 @@ class Device:
     host_adam_gparams: float = 0.4
     """Billions of parameters per second one device's share of the host CPU updates with a vectorised Adam
     (DeepSpeed's CPU Adam: a few per node, shared by its devices); used for CPU offload."""
+    gemm_table: dict[str, list[list[float]]] = field(default_factory=dict)
+    """Measured matmuls per precision, [FLOPs of one matmul, achieved TFLOP/s] each (tools/calibrate.py):
+    where given, a matmul's time is its FLOPs over the rate interpolated at its FLOPs, replacing the peak x
+    gemm_efficiency roofline; empty: the roofline."""
+    host_op_us: float = 0.0
+    """Host time per framework operator the trainer dispatches (Python, dispatcher, autograd recording and
+    the backward node's own dispatch), measured by tools/calibrate.py on a tiny op chain; 0: not modelled."""
+    fsdp_call_us: float = 0.0
+    """Host time FSDP2 adds to each collective it issues (hooks, copy-in/out, DTensor bookkeeping), measured
+    by tools/calibrate.py as a sharded unit's step minus its bare collectives; 0: not modelled."""
+    host_is_device: bool = False
+    """The device is the host CPU: operator overhead runs on the same cores as the compute and adds to it,
+    rather than overlapping an accelerator's queue of kernels (read only with host_op_us)."""
 
     def peak_flops(self, precision: str) -> float:
         """Peak FLOP/s for a training precision (fp16 falls back to bf16 and vice versa)."""
@@ -62,10 +76,21 @@ class Device:
             f"device {self.name} has no peak_tflops for precision {precision}; add it to the cluster file"
         )
 
+    def _table(self, precision: str) -> list[list[float]]:
+        for key in (precision, {"fp16": "bf16", "bf16": "fp16"}.get(precision, precision)):
+            if key in self.gemm_table:
+                return self.gemm_table[key]
+        return []
+
     def gemm_time(self, m: float, n: float, k: float, precision: str, batch: float = 1.0) -> float:
-        """Seconds for `batch` matmuls (m x k) @ (k x n): a soft roofline (compute plus operand traffic) plus
-        the kernel overhead, so efficiency grows with size and arithmetic intensity."""
+        """Seconds for `batch` matmuls (m x k) @ (k x n) (one batched kernel): the measured rate at its FLOPs
+        where gemm_table has the precision, else a soft roofline (compute plus operand traffic) plus the
+        kernel overhead, so efficiency grows with size and arithmetic intensity."""
         flops = 2.0 * m * n * k * batch
+        table = self._table(precision)
+        if table:
+            # The measured times include the call and kernel overheads: nothing is added to them.
+            return flops / (rate_at(table, flops) * 1e12)
         nbytes = _bytes(precision) * (m * k + k * n + m * n) * batch
         compute = flops / (self.peak_flops(precision) * self.gemm_efficiency)
         return (
@@ -103,6 +128,13 @@ class Link:
     bandwidth_gbs: float
     latency_us: float
     efficiency: float = 0.85
+    after_compute_us: float = 0.0
+    """What a measured collective costs more when the ranks issue it after compute, as training does, than
+    back to back as `measured` times it (their skew, the waiting thread's wake-up); tools/calibrate.py."""
+    measured: dict[str, dict[int, list[list[float]]]] = field(default_factory=dict)
+    """Measured collectives inside one node of this link (tools/calibrate.py): operation (all_reduce,
+    all_gather, reduce_scatter, send) -> group size -> [full-buffer bytes, seconds] each; where a group's
+    operation is here its time is interpolated from them instead of the alpha-beta formula."""
 
     @property
     def bytes_per_s(self) -> float:
@@ -111,6 +143,17 @@ class Link:
     @property
     def alpha(self) -> float:
         return self.latency_us * 1e-6
+
+
+MEASURED_ONLY = {"gemm_table", "host_op_us", "fsdp_call_us", "measured", "after_compute_us"}
+"""Device and link fields that only calibration sets: unset (empty, 0), the cost model does not read them."""
+
+
+def _read(obj: Device | Link, name: str) -> bool:
+    """Whether the cost model reads field `name` of a device or link (host_is_device only with host_op_us)."""
+    if name == "host_is_device":
+        return bool(getattr(obj, "host_op_us", 0.0))
+    return name not in MEASURED_ONLY or bool(getattr(obj, name))
 
 
 @dataclass(frozen=True)
@@ -140,12 +183,18 @@ class Cluster:
     """The YAML names of the node groups' intra-node links (default intra_node, intra_node_1, ...)."""
 
     def constants(self) -> list[str]:
-        """Dotted names of every number the cost model reads from this cluster (device and link fields)."""
+        """Dotted names of every number the cost model reads from this cluster (device and link fields; the
+        measured-only ones where set)."""
         names = []
         for g in self.nodes:
-            names += [f"devices.{g.device.name}.{f.name}" for f in fields(Device) if f.name != "name"]
-        for link_name in _link_names(self):
-            names += [f"links.{link_name}.{f.name}" for f in fields(Link)]
+            names += [
+                f"devices.{g.device.name}.{f.name}"
+                for f in fields(Device)
+                if f.name != "name" and _read(g.device, f.name)
+            ]
+        links = dict(zip(_link_names(self), [*(g.intra for g in self.nodes), self.inter], strict=False))
+        for link_name, link in links.items():
+            names += [f"links.{link_name}.{f.name}" for f in fields(Link) if _read(link, f.name)]
         return list(dict.fromkeys(names))
 
     def unsourced(self) -> list[str]:
@@ -178,15 +227,10 @@ class Cluster:
         return ClusterView(
             devices=gpus,
             devices_per_node=min(min(g.devices_per_node for g in used), gpus),
-            device=Device(
-                name=device.name,
-                peak_tflops=device.peak_tflops,
+            device=replace(
+                device,
                 memory_gb=min(g.device.memory_gb for g in used),
                 memory_bandwidth_gbs=min(g.device.memory_bandwidth_gbs for g in used),
-                gemm_efficiency=device.gemm_efficiency,
-                memory_efficiency=device.memory_efficiency,
-                attention_efficiency=device.attention_efficiency,
-                kernel_overhead_us=device.kernel_overhead_us,
                 reserved_gb=max(g.device.reserved_gb for g in used),
                 host_bandwidth_gbs=min(g.device.host_bandwidth_gbs for g in used),
                 host_adam_gparams=min(g.device.host_adam_gparams for g in used),
@@ -223,6 +267,14 @@ class ClusterView:
         # k members per node send over k NICs at once; NVLink caps it when k NICs outrun it.
         return min(k * self.inter.bytes_per_s, self.intra.bytes_per_s), self.inter.alpha, True
 
+    def _measured(self, op: str, nbytes: float, size: int, stride: int) -> float | None:
+        """Seconds of a collective interpolated from the intra-node link's measurements, when the group stays
+        in one node and its operation and size were measured; None otherwise."""
+        points = self.intra.measured.get(op, {}).get(size)
+        if not points or self.members_per_node(size, stride) < size:
+            return None
+        return time_at(points, nbytes) + self.intra.after_compute_us * 1e-6
+
     def spans_nodes(self, size: int, stride: int = 1) -> bool:
         """True when the group's ranks are on more than one node."""
         return size > 1 and self._path(size, stride)[2]
@@ -231,19 +283,30 @@ class ClusterView:
         """Seconds for an all-reduce of `nbytes` per rank: min(ring, tree)."""
         if size <= 1 or nbytes <= 0:
             return 0.0
+        measured = self._measured("all_reduce", nbytes, size, stride)
+        if measured is not None:
+            return measured
         bw, alpha, _ = self._path(size, stride)
         ring = 2 * (size - 1) / size * nbytes / bw + 2 * (size - 1) * alpha
         tree = 2 * nbytes / bw + 2 * math.ceil(math.log2(size)) * alpha
         return min(ring, tree)
 
     def all_gather(self, nbytes: float, size: int, stride: int = 1) -> float:
-        """Seconds for a ring all-gather with `nbytes` of result per rank (reduce-scatter costs the same)."""
+        """Seconds for a ring all-gather with `nbytes` of result per rank."""
+        return self._ring("all_gather", nbytes, size, stride)
+
+    def reduce_scatter(self, nbytes: float, size: int, stride: int = 1) -> float:
+        """Seconds for a ring reduce-scatter of `nbytes` of input per rank (the all-gather's formula)."""
+        return self._ring("reduce_scatter", nbytes, size, stride)
+
+    def _ring(self, op: str, nbytes: float, size: int, stride: int) -> float:
         if size <= 1 or nbytes <= 0:
             return 0.0
+        measured = self._measured(op, nbytes, size, stride)
+        if measured is not None:
+            return measured
         bw, alpha, _ = self._path(size, stride)
         return (size - 1) / size * nbytes / bw + (size - 1) * alpha
-
-    reduce_scatter = all_gather
 
     def all_to_all(self, nbytes: float, size: int, stride: int = 1) -> float:
         """Seconds for an all-to-all of `nbytes` per rank in equal pieces: each rank sends (size-1)/size of
@@ -255,6 +318,9 @@ class ClusterView:
 
     def p2p(self, nbytes: float, cross_node: bool, parallel: int = 1) -> float:
         """Seconds for a point-to-point send of `nbytes`, `parallel` senders of one node sharing the work."""
+        sends = self.intra.measured.get("send", {}).get(2)
+        if sends and not cross_node and parallel == 1:
+            return time_at(sends, nbytes) + self.intra.after_compute_us * 1e-6
         link = self.inter if cross_node else self.intra
         return nbytes / (parallel * link.bytes_per_s) + link.alpha
 
@@ -274,6 +340,21 @@ def _build(cls: type, raw: Any, where: str, **extra: Any) -> Any:
         return cls(**raw, **extra)
     except TypeError as err:
         raise ConfigError(f"{where}: {err}") from None
+
+
+MEASURED_OPS = ("all_reduce", "all_gather", "reduce_scatter", "send")
+"""The collectives a link's `measured` table may hold (what tools/calibrate.py times)."""
+
+
+def _check_points(points: Any, where: str, pair: str) -> None:
+    """A measured table: a non-empty list of pairs of positive numbers."""
+    if not isinstance(points, list) or not points:
+        raise ConfigError(f"{where} must be a non-empty list of {pair} pairs")
+    for point in points:
+        if not isinstance(point, list) or len(point) != 2:
+            raise ConfigError(f"{where}: each entry must be a {pair} pair; got {point!r}")
+        for value in point:
+            _positive(value, where)
 
 
 def _positive(value: Any, where: str) -> None:
@@ -305,6 +386,10 @@ def cluster_from_dict(raw: dict[str, Any], source: str = "<dict>") -> Cluster:
             "attention_efficiency",
         ):
             _positive(getattr(dev, attr), f"{source}: devices.{name}.{attr}")
+        if not isinstance(dev.gemm_table, dict):
+            raise ConfigError(f"{source}: devices.{name}.gemm_table must map precisions to measured points")
+        for precision, points in dev.gemm_table.items():
+            _check_points(points, f"{source}: devices.{name}.gemm_table.{precision}", "[FLOPs, TFLOP/s]")
         devices[str(name)] = dev
     links = raw["links"] or {}
     if "inter_node" not in links:
@@ -313,6 +398,18 @@ def cluster_from_dict(raw: dict[str, Any], source: str = "<dict>") -> Cluster:
     for name, spec in links.items():
         link = _build(Link, spec, f"{source}: links.{name}")
         _positive(link.bandwidth_gbs, f"{source}: links.{name}.bandwidth_gbs")
+        if not isinstance(link.measured, dict):
+            raise ConfigError(f"{source}: links.{name}.measured must map operations to group sizes")
+        for op, groups in link.measured.items():
+            where = f"{source}: links.{name}.measured.{op}"
+            if op not in MEASURED_OPS or not isinstance(groups, dict):
+                raise ConfigError(
+                    f"{where}: measured operations are {', '.join(MEASURED_OPS)}, each a mapping"
+                )
+            for size, points in groups.items():
+                if isinstance(size, bool) or not isinstance(size, int) or size < 2:
+                    raise ConfigError(f"{where}: group sizes must be integers >= 2; got {size!r}")
+                _check_points(points, f"{where}.{size}", "[bytes, seconds]")
         parsed_links[name] = link
     groups = []
     for i, spec in enumerate(raw["nodes"] or []):

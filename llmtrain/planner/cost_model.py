@@ -55,6 +55,7 @@ from llmtrain.config.validate import (
 )
 from llmtrain.planner import collectives as C
 from llmtrain.planner import flops as F
+from llmtrain.planner import host_ops as H
 from llmtrain.planner.cluster import ClusterView
 from llmtrain.planner.memory import (
     MemoryBreakdown,
@@ -156,7 +157,8 @@ class Software:
     """Bytes per gradient element held and reduced (fp32 main gradients)."""
     fused_kernels: bool = True
     """The model's norms, SwiGLU/GeGLU, attention and cross-entropy run as llmtrain's fused Triton kernels
-    (model.kernels auto on CUDA); false: the PyTorch reference ops (CPU), which save more for backward."""
+    (model.kernels auto on CUDA); false: the PyTorch reference ops (CPU), which save more for backward and
+    move more bytes (host_ops.reference_bytes)."""
     gloo_shard_exchange: bool = False
     """ZeRO-1 reduce-scatters by point-to-point exchange into separate receive buffers (gloo, CPU) instead
     of NCCL's in-place reduce-scatter."""
@@ -382,9 +384,16 @@ class CostModel:
         nh = tok * h / (tp if sp else 1)
         dropout = 1 if m.hidden_dropout > 0 else 0
         rotary = 0 if m.arch == "gpt" else 2 * e * tok * (a + kv) * d
-        elem = dev.memory_time(2 * 2 * e * nh + 2 * (3 * e + dropout) * nh + mlp_bytes + rotary, kernels=6)
+        if self.sw.fused_kernels:
+            elem = dev.memory_time(
+                2 * 2 * e * nh + 2 * (3 * e + dropout) * nh + mlp_bytes + rotary, kernels=6
+            )
+            elem_b = 2 * elem
+        else:  # PyTorch's ops (the CPU): more passes, as host_ops counts them (a dense layer's)
+            ref_f, ref_b = H.reference_bytes(m, tok, tp, sp, e)
+            elem, elem_b = dev.memory_time(ref_f, kernels=6), dev.memory_time(ref_b, kernels=12)
         fwd = gemms + core_f + elem
-        bwd = 2 * gemms + core_b + 2 * elem
+        bwd = 2 * gemms + core_b + elem_b
         if recompute == "full":
             bwd += fwd
         elif recompute == "selective":
@@ -392,9 +401,22 @@ class CostModel:
         # Tensor-parallel collectives on the b*s*h activation, as the trainer issues them (collectives.py).
         comms = C.tp_layer(tp, e * tok * h, sp, recompute)
         tp_f, tp_b = self._comm_time(comms.fwd), self._comm_time(comms.bwd)
+        ops_f, ops_b = H.layer_ops(m, comms, recompute)
+        fwd, bwd = self._with_host(fwd, ops_f), self._with_host(bwd, ops_b)
         cp_f, cp_b = self._cp_exposed(tp, tok, cp, cp_comm, recompute, core_f, core_b)
         ep_f = ep_b = self._ep_time(tp, tok, cp, ep)
         return _Pass(fwd, bwd, wgrad, tp_f, tp_b, cp_f, cp_b, ep_f, ep_b)
+
+    def _with_host(self, device: float, ops: int) -> float:
+        """Seconds of a pass of `device` seconds of compute that dispatches `ops` operators (host_ops).
+
+        On a CPU the host is the device: each operator's dispatch runs on the cores between the kernels, so
+        the two add. On an accelerator the host queues kernels while earlier ones run: the pass takes the
+        longer of the two, so the host shows only when kernels are too small to cover their own dispatch
+        (the large matmuls of a GPU cluster's layers hide it entirely). memory_time's per-kernel overhead
+        already covers the few kernels it times: an overlap of a handful of the operators counted here."""
+        host = ops * self.dev.host_op_us * 1e-6
+        return device + host if self.dev.host_is_device else max(device, host)
 
     def _mlp_costs(self, tp: int, tok: int, ep: int) -> tuple[float, float]:
         """(matmul seconds, bytes of its memory-bound kernels) of the mean layer's MLP on `tok` tokens of a
@@ -491,7 +513,11 @@ class CostModel:
         norm = dev.memory_time(2 * e * tok * h / (tp if sp else 1))
         head = C.tp_head(tp, size, tok, sp)
         head_tp, head_tp_b = self._comm_time(head.fwd), self._comm_time(head.bwd)
-        last = _Pass(logits + ce / 3 + norm, 2 * logits + 2 * ce / 3 + 2 * norm, logits, head_tp, head_tp_b)
+        # The embedding's few operators are counted with the head's (host_ops.extra_ops).
+        ops_f, ops_b = H.extra_ops(m)
+        last_f = self._with_host(logits + ce / 3 + norm, ops_f)
+        last_b = self._with_host(2 * logits + 2 * ce / 3 + 2 * norm, ops_b)
+        last = _Pass(last_f, last_b, logits, head_tp, head_tp_b)
         return first, last
 
     def _comm_time(self, comms: tuple[C.Comm, ...]) -> float:
@@ -666,6 +692,19 @@ class CostModel:
             if shard < dp:
                 reduce += self.c.all_reduce(params * g / shard, dp // shard, tp * shard)
             gather = self.c.all_gather(params * e, shard, tp)
+        calls = 0
+        if z >= 2 and layout.offload == "none":
+            # FSDP2 issues one collective per unit (collectives.py counts them): per-call costs (latency,
+            # the framework's per-call host time) scale with the units, not with the bytes alone.
+            units = self._fsdp_units(layout, 0)
+            per_micro = [(n, 2 if reshard else 1) for n, reshard in units]
+            reduce = sum(self.c.reduce_scatter(n * g, shard, tp) for n, _ in units)
+            if shard < dp:
+                reduce += self.c.all_reduce(params * g / shard, dp // shard, tp * shard)
+            # Per gather round (a micro-batch's forward, at zero 3 also its backward), as `gathers` counts.
+            gather = sum(k * self.c.all_gather(n * e, shard, tp) for n, k in per_micro)
+            gather /= 2 if z == 3 else 1
+            calls = len(units) + num_micro * sum(k for _, k in per_micro)
         if experts:
             # Routed experts over the expert-data-parallel group: the ranks holding the same ones, the CP
             # ranks and the DP ranks ep apart, spread over the tp x cp x dp ranks of the stage.
@@ -692,6 +731,9 @@ class CostModel:
                 exposed += gather
         else:
             exposed = reduce + gather
+        # The framework's own host time per FSDP2 collective (hooks, copy-in/out, DTensor bookkeeping) is
+        # not overlapped: the collective cannot start before it.
+        exposed += calls * self.dev.fsdp_call_us * 1e-6
         local = params / shard + experts / expert_shard_group(layout)
         if layout.offload == "none":
             # Adam: read grad, master, m, v; write master, m, v, the 16-bit weights; plus the grad norm.

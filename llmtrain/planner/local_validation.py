@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 
 from llmtrain.planner.auto import layout_overrides
 from llmtrain.planner.cluster import Cluster
-from llmtrain.planner.cost_model import Estimate, Layout, Workload
+from llmtrain.planner.cost_model import Estimate, Layout, Software, Workload
 from llmtrain.planner.search import plan
 
 LOCAL_CONFIG = "configs/llama-small.yaml"
@@ -101,9 +101,14 @@ def median_step_time(lines: Iterable[str], warmup: int) -> float:
     return statistics.median(times)
 
 
+LOCAL_SOFTWARE = Software(fused_kernels=False)
+"""llmtrain as it runs these layouts: on CPU, model.kernels=auto runs the PyTorch reference ops, not the
+fused Triton kernels."""
+
+
 def predict(workload: Workload, cluster: Cluster, layout: Layout) -> Estimate:
     """The planner's prediction for exactly `layout` (every setting fixed, pipeline simulator on)."""
-    return plan(workload, cluster, layout.gpus, asdict(layout), top=1).ranked[0]
+    return plan(workload, cluster, layout.gpus, asdict(layout), LOCAL_SOFTWARE, top=1).ranked[0]
 
 
 def _ranks(values: Sequence[float]) -> list[float]:

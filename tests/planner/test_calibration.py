@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ import pytest
 from llmtrain.config.errors import ConfigError
 from llmtrain.planner.calibration import LinkFit, Measurements, fit_alpha_beta, profile_of
 from llmtrain.planner.cluster import cluster_from_dict, load_cluster
+from llmtrain.planner.interpolate import rate_at, time_at
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -60,6 +62,28 @@ def test_the_profile_names_this_run_for_every_constant_and_reproduces_the_all_re
     assert view.device.memory_bandwidth_gbs == pytest.approx(10.0)
     for nbytes in (2**12, 2**20):
         assert view.all_reduce(nbytes, 2) == pytest.approx(50e-6 + nbytes / 1e9)
+
+
+def test_the_measured_tables_reach_the_cost_model_with_their_sources():
+    m = _measurements()
+    m.gemm_table = {"fp32": [[1e6, 0.05], [1e9, 0.2]]}
+    m.host_op_us = 4.0
+    m.links.append(LinkFit("nccl", "all_reduce", 2, 1e-6, 1e11, ((2**12, 1e-5), (2**20, 2e-5))))
+    m.links[0] = replace(m.links[0], fsdp_call_s=300e-6, after_compute_s=100e-6)
+    profile = profile_of(m, when="2026-01-01 00:00 UTC")
+    cluster = cluster_from_dict(profile, "calibrated.yaml")
+    assert cluster.unsourced() == []
+    assert {"devices.cpu-8-cores.gemm_table", "links.intra_node.measured"} <= set(cluster.sources)
+    device = cluster.view(2).device
+    # Measured per process: the table is not divided between the processes as the peak is.
+    assert device.gemm_time(100, 100, 100, "fp32") == pytest.approx(
+        2e6 / (rate_at(m.gemm_table["fp32"], 2e6) * 1e12)
+    )
+    assert device.host_op_us == 4.0 and device.host_is_device and device.fsdp_call_us == 300.0
+    # A CPU's trainer runs gloo: the gloo points interpolated (not nccl's), plus the after-compute cost.
+    assert cluster.view(2).all_reduce(2**16, 2) == pytest.approx(
+        time_at([[float(n), t] for n, t in m.links[0].points], 2**16) + 100e-6
+    )
 
 
 def test_calibrate_refuses_to_replace_a_file_and_bad_group_sizes(tmp_path):

@@ -19,7 +19,7 @@ from llmtrain.config.validate import validate_world
 from llmtrain.planner import CostModel, Workload, cluster_from_dict
 from llmtrain.planner.calibration import profile_of
 from llmtrain.planner.cluster import load_cluster
-from llmtrain.planner.cost_model import Layout
+from llmtrain.planner.cost_model import Layout, Software
 from llmtrain.planner.local_validation import (
     ERROR_TARGET,
     LOCAL_CONFIG,
@@ -122,7 +122,9 @@ def test_prediction_is_the_cost_model_of_exactly_that_layout():
     for layout in LOCAL_LAYOUTS:
         est = predict(workload, cluster, layout)
         assert est.layout == layout
-        direct = CostModel(workload, cluster.view(layout.gpus)).evaluate(layout, use_simulator=True)
+        # The CPU runs PyTorch's reference ops: the software the prediction describes.
+        model = CostModel(workload, cluster.view(layout.gpus), Software(fused_kernels=False))
+        direct = model.evaluate(layout, use_simulator=True)
         assert est.step_time == pytest.approx(direct.step_time)
 
 
