@@ -15,6 +15,7 @@ Each parameter gets attributes the rest of the package reads:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -26,7 +27,8 @@ from torch.distributed.tensor import DTensor
 
 from llmtrain.config.schema import ModelConfig
 from llmtrain.config.validate import raise_if_problem, tensor_parallel_problem
-from llmtrain.models.moe import MoEMLP, RouterStats
+from llmtrain.models.mla import LatentAttention
+from llmtrain.models.moe import MoEMLP, RouterStats, capacity_keep, expert_capacity
 from llmtrain.parallel.comm import all_gather_single, all_reduce, reduce_scatter_single
 from llmtrain.parallel.random import RNGTracker
 from llmtrain.parallel.topology import Topology
@@ -351,6 +353,28 @@ def _shard_attention(attn: nn.Module, topo: Topology, sp: bool) -> None:
     attn.num_heads, attn.num_kv_heads = local_heads, local_kv
 
 
+def _shard_latent_attention(attn: LatentAttention, topo: Topology, sp: bool) -> None:
+    """Multi-head latent attention split by heads, as Megatron-Core splits it: the up-projections whose rows
+    are per head ([nope | rope] queries of q_proj or q_b_proj, [nope | v] of kv_b_proj) column-parallel,
+    o_proj row-parallel. The down-projections and their norms (q_a_proj, q_a_norm, kv_a_proj with the
+    rotary key part every head shares, kv_a_norm) stay whole on every rank, which computes them for the
+    whole sequence; each rank's gradient of them comes from its own heads only, so it is summed over TP
+    as the SP regions' are."""
+    r, group = topo.tp_rank, topo.tp_group
+    local = attn.num_heads // topo.tp
+    for name in ("q_proj", "q_b_proj", "kv_b_proj"):
+        full = getattr(attn, name)
+        if full is None:
+            continue
+        rows = local * full.out_features // attn.num_heads
+        setattr(attn, name, ColumnParallelLinear(full, [(r * rows, (r + 1) * rows)], "rows", group))
+    for module in (attn.q_a_proj, attn.q_a_norm, attn.kv_a_proj, attn.kv_a_norm):
+        for p in module.parameters() if module is not None else ():
+            _mark_replicated(p, topo, True)
+    attn.o_proj = RowParallelLinear(attn.o_proj, topo, sp)
+    attn.num_heads = local
+
+
 def _shard_mlp(mlp: nn.Module, topo: Topology, sp: bool) -> None:
     tp, r = topo.tp, topo.tp_rank
     if hasattr(mlp, "gate_up_proj"):
@@ -386,12 +410,33 @@ def _shard_moe(mlp: MoEMLP, topo: Topology, sp: bool) -> None:
             _mark_replicated(p, topo, True)
     if not sp:
         mlp.register_forward_pre_hook(lambda _m, args: (_SplitSequence.apply(args[0], 1, group), *args[1:]))
+    if mlp.capacity_factor is not None:
+        mlp.keep_within_capacity = functools.partial(_keep_within_tp_capacity, mlp, topo)
 
     def leave(m: MoEMLP, _args: Any, out: torch.Tensor) -> torch.Tensor:
         m.stats = sum_router_stats(m.stats, group, topo.tp)
         return out if sp else _GatherSplitSequence.apply(out, 1, group)
 
     mlp.register_forward_hook(leave)
+
+
+@torch.no_grad()
+def _keep_within_tp_capacity(
+    mlp: MoEMLP, topo: Topology, weights: torch.Tensor, experts: torch.Tensor, lead: torch.Size
+) -> torch.Tensor:
+    """MoEMLP.keep_within_capacity of one TP rank, which routes sequence chunk tp_rank of (b, s) tokens: the
+    routing decisions of the whole sequences are all-gathered (2k numbers a token, far less than the hidden
+    states) and the capacity is applied to them as one process would, so every rank drops the same
+    assignments one process drops, and keeps its own chunk's verdicts."""
+    b, s = lead
+    k, group = experts.shape[1], topo.tp_group
+    # Expert ids are exact in fp32 (well below 2**24): one all-gather carries both.
+    mine = torch.cat([weights.float(), experts.float()], dim=-1).view(b, s, 2 * k)
+    every = _all_gather_dim(mine, 1, group).view(-1, 2 * k)
+    n = mlp.experts.num_experts
+    capacity = expert_capacity(mlp.capacity_factor, every.shape[0], k, n)
+    keep = capacity_keep(every[:, :k], every[:, k:].long(), n, capacity)
+    return keep.view(b, topo.tp, s, k)[:, topo.tp_rank].reshape(b * s, k)
 
 
 def apply_tp(
@@ -437,7 +482,10 @@ def apply_tp(
                 _mark_replicated(p, topo, sp)
             if not (moe and norm is block.post_attn_norm):
                 _enter_region(norm, group, sp)
-        _shard_attention(block.attn, topo, sp)
+        if isinstance(block.attn, LatentAttention):
+            _shard_latent_attention(block.attn, topo, sp)
+        else:
+            _shard_attention(block.attn, topo, sp)
         if moe:
             _shard_moe(block.mlp, topo, sp)
         else:
