@@ -2,14 +2,17 @@
 
 Megatron's layout: q/k/v, gate_up and up projections and the LM head are column-parallel (output features
 split), o_proj and down_proj row-parallel (input features split, outputs summed over TP), the token embedding
-vocab-parallel. The communication sits at the region boundaries: after each norm that feeds a column-parallel
-layer ("enter": identity forward / all-reduce backward, or all-gather along the sequence with sequence
-parallelism) and inside the row-parallel layers ("exit": all-reduce, or reduce-scatter with SP).
+vocab-parallel; latent attention's up-projections are split by heads and its down-projections replicated
+(_shard_latent_attention), MoE layers route 1/tp of the sequence on each rank (_shard_moe). The communication
+sits at the region boundaries: after each norm that feeds a column-parallel layer ("enter": identity forward /
+all-reduce backward, or all-gather along the sequence with sequence parallelism) and inside the row-parallel
+layers ("exit": all-reduce, or reduce-scatter with SP).
 
 Each parameter gets attributes the rest of the package reads:
   tp_layout: how to reassemble the full tensor ("rows", "cols", "gate_up", ("kv", replicas)) or absent.
   duplicate: True when another rank holds the same values and counts them in the gradient norm.
-  sequence_parallel: its gradient is partial per TP rank (SP regions) and is summed over TP before the update.
+  sequence_parallel: its gradient is partial per TP rank (SP regions, replicated weights feeding split ones)
+    and is summed over TP before the update.
   kv_replicas: a kv-head slice held by `kv_replicas` consecutive TP ranks; their gradients are summed.
 """
 
@@ -402,7 +405,8 @@ def _shard_moe(mlp: MoEMLP, topo: Topology, sp: bool) -> None:
     routes its own 1/tp of the sequence -- the SP shard it already holds, or without SP its slice of the
     replicated input, gathered back afterwards -- so no token is routed twice. Routers and shared experts
     get partial gradients, summed over TP as SP regions' are; the router statistics are summed over TP so
-    the router losses see the whole micro-batch (their gradient stays with each rank's own tokens)."""
+    the router losses see the whole micro-batch (their gradient stays with each rank's own tokens). With
+    model.moe_capacity_factor the capacity is that of the whole sequences (_keep_within_tp_capacity)."""
     group = topo.tp_group
     for name, p in mlp.named_parameters():
         # Under EP the experts' gradients are summed over their expert-DP group, TP ranks included.
