@@ -77,16 +77,20 @@ class LatentAttention(nn.Module):
 
         The attention kernels take one head width, so the narrower of q/k and v is padded with zeros
         (zeros add nothing to a dot product; the padded output columns are dropped)."""
-        qk, vd, scale = q.shape[-1], v.shape[-1], self.softmax_scale
+        qk, vd = q.shape[-1], v.shape[-1]
         if vd < qk:
             v = F.pad(v, (0, qk - vd))
         elif qk < vd:
             q, k = F.pad(q, (0, vd - qk)), F.pad(k, (0, vd - qk))
-        p = self.dropout_p if self.training else 0.0
+        return self.attention(q, k, v, documents)[..., :vd]
+
+    def attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`core`'s attention of equal-width heads at softmax_scale; context parallelism replaces it."""
+        p, scale = (self.dropout_p if self.training else 0.0), self.softmax_scale
         if documents is not None:
-            out = document_attention(q, k, v, documents, p, scale)
-        elif p > 0:
-            out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, scale=scale)
-        else:
-            out = kernels.flash_attention(q, k, v, causal=True, softmax_scale=scale, impl=self.impl)
-        return out[..., :vd]
+            return document_attention(q, k, v, documents, p, scale)
+        if p > 0:
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, scale=scale)
+        return kernels.flash_attention(q, k, v, causal=True, softmax_scale=scale, impl=self.impl)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -36,12 +36,16 @@ from llmtrain.parallel.comm import all_gather_single, all_reduce, reduce_scatter
 from llmtrain.parallel.random import RNGTracker
 from llmtrain.parallel.topology import Topology
 
+if TYPE_CHECKING:  # llmtrain.parallel.context_parallel imports this module
+    from llmtrain.parallel.context_parallel import ContextSplit
+
 
 def _group_size(group: Any) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
-def _all_gather_dim(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+def all_gather_dim(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+    """Every rank's `x` of `group` concatenated along `dim`, in rank order (no gradient)."""
     size = _group_size(group)
     if size == 1:
         return x
@@ -103,7 +107,7 @@ class _GatherSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
         ctx.dim, ctx.group = dim, group
-        return _all_gather_dim(x, dim, group)
+        return all_gather_dim(x, dim, group)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
@@ -120,7 +124,7 @@ class _ReduceScatterSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _all_gather_dim(grad, ctx.dim, ctx.group), None, None
+        return all_gather_dim(grad, ctx.dim, ctx.group), None, None
 
 
 class _SplitSequence(torch.autograd.Function):
@@ -134,7 +138,7 @@ class _SplitSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _all_gather_dim(grad, ctx.dim, ctx.group), None, None
+        return all_gather_dim(grad, ctx.dim, ctx.group), None, None
 
 
 class _GatherSplitSequence(torch.autograd.Function):
@@ -144,7 +148,7 @@ class _GatherSplitSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
         ctx.dim, ctx.group = dim, group
-        return _all_gather_dim(x, dim, group)
+        return all_gather_dim(x, dim, group)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
@@ -254,7 +258,7 @@ class _LinearSavingShard(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         shard, weight = ctx.saved_tensors
-        x = _all_gather_dim(shard, 1, ctx.group)
+        x = all_gather_dim(shard, 1, ctx.group)
         grad_x = grad.matmul(weight)
         flat_grad = grad.reshape(-1, grad.shape[-1])
         grad_w = flat_grad.t().matmul(x.reshape(-1, x.shape[-1]))
@@ -406,7 +410,7 @@ def _shard_moe(mlp: MoEMLP, topo: Topology, sp: bool) -> None:
     replicated input, gathered back afterwards -- so no token is routed twice. Routers and shared experts
     get partial gradients, summed over TP as SP regions' are; the router statistics are summed over TP so
     the router losses see the whole micro-batch (their gradient stays with each rank's own tokens). With
-    model.moe_capacity_factor the capacity is that of the whole sequences (_keep_within_tp_capacity)."""
+    model.moe_capacity_factor the capacity is that of the whole sequences (share_capacity)."""
     group = topo.tp_group
     for name, p in mlp.named_parameters():
         # Under EP the experts' gradients are summed over their expert-DP group, TP ranks included.
@@ -414,8 +418,7 @@ def _shard_moe(mlp: MoEMLP, topo: Topology, sp: bool) -> None:
             _mark_replicated(p, topo, True)
     if not sp:
         mlp.register_forward_pre_hook(lambda _m, args: (_SplitSequence.apply(args[0], 1, group), *args[1:]))
-    if mlp.capacity_factor is not None:
-        mlp.keep_within_capacity = functools.partial(_keep_within_tp_capacity, mlp, topo)
+    share_capacity(mlp, topo)
 
     def leave(m: MoEMLP, _args: Any, out: torch.Tensor) -> torch.Tensor:
         m.stats = sum_router_stats(m.stats, group, topo.tp)
@@ -424,23 +427,40 @@ def _shard_moe(mlp: MoEMLP, topo: Topology, sp: bool) -> None:
     mlp.register_forward_hook(leave)
 
 
+def share_capacity(mlp: MoEMLP, topo: Topology, split: ContextSplit | None = None) -> None:
+    """Make the TP ranks (and with `split` the CP ranks) routing parts of the same sequences drop what one
+    process drops when it routes them whole (MoEMLP.keep_within_capacity); nothing without a capacity."""
+    if mlp.capacity_factor is not None:
+        mlp.keep_within_capacity = functools.partial(_keep_within_shared_capacity, mlp, topo, split)
+
+
 @torch.no_grad()
-def _keep_within_tp_capacity(
-    mlp: MoEMLP, topo: Topology, weights: torch.Tensor, experts: torch.Tensor, lead: torch.Size
+def _keep_within_shared_capacity(
+    mlp: MoEMLP,
+    topo: Topology,
+    split: ContextSplit | None,
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+    lead: torch.Size,
 ) -> torch.Tensor:
-    """MoEMLP.keep_within_capacity of one TP rank, which routes sequence chunk tp_rank of (b, s) tokens: the
-    routing decisions of the whole sequences are all-gathered (2k numbers a token, far less than the hidden
-    states) and the capacity is applied to them as one process would, so every rank drops the same
-    assignments one process drops, and keeps its own chunk's verdicts."""
+    """MoEMLP.keep_within_capacity of a rank routing TP chunk tp_rank of its (CP rank's part of the) (b, s)
+    sequences: the routing decisions of the whole sequences are all-gathered (2k numbers a token, far less
+    than the hidden states) and put in sequence order, the capacity is applied to them as one process
+    would, and this rank keeps its own tokens' verdicts."""
     b, s = lead
-    k, group = experts.shape[1], topo.tp_group
+    k = experts.shape[1]
     # Expert ids are exact in fp32 (well below 2**24): one all-gather carries both.
     mine = torch.cat([weights.float(), experts.float()], dim=-1).view(b, s, 2 * k)
-    every = _all_gather_dim(mine, 1, group).view(-1, 2 * k)
+    every = all_gather_dim(mine, 1, topo.tp_group)
+    if split is not None:
+        every = split.whole(every)
     n = mlp.experts.num_experts
-    capacity = expert_capacity(mlp.capacity_factor, every.shape[0], k, n)
-    keep = capacity_keep(every[:, :k], every[:, k:].long(), n, capacity)
-    return keep.view(b, topo.tp, s, k)[:, topo.tp_rank].reshape(b * s, k)
+    capacity = expert_capacity(mlp.capacity_factor, b * every.shape[1], k, n)
+    flat = every.reshape(-1, 2 * k)
+    keep = capacity_keep(flat[:, :k], flat[:, k:].long(), n, capacity).view(b, -1, k)
+    if split is not None:
+        keep = split.local(keep)
+    return keep.chunk(topo.tp, 1)[topo.tp_rank].reshape(b * s, k)
 
 
 def apply_tp(
@@ -575,14 +595,14 @@ def gather_full_state_dict(model: nn.Module, topo: Topology) -> dict[str, torch.
         if isinstance(t, DTensor):
             t = t.full_tensor()
         if hasattr(p, "expert_slice"):  # EP ranks hold consecutive experts, in EP-rank order
-            out[name] = _all_gather_dim(t, 0, topo.ep_group).clone()
+            out[name] = all_gather_dim(t, 0, topo.ep_group).clone()
             continue
         if layout is None or topo.tp == 1:
             out[name] = t.clone()
             continue
-        parts = list(_all_gather_dim(t, 0, topo.tp_group).chunk(topo.tp, dim=0)) if layout != "cols" else None
+        parts = list(all_gather_dim(t, 0, topo.tp_group).chunk(topo.tp, dim=0)) if layout != "cols" else None
         if layout == "cols":
-            out[name] = _all_gather_dim(t, t.dim() - 1, topo.tp_group).clone()
+            out[name] = all_gather_dim(t, t.dim() - 1, topo.tp_group).clone()
         elif layout == "rows":
             out[name] = torch.cat(parts).clone()
         elif layout == "gate_up":

@@ -50,6 +50,9 @@ DEEPSEEK = dict(
     router_aux_loss_coef=0.01,
 )
 CAPACITY = dict(moe_capacity_factor=1.0)
+YARN = dict(
+    rope_scaling="yarn", rope_scaling_factor=4.0, rope_original_max_positions=8, rope_mscale_all_dim=1.0
+)
 # (settings, optimizer) at world 2. SGD shows a gradient off by a factor in the weights (Adam normalises it
 # away). One micro-batch size for both runs: the reference accumulates the same micro-batches, so the
 # capacity and the load-balancing loss see the same tokens per forward.
@@ -61,6 +64,10 @@ LAYOUTS = [
     (dict(tp=2, **CAPACITY), "sgd"),
     (dict(tp=2, sequence_parallel=True, **CAPACITY), "adamw"),
     (dict(tp=2, ep=2, **CAPACITY), "sgd"),
+    # Context parallelism splits the sequences too (two mirrored chunks a rank): the same capacity. YaRN
+    # makes the latent softmax scale differ from 1/sqrt(head width), which the CP attention must take.
+    (dict(cp=2, **YARN), "adamw"),
+    (dict(cp=2, cp_comm="all_to_all", **YARN, **CAPACITY), "sgd"),
 ]
 
 
