@@ -1,11 +1,11 @@
-"""DeepSeek-V3 under tensor parallelism: multi-head latent attention split by heads (tp, with sequence
-parallelism and with expert parallelism spanning the TP pair) and capacity-factor routing, whose TP ranks
-drop exactly what one process drops, trained against plain torch on one process in float64
-(tests/parallel/_reference.py); and a tp=2 checkpoint resumed at tp=1.
+"""DeepSeek-V3 under tensor and context parallelism: multi-head latent attention split by heads (tp, with
+sequence parallelism, with expert parallelism spanning the TP pair) or by sequence chunks (cp, ring and
+all-to-all, at YaRN's softmax scale), capacity-factor routing whose TP and CP ranks drop exactly what one
+process drops, and packed documents, trained against plain torch on one process in float64
+(tests/parallel/_reference.py); and a tp=2 checkpoint resumed at tp=1 and back.
 
 The workers only train; the references are computed in the test process, so no rank waits in a collective
-while another one builds a float64 reference.
-"""
+while another one builds a float64 reference."""
 
 from __future__ import annotations
 
@@ -68,7 +68,11 @@ LAYOUTS = [
     # makes the latent softmax scale differ from 1/sqrt(head width), which the CP attention must take.
     (dict(cp=2, **YARN), "adamw"),
     (dict(cp=2, cp_comm="all_to_all", **YARN, **CAPACITY), "sgd"),
+    # Packed documents (data.reset_attention_mask) through latent attention split over TP and CP.
+    (dict(tp=2, sequence_parallel=True, packed=True), "adamw"),
+    (dict(cp=2, packed=True, **YARN), "sgd"),
 ]
+EOD = 3  # the end-of-document token of the packed-document runs
 
 
 def deepseek_job(**settings: Any) -> JobConfig:
@@ -78,11 +82,23 @@ def deepseek_job(**settings: Any) -> JobConfig:
     return job
 
 
-def _job_of(settings: dict[str, Any], optimizer: str) -> tuple[JobConfig, float]:
-    job = deepseek_job(**settings)
+def _run_of(settings: dict[str, Any], optimizer: str) -> tuple[JobConfig, float, list, int | None]:
+    """A layout's job, learning rate, batches and document separator (None: no packed documents)."""
+    job = deepseek_job(**{k: v for k, v in settings.items() if k != "packed"})
     if optimizer == "sgd":
         job.train.grad_clip = job.train.weight_decay = 0.0
-    return job, SGD_LR if optimizer == "sgd" else LR
+    data = batches(job, STEPS)
+    if not settings.get("packed"):
+        return job, SGD_LR if optimizer == "sgd" else LR, data, None
+    g = torch.Generator().manual_seed(5)  # documents of a few tokens each, ended by token EOD
+    data = [torch.where(torch.rand(b.shape, generator=g) < 0.2, EOD, b) for b in data]
+    return job, SGD_LR if optimizer == "sgd" else LR, data, EOD
+
+
+def _setup(seen: dict[str, int], separator: int | None, model: torch.nn.Module) -> None:
+    model.document_separator = separator
+    if model.config.moe_capacity_factor is not None:
+        _watch_capacity(seen, model)
 
 
 def _watch_capacity(seen: dict[str, int], model: torch.nn.Module) -> None:
@@ -105,13 +121,11 @@ def _watched(
 def _train_layouts(rank: int, world: int, layouts: list[tuple[dict, str]]) -> list[dict[str, Any]]:
     runs = []
     for settings, optimizer in layouts:
-        job, lr = _job_of(settings, optimizer)
+        job, lr, data, separator = _run_of(settings, optimizer)
         seen = {"dropped": 0, "differs": 0}
-        setup = functools.partial(_watch_capacity, seen) if job.model.moe_capacity_factor else None
+        setup = functools.partial(_setup, seen, separator)
         make = sgd(lr) if optimizer == "sgd" else None
-        run = parallel_run(
-            job, Topology(job.parallel, world, rank), batches(job, STEPS), lr, make, setup=setup
-        )
+        run = parallel_run(job, Topology(job.parallel, world, rank), data, lr, make, setup=setup)
         runs.append({k: run[k] for k in ("losses", "grad_norms", "state")} | {"capacity": seen})
     return runs
 
@@ -123,12 +137,12 @@ def test_deepseek_tp_layouts_train_like_one_process() -> None:
     runs = spawn(2, _train_layouts, LAYOUTS)[0]
     failures, references = [], {}
     for (settings, optimizer), run in zip(LAYOUTS, runs, strict=True):
-        job, lr = _job_of(settings, optimizer)
-        data = batches(job, STEPS)
-        key = (repr(job.model), optimizer)
+        job, lr, data, separator = _run_of(settings, optimizer)
+        key = (repr(job.model), optimizer, separator)
         if key not in references:
+            micro = job.train.micro_batch_size
             references[key] = torch_reference(
-                job, data, lr, sgd=optimizer == "sgd", micro_batch_size=job.train.micro_batch_size
+                job, data, lr, sgd=optimizer == "sgd", document_separator=separator, micro_batch_size=micro
             )
         ref = references[key]
         name = f"deepseek_v3 {optimizer} {' '.join(f'{k}={v}' for k, v in settings.items())}"
