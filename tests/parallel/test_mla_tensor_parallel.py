@@ -53,25 +53,29 @@ CAPACITY = dict(moe_capacity_factor=1.0)
 YARN = dict(
     rope_scaling="yarn", rope_scaling_factor=4.0, rope_original_max_positions=8, rope_mscale_all_dim=1.0
 )
-# (settings, optimizer) at world 2. SGD shows a gradient off by a factor in the weights (Adam normalises it
-# away). One micro-batch size for both runs: the reference accumulates the same micro-batches, so the
+# (settings, optimizer) per world size. SGD shows a gradient off by a factor in the weights (Adam normalises
+# it away). One micro-batch size for both runs: the reference accumulates the same micro-batches, so the
 # capacity and the load-balancing loss see the same tokens per forward.
-LAYOUTS = [
-    (dict(tp=2), "adamw"),
-    (dict(tp=2, q_lora_rank=None), "sgd"),
-    (dict(tp=2, sequence_parallel=True), "sgd"),
-    (dict(tp=2, ep=2), "adamw"),
-    (dict(tp=2, **CAPACITY), "sgd"),
-    (dict(tp=2, sequence_parallel=True, **CAPACITY), "adamw"),
-    (dict(tp=2, ep=2, **CAPACITY), "sgd"),
-    # Context parallelism splits the sequences too (two mirrored chunks a rank): the same capacity. YaRN
-    # makes the latent softmax scale differ from 1/sqrt(head width), which the CP attention must take.
-    (dict(cp=2, **YARN), "adamw"),
-    (dict(cp=2, cp_comm="all_to_all", **YARN, **CAPACITY), "sgd"),
-    # Packed documents (data.reset_attention_mask) through latent attention split over TP and CP.
-    (dict(tp=2, sequence_parallel=True, packed=True), "adamw"),
-    (dict(cp=2, packed=True, **YARN), "sgd"),
-]
+LAYOUTS = {
+    2: [
+        (dict(tp=2), "adamw"),
+        (dict(tp=2, q_lora_rank=None), "sgd"),
+        (dict(tp=2, sequence_parallel=True), "sgd"),
+        (dict(tp=2, ep=2), "adamw"),
+        (dict(tp=2, **CAPACITY), "sgd"),
+        (dict(tp=2, sequence_parallel=True, **CAPACITY), "adamw"),
+        (dict(tp=2, ep=2, **CAPACITY), "sgd"),
+        # Context parallelism splits the sequences too (two mirrored chunks a rank): the same capacity. YaRN
+        # makes the latent softmax scale differ from 1/sqrt(head width), which the CP attention must take.
+        (dict(cp=2, **YARN), "adamw"),
+        (dict(cp=2, cp_comm="all_to_all", **YARN, **CAPACITY), "sgd"),
+        # Packed documents (data.reset_attention_mask) through latent attention split over TP and CP.
+        (dict(tp=2, sequence_parallel=True, packed=True), "adamw"),
+        (dict(cp=2, packed=True, **YARN), "sgd"),
+    ],
+    # TP chunks of CP chunks: the routing decisions are gathered over TP, then over CP.
+    4: [(dict(tp=2, cp=2, sequence_parallel=True, **CAPACITY), "sgd")],
+}
 EOD = 3  # the end-of-document token of the packed-document runs
 
 
@@ -131,12 +135,13 @@ def _train_layouts(rank: int, world: int, layouts: list[tuple[dict, str]]) -> li
 
 
 @pytest.mark.slow
-def test_deepseek_tp_layouts_train_like_one_process() -> None:
+@pytest.mark.parametrize("world", [2, 4])
+def test_deepseek_tp_layouts_train_like_one_process(world: int) -> None:
     """Losses, pre-clipping gradient norms and final weights of each layout within the float64 reference's
     fp32 bounds, and within the issues' 1e-4 relative gap of losses and gradient norms."""
-    runs = spawn(2, _train_layouts, LAYOUTS)[0]
+    runs = spawn(world, _train_layouts, LAYOUTS[world])[0]
     failures, references = [], {}
-    for (settings, optimizer), run in zip(LAYOUTS, runs, strict=True):
+    for (settings, optimizer), run in zip(LAYOUTS[world], runs, strict=True):
         job, lr, data, separator = _run_of(settings, optimizer)
         key = (repr(job.model), optimizer, separator)
         if key not in references:
