@@ -10,8 +10,8 @@ auxiliary-loss-free balancing).
 Routing is dropless by default: every token reaches each of its top-k experts. With model.moe_capacity_factor
 each expert takes at most ceil(factor * tokens * top-k / experts) of them, those of the highest router
 weight; the rest are dropped (they add nothing; the residual stream and shared experts carry the token).
-Under tensor parallelism, where each rank routes a part of the sequences, the ranks drop what one process
-drops (llmtrain.parallel.tensor_parallel).
+Under tensor or context parallelism, where each rank routes a part of the sequences, the ranks drop what one
+process drops (llmtrain.parallel.tensor_parallel.share_capacity).
 Each layer's experts are stacked tensors, `gate_up_proj` (experts, 2 * ffn, hidden) with rows [0:ffn] the
 gate and [ffn:2ffn] the up projection of each expert, and `down_proj` (experts, hidden, ffn), as transformers
 holds them in memory. Tokens are sorted by expert and one grouped GEMM (kernels.moe_experts) multiplies
@@ -222,8 +222,8 @@ class MoEMLP(nn.Module):
         self, weights: torch.Tensor, experts: torch.Tensor, lead: torch.Size
     ) -> torch.Tensor:
         """(tokens, k) which of these tokens' assignments fit their expert's capacity; `lead` is the input's
-        shape without the hidden dimension. Tensor parallelism replaces it per instance so that the ranks
-        sharing a sequence drop what one process would (llmtrain.parallel.tensor_parallel)."""
+        shape without the hidden dimension. Tensor and context parallelism replace it per instance so that
+        the ranks sharing a sequence drop what one process would (tensor_parallel.share_capacity)."""
         n = self.experts.num_experts
         capacity = expert_capacity(self.capacity_factor, lead.numel(), experts.shape[1], n)
         return capacity_keep(weights, experts, n, capacity)
