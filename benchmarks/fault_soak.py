@@ -49,6 +49,7 @@ KINDS: dict[str, list[str]] = {
     "cp2-a2a-zero3": ["parallel.cp=2", "parallel.cp_comm=all_to_all", "parallel.zero_stage=3"],
     "dp4-zero2-hsdp": ["parallel.zero_stage=2", "parallel.dp_shard=2"],
     "ep2-moe": ["model.arch=mixtral", "model.num_experts=4", "parallel.ep=2"],
+    "ep2-cp2": ["model.arch=mixtral", "model.num_experts=4", "parallel.ep=2", "parallel.cp=2"],
     "tp2-pp2-per-layer": [
         "parallel.tp=2", "parallel.pp=2", "parallel.stage_layers=[1,1]",
         "model.recompute_layers=[full,selective]",

@@ -116,6 +116,12 @@ SHAPE_FIELDS = (
     ("tie_word_embeddings", "tied_embeddings"),
     ("use_bias", "bias"),
 )
+# Of a mixture of experts (the arch already equal): fields that change the expert tensors' shapes.
+MOE_SHAPE_FIELDS = (
+    ("num_experts", "num_experts"),
+    ("moe_ffn_hidden_size", "expert_ffn_size"),
+    ("num_shared_experts", "num_shared_experts"),
+)
 
 
 @dataclasses.dataclass
@@ -705,12 +711,24 @@ def saved_model_config(path: Path, meta: dict[str, Any]) -> ModelConfig:
 def check_model_config(path: Path, meta: dict[str, Any], model: ModelConfig) -> None:
     """Raise naming the first model field whose saved value gives other tensors than this job's."""
     saved = saved_model_config(path, meta)
-    for field, prop in SHAPE_FIELDS:
+    # Dense archs ignore the MoE fields, whatever their values.
+    fields = SHAPE_FIELDS + (MOE_SHAPE_FIELDS if saved.is_moe and saved.arch == model.arch else ())
+    for field, prop in fields:
         a, b = getattr(saved, prop), getattr(model, prop)
         if a != b:
             raise CheckpointError(
                 f"{path} holds a model with model.{field}={a}, this job has model.{field}={b}; "
                 f"set model.{field}={a} or load a checkpoint of this model"
+            )
+    if saved.is_moe and saved.arch == model.arch:
+        moe_layers = [i for i in range(saved.num_layers) if saved.is_moe_layer(i)]
+        ours = [i for i in range(model.num_layers) if model.is_moe_layer(i)]
+        if moe_layers != ours:
+            raise CheckpointError(
+                f"{path} holds experts in layers {moe_layers}, this job in layers {ours}; set "
+                f"model.moe_layer_start={saved.moe_layer_start}, model.moe_layer_interval="
+                f"{saved.moe_layer_interval} and model.dense_layers={saved.dense_layers} as the checkpoint's "
+                "model has them"
             )
     if model.arch == "gpt" and saved.max_positions != model.max_positions:
         raise CheckpointError(

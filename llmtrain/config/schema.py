@@ -195,7 +195,7 @@ class ParallelConfig:
     cp: int = 1
     """Context-parallel degree: each sequence split over cp ranks, two mirrored chunks each (balanced)."""
     ep: int = 1
-    """Expert-parallel degree: MoE experts sharded over ep of the tp x dp ranks, tokens sent by all-to-all."""
+    """Expert-parallel degree: MoE experts split over ep of the tp x cp x dp ranks, tokens sent all-to-all."""
     cp_comm: CpComm = "ring"
     """Context-parallel attention: ring (K/V passed around) or all_to_all (Ulysses, heads scattered)."""
     sequence_parallel: bool = False

@@ -324,8 +324,6 @@ def expert_parallel_problem(job: JobConfig) -> str:
             f"parallel.ep={p.ep} does not divide model.num_experts={m.num_experts}; choose an ep dividing "
             "the expert count (every EP rank holds num_experts / ep experts)"
         )
-    if p.cp > 1:
-        return f"parallel.ep={p.ep} does not compose with parallel.cp={p.cp} yet; set one of them to 1"
     if p.zero_stage >= 2 and p.dp_shard is not None:
         return (
             f"parallel.ep={p.ep} with parallel.zero_stage={p.zero_stage} shards the experts over all the "
@@ -337,16 +335,21 @@ def expert_parallel_problem(job: JobConfig) -> str:
 
 
 def expert_layout_problem(p: ParallelConfig, dp: int) -> str:
-    """Why parallel.ep cannot be carved out of the tp x dp ranks at data-parallel degree `dp` ("" if it
-    can). EP takes consecutive ranks of the expert domain, dp innermost (llmtrain.parallel.topology): it
-    lies inside the dp ranks when ep divides dp, and spans whole dp groups of several TP ranks otherwise."""
+    """Why parallel.ep cannot be carved out of the tp x cp x dp ranks at data-parallel degree `dp` ("" if it
+    can). EP takes consecutive ranks of the expert domain, dp innermost, then cp, then tp
+    (llmtrain.parallel.topology): it lies inside the dp ranks when ep divides dp, spans whole dp groups of
+    several CP ranks when it is dp times a divisor of cp, and of several TP ranks beyond dp * cp."""
     if p.ep == 1:
         return ""
-    if dp % p.ep == 0 or (p.ep % dp == 0 and p.tp % (p.ep // dp) == 0):
+    inside = dp * p.cp
+    if dp % p.ep == 0 or (p.ep % dp == 0 and p.cp % (p.ep // dp) == 0):
+        return ""
+    if p.ep % inside == 0 and p.tp % (p.ep // inside) == 0:
         return ""
     return (
-        f"parallel.ep={p.ep} cannot be carved out of the tp x dp = {p.tp}x{dp} ranks; choose an ep dividing "
-        f"the data-parallel degree {dp}, or dp times a divisor of parallel.tp={p.tp}"
+        f"parallel.ep={p.ep} cannot be carved out of the tp x cp x dp = {p.tp}x{p.cp}x{dp} ranks; choose an "
+        f"ep dividing the data-parallel degree {dp}, dp times a divisor of parallel.cp={p.cp}, or dp * cp = "
+        f"{inside} times a divisor of parallel.tp={p.tp}"
     )
 
 

@@ -18,15 +18,18 @@ attributes tensor_parallel.py puts on parameters (``duplicate``, ``sequence_para
 ``tp_layout``) and expert_parallel.py's ``expert_slice`` are copied onto the sharded parameters here.
 
 Under expert parallelism each MoE layer's experts are a unit of their own, sharded over the expert-DP mesh
-(the ranks holding the same experts). FSDP averages their gradients over that mesh, but an EP rank's expert
-gradient already sums the tokens of its whole EP group, so the sum must be divided by dp instead
-(llmtrain.parallel.expert_parallel): FSDPOptimizer rescales them by expert_dp / dp after the reduction
-(FSDP's own divide factor needs PREMUL_SUM, which gloo lacks).
+(the ranks holding the same experts, tp x cp x dp / ep of them). An EP rank's expert gradient already sums
+the tokens of its whole EP group, so the reduction over that mesh sums and divides by dp, not by the mesh's
+size (llmtrain.parallel.expert_parallel).
 
 Context parallelism: each CP rank's gradient is that of its part of the sequences' loss (the loss is
 weighted by labelled tokens over the CP group, llmtrain.parallel.context_parallel), so the reduction sums
 over cp and averages over dp, as GradBuffers does at zero 0/1: the divide factor is dp, not the mesh's
 dp x cp.
+
+Both are a plain sum then a division of the shard by dp (``set_gradient_divide_factor`` with
+``set_force_sum_reduction_for_comms``): gloo has no PREMUL_SUM, and the division touches 1/shards of the
+gradient. An expert-DP mesh of one rank (ep = tp x cp x dp) reduces nothing: its gradient is only divided.
 """
 
 from __future__ import annotations
@@ -150,6 +153,7 @@ def apply_fsdp(model: nn.Module, topo: Topology, job: JobConfig) -> nn.Module:
         expert_mesh = DeviceMesh.from_group(
             topo.expert_dp_group, topo.device.type, mesh=topo.expert_dp_ranks(), mesh_dim_names=("shard",)
         )
+    expert_units: list[nn.Module] = []
     for root in _roots(model):
         for block in _blocks(root):
             experts = getattr(block.mlp, "experts", None)
@@ -157,17 +161,22 @@ def apply_fsdp(model: nn.Module, topo: Topology, job: JobConfig) -> nn.Module:
                 fully_shard(
                     experts, mesh=expert_mesh, mp_policy=mp_policy, reshard_after_forward=zero_stage == 3
                 )
+                expert_units.append(experts)
             fully_shard(block, reshard_after_forward=zero_stage == 3, **options)
         for unit, reshard in _edge_units(root, zero_stage):
             fully_shard(unit, reshard_after_forward=reshard, **options)
         # What is left on the root (a tied embedding and head, position embeddings) is needed first and last.
         fully_shard(root, reshard_after_forward=False, **options)
-    if topo.cp > 1:
-        # Sum over cp, mean over dp (module docstring). A plain sum then a division of the shard: gloo has no
-        # PREMUL_SUM, and the division touches 1/shards of the gradient.
-        for module in fsdp_modules(model):
+    # Sum over the mesh, divide by dp (module docstring): every unit under CP, the experts under EP. Without
+    # either, FSDP's mean over the dp mesh is already that.
+    for module in fsdp_modules(model):
+        expert = any(module is unit for unit in expert_units)
+        if topo.cp > 1 or expert:
             module.set_gradient_divide_factor(float(topo.dp))
-            module.set_force_sum_reduction_for_comms(True)
+            # On a one-rank mesh (experts at expert_dp = 1) torch divides by the factor when it copies the
+            # gradient in place of a reduce-scatter, and again after a forced sum: force the sum (gloo has
+            # no PREMUL_SUM) only where ranks reduce.
+            module.set_force_sum_reduction_for_comms((topo.expert_dp if expert else topo.dp_cp) > 1)
     if tied_name is not None:
         model.tied_param = model.get_parameter(tied_name)
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -254,8 +263,6 @@ class FSDPOptimizer(LossScaledOptimizer):
             for p in self.params
             if getattr(p, "sequence_parallel", False) or getattr(p, "kv_replicas", 1) > 1
         ]
-        self._experts = [p for p in self.params if hasattr(p, "expert_slice")]
-        self._expert_scale = topo.expert_dp / topo.dp if topo.ep > 1 else 1.0
         # Each rank's shards are distinct across the DP mesh and TP/PP ranks hold different parameters.
         self._norm_group, self._norm_ranks = None, topo.world_size
         groups = make_param_groups(model.named_parameters(), job.train.weight_decay)
@@ -281,5 +288,3 @@ class FSDPOptimizer(LossScaledOptimizer):
         # FSDP's reduction finished with the backward; TP partial gradients are summed over their shards.
         with torch.no_grad():
             reduce_tp_grads(self._tp_reduced, self.topo, lambda p: local_tensor(p.grad))
-            if self._expert_scale != 1:  # FSDP's mean over the expert-DP mesh -> the sum over it / dp
-                torch._foreach_mul_([local_tensor(p.grad) for p in self._experts], self._expert_scale)

@@ -358,6 +358,11 @@ def _shard_attention(attn: nn.Module, topo: Topology, sp: bool) -> None:
                 p.duplicate = r % replicas != 0
     attn.o_proj = RowParallelLinear(attn.o_proj, topo, sp)
     attn.num_heads, attn.num_kv_heads = local_heads, local_kv
+    for norm in (attn.q_norm, attn.k_norm):  # QK-norm (qwen3_moe): one head_dim-wide weight for every head
+        for p in norm.parameters() if norm is not None else ():
+            # Each rank normalises its own heads, so its gradient is a partial sum: summed over TP as
+            # sequence-parallel gradients are (reduce_tp_grads), and written once (the TP rank 0 copy).
+            _mark_replicated(p, topo, True)
 
 
 def _shard_latent_attention(attn: LatentAttention, topo: Topology, sp: bool) -> None:

@@ -5,12 +5,14 @@ Context-parallel ranks (cp) split each sequence; they hold the same parameters a
 so gradients are reduced, and ZeRO 1-3 shard, over the cp x dp group (`dp_cp_group`). Unless
 parallel.order names cp, it sits just inside dp: with the default tp-dp-pp the numbering is tp-cp-dp-pp.
 
-Expert parallelism (ep) is no axis of the grid: it is carved out of the tp x dp ranks of one pipeline stage
-(Megatron's expert grid with expert tensor parallelism 1). Those ranks, numbered dp innermost (index
-dp_rank + dp * tp_rank), form the expert domain; each run of ep consecutive domain ranks is an EP group
-holding all experts between them, and the domain ranks with the same EP rank (the expert-data-parallel
-group, tp * dp / ep ranks) hold the same experts and reduce their gradients. So EP lies inside the DP
-ranks when ep divides dp, and spans TP ranks when ep exceeds dp.
+Expert parallelism (ep) is no axis of the grid: it is carved out of the tp x cp x dp ranks of one pipeline
+stage (Megatron's expert grid with expert tensor parallelism 1: to the experts, CP and TP ranks are token
+holders like DP replicas, each routing its own part of the micro-batches). Those ranks, numbered dp
+innermost, then cp, then tp (index dp_rank + dp * (cp_rank + cp * tp_rank)), form the expert domain; each run
+of ep consecutive domain ranks is an EP group holding all experts between them, and the domain ranks with the
+same EP rank (the expert-data-parallel group, tp * cp * dp / ep ranks) hold the same experts and reduce
+their gradients. So EP lies inside the DP ranks when ep divides dp, spans CP ranks when ep is dp times a
+divisor of cp, and TP ranks when ep exceeds dp * cp.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from llmtrain.config.schema import ParallelConfig, TrainConfig
 from llmtrain.config.validate import expert_layout_problem, raise_if_problem, rank_order, resolve_dp
 from llmtrain.parallel.watchdog import Watchdog
 
-# Dimensions of the grid (ep is carved out of tp x dp; see the module docstring).
+# Dimensions of the grid (ep is carved out of tp x cp x dp; see the module docstring).
 DIMS = ("tp", "cp", "dp", "pp")
 # How reports call a group spanning several dimensions (Megatron's names).
 GROUP_NAMES = {("tp", "pp"): "mp", ("cp", "dp"): "dp+cp"}
@@ -71,7 +73,7 @@ class Topology:
             stride *= self.sizes[d]
         self.coords: dict[str, int] = {d: (rank // self.strides[d]) % self.sizes[d] for d in DIMS}
         self.ep = parallel.ep
-        domain = self.coords["dp"] + dp * self.coords["tp"]
+        domain = self.coords["dp"] + dp * (self.coords["cp"] + parallel.cp * self.coords["tp"])
         self._ep_slot, self._ep_block = domain % self.ep, domain // self.ep
         # Process groups number their ranks in global order, which need not be the domain's (tp is
         # innermost by default): the EP rank (which experts) and expert-DP rank (which ZeRO-1 shard) are
@@ -121,8 +123,9 @@ class Topology:
         return mine
 
     def _domain_rank(self, index: int, **at: int) -> int:
-        """Global rank of expert-domain index `index` (on this rank's pipeline stage and cp rank, or `at`)."""
-        return self._rank_with(dp=index % self.dp, tp=index // self.dp, **at)
+        """Global rank of expert-domain index `index` (on this rank's pipeline stage, or `at`)."""
+        cp = (index // self.dp) % self.cp
+        return self._rank_with(dp=index % self.dp, cp=cp, tp=index // (self.dp * self.cp), **at)
 
     def ep_ranks(self, block: int | None = None, **at: int) -> list[int]:
         """Global ranks of this rank's EP group (or of domain block `block`: domain ranks [block * ep,
@@ -136,8 +139,8 @@ class Topology:
         e = self._ep_slot if slot is None else slot
         return sorted(self._domain_rank(k * self.ep + e, **at) for k in range(self.expert_dp))
 
-    expert_dp = property(lambda self: self.tp * self.dp // self.ep)
-    """Ranks holding the same experts: tp * dp / ep."""
+    expert_dp = property(lambda self: self.tp * self.cp * self.dp // self.ep)
+    """Ranks holding the same experts: tp * cp * dp / ep."""
 
     def _expert_groups(self) -> None:
         """Create every EP and expert-DP group (every rank joins every new_group call, in the same order)."""
@@ -145,8 +148,8 @@ class Topology:
             (("ep",), "ep", self.expert_dp, self.ep_ranks),
             (("edp",), "expert-dp", self.ep, self.expert_dp_ranks),
         ):
-            for pp, cp, index in itertools.product(range(self.pp), range(self.cp), range(count)):
-                ranks = ranks_of(index, pp=pp, cp=cp)
+            for pp, index in itertools.product(range(self.pp), range(count)):
+                ranks = ranks_of(index, pp=pp)
                 group = dist.new_group(ranks)
                 if self.rank in ranks:
                     self._groups[key] = group

@@ -152,6 +152,16 @@ def ep_layer(ep: int, experts: int, rows: int, row_bytes: int, recompute: str) -
     return PassComms(fwd, fwd + bwd if recompute == "full" else bwd)
 
 
+def router_stats(experts: int, tp: int, cp: int, recompute: str) -> PassComms:
+    """One MoE layer's router statistics summed after its forward over the TP ranks, then the CP ranks, each
+    of which routed a part of the micro-batch (llmtrain.parallel.tensor_parallel.sum_router_stats): loads,
+    probability sums and balance counts per expert, the z-loss sum and the dropped count, 3E + 2 fp32.
+    Identity in the backward; full recomputation runs the forward's again."""
+    nbytes = 4 * (3 * experts + 2)
+    fwd = tuple(Comm("all_reduce", d, size, nbytes) for d, size in (("tp", tp), ("cp", cp)) if size > 1)
+    return PassComms(fwd, fwd if recompute == "full" else ())
+
+
 def cp_loss(cp: int) -> PassComms:
     """The loss of a context-parallel micro-batch: its labelled-token count and each rank's weighted share
     summed over the CP group (fp32 scalars; llmtrain.parallel.context_parallel.ContextSplit.reduce_loss)."""

@@ -23,7 +23,7 @@ Per transformer layer and micro-batch (b samples of s tokens, on one tensor-para
   reduced over dp x cp (collectives.cp_layer and tests/planner/test_collectives.py, traced).
 - mixture of experts: routed experts' matmuls run on top-k rows per token (times Software.moe_imbalance, the
   busiest rank's load over the mean) spread over the E/ep experts of the rank, plus the router and shared
-  experts; expert parallelism (ep ranks carved out of dp) adds a dispatch and a combine all-to-all of
+  experts; expert parallelism (ep ranks carved out of dp, any cp) adds a dispatch and a combine all-to-all of
   tokens x top-k x hidden per MoE layer in the forward and again in the backward, on the links the ep group
   spans; routed experts' gradients are reduced over the expert-data-parallel group (dp x cp / ep).
 - data parallelism: gradient all-reduce (ZeRO-0) or reduce-scatter plus parameter all-gather (ZeRO-1) over
@@ -59,6 +59,7 @@ from llmtrain.planner.cluster import ClusterView
 from llmtrain.planner.memory import (
     MemoryBreakdown,
     activation_bytes_per_layer,
+    expert_dp_size,
     expert_shard_group,
     layer_parameters,
     rank_memory,
@@ -98,7 +99,8 @@ class Layout:
     cp_comm: str = "ring"
     """Context-parallel attention: ring or all_to_all."""
     ep: int = 1
-    """Expert-parallel degree: the routed experts split over ep ranks carved out of dp (ep divides dp)."""
+    """Expert-parallel degree: the routed experts split over ep ranks carved out of dp (ep divides dp; the
+    trainer can also span cp and tp ranks, which the planner does not search)."""
 
     @property
     def gpus(self) -> int:
@@ -623,8 +625,9 @@ class CostModel:
         return context_parallel_problem(job) or moe_problem(job)
 
     def _expert_problem(self, layout: Layout) -> str:
-        """Why a layout's expert parallelism cannot run ("" if it can): the planner's rule for the design
-        in progress: ep > 1 needs routed experts, ep dividing their number, and ep ranks carved out of dp."""
+        """Why a layout's expert parallelism cannot run ("" if it can): ep > 1 needs routed experts, ep
+        dividing their number, and ep ranks carved out of dp (the trainer's expert_layout_problem also lets
+        ep span cp and tp ranks; the planner prices EP inside dp only)."""
         m, ep = self.w.model, layout.ep
         if ep == 1:
             return ""
@@ -634,8 +637,6 @@ class CostModel:
             return f"ep={ep} does not divide model.num_experts={m.num_experts}"
         if layout.dp % ep:
             return f"ep={ep} does not divide dp={layout.dp} (expert-parallel ranks are data-parallel ranks)"
-        if layout.cp > 1:  # the trainer's rule (llmtrain.config.validate.expert_parallel_problem)
-            return f"parallel.ep={ep} does not compose with parallel.cp={layout.cp} yet; set one of them to 1"
         return ""
 
     def _data_parallel_time(
@@ -666,8 +667,9 @@ class CostModel:
                 reduce += self.c.all_reduce(params * g / shard, dp // shard, tp * shard)
             gather = self.c.all_gather(params * e, shard, tp)
         if experts:
-            # Routed experts over the expert-data-parallel group: the ranks ep apart holding the same ones.
-            group, stride, xshard = dp // layout.ep, tp * layout.cp * layout.ep, expert_shard_group(layout)
+            # Routed experts over the expert-data-parallel group: the ranks holding the same ones, the CP
+            # ranks and the DP ranks ep apart, spread over the tp x cp x dp ranks of the stage.
+            group, stride, xshard = expert_dp_size(layout), tp * layout.ep, expert_shard_group(layout)
             if z == 0:
                 reduce += self.c.all_reduce(experts * g, group, stride)
             else:
@@ -712,11 +714,12 @@ class CostModel:
         the data-parallel gradient reduction (and ZeRO-1 parameter gather) over the gradient buffer's
         buckets (collectives.buckets: the same bytes, the bucket count an estimate). Under context
         parallelism each layer adds its ring sends or all-to-alls (collectives.cp_layer), the last stage the
-        loss's sums over cp, and the gradients are reduced over dp x cp. Under expert parallelism each MoE
+        loss's sums over cp, each MoE layer its router statistics' sums over tp and cp (collectives.
+        router_stats), and the gradients are reduced over dp x cp. Under expert parallelism each MoE
         layer adds its all-to-alls (collectives.ep_layer, balanced routing), the routed experts' gradients
-        are all-reduced apart over the expert-data-parallel group (dp / ep ranks; the trainer's, at tp = cp
-        = 1; at zero_stage 0 only: ZeRO's expert shards are not listed yet) and the gradient norm is summed
-        over the world."""
+        are all-reduced apart over the expert-data-parallel group (memory.expert_dp_size: cp x dp / ep ranks,
+        the trainer's at tp = 1; at zero_stage 0 only: ZeRO's expert shards are not listed yet) and the
+        gradient norm is summed over the world."""
         m, tp, pp, v, dp, cp = self.w.model, layout.tp, layout.pp, layout.virtual_stages, layout.dp, layout.cp
         sp, e, b = layout.sequence_parallel, self.act_bytes, layout.micro_batch
         sizes = {"tp": tp, "cp": cp, "pp": pp, "dp": dp}
@@ -748,7 +751,8 @@ class CostModel:
                 if moe:
                     rows = tok * m.num_experts_per_tok
                     expert = C.ep_layer(ep, m.num_experts, rows, e * m.hidden_size, mode)
-                    add(expert.fwd + expert.bwd, num_micro * n)
+                    stats = C.router_stats(m.num_experts, tp, cp, mode)
+                    add(expert.fwd + expert.bwd + stats.fwd + stats.bwd, num_micro * n)
                     numel += (moe_extra + (routed if ep == 1 else 0)) * n
                     experts += (routed if ep > 1 else 0) * n
             if first:
@@ -780,11 +784,11 @@ class CostModel:
         if dp * cp > 1:
             for comm, times in self._dp_collectives(layout, numel, v, pp_rank).items():
                 out[comm] += times
-        if experts and dp // ep > 1 and layout.zero_stage == 0:
+        if experts and expert_dp_size(layout) > 1 and layout.zero_stage == 0:
             # Their own fp32 buckets, all-reduced over the ranks holding the same experts.
             count = C.buckets(experts // v, int(self.w.dp_bucket_mb * 2**20 / 4)) * v
             bucket = experts // count * self.sw.grad_bytes
-            out[C.Comm("all_reduce", "edp", dp // ep, bucket)] += count
+            out[C.Comm("all_reduce", "edp", expert_dp_size(layout), bucket)] += count
         return out
 
     def _dp_collectives(self, layout: Layout, numel: int, chunks: int, pp_rank: int) -> Counter[C.Comm]:

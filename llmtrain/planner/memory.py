@@ -12,7 +12,6 @@ bytes, fp32 main gradients by default):
     zero 3  params 4*P/N grads g*P/N  optimizer 8*P/N               (FSDP2: the fp32 shard is the parameter
                                                                      and the master; blocks are gathered)
 
-<<<<<<< HEAD
 Context parallelism (cp): ranks hold the same parameters as data-parallel ones, so the shard group is dp x cp,
 and every token-sized term (activations, logits, sends, buffers) counts the rank's s/cp tokens; ring
 attention also keeps its fp32 output and log-sum-exp. Mixture of experts: a layer's parameters are its
@@ -20,14 +19,13 @@ replicated part (attention, norms, router, shared experts, averaged over the lay
 divided by ep as well as tp; the experts' state shards over the expert-data-parallel group (dp x cp / ep:
 expert_shard_group); a MoE layer's activations keep per routed row (top-k per token) the dispatched input,
 the expert's output and the gated MLP's intermediates (moe_mlp_saved_per_token).
-=======
+
 The zero 2/3 gradient row at the step's peak, the backward's start, is not the shard (the reduce-scatters
 create the shards as the backward frees the activations, and zero_grad dropped the last step's): with
 gradient accumulation FSDP2 keeps the earlier micro-batches' gradients unsharded in fp32 (the trainer turns
 gradient sync off until the last micro-batch), 4*P; with one micro-batch per step, none. Measured: the
 dp2-zero3 row of benchmarks/bench_memory.py (two micro-batches) peaks 27.3 MiB, the model's 4P, above the
 dp4-zero3-hsdp2 row (one), with the same shards and activations.
->>>>>>> wt-ds
 
 Offload (zero 2/3, as DeepSpeed's ZeRO-Offload or FSDP2's CPUOffloadPolicy): "optimizer" moves the optimizer
 rows (master and Adam moments) and, at zero 2/3, the gradient shard to host memory; "optimizer+params"
@@ -302,6 +300,13 @@ def shard_group(layout: Layout) -> int:
     if layout.zero_stage == 0:
         return 1
     return (layout.dp_shard or layout.dp) * layout.cp
+
+
+def expert_dp_size(layout: Layout) -> int:
+    """Ranks holding the same routed experts (the expert-data-parallel group): the cp x dp ranks of a TP rank
+    over ep. The planner carves EP out of the dp ranks (ep divides dp) and counts the experts per TP rank,
+    so this is the trainer's group (tp x cp x dp / ep ranks, llmtrain.parallel.topology) at tp = 1."""
+    return max(layout.dp * layout.cp // layout.ep, 1)
 
 
 def expert_shard_group(layout: Layout) -> int:

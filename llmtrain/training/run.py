@@ -194,7 +194,7 @@ def startup_block(job: JobConfig, topo: Topology, launch: Launch) -> str:
             + (f"cp {topo.cp} ({p.cp_comm}) x " if topo.cp > 1 else "")
             + f"pp {topo.pp} x dp {topo.dp} = {topo.world_size} "
             f"{'process' if topo.world_size == 1 else 'processes'}, "
-            + (f"experts over ep {topo.ep} (of tp x dp), " if topo.ep > 1 else "")
+            + (f"experts over ep {topo.ep} (of tp x cp x dp), " if topo.ep > 1 else "")
             + f"zero stage {p.zero_stage}"
             + (f", engine deepspeed (offload {p.offload})" if p.engine == "deepspeed" else "")
             + (f", {pipeline}" if pipeline else ""),

@@ -156,6 +156,30 @@ def test_other_model_is_named(saved: tuple, tmp_path: Path, field: str, value: o
     assert message in _load_error(other, model, opt, path)
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("num_experts", 6, "model.num_experts=4, this job has model.num_experts=6; set model.num_experts=4"),
+        (
+            "moe_ffn_hidden_size",
+            24,
+            "model.moe_ffn_hidden_size=16, this job has model.moe_ffn_hidden_size=24",
+        ),
+        ("num_shared_experts", 2, "model.num_shared_experts=1, this job has model.num_shared_experts=2"),
+        ("dense_layers", [0], "holds experts in layers [0, 1], this job in layers [1]; set"),
+    ],
+)
+def test_other_mixture_of_experts_is_named(tmp_path: Path, field: str, value: object, message: str) -> None:
+    """Without the field check the load would fail on the first expert tensor's shape, naming no field."""
+    moe = dict(model__arch="ernie_moe", model__num_experts=4, model__moe_ffn_hidden_size=16)
+    job = tiny_job(tmp_path / "moe", **moe, model__num_shared_experts=1)
+    model, opt = build(job, SINGLE)
+    Checkpointer(job, SINGLE).save(0, model, opt, {"step": 0})
+    other = tiny_job(tmp_path / "other", **{**moe, "model__num_shared_experts": 1, f"model__{field}": value})
+    model, opt = build(other, SINGLE)
+    assert message in _load_error(other, model, opt, tmp_path / "moe" / "checkpoints")
+
+
 def test_other_tensor_shape_is_named(saved: tuple) -> None:
     job, _, _, path = saved
     net = torch.nn.Linear(3, 3)  # same config, other module: the tensor check names it

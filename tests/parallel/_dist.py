@@ -89,6 +89,7 @@ def parallel_run(
     trace: bool = False,
     through_executor: bool = False,
     setup: Callable[[torch.nn.Module], None] | None = None,
+    resume: Callable[[Any, Any], None] | None = None,
 ) -> dict[str, Any]:
     """Our stack on ``topo`` over the global batches ``data``, assembled as training does: parallelize, and
     with pp > 1 (or ``through_executor``) this rank's pipeline stages run by the executor of
@@ -96,7 +97,8 @@ def parallel_run(
     the losses (mean over DP; then the loss of ``held_out`` after the last step), each step's StepStats and
     gradient norm, the full weights of every stage (gathered over TP and PP, on every rank), the model (its
     stages under the executor), the optimizer and, with ``trace``, the executor's trace of the last step.
-    ``setup`` is called with the model (stages) once it is built, before the first step."""
+    ``setup`` is called with the model (stages) once it is built, before the first step; ``resume`` after it
+    with the model (stages) and the optimizer, to load a checkpoint into them."""
     torch.manual_seed(job.train.seed)  # the default stream of replicated dropout, as the trainer seeds it
     # As the trainer builds it: on meta, each rank materialising only its part (parallelize/build_pipeline).
     model = models.empty_model(job.model, device="meta")
@@ -114,6 +116,8 @@ def parallel_run(
     opt = build_optimizer(model, topo, job, make_optimizer)
     if setup is not None:
         setup(model)
+    if resume is not None:
+        resume(model, opt)
 
     def train_step(mine: torch.Tensor) -> float:
         if pipelined:

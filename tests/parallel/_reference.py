@@ -36,8 +36,9 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
 from unittest import mock
 
 import torch
@@ -45,7 +46,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from llmtrain import models
 from llmtrain.config import JobConfig
+from llmtrain.parallel import Topology
 from llmtrain.parallel.optimizer import no_weight_decay
+from tests.parallel._dist import batches, parallel_run, sgd, tiny_job
 
 ISSUE_GAP = 1e-4
 """Worst relative gap of losses and gradient norms to one process that the issues accept (fp32 runs)."""
@@ -246,3 +249,70 @@ def torch_reference(
         loss_tol if bounded else None,
         norm_tol if bounded else None,
     )
+
+
+STEPS = 3
+"""Steps of the layout runs: enough for Adam's moments and updated weights to feed back into a gradient."""
+LR, SGD_LR = 1e-3, 1.0
+"""Adam at 1e-3 (the bounds' regime, see the module docstring); SGD at 1.0 moves the weights by the gradient
+itself, so a gradient off by any factor shows in them (Adam would normalise it away)."""
+EOD = 3
+"""The end-of-document token of the packed-document layouts."""
+
+Layout = tuple[str, dict[str, Any], str]
+"""(arch, tiny_job settings, optimizer "adamw" or "sgd"); the setting packed=True makes the batches packed
+documents of a few tokens each, ended by EOD."""
+CheckRun = Callable[[str, JobConfig, Topology, dict[str, Any]], list[str]]
+"""Extra checks of one layout's run on rank 0: (name, job, topology, parallel_run's result) -> failures."""
+
+
+def train_layouts(
+    rank: int, world: int, layouts: Sequence[Layout], check_run: CheckRun | None = None
+) -> list[str]:
+    """Run each layout on this rank of a `world`-process job (one process launch for them all) and, on rank
+    0, compare its losses, gradient norms and final weights with the float64 one-process run: within the
+    fp32 bounds and the issues' gap. The reference runs each micro-batch as training accumulates them (an
+    MoE's router losses are per micro-batch); layouts whose models differ only in recompute share it."""
+    failures: list[str] = []
+    references: dict[tuple, Reference] = {}
+    for arch, settings, optimizer in layouts:
+        packed = settings.get("packed", False)
+        job = tiny_job(arch, **{k: v for k, v in settings.items() if k != "packed"})
+        lr = SGD_LR if optimizer == "sgd" else LR
+        if optimizer == "sgd":
+            job.train.grad_clip = job.train.weight_decay = 0.0
+        data = batches(job, STEPS)
+        separator = None
+        if packed:
+            g = torch.Generator().manual_seed(5)
+            data = [torch.where(torch.rand(b.shape, generator=g) < 0.2, EOD, b) for b in data]
+            separator = EOD
+
+        def setup(model: torch.nn.Module, separator: int | None = separator) -> None:
+            model.document_separator = separator
+
+        topo = Topology(job.parallel, world, rank)
+        make = sgd(lr) if optimizer == "sgd" else None
+        run = parallel_run(job, topo, data, lr, make, setup=setup)
+        if rank != 0:
+            continue
+        name = f"{arch} {optimizer} world={world} {' '.join(f'{k}={v}' for k, v in settings.items())}"
+        if len(run["losses"]) != STEPS:
+            failures.append(f"{name}: {len(run['losses'])} steps ran of {STEPS}")
+        model = replace(job.model, recompute="none", recompute_layers=[])
+        key = (repr(model), job.train.global_batch_size, optimizer, packed)
+        if key not in references:
+            references[key] = torch_reference(
+                job,
+                data,
+                lr,
+                sgd=optimizer == "sgd",
+                document_separator=separator,
+                micro_batch_size=job.train.micro_batch_size,
+            )
+        ref = references[key]
+        if check_run is not None:
+            failures += check_run(name, job, topo, run)
+        failures += ref.check(name, run["losses"], run["grad_norms"], run["state"])
+        failures += ref.check_gap(name, run["losses"], run["grad_norms"])
+    return failures

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import functools
 import re
+from typing import Any
 
 import pytest
 import torch
 
 from llmtrain import models
-from llmtrain.config import ConfigError, ParallelConfig, load, validate_world
+from llmtrain.config import ConfigError, JobConfig, ParallelConfig, load, validate_world
 from llmtrain.config.validate import rank_order
 from llmtrain.parallel import Topology
 from llmtrain.parallel.context_parallel import (
@@ -23,7 +24,7 @@ from llmtrain.parallel.context_parallel import (
     split_sequence,
 )
 from tests.parallel._dist import batches, parallel_run, spawn, tiny_job
-from tests.parallel._reference import torch_reference
+from tests.parallel._reference import EOD, LR, Layout, torch_reference, train_layouts
 
 
 @pytest.mark.parametrize("cp", [1, 2, 4])
@@ -123,9 +124,6 @@ def test_cp_attention_matches_full_attention_in_float64(world: int) -> None:
     assert not failures, "\n".join(failures)
 
 
-STEPS = 3
-EOD = 3  # the end-of-document token of the packed-document runs
-LR = 1e-3
 # (arch, parallel settings) per world size: the layouts of issue 17, GQA with kv heads fewer than cp ranks,
 # sequence parallelism and learned positions (gpt) among them.
 LAYOUTS = {
@@ -164,54 +162,31 @@ FSDP_LAYOUTS = {
 }
 
 
-def _train_layouts(rank: int, world: int, layouts: dict[int, list] = LAYOUTS) -> list[str]:
-    failures = []
-    references = {}
-    for arch, settings in layouts[world]:
-        packed = settings.get("packed", False)
-        job = tiny_job(arch, **{k: v for k, v in settings.items() if k != "packed"})
-        data = batches(job, STEPS)
-        separator = None
-        if packed:  # documents of a few tokens each, ended by token EOD
-            g = torch.Generator().manual_seed(5)
-            data = [torch.where(torch.rand(b.shape, generator=g) < 0.2, EOD, b) for b in data]
-            separator = EOD
+def _adamw(layouts: list[tuple[str, dict]]) -> list[Layout]:
+    return [(arch, settings, "adamw") for arch, settings in layouts]
 
-        def setup(model: torch.nn.Module, separator: int | None = separator) -> None:
-            model.document_separator = separator
 
-        topo = Topology(job.parallel, world, rank)
-        run = parallel_run(job, topo, data, LR, setup=setup)
-        if rank != 0:
-            continue
-        key = (arch, job.model.num_layers, packed)
-        if key not in references:
-            references[key] = torch_reference(job, data, LR, document_separator=separator)
-        ref = references[key]
-        name = f"{arch} {' '.join(f'{k}={v}' for k, v in settings.items())}"
-        if job.parallel.zero_stage >= 2:
-            # CP ranks hold shards, not copies: a replica is sharded over its dp_shard DP ranks times cp.
-            shard = (job.parallel.dp_shard or topo.dp) * topo.cp
-            want = (shard,) if shard == topo.dp * topo.cp else (topo.dp * topo.cp // shard, shard)
-            mesh = tuple(next(run["model"].parameters()).device_mesh.shape)
-            if mesh != want:
-                failures.append(f"{name}: FSDP mesh {mesh}, expected {want}")
-        failures += ref.check(name, run["losses"], run["grad_norms"], run["state"])
-        failures += ref.check_gap(name, run["losses"], run["grad_norms"])
-    return failures
+def _fsdp_mesh(name: str, job: JobConfig, topo: Topology, run: dict[str, Any]) -> list[str]:
+    """CP ranks hold shards, not copies: a replica is sharded over its dp_shard DP ranks times cp."""
+    if job.parallel.zero_stage < 2:
+        return []
+    shard = (job.parallel.dp_shard or topo.dp) * topo.cp
+    want = (shard,) if shard == topo.dp * topo.cp else (topo.dp * topo.cp // shard, shard)
+    mesh = tuple(next(run["model"].parameters()).device_mesh.shape)
+    return [] if mesh == want else [f"{name}: FSDP mesh {mesh}, expected {want}"]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_cp_layouts_train_like_one_process(world: int) -> None:
-    failures = [f for r in spawn(world, _train_layouts) for f in r]
+    failures = [f for r in spawn(world, train_layouts, _adamw(LAYOUTS[world])) for f in r]
     assert not failures, "\n".join(failures)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_cp_with_zero_2_and_3_trains_like_one_process(world: int) -> None:
-    failures = [f for r in spawn(world, _train_layouts, FSDP_LAYOUTS) for f in r]
+    failures = [f for r in spawn(world, train_layouts, _adamw(FSDP_LAYOUTS[world]), _fsdp_mesh) for f in r]
     assert not failures, "\n".join(failures)
 
 
@@ -261,8 +236,8 @@ def test_ring_with_triton_kernels_trains_like_one_process() -> None:
             "does not support parallel.engine=deepspeed yet; use parallel.engine=llmtrain",
         ),
         (
-            ["parallel.cp=2", "model.arch=mixtral", "parallel.ep=2"],
-            "parallel.ep=2 does not compose with parallel.cp=2 yet; set one of them to 1",
+            ["parallel.cp=2", "model.arch=mixtral", "model.num_experts=8", "parallel.ep=8", "parallel.dp=1"],
+            "parallel.ep=8 cannot be carved out of the tp x cp x dp = 1x2x1 ranks; choose an ep dividing",
         ),
         (["parallel.order=tp-dp-pp-cp-cp"], "parallel.order must name tp, dp and pp once each"),
         (

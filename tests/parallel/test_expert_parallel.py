@@ -18,8 +18,8 @@ from llmtrain.checkpoint.convert import read_full
 from llmtrain.config import ConfigError, ModelConfig, load, validate_world
 from llmtrain.models.moe import MoEMLP
 from llmtrain.parallel import Topology, apply_ep, build_optimizer, grad_sync, parallelize
-from tests.parallel._dist import batches, parallel_run, sgd, spawn, tiny_job
-from tests.parallel._reference import ISSUE_GAP, torch_reference
+from tests.parallel._dist import batches, spawn, tiny_job
+from tests.parallel._reference import ISSUE_GAP, LR, Layout, train_layouts
 
 # (name, model overrides, biased routing): every expert reachable, experts 0 and 1 reached by no token
 # (router rows pushed far down; at ep=4 rank 0 then receives no row at all), capacity dropping, and a
@@ -64,33 +64,39 @@ def _layer(cfg: ModelConfig, seed: int) -> MoEMLP:
     return layer.double()
 
 
-# (tp, dp, ep) at world 4 -> each rank's (EP group, expert-DP group, EP rank), global ranks numbered tp
-# innermost: EP inside the dp ranks (0 with 2, 1 with 3), spanning the TP pairs, spanning everything.
+# (tp, cp, dp, ep) at world 4 -> each rank's (EP group, expert-DP group, EP rank), global ranks numbered tp
+# innermost, then cp, dp, pp: EP inside the dp ranks (0 with 2, 1 with 3), spanning the TP pairs, spanning
+# everything; with cp, EP inside dp and the expert-DP group the CP pair, EP spanning the CP ranks (of each
+# pipeline stage; of each TP rank, the expert-DP group then the TP pair).
 GROUPS = {
-    (1, 4, 2): [([0, 1], [0, 2], 0), ([0, 1], [1, 3], 1), ([2, 3], [0, 2], 0), ([2, 3], [1, 3], 1)],
-    (2, 2, 2): [([0, 2], [0, 1], 0), ([1, 3], [0, 1], 0), ([0, 2], [2, 3], 1), ([1, 3], [2, 3], 1)],
-    (2, 1, 2): [([0, 1], [0], 0), ([0, 1], [1], 1), ([2, 3], [2], 0), ([2, 3], [3], 1)],
-    (2, 2, 4): [([0, 1, 2, 3], [r], r) for r in range(4)],
+    (1, 1, 4, 2): [([0, 1], [0, 2], 0), ([0, 1], [1, 3], 1), ([2, 3], [0, 2], 0), ([2, 3], [1, 3], 1)],
+    (2, 1, 2, 2): [([0, 2], [0, 1], 0), ([1, 3], [0, 1], 0), ([0, 2], [2, 3], 1), ([1, 3], [2, 3], 1)],
+    (2, 1, 1, 2): [([0, 1], [0], 0), ([0, 1], [1], 1), ([2, 3], [2], 0), ([2, 3], [3], 1)],
+    (2, 1, 2, 4): [([0, 1, 2, 3], [r], r) for r in range(4)],
+    (1, 2, 2, 2): [([0, 2], [0, 1], 0), ([1, 3], [0, 1], 0), ([0, 2], [2, 3], 1), ([1, 3], [2, 3], 1)],
+    (1, 2, 1, 2): [([0, 1], [0], 0), ([0, 1], [1], 1), ([2, 3], [2], 0), ([2, 3], [3], 1)],
+    (2, 2, 1, 2): [([0, 2], [0, 1], 0), ([1, 3], [0, 1], 0), ([0, 2], [2, 3], 1), ([1, 3], [2, 3], 1)],
+    (1, 2, 2, 4): [([0, 1, 2, 3], [r], r) for r in range(4)],
 }
 
 
-def _groups(rank: int, world: int) -> dict[tuple[int, int, int], tuple[list[int], list[int], int]]:
+def _groups(rank: int, world: int) -> dict[tuple[int, ...], tuple[list[int], list[int], int]]:
     from torch.distributed import get_process_group_ranks
 
     from llmtrain.config import ParallelConfig
 
     facts = {}
-    for tp, dp, ep in GROUPS:
-        pp = world // (tp * dp)
-        topo = Topology(ParallelConfig(tp=tp, dp=dp, pp=pp, ep=ep), world, rank)
+    for tp, cp, dp, ep in GROUPS:
+        pp = world // (tp * cp * dp)
+        topo = Topology(ParallelConfig(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep), world, rank)
         ranks = get_process_group_ranks(topo.ep_group), get_process_group_ranks(topo.expert_dp_group)
         assert list(ranks) == [topo.ep_ranks(), topo.expert_dp_ranks()]
-        facts[(tp, dp, ep)] = (*ranks, topo.ep_rank)
+        facts[(tp, cp, dp, ep)] = (*ranks, topo.ep_rank)
     return facts
 
 
 @pytest.mark.slow
-def test_ep_groups_are_carved_out_of_tp_x_dp() -> None:
+def test_ep_groups_are_carved_out_of_tp_x_cp_x_dp() -> None:
     facts = spawn(4, _groups)
     for layout, want in GROUPS.items():
         assert [f[layout] for f in facts] == want, layout
@@ -169,16 +175,23 @@ def test_dispatch_matches_one_process_in_float64(world: int) -> None:
     assert not failures, "\n".join(failures)
 
 
-STEPS = 3
-LR = 1e-3
-SGD_LR = 1.0
+ROUTER_LOSSES = dict(router_aux_loss_coef=0.1, router_z_loss_coef=0.01)
+
+
+def _mixtral(*layouts: tuple[dict, str]) -> list[Layout]:
+    return [("mixtral", settings, optimizer) for settings, optimizer in layouts]
+
+
 # (parallel settings, optimizer) per world size. SGD shows a gradient off by a factor in the weights, which
 # Adam would normalise away.
-ROUTER_LOSSES = dict(router_aux_loss_coef=0.1, router_z_loss_coef=0.01)
 # With tp, EP lies inside the dp ranks when ep divides dp and spans the TP ranks otherwise (tp=2 ep=2 at
 # world 2, tp=2 ep=4 at world 4: each TP rank routes its own part of the sequence and holds other experts).
+# With cp the CP ranks are token holders too (issue 17 point 3): at world 2 EP spans the two CP ranks (no
+# expert-DP reduction; ring and all_to_all attention), at world 4 with dp=2 it lies inside dp at ep=2, the
+# experts' gradients then summed over the CP pair (ZeRO-1's buckets, ZeRO-2's FSDP units), and spans dp x cp
+# at ep=4. Router losses on: the CP ranks' statistics are summed, the tokens they sent through EP not again.
 LAYOUTS = {
-    2: [
+    2: _mixtral(
         (dict(ep=2), "adamw"),
         (dict(ep=2), "sgd"),
         (dict(ep=2, recompute="selective"), "adamw"),
@@ -192,8 +205,10 @@ LAYOUTS = {
         # the same function: they check the router statistics summed over the TP ranks that split it.
         (dict(tp=2, ep=2, global_batch_size=2, **ROUTER_LOSSES), "adamw"),
         (dict(tp=2, sequence_parallel=True, global_batch_size=2, **ROUTER_LOSSES), "sgd"),
-    ],
-    4: [
+        (dict(cp=2, ep=2, **ROUTER_LOSSES), "sgd"),
+        (dict(cp=2, ep=2, cp_comm="all_to_all", **ROUTER_LOSSES), "adamw"),
+    ),
+    4: _mixtral(
         (dict(ep=4), "adamw"),
         (dict(ep=2, zero_stage=1), "adamw"),
         (dict(ep=2), "sgd"),
@@ -206,39 +221,17 @@ LAYOUTS = {
         (dict(pp=2, ep=2, schedule="zb_h1"), "sgd"),
         (dict(pp=2, ep=2, schedule="gpipe"), "sgd"),
         (dict(pp=2, ep=2, schedule="interleaved_1f1b", virtual_stages=2, num_layers=4), "adamw"),
-    ],
+        (dict(cp=2, dp=2, ep=2, zero_stage=1, **ROUTER_LOSSES), "sgd"),
+        (dict(cp=2, dp=2, ep=2, zero_stage=2, cp_comm="all_to_all"), "sgd"),
+        (dict(cp=2, dp=2, ep=4, zero_stage=3, **ROUTER_LOSSES), "adamw"),
+    ),
 }
-
-
-def _train_layouts(rank: int, world: int) -> list[str]:
-    failures = []
-    references = {}
-    for settings, optimizer in LAYOUTS[world]:
-        job = tiny_job("mixtral", **settings)
-        lr = SGD_LR if optimizer == "sgd" else LR
-        if optimizer == "sgd":
-            job.train.grad_clip = job.train.weight_decay = 0.0
-        data = batches(job, STEPS)
-        make = sgd(lr) if optimizer == "sgd" else None
-        run = parallel_run(job, Topology(job.parallel, world, rank), data, lr, make)
-        if rank != 0:
-            continue
-        if len(run["losses"]) != STEPS:
-            failures.append(f"{settings}: {len(run['losses'])} steps ran of {STEPS}")
-        key = (repr(job.model), job.train.global_batch_size, optimizer)
-        if key not in references:
-            references[key] = torch_reference(job, data, lr, sgd=optimizer == "sgd")
-        ref = references[key]
-        name = f"mixtral {optimizer} world={world} {' '.join(f'{k}={v}' for k, v in settings.items())}"
-        failures += ref.check(name, run["losses"], run["grad_norms"], run["state"])
-        failures += ref.check_gap(name, run["losses"], run["grad_norms"])
-    return failures
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_ep_layouts_train_like_one_process(world: int) -> None:
-    failures = [f for r in spawn(world, _train_layouts) for f in r]
+    failures = [f for r in spawn(world, train_layouts, LAYOUTS[world]) for f in r]
     assert not failures, "\n".join(failures)
 
 
@@ -256,12 +249,14 @@ def test_ep_layouts_train_like_one_process(world: int) -> None:
         (["model.arch=mixtral", "parallel.ep=0"], "parallel.ep must be at least 1"),
         (
             ["model.arch=mixtral", "model.num_experts=8", "parallel.ep=4", "parallel.dp=2"],
-            "parallel.ep=4 cannot be carved out of the tp x dp = 1x2 ranks; choose an ep dividing the "
+            "parallel.ep=4 cannot be carved out of the tp x cp x dp = 1x1x2 ranks; choose an ep dividing the "
             "data-parallel degree 2",
         ),
         (
-            ["model.arch=mixtral", "parallel.ep=2", "parallel.cp=2"],
-            "does not compose with parallel.cp=2 yet",
+            ["model.arch=mixtral", "model.num_experts=8", "parallel.ep=8", "parallel.cp=2", "parallel.dp=2"],
+            "parallel.ep=8 cannot be carved out of the tp x cp x dp = 1x2x2 ranks; choose an ep dividing the "
+            "data-parallel degree 2, dp times a divisor of parallel.cp=2, or dp * cp = 4 times a divisor of "
+            "parallel.tp=1",
         ),
         (
             ["model.arch=mixtral", "parallel.ep=2", "parallel.zero_stage=3", "parallel.dp_shard=2"],
@@ -275,18 +270,32 @@ def test_bad_ep_settings_name_the_field_and_the_fix(overrides: list[str], expect
 
 
 def test_ep_is_carved_out_of_the_world() -> None:
-    """ep needs no processes of its own; it must divide dp, or dp times a divisor of tp."""
+    """ep needs no processes of its own; it must divide dp, or be dp times a divisor of cp, or dp * cp times
+    a divisor of tp."""
     job = load(None, ["model.arch=mixtral", "model.num_experts=8", "parallel.ep=4"])
     assert validate_world(job, 4) == 4
     with pytest.raises(
-        ConfigError, match=re.escape("parallel.ep=4 cannot be carved out of the tp x dp = 1x2")
+        ConfigError, match=re.escape("parallel.ep=4 cannot be carved out of the tp x cp x dp = 1x1x2")
     ):
         validate_world(job, 2)
+    with_cp = load(None, ["model.arch=mixtral", "model.num_experts=8", "parallel.ep=4", "parallel.cp=2"])
+    assert validate_world(with_cp, 4) == 2  # ep = dp x cp
+    assert validate_world(with_cp, 8) == 4  # ep = dp
+    with pytest.raises(ConfigError, match=re.escape("tp x cp x dp = 1x2x1 ranks")):
+        validate_world(with_cp, 2)
+    across_tp = [
+        "model.arch=mixtral",
+        "model.num_experts=8",
+        "parallel.ep=8",
+        "parallel.cp=2",
+        "parallel.tp=2",
+    ]
+    assert validate_world(load(None, across_tp), 8) == 2  # ep = dp x cp x tp
 
 
-def _build(ep: int, out: Path, rank: int, world: int) -> tuple[Any, ...]:
-    """The tiny MoE job at dp=2, ZeRO-1 and parallel.ep=`ep`, saving under `out`, built as training does."""
-    job = tiny_job("mixtral", ep=ep, zero_stage=1)
+def _build(settings: dict[str, int], out: Path, rank: int, world: int) -> tuple[Any, ...]:
+    """The tiny MoE job at ZeRO-1 and `settings` (ep, cp), saving under `out`, built as training does."""
+    job = tiny_job("mixtral", zero_stage=1, **settings)
     job.output_dir = str(out)
     topo = Topology(job.parallel, world, rank)
     model = parallelize(models.empty_model(job.model, device="meta"), topo, job)
@@ -315,27 +324,31 @@ def _train(parts: tuple[Any, ...], data: list[torch.Tensor]) -> list[float]:
 def _resume_across_ep(rank: int, world: int, tmp: str) -> list[str]:
     root = Path(tmp)
     data = batches(tiny_job("mixtral"), 4)
-    expected = _train(_build(1, root / "whole", rank, world), data)
+    expected = _train(_build({}, root / "whole", rank, world), data)
     failures = []
-    for first, then in ((2, 1), (1, 2)):
-        saving = _build(first, root / f"ep{first}", rank, world)
+    ep2, cp2 = dict(ep=2), dict(ep=2, cp=2)
+    for first, then in (({}, ep2), (ep2, cp2), (cp2, {})):
+        was = "_".join(f"{k}{v}" for k, v in first.items()) or "ep1"
+        now = "_".join(f"{k}{v}" for k, v in then.items()) or "ep1"
+        what = f"{was} -> {now}"
+        saving = _build(first, root / was, rank, world)
         _train(saving, data[:2])
         saving[-1].save(2, saving[2], saving[3], {"step": 2})
-        loading = _build(then, root / f"ep{first}_at_ep{then}", rank, world)
-        loading[-1].load(root / f"ep{first}" / "checkpoints", loading[2], loading[3])
+        loading = _build(then, root / f"{was}_at_{now}", rank, world)
+        loading[-1].load(root / was / "checkpoints", loading[2], loading[3])
         loading[-1].save(2, loading[2], loading[3], {"step": 2})  # the same state, written by this layout
         got = _train(loading, data[2:])
         gap = max(abs(a - b) / abs(b) for a, b in zip(got, expected[2:], strict=True))
         if not gap <= ISSUE_GAP:
-            failures.append(f"ep={first} -> ep={then}: losses {got}, uninterrupted {expected[2:]}")
+            failures.append(f"{what}: losses {got}, uninterrupted {expected[2:]}")
         dist.barrier()
         if rank == 0:  # model and optimizer state (experts' Adam moments included) stored bitwise alike
-            saved = read_full(root / f"ep{first}" / "checkpoints")
-            again = read_full(root / f"ep{first}_at_ep{then}" / "checkpoints")
+            saved = read_full(root / was / "checkpoints")
+            again = read_full(root / f"{was}_at_{now}" / "checkpoints")
             if saved.keys() != again.keys():
-                failures.append(f"ep={first} -> ep={then}: keys {sorted(saved.keys() ^ again.keys())}")
+                failures.append(f"{what}: keys {sorted(saved.keys() ^ again.keys())}")
             failures += [
-                f"ep={first} -> ep={then}: {key} differs once re-saved"
+                f"{what}: {key} differs once re-saved"
                 for key in saved.keys() & again.keys()
                 if not torch.equal(saved[key], again[key])
             ]
@@ -344,8 +357,8 @@ def _resume_across_ep(rank: int, world: int, tmp: str) -> list[str]:
 
 @pytest.mark.slow
 def test_checkpoints_move_between_ep_layouts(tmp_path: Path) -> None:
-    """An ep=2 checkpoint (expert shards saved at their global place) resumes at ep=1 and an ep=1 one at
-    ep=2 (dp=2, ZeRO-1), holding the same state and continuing the uninterrupted run's loss curve (fp32,
-    worst relative gap ISSUE_GAP)."""
+    """Checkpoints move around ep=1 -> ep=2 (dp=2, ZeRO-1) -> ep=2 cp=2 (EP spanning the CP ranks, dp=1)
+    -> ep=1, expert shards saved at their global place: each resumed run holds the same state and continues
+    the uninterrupted run's loss curve (fp32, worst relative gap ISSUE_GAP)."""
     failures = [f for r in spawn(2, _resume_across_ep, str(tmp_path)) for f in r]
     assert not failures, "\n".join(failures)

@@ -214,8 +214,8 @@ def _row_exchanges(counts: Counter[Comm], experts: int) -> tuple[Counter[Comm], 
 
 @pytest.mark.parametrize(
     "world,overrides",
-    [(2, dict(dp=2, ep=2)), (4, dict(dp=4, ep=2, recompute="full"))],
-    ids=["ep2", "ep2-expert-dp2-full-recompute"],
+    [(2, dict(dp=2, ep=2)), (4, dict(dp=4, ep=2, recompute="full")), (4, dict(cp=2, dp=2, ep=2))],
+    ids=["ep2", "ep2-expert-dp2-full-recompute", "ep2-cp2-dp2"],
 )
 def test_expert_parallel_collectives_match_the_trace(world: int, overrides: dict) -> None:
     # Per MoE layer and micro-batch: the count exchange (E int64) and the dispatch and combine forward,
@@ -225,10 +225,11 @@ def test_expert_parallel_collectives_match_the_trace(world: int, overrides: dict
     # depend on the routing. The model assumes balanced routing (as many received as sent); routing here
     # is whatever the random weights choose, but each row one rank receives is one another sends, so over
     # the EP group the received rows add up to the sent ones: the row exchanges' bytes summed over the
-    # world (whole EP groups) are exact. Everything else is exact per rank, the dense buckets over dp and
-    # the experts' over the expert-DP group ("edp", dp / ep ranks; none at dp = ep) by total bytes.
+    # world (whole EP groups) are exact. Everything else is exact per rank, the dense buckets over dp (cp x
+    # dp under cp) and the experts' over the expert-DP group ("edp", cp x dp / ep ranks: none at dp = ep
+    # without cp, the CP pair at cp=2 dp=2 ep=2) by total bytes.
     experts = tiny_job("mixtral").model.num_experts
-    buckets = {"dp": ("all_reduce",), "edp": ("all_reduce",)}
+    buckets = {"dp": ("all_reduce",), "cp+dp": ("all_reduce",), "edp": ("all_reduce",)}
     traced_rows = predicted_rows = 0
     for pp_rank, traced in spawn(world, _traced_step, "mixtral", overrides):
         predicted = _predicted("mixtral", overrides, world, pp_rank)

@@ -198,8 +198,8 @@ def test_evaluate_fixes_cp_and_ep_and_the_trainers_rules_prune() -> None:
     assert plan_job(job, cluster, 64, fixed=parse_fixed("parallel.ep=4"), top=1).best.layout.ep == 4
     long = replace(job, model=replace(job.model, seq_length=8192))
     assert plan_job(long, cluster, 64, fixed=dict(cp=2), top=1).best.layout.cp == 2  # MoE runs under cp
-    with pytest.raises(ConfigError, match="parallel.ep=2 does not compose with parallel.cp=2"):
-        plan_job(long, cluster, 64, fixed=dict(cp=2, ep=2))
+    both = plan_job(long, cluster, 64, fixed=dict(cp=2, ep=2), top=1).best.layout  # EP composes with CP
+    assert (both.cp, both.ep) == (2, 2) and both.dp % 2 == 0
     with pytest.raises(ConfigError, match="has no experts"):
         plan_job(load("configs/llama3-8b.yaml"), cluster, 64, fixed=dict(ep=2))
 
