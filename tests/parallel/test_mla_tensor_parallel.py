@@ -69,6 +69,7 @@ LAYOUTS = {
         # makes the latent softmax scale differ from 1/sqrt(head width), which the CP attention must take.
         (dict(cp=2, **YARN), "adamw"),
         (dict(cp=2, cp_comm="all_to_all", **YARN, **CAPACITY), "sgd"),
+        (dict(cp=2, ep=2, **CAPACITY), "adamw"),  # EP across the CP pair: the experts see the kept rows
         # Packed documents (data.reset_attention_mask) through latent attention split over TP and CP.
         (dict(tp=2, sequence_parallel=True, packed=True), "adamw"),
         (dict(cp=2, packed=True, **YARN), "sgd"),
