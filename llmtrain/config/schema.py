@@ -106,7 +106,7 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0
     """deepseek_v3: factor on the routed experts' top-k weights (after norm_topk_prob)."""
     moe_capacity_factor: float | None = None
-    """MoE archs: ceil(factor * tokens * top-k / experts) slots per expert, rest dropped; null: dropless."""
+    """MoE archs: ceil(factor * micro-batch tokens * top-k / experts) slots an expert; null: dropless."""
     router_z_loss_coef: float = 0.0
     """MoE archs: weight of the router z-loss (ST-MoE: mean squared logsumexp of router logits; 0 off)."""
     router_bias_update_rate: float | None = None

@@ -114,11 +114,6 @@ def validate(job: JobConfig) -> None:
 
     d = job.data
     _require(
-        not d.reset_attention_mask or m.arch != "deepseek_v3",
-        "data.reset_attention_mask (packed documents) is not supported by deepseek_v3's latent attention "
-        "yet; set data.reset_attention_mask=false",
-    )
-    _require(
         not d.reset_attention_mask or p.pp == 1,
         f"data.reset_attention_mask (packed documents) is not supported with pipeline stages yet "
         f"(parallel.pp={p.pp}); set parallel.pp=1 or data.reset_attention_mask=false",
@@ -520,23 +515,11 @@ def tensor_parallel_problem(model: ModelConfig, tp: int, sequence_parallel: bool
     """
     if tp < 1:
         return f"parallel.tp must be at least 1; got {tp}"
-    if model.is_moe and tp > 1:
-        # Attention is split over TP; each TP rank routes 1/tp of the sequence (llmtrain.parallel.
-        # tensor_parallel._shard_moe), so the per-rank capacity would not be one process's.
-        if model.arch == "deepseek_v3" or model.moe_capacity_factor is not None:
-            setting = (
-                "model.arch=deepseek_v3 (latent attention)"
-                if model.arch == "deepseek_v3"
-                else f"model.moe_capacity_factor={model.moe_capacity_factor}"
-            )
-            return f"{setting} does not support parallel.tp={tp} yet; use parallel.tp=1" + (
-                ", or model.moe_capacity_factor=null (dropless)" if model.arch != "deepseek_v3" else ""
-            )
-        if model.seq_length % tp:
-            return (
-                f"model.seq_length={model.seq_length} is not divisible by parallel.tp={tp}: each TP rank "
-                "routes its share of the sequence through the experts; make seq_length a multiple of tp"
-            )
+    if model.is_moe and model.seq_length % tp:
+        return (
+            f"model.seq_length={model.seq_length} is not divisible by parallel.tp={tp}: each TP rank "
+            "routes its share of the sequence through the experts; make seq_length a multiple of tp"
+        )
     heads, kv = model.num_attention_heads, model.kv_heads
     if heads % tp:
         return (

@@ -31,12 +31,18 @@ def same_document(q_documents: torch.Tensor, k_documents: torch.Tensor) -> torch
 
 
 def document_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor, dropout_p: float = 0.0
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    documents: torch.Tensor,
+    dropout_p: float = 0.0,
+    scale: float | None = None,
 ) -> torch.Tensor:
-    """Causal attention inside documents: q (b, heads, s, d), k/v (b, kv_heads, s, d), documents (b, s)."""
+    """Causal attention inside documents: q (b, heads, s, d), k/v (b, kv_heads, s, d), documents (b, s);
+    `scale` multiplies the scores (None: 1/sqrt(d))."""
     s = q.shape[2]
     causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
     mask = (same_document(documents, documents) & causal)[:, None]
     return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=k.shape[1] != q.shape[1]
+        q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
     )

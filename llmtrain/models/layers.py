@@ -18,21 +18,10 @@ from llmtrain.models.mla import LatentAttention
 from llmtrain.models.moe import MoEMLP
 from llmtrain.models.norms import LayerNorm, RMSNorm
 from llmtrain.models.registry import ArchSpec
+from llmtrain.models.rope import rotate
 
 Rope = tuple[torch.Tensor, torch.Tensor] | None
 """Rotary (cos, sin): (s, head_dim) shared by the batch, or (b, s, head_dim) per sample (packed documents)."""
-
-
-def _rotary(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, impl: str
-) -> torch.Tensor:
-    """kernels.apply_rotary of x (b, s, heads, d); per-sample tables go through it as one long sequence."""
-    if cos.dim() == 2:
-        return kernels.apply_rotary(x, cos, sin, interleaved=interleaved, impl=impl)
-    b, s = x.shape[:2]
-    flat = x.reshape(1, b * s, *x.shape[2:])
-    cos, sin = cos.reshape(b * s, -1), sin.reshape(b * s, -1)
-    return kernels.apply_rotary(flat, cos, sin, interleaved=interleaved, impl=impl).view_as(x)
 
 
 def make_norm(spec: ArchSpec, cfg: ModelConfig) -> RMSNorm | LayerNorm:
@@ -71,8 +60,8 @@ class Attention(nn.Module):
         if rope is not None:
             cos, sin = rope
             interleaved = self.rotary == "interleaved"
-            q = _rotary(q, cos, sin, interleaved, self.impl)
-            k = _rotary(k, cos, sin, interleaved, self.impl)
+            q = rotate(q, cos, sin, interleaved, self.impl)
+            k = rotate(k, cos, sin, interleaved, self.impl)
         # (b, s, heads, d) -> (b, heads, s, d) as strided views: SDPA takes them without a copy.
         context = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), documents)
         return self.o_proj(context.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
@@ -140,9 +129,8 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: Rope, documents: torch.Tensor | None = None) -> torch.Tensor:
         # post_attn_norm also forms the residual stream x + attn(...), in one pass with the Triton kernel.
-        # Packed documents' ids go to attention that takes them (latent attention does not yet).
-        extra = () if documents is None else (documents,)
-        normed, x = self.post_attn_norm(self._drop(self.attn(self.input_norm(x), rope, *extra)), residual=x)
+        attended = self._drop(self.attn(self.input_norm(x), rope, documents))
+        normed, x = self.post_attn_norm(attended, residual=x)
         return x + self._drop(self.mlp(normed))
 
     def _drop(self, x: torch.Tensor) -> torch.Tensor:

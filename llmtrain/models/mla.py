@@ -19,8 +19,9 @@ from torch import nn
 
 import kernels
 from llmtrain.config import ModelConfig
+from llmtrain.models.documents import document_attention
 from llmtrain.models.norms import RMSNorm
-from llmtrain.models.rope import softmax_scale_factor
+from llmtrain.models.rope import rotate, softmax_scale_factor
 
 LATENT_NORM_EPS = 1e-6
 """Epsilon of the query and key/value latent norms: DeepSeek's fixed value, not model.norm_eps."""
@@ -49,7 +50,11 @@ class LatentAttention(nn.Module):
         self.kv_b_proj = nn.Linear(self.kv_rank, heads * (self.nope_dim + self.v_dim), bias=False)
         self.o_proj = nn.Linear(heads * self.v_dim, h, bias=False)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], documents: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`documents` (b, s): packed documents' ids (llmtrain.models.documents); `rope` then holds per-sample
+        tables of the positions inside each document."""
         b, s, _ = x.shape
         query = self.q_proj(x) if self.q_proj is not None else self.q_b_proj(self.q_a_norm(self.q_a_proj(x)))
         q_nope, q_rope = query.view(b, s, self.num_heads, -1).split([self.nope_dim, self.rope_dim], dim=-1)
@@ -57,26 +62,35 @@ class LatentAttention(nn.Module):
         kv = self.kv_b_proj(self.kv_a_norm(latent)).view(b, s, self.num_heads, -1)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         cos, sin = rope
-        q_rope = kernels.apply_rotary(q_rope, cos, sin, interleaved=True, impl=self.impl)
-        k_rope = kernels.apply_rotary(k_rope.unsqueeze(2), cos, sin, interleaved=True, impl=self.impl)
+        q_rope = rotate(q_rope, cos, sin, interleaved=True, impl=self.impl)
+        k_rope = rotate(k_rope.unsqueeze(2), cos, sin, interleaved=True, impl=self.impl)
         q = torch.cat([q_nope, q_rope], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(-1, -1, self.num_heads, -1)], dim=-1)
-        context = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        context = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), documents)
         return self.o_proj(context.transpose(1, 2).reshape(b, s, self.num_heads * self.v_dim))
 
-    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal attention: q/k (b, heads, s, nope + rope), v (b, heads, s, v_dim) -> (b, heads, s, v_dim).
+    def core(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Causal attention: q/k (b, heads, s, nope + rope), v (b, heads, s, v_dim) -> (b, heads, s, v_dim);
+        with `documents` (b, s) only inside each packed document.
 
         The attention kernels take one head width, so the narrower of q/k and v is padded with zeros
         (zeros add nothing to a dot product; the padded output columns are dropped)."""
-        qk, vd, scale = q.shape[-1], v.shape[-1], self.softmax_scale
+        qk, vd = q.shape[-1], v.shape[-1]
         if vd < qk:
             v = F.pad(v, (0, qk - vd))
         elif qk < vd:
             q, k = F.pad(q, (0, vd - qk)), F.pad(k, (0, vd - qk))
-        if self.training and self.dropout_p > 0:
-            p = self.dropout_p
-            out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, scale=scale)
-        else:
-            out = kernels.flash_attention(q, k, v, causal=True, softmax_scale=scale, impl=self.impl)
-        return out[..., :vd]
+        return self.attention(q, k, v, documents)[..., :vd]
+
+    def attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`core`'s attention of equal-width heads at softmax_scale; context parallelism replaces it."""
+        p, scale = (self.dropout_p if self.training else 0.0), self.softmax_scale
+        if documents is not None:
+            return document_attention(q, k, v, documents, p, scale)
+        if p > 0:
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, scale=scale)
+        return kernels.flash_attention(q, k, v, causal=True, softmax_scale=scale, impl=self.impl)

@@ -10,6 +10,8 @@ auxiliary-loss-free balancing).
 Routing is dropless by default: every token reaches each of its top-k experts. With model.moe_capacity_factor
 each expert takes at most ceil(factor * tokens * top-k / experts) of them, those of the highest router
 weight; the rest are dropped (they add nothing; the residual stream and shared experts carry the token).
+Under tensor or context parallelism, where each rank routes a part of the sequences, the ranks drop what one
+process drops (llmtrain.parallel.tensor_parallel.share_capacity).
 Each layer's experts are stacked tensors, `gate_up_proj` (experts, 2 * ffn, hidden) with rows [0:ffn] the
 gate and [ffn:2ffn] the up projection of each expert, and `down_proj` (experts, hidden, ffn), as transformers
 holds them in memory. Tokens are sorted by expert and one grouped GEMM (kernels.moe_experts) multiplies
@@ -205,8 +207,7 @@ class MoEMLP(nn.Module):
             balance = torch.bincount(r.probs.topk(k, dim=-1).indices.flatten(), minlength=n).float()
         keep = None
         if self.capacity_factor is not None:
-            capacity = math.ceil(self.capacity_factor * flat.shape[0] * k / n)
-            keep = capacity_keep(r.weights, r.experts, n, capacity)
+            keep = self.keep_within_capacity(r.weights, r.experts, x.shape[:-1])
         dropped = (~keep).sum().float() if keep is not None else counts.new_zeros(())
         z_sum = torch.logsumexp(r.logits, dim=-1).square().sum()
         # Kept on the module rather than returned: blocks keep their x -> x interface, and CausalLM.loss
@@ -216,6 +217,21 @@ class MoEMLP(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
         return out.view_as(x)
+
+    def keep_within_capacity(
+        self, weights: torch.Tensor, experts: torch.Tensor, lead: torch.Size
+    ) -> torch.Tensor:
+        """(tokens, k) which of these tokens' assignments fit their expert's capacity; `lead` is the input's
+        shape without the hidden dimension. Tensor and context parallelism replace it per instance so that
+        the ranks sharing a sequence drop what one process would (tensor_parallel.share_capacity)."""
+        n = self.experts.num_experts
+        capacity = expert_capacity(self.capacity_factor, lead.numel(), experts.shape[1], n)
+        return capacity_keep(weights, experts, n, capacity)
+
+
+def expert_capacity(factor: float, tokens: int, top_k: int, num_experts: int) -> int:
+    """Slots per expert when `tokens` tokens are routed to top_k of num_experts experts each."""
+    return math.ceil(factor * tokens * top_k / num_experts)
 
 
 def expert_load(stats: list[RouterStats]) -> torch.Tensor:

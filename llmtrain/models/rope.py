@@ -13,6 +13,7 @@ import math
 
 import torch
 
+import kernels
 from llmtrain.config import ModelConfig
 
 YARN_BETA_FAST = 32.0
@@ -59,3 +60,16 @@ def softmax_scale_factor(cfg: ModelConfig) -> float:
     if cfg.rope_scaling == "none" or not cfg.rope_mscale_all_dim:
         return 1.0
     return _mscale(cfg.rope_scaling_factor, cfg.rope_mscale_all_dim) ** 2
+
+
+def rotate(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, impl: str
+) -> torch.Tensor:
+    """kernels.apply_rotary of x (b, s, heads, d) with (s, d) tables, or per-sample (b, s, d) ones (packed
+    documents), which go through it as one long sequence."""
+    if cos.dim() == 2:
+        return kernels.apply_rotary(x, cos, sin, interleaved=interleaved, impl=impl)
+    b, s = x.shape[:2]
+    flat = x.reshape(1, b * s, *x.shape[2:])
+    cos, sin = cos.reshape(b * s, -1), sin.reshape(b * s, -1)
+    return kernels.apply_rotary(flat, cos, sin, interleaved=interleaved, impl=impl).view_as(x)

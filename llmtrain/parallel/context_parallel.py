@@ -45,9 +45,10 @@ from torch import nn
 
 import kernels
 from llmtrain.models.documents import document_attention, same_document
+from llmtrain.models.mla import LatentAttention
 from llmtrain.models.moe import MoEMLP
 from llmtrain.parallel import comm
-from llmtrain.parallel.tensor_parallel import sum_router_stats
+from llmtrain.parallel.tensor_parallel import all_gather_dim, share_capacity, sum_router_stats
 from llmtrain.parallel.topology import Topology
 
 FULL, DIAGONAL, MASKED = "full", "diagonal", "masked"
@@ -117,6 +118,10 @@ class ContextSplit:
     def local(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's chunks of a whole sequence `x` along `dim`."""
         return split_sequence(x, self.cp, self.rank, dim)
+
+    def whole(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """The whole sequences from every CP rank's chunks `x` along `dim`, all-gathered (no gradient)."""
+        return merge_sequence(list(all_gather_dim(x, dim, self.group).chunk(self.cp, dim)), dim)
 
     def positions(self, local_seq: int, device: Any = None) -> torch.Tensor:
         """Original positions of this rank's `local_seq` tokens (of a sequence cp times as long)."""
@@ -366,6 +371,7 @@ def all_to_all_attention(
     split: ContextSplit,
     impl: str = "torch",
     documents: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
 ) -> torch.Tensor:
     """Causal attention by head scattering: the same contract as ring_attention, with the whole sequence's
     attention for h/cp heads run by kernels.flash_attention(impl=`impl`) on each rank (inside documents:
@@ -379,22 +385,22 @@ def all_to_all_attention(
     k, v = replicate_kv_heads(k, heads, split.cp), replicate_kv_heads(v, heads, split.cp)
     full = [_heads_to_sequence(t, split) for t in (q, k, v)]
     if documents is None:
-        out = kernels.flash_attention(*full, causal=True, impl=impl)
+        out = kernels.flash_attention(*full, causal=True, softmax_scale=softmax_scale, impl=impl)
     else:
-        out = document_attention(*full, documents)
+        out = document_attention(*full, documents, scale=softmax_scale)
     return _sequence_to_heads(out, split)
 
 
 # --- Applying it ------------------------------------------------------------------------------------------
 
 
-def _core(split: ContextSplit, impl: str) -> Any:
+def _core(split: ContextSplit, impl: str, scale: float | None = None) -> Any:
     def core(
         q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None = None
     ) -> torch.Tensor:
         if split.comm == "all_to_all":
-            return all_to_all_attention(q, k, v, split, impl, documents)
-        return ring_attention(q, k, v, split, documents=documents, impl=impl)
+            return all_to_all_attention(q, k, v, split, impl, documents, scale)
+        return ring_attention(q, k, v, split, scale, documents, impl)
 
     return core
 
@@ -415,9 +421,13 @@ def apply_cp(model: nn.Module, topo: Topology, cp_comm: str = "ring") -> nn.Modu
         return model
     model.context = split
     for block in model.layers:
-        block.attn.core = _core(split, block.attn.impl)
+        if isinstance(block.attn, LatentAttention):  # its core pads the heads to one width, then attends
+            block.attn.attention = _core(split, block.attn.impl, block.attn.softmax_scale)
+        else:
+            block.attn.core = _core(split, block.attn.impl)
         if isinstance(block.mlp, MoEMLP):
             block.mlp.register_forward_hook(functools.partial(_sum_router_stats, split))
+            share_capacity(block.mlp, topo, split)
     return model
 
 

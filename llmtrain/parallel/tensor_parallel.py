@@ -2,21 +2,25 @@
 
 Megatron's layout: q/k/v, gate_up and up projections and the LM head are column-parallel (output features
 split), o_proj and down_proj row-parallel (input features split, outputs summed over TP), the token embedding
-vocab-parallel. The communication sits at the region boundaries: after each norm that feeds a column-parallel
-layer ("enter": identity forward / all-reduce backward, or all-gather along the sequence with sequence
-parallelism) and inside the row-parallel layers ("exit": all-reduce, or reduce-scatter with SP).
+vocab-parallel; latent attention's up-projections are split by heads and its down-projections replicated
+(_shard_latent_attention), MoE layers route 1/tp of the sequence on each rank (_shard_moe). The communication
+sits at the region boundaries: after each norm that feeds a column-parallel layer ("enter": identity forward /
+all-reduce backward, or all-gather along the sequence with sequence parallelism) and inside the row-parallel
+layers ("exit": all-reduce, or reduce-scatter with SP).
 
 Each parameter gets attributes the rest of the package reads:
   tp_layout: how to reassemble the full tensor ("rows", "cols", "gate_up", ("kv", replicas)) or absent.
   duplicate: True when another rank holds the same values and counts them in the gradient norm.
-  sequence_parallel: its gradient is partial per TP rank (SP regions) and is summed over TP before the update.
+  sequence_parallel: its gradient is partial per TP rank (SP regions, replicated weights feeding split ones)
+    and is summed over TP before the update.
   kv_replicas: a kv-head slice held by `kv_replicas` consecutive TP ranks; their gradients are summed.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -26,17 +30,22 @@ from torch.distributed.tensor import DTensor
 
 from llmtrain.config.schema import ModelConfig
 from llmtrain.config.validate import raise_if_problem, tensor_parallel_problem
-from llmtrain.models.moe import MoEMLP, RouterStats
+from llmtrain.models.mla import LatentAttention
+from llmtrain.models.moe import MoEMLP, RouterStats, capacity_keep, expert_capacity
 from llmtrain.parallel.comm import all_gather_single, all_reduce, reduce_scatter_single
 from llmtrain.parallel.random import RNGTracker
 from llmtrain.parallel.topology import Topology
+
+if TYPE_CHECKING:  # llmtrain.parallel.context_parallel imports this module
+    from llmtrain.parallel.context_parallel import ContextSplit
 
 
 def _group_size(group: Any) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
-def _all_gather_dim(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+def all_gather_dim(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+    """Every rank's `x` of `group` concatenated along `dim`, in rank order (no gradient)."""
     size = _group_size(group)
     if size == 1:
         return x
@@ -98,7 +107,7 @@ class _GatherSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
         ctx.dim, ctx.group = dim, group
-        return _all_gather_dim(x, dim, group)
+        return all_gather_dim(x, dim, group)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
@@ -115,7 +124,7 @@ class _ReduceScatterSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _all_gather_dim(grad, ctx.dim, ctx.group), None, None
+        return all_gather_dim(grad, ctx.dim, ctx.group), None, None
 
 
 class _SplitSequence(torch.autograd.Function):
@@ -129,7 +138,7 @@ class _SplitSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _all_gather_dim(grad, ctx.dim, ctx.group), None, None
+        return all_gather_dim(grad, ctx.dim, ctx.group), None, None
 
 
 class _GatherSplitSequence(torch.autograd.Function):
@@ -139,7 +148,7 @@ class _GatherSplitSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
         ctx.dim, ctx.group = dim, group
-        return _all_gather_dim(x, dim, group)
+        return all_gather_dim(x, dim, group)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
@@ -249,7 +258,7 @@ class _LinearSavingShard(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         shard, weight = ctx.saved_tensors
-        x = _all_gather_dim(shard, 1, ctx.group)
+        x = all_gather_dim(shard, 1, ctx.group)
         grad_x = grad.matmul(weight)
         flat_grad = grad.reshape(-1, grad.shape[-1])
         grad_w = flat_grad.t().matmul(x.reshape(-1, x.shape[-1]))
@@ -356,6 +365,28 @@ def _shard_attention(attn: nn.Module, topo: Topology, sp: bool) -> None:
             _mark_replicated(p, topo, True)
 
 
+def _shard_latent_attention(attn: LatentAttention, topo: Topology, sp: bool) -> None:
+    """Multi-head latent attention split by heads, as Megatron-Core splits it: the up-projections whose rows
+    are per head ([nope | rope] queries of q_proj or q_b_proj, [nope | v] of kv_b_proj) column-parallel,
+    o_proj row-parallel. The down-projections and their norms (q_a_proj, q_a_norm, kv_a_proj with the
+    rotary key part every head shares, kv_a_norm) stay whole on every rank, which computes them for the
+    whole sequence; each rank's gradient of them comes from its own heads only, so it is summed over TP
+    as the SP regions' are."""
+    r, group = topo.tp_rank, topo.tp_group
+    local = attn.num_heads // topo.tp
+    for name in ("q_proj", "q_b_proj", "kv_b_proj"):
+        full = getattr(attn, name)
+        if full is None:
+            continue
+        rows = local * full.out_features // attn.num_heads
+        setattr(attn, name, ColumnParallelLinear(full, [(r * rows, (r + 1) * rows)], "rows", group))
+    for module in (attn.q_a_proj, attn.q_a_norm, attn.kv_a_proj, attn.kv_a_norm):
+        for p in module.parameters() if module is not None else ():
+            _mark_replicated(p, topo, True)
+    attn.o_proj = RowParallelLinear(attn.o_proj, topo, sp)
+    attn.num_heads = local
+
+
 def _shard_mlp(mlp: nn.Module, topo: Topology, sp: bool) -> None:
     tp, r = topo.tp, topo.tp_rank
     if hasattr(mlp, "gate_up_proj"):
@@ -383,7 +414,8 @@ def _shard_moe(mlp: MoEMLP, topo: Topology, sp: bool) -> None:
     routes its own 1/tp of the sequence -- the SP shard it already holds, or without SP its slice of the
     replicated input, gathered back afterwards -- so no token is routed twice. Routers and shared experts
     get partial gradients, summed over TP as SP regions' are; the router statistics are summed over TP so
-    the router losses see the whole micro-batch (their gradient stays with each rank's own tokens)."""
+    the router losses see the whole micro-batch (their gradient stays with each rank's own tokens). With
+    model.moe_capacity_factor the capacity is that of the whole sequences (share_capacity)."""
     group = topo.tp_group
     for name, p in mlp.named_parameters():
         # Under EP the experts' gradients are summed over their expert-DP group, TP ranks included.
@@ -391,12 +423,49 @@ def _shard_moe(mlp: MoEMLP, topo: Topology, sp: bool) -> None:
             _mark_replicated(p, topo, True)
     if not sp:
         mlp.register_forward_pre_hook(lambda _m, args: (_SplitSequence.apply(args[0], 1, group), *args[1:]))
+    share_capacity(mlp, topo)
 
     def leave(m: MoEMLP, _args: Any, out: torch.Tensor) -> torch.Tensor:
         m.stats = sum_router_stats(m.stats, group, topo.tp)
         return out if sp else _GatherSplitSequence.apply(out, 1, group)
 
     mlp.register_forward_hook(leave)
+
+
+def share_capacity(mlp: MoEMLP, topo: Topology, split: ContextSplit | None = None) -> None:
+    """Make the TP ranks (and with `split` the CP ranks) routing parts of the same sequences drop what one
+    process drops when it routes them whole (MoEMLP.keep_within_capacity); nothing without a capacity."""
+    if mlp.capacity_factor is not None:
+        mlp.keep_within_capacity = functools.partial(_keep_within_shared_capacity, mlp, topo, split)
+
+
+@torch.no_grad()
+def _keep_within_shared_capacity(
+    mlp: MoEMLP,
+    topo: Topology,
+    split: ContextSplit | None,
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+    lead: torch.Size,
+) -> torch.Tensor:
+    """MoEMLP.keep_within_capacity of a rank routing TP chunk tp_rank of its (CP rank's part of the) (b, s)
+    sequences: the routing decisions of the whole sequences are all-gathered (2k numbers a token, far less
+    than the hidden states) and put in sequence order, the capacity is applied to them as one process
+    would, and this rank keeps its own tokens' verdicts."""
+    b, s = lead
+    k = experts.shape[1]
+    # Expert ids are exact in fp32 (well below 2**24): one all-gather carries both.
+    mine = torch.cat([weights.float(), experts.float()], dim=-1).view(b, s, 2 * k)
+    every = all_gather_dim(mine, 1, topo.tp_group)
+    if split is not None:
+        every = split.whole(every)
+    n = mlp.experts.num_experts
+    capacity = expert_capacity(mlp.capacity_factor, b * every.shape[1], k, n)
+    flat = every.reshape(-1, 2 * k)
+    keep = capacity_keep(flat[:, :k], flat[:, k:].long(), n, capacity).view(b, -1, k)
+    if split is not None:
+        keep = split.local(keep)
+    return keep.chunk(topo.tp, 1)[topo.tp_rank].reshape(b * s, k)
 
 
 def apply_tp(
@@ -442,7 +511,10 @@ def apply_tp(
                 _mark_replicated(p, topo, sp)
             if not (moe and norm is block.post_attn_norm):
                 _enter_region(norm, group, sp)
-        _shard_attention(block.attn, topo, sp)
+        if isinstance(block.attn, LatentAttention):
+            _shard_latent_attention(block.attn, topo, sp)
+        else:
+            _shard_attention(block.attn, topo, sp)
         if moe:
             _shard_moe(block.mlp, topo, sp)
         else:
@@ -528,14 +600,14 @@ def gather_full_state_dict(model: nn.Module, topo: Topology) -> dict[str, torch.
         if isinstance(t, DTensor):
             t = t.full_tensor()
         if hasattr(p, "expert_slice"):  # EP ranks hold consecutive experts, in EP-rank order
-            out[name] = _all_gather_dim(t, 0, topo.ep_group).clone()
+            out[name] = all_gather_dim(t, 0, topo.ep_group).clone()
             continue
         if layout is None or topo.tp == 1:
             out[name] = t.clone()
             continue
-        parts = list(_all_gather_dim(t, 0, topo.tp_group).chunk(topo.tp, dim=0)) if layout != "cols" else None
+        parts = list(all_gather_dim(t, 0, topo.tp_group).chunk(topo.tp, dim=0)) if layout != "cols" else None
         if layout == "cols":
-            out[name] = _all_gather_dim(t, t.dim() - 1, topo.tp_group).clone()
+            out[name] = all_gather_dim(t, t.dim() - 1, topo.tp_group).clone()
         elif layout == "rows":
             out[name] = torch.cat(parts).clone()
         elif layout == "gate_up":

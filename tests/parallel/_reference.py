@@ -174,7 +174,8 @@ def torch_reference(
     torch.manual_seed(t.seed)
     model = models.build(job.model).to(dtype)
     model.document_separator = document_separator
-    named = dict(model.named_parameters())
+    # A frozen parameter (a router's score bias, which only the trainer's bias update moves) takes no part.
+    named = {n: p for n, p in model.named_parameters() if p.requires_grad}
     params = list(named.values())
     decay = [p for n, p in named.items() if not no_weight_decay(n, p)]
     rest = [p for n, p in named.items() if no_weight_decay(n, p)]
@@ -235,13 +236,16 @@ def torch_reference(
         losses.append(loss.item())
         loss_tol.append(gamma * abs(losses[-1]) + first_order(grads))
     state = model.state_dict(keep_vars=True)
-    # state_dict lists a tied weight under both names; both carry the parameter's bound.
+    # state_dict lists a tied weight under both names; both carry the parameter's bound. Frozen parameters
+    # never move: their bound is 0.
     name_of = {id(p): n for n, p in named.items()}
     return Reference(
         losses,
         norms,
         {k: v.detach().clone() for k, v in state.items()},
-        {k: bounds[name_of[id(v)]] for k, v in state.items()} if bounded else None,
+        {k: bounds[name_of[id(v)]] if id(v) in name_of else torch.zeros_like(v) for k, v in state.items()}
+        if bounded
+        else None,
         loss_tol if bounded else None,
         norm_tol if bounded else None,
     )
