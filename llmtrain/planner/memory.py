@@ -80,6 +80,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from llmtrain.config.schema import ModelConfig
+from llmtrain.config.vocab_sharding import vocab_sharded_edges
 from llmtrain.pipeline.partition import partition_layers
 from llmtrain.planner import flops as F
 from llmtrain.planner.pipeline_time import peak_inflight_closed
@@ -426,6 +427,20 @@ def rank_memory(
     # gradients and, on the last stage, the output layer's: the logits' gradient and the final hidden state.
     wgrad = weight_grad_inputs_per_layer(model, tok, e, tp)
 
+    # The embedding and output layer stay vocabulary-sharded here (llmtrain.parallel.vocab_sharded): never
+    # gathered; the shard group's final hidden states are, kept for the backward, and this rank's logits are
+    # its share of the group's, as many as its own would be.
+    vocab_sharded = layout.offload == "none" and vocab_sharded_edges(
+        layout.zero_stage,
+        tp,
+        pp,
+        layout.cp,
+        layout.dp,
+        layout.dp_shard,
+        model.vocab_size,
+        model.tied_embeddings,
+    )
+
     def rank_parts(r: int) -> tuple[float, float, float, float]:
         """(replicated parameters, routed experts' parameters, activation bytes, pipeline transfers held
         until the step's end) of pipeline rank r."""
@@ -444,6 +459,7 @@ def rank_memory(
             act += inflight * e * tok * h / sp_div  # the stage's input
         if last:
             act += logits + owed * tok * (model.vocab_size / tp + h) * e
+            act += layout.dp * e * tok * h if vocab_sharded else 0.0
         p2p = 0.0
         if pp > 1 and software.p2p_held_until_step_end:
             p2p = p2p_transfers_held(layout, num_micro, r) * e * tok * h / sp_div
@@ -460,7 +476,11 @@ def rank_memory(
     buffers = (2 * e * tok * h / sp_div if pp > 1 else 0) + (e * tok * h if layout.sequence_parallel else 0)
 
     # The largest block gathered at once (per TP rank): a layer, the embedding or the output layer.
-    largest = max(layer_p + layer_x, max(counts.embedding, counts.head) / tp)
+    largest = (
+        layer_p + layer_x
+        if vocab_sharded
+        else max(layer_p + layer_x, max(counts.embedding, counts.head) / tp)
+    )
     gathered = 0.0
     if layout.zero_stage == 3:
         # At the peak (the backward's start, in the output layer) the prefetched block is the last layer.
