@@ -417,6 +417,20 @@ def rank_memory(
         chunk_act = [n * per_mode[layout.recompute] for n in stages]
     tok = b * s
     sp_div = tp if layout.sequence_parallel else 1
+    # The first block's activations during its own backward (recomputed whole under full recomputation).
+    first_block_end = activation_bytes_per_layer(
+        model,
+        s,
+        e,
+        software.flash_attention,
+        tp,
+        b,
+        layout.sequence_parallel,
+        "none" if modes[0] == "full" else modes[0],
+        software.fused_kernels,
+        layout.cp > 1 and layout.cp_comm == "ring",
+        software.moe_imbalance,
+    )
     # Last rank: the micro-batches its schedule keeps in flight plus one micro-batch's logits at the start of
     # its backward. Fused cross-entropy: the logits and an fp32 copy. PyTorch's: the fp32 log-probabilities
     # it saves, their gradient and the fp32 logits' gradient (16-bit logits are cast up and not kept), and
@@ -505,7 +519,13 @@ def rank_memory(
             # FSDP2 at the peak, the backward's start: zero_grad dropped the step's gradient shards; with
             # accumulation the earlier micro-batches' gradients stay unsharded (gradient sync is off until
             # the last micro-batch), a whole fp32 gradient of the rank's parameters.
+            shards = state["grads"]
             state["grads"] = software.grad_bytes * params if num_micro > 1 else 0.0
+            if num_micro == 1 and pp == 1 and shards + first_block_end > activations:
+                # Or its end, in the first block's backward: every gradient shard is in by then (the first
+                # block's own just after) and of the activations only that block's are left, recomputed
+                # whole under full recomputation. The later peak when recomputation made the saved ones few.
+                state["grads"], activations = shards, first_block_end
         exchange = 0.0
         if layout.offload != "none":
             # DeepSpeed's contiguous gradient bucket on the device, in the parameters' dtype (its elements:
