@@ -321,3 +321,25 @@ def test_init_block_matches_the_initialisation():
     from llmtrain.planner.memory import INIT_BLOCK_NUMEL
 
     assert INIT_BLOCK_NUMEL == BLOCK_NUMEL
+
+
+def test_vocab_sharded_edges_are_never_gathered():
+    """ZeRO-3 on 4 DP ranks, tp=pp=cp=1, untied, with a vocabulary of 4096 whose embedding (4096 x 64 =
+    262144 parameters) outweighs a layer: the edges stay vocabulary-sharded (llmtrain.parallel.vocab_sharded),
+    so the gathered bytes are a layer's (the computing and the prefetched one in bf16, one fp32 gradient:
+    8 x PER_LAYER) and the 4 ranks' final hidden states are held (bf16: 4 x 2 x 32 x 64 = 16384 bytes more
+    activations). Hybrid sharding (dp_shard=2) and tied embeddings gather them: the embedding is the
+    largest."""
+    wide = replace(TINY, vocab_size=4096)
+    layout = Layout(dp=4, zero_stage=3)
+    sharded = rank_memory(wide, "bf16", layout, Software(), inflight=1, num_micro=4, reserved_bytes=0.0)
+    assert sharded.gathered == 8 * PER_LAYER
+    hybrid = rank_memory(
+        wide, "bf16", replace(layout, dp_shard=2), Software(), inflight=1, num_micro=4, reserved_bytes=0.0
+    )
+    assert hybrid.gathered == 2 * (4096 * 64 + PER_LAYER) + 4 * 4096 * 64
+    assert sharded.activations - hybrid.activations == 16384
+    tied = replace(wide, tie_word_embeddings=True)
+    assert rank_memory(
+        tied, "bf16", layout, Software(), inflight=1, num_micro=4, reserved_bytes=0.0
+    ).gathered == (hybrid.gathered)
