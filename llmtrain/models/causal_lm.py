@@ -40,6 +40,9 @@ class CausalLM(nn.Module):
         # Context parallelism (set by llmtrain.parallel.context_parallel.apply_cp): splits whole sequences'
         # inputs into this rank's chunks (split_inputs) and sums the loss over the split (reduce_loss).
         self.context: Any = None
+        # ZeRO-2/3 over the vocabulary (set by llmtrain.parallel.fsdp.apply_fsdp): embeds and computes the
+        # loss from this rank's row shards of embed_tokens and lm_head, so neither is ever gathered whole.
+        self.vocab_sharded: Any = None
         # Packed documents (data.reset_attention_mask; the trainer sets it): the end-of-document token id.
         # Attention then stays inside documents and positions restart after each one.
         self.document_separator: int | None = None
@@ -54,7 +57,10 @@ class CausalLM(nn.Module):
 
     def embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Token (+ learned position) embeddings of (b, s) ids -> (b, s, hidden), after embed_dropout."""
-        x = self.embed_tokens(input_ids)
+        if self.vocab_sharded is not None:
+            x = self.vocab_sharded.embed(input_ids, self.embed_tokens.weight)
+        else:
+            x = self.embed_tokens(input_ids)
         if self.embed_positions is not None:
             if position_ids is None:
                 n_pos = self.embed_positions.num_embeddings
@@ -121,7 +127,10 @@ class CausalLM(nn.Module):
         layers' last forward (as transformers does with output_router_logits) and router_z_loss_coef times
         their z-loss; evaluation reports the cross-entropy alone, comparable with dense models.
         """
-        loss = self.token_loss(logits, labels)
+        return self._with_router_losses(self.token_loss(logits, labels))
+
+    def _with_router_losses(self, loss: torch.Tensor) -> torch.Tensor:
+        """The cross-entropy `loss` plus the MoE router terms of loss() (in training mode)."""
         coef, z_coef = self.config.router_aux_loss_coef, self.config.router_z_loss_coef
         if self.config.is_moe and (coef > 0 or z_coef > 0) and self.training and self.router_stats():
             if coef > 0:
@@ -172,6 +181,9 @@ class CausalLM(nn.Module):
         rope = self.rope(input_ids.shape[1] if position_ids is None else position_ids, x.device, x.dtype)
         for layer in self.layers:
             x = layer(x, rope, documents)
+        if labels is not None and self.vocab_sharded is not None:
+            hidden = self.final_norm(x)
+            return self._with_router_losses(self.vocab_sharded.loss(hidden, self.lm_head.weight, labels))
         logits = self.head(x)
         return logits if labels is None else self.loss(logits, labels)
 

@@ -30,6 +30,10 @@ dp x cp.
 Both are a plain sum then a division of the shard by dp (``set_gradient_divide_factor`` with
 ``set_force_sum_reduction_for_comms``): gloo has no PREMUL_SUM, and the division touches 1/shards of the
 gradient. An expert-DP mesh of one rank (ep = tp x cp x dp) reduces nothing: its gradient is only divided.
+
+Where llmtrain.config.vocab_sharding allows it, the embedding and the output layer are never gathered in
+training: each rank works on its vocabulary rows for the whole shard group's tokens
+(llmtrain.parallel.vocab_sharded).
 """
 
 from __future__ import annotations
@@ -44,9 +48,11 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from llmtrain.config.schema import JobConfig
+from llmtrain.config.vocab_sharding import vocab_sharded_edges
 from llmtrain.parallel.optimizer import LossScaledOptimizer, MakeOptimizer, make_param_groups
 from llmtrain.parallel.tensor_parallel import reduce_tp_grads
 from llmtrain.parallel.topology import Topology
+from llmtrain.parallel.vocab_sharded import VocabShardedEdges
 from llmtrain.precision import torch_dtype
 
 PARAM_ATTRIBUTES = ("tp_layout", "duplicate", "sequence_parallel", "kv_replicas", "expert_slice")
@@ -109,15 +115,28 @@ def _blocks(root: nn.Module) -> list[nn.Module]:
     return list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
 
 
-def _edge_units(root: nn.Module, zero_stage: int) -> list[tuple[nn.Module | list[nn.Module], bool]]:
+def _edges(root: nn.Module) -> list[nn.Module]:
+    """The root's input embedding and output layer (those it has)."""
+    return [m for m in (getattr(root, "embed_tokens", None), getattr(root, "lm_head", None)) if m is not None]
+
+
+def _edge_units(
+    root: nn.Module, zero_stage: int, vocab_sharded: bool
+) -> list[tuple[nn.Module | list[nn.Module], bool]]:
     """The input embedding and the output layer (final norm + head) as FSDP units of their own, each with
     its reshard_after_forward, as torchtitan wraps them: in the root they would stay gathered from the
     forward's first layer to the backward's last, beside every block; a vocabulary-sized matrix each.
     The embedding reshards after the forward at zero 3; the output layer does not, since the backward
-    starts with it. A tied embedding and head share one weight, hence one unit: the root."""
+    starts with it. A tied embedding and head share one weight, hence one unit: the root.
+
+    ``vocab_sharded`` (llmtrain.parallel.vocab_sharded): training never calls either module, it reads their
+    shards; only a forward for logits gathers the head, which then reshards at once. The final norm stays
+    in the root, as calling it must not gather the head."""
     embed, head = getattr(root, "embed_tokens", None), getattr(root, "lm_head", None)
     if embed is not None and head is not None and head.weight is embed.weight:
         return []
+    if vocab_sharded:
+        return [(embed, True), (head, True)]
     units: list[tuple[nn.Module | list[nn.Module], bool]] = []
     if embed is not None:
         units.append((embed, zero_stage == 3))
@@ -154,6 +173,10 @@ def apply_fsdp(model: nn.Module, topo: Topology, job: JobConfig) -> nn.Module:
             topo.expert_dp_group, topo.device.type, mesh=topo.expert_dp_ranks(), mesh_dim_names=("shard",)
         )
     expert_units: list[nn.Module] = []
+    p, m = job.parallel, job.model
+    vocab_sharded = vocab_sharded_edges(
+        zero_stage, topo.tp, topo.pp, topo.cp, topo.dp, p.dp_shard, m.vocab_size, m.tied_embeddings
+    )
     for root in _roots(model):
         for block in _blocks(root):
             experts = getattr(block.mlp, "experts", None)
@@ -163,8 +186,10 @@ def apply_fsdp(model: nn.Module, topo: Topology, job: JobConfig) -> nn.Module:
                 )
                 expert_units.append(experts)
             fully_shard(block, reshard_after_forward=zero_stage == 3, **options)
-        for unit, reshard in _edge_units(root, zero_stage):
+        for unit, reshard in _edge_units(root, zero_stage, vocab_sharded):
             fully_shard(unit, reshard_after_forward=reshard, **options)
+        if vocab_sharded:
+            root.vocab_sharded = VocabShardedEdges(topo.dp_cp_group, mp_policy.param_dtype, job.model.kernels)
         # What is left on the root (a tied embedding and head, position embeddings) is needed first and last.
         fully_shard(root, reshard_after_forward=False, **options)
     # Sum over the mesh, divide by dp (module docstring): every unit under CP, the experts under EP. Without
@@ -198,8 +223,11 @@ def is_fsdp(model: nn.Module) -> bool:
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
     """Reduce-scatter (and, with HSDP, all-reduce) gradients in this backward, or only accumulate them."""
+    # The vocabulary-sharded edges are never gathered, so they hold no unsharded gradient to keep back (their
+    # gradients land on the shards directly); FSDP2's post-backward without sync would look for one.
+    always = {id(m) for root in _roots(model) if getattr(root, "vocab_sharded", None) for m in _edges(root)}
     for module in fsdp_modules(model):
-        module.set_requires_gradient_sync(enabled, recurse=False)
+        module.set_requires_gradient_sync(enabled or id(module) in always, recurse=False)
     model.fsdp_sync_enabled = enabled
 
 

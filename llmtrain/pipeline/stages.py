@@ -64,6 +64,8 @@ class StageModule(nn.Module):
         self.embed_tokens = model.embed_tokens if self.is_first else None
         self.embed_positions = model.embed_positions if self.is_first else None
         self.embed_dropout = model.embed_dropout if self.is_first else None
+        # CausalLM.embed's switch: pipeline chunks gather their edges (llmtrain.config.vocab_sharding: pp=1).
+        self.vocab_sharded = None
         self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layers})
         moe = [i for i, layer in enumerate(model.layers) if isinstance(layer.mlp, MoEMLP)]
         self.num_moe_layers = len(moe)

@@ -78,6 +78,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from llmtrain.config.schema import ModelConfig
+from llmtrain.config.vocab_sharding import vocab_sharded_edges
 from llmtrain.pipeline.partition import partition_layers
 from llmtrain.planner import flops as F
 from llmtrain.planner.pipeline_time import peak_inflight_closed
@@ -421,6 +422,20 @@ def rank_memory(
         chunk_act = [n * per_mode[layout.recompute] for n in stages]
     tok = b * s
     sp_div = tp if layout.sequence_parallel else 1
+    # The first block's activations during its own backward (recomputed whole under full recomputation).
+    first_block_end = activation_bytes_per_layer(
+        model,
+        s,
+        e,
+        software.flash_attention,
+        tp,
+        b,
+        layout.sequence_parallel,
+        "none" if modes[0] == "full" else modes[0],
+        software.fused_kernels,
+        layout.cp > 1 and layout.cp_comm == "ring",
+        software.moe_imbalance,
+    )
     # Last rank: the micro-batches its schedule keeps in flight plus one micro-batch's logits at the start of
     # its backward. Fused cross-entropy: the logits and an fp32 copy. PyTorch's: the fp32 log-probabilities
     # it saves, their gradient and the fp32 logits' gradient (16-bit logits are cast up and not kept), and
@@ -430,6 +445,20 @@ def rank_memory(
     # zb_h1's deferred weight gradients: per owed micro-batch, its layers' linear inputs and output
     # gradients and, on the last stage, the output layer's: the logits' gradient and the final hidden state.
     wgrad = weight_grad_inputs_per_layer(model, tok, e, tp)
+
+    # The embedding and output layer stay vocabulary-sharded here (llmtrain.parallel.vocab_sharded): never
+    # gathered; the shard group's final hidden states are, kept for the backward, and this rank's logits are
+    # its share of the group's, as many as its own would be.
+    vocab_sharded = layout.offload == "none" and vocab_sharded_edges(
+        layout.zero_stage,
+        tp,
+        pp,
+        layout.cp,
+        layout.dp,
+        layout.dp_shard,
+        model.vocab_size,
+        model.tied_embeddings,
+    )
 
     def rank_parts(r: int) -> tuple[float, float, float, float]:
         """(replicated parameters, routed experts' parameters, activation bytes, pipeline transfers held
@@ -449,6 +478,7 @@ def rank_memory(
             act += inflight * e * tok * h / sp_div  # the stage's input
         if last:
             act += logits + owed * tok * (model.vocab_size / tp + h) * e
+            act += layout.dp * e * tok * h if vocab_sharded else 0.0
         p2p = 0.0
         if pp > 1 and software.p2p_held_until_step_end:
             p2p = p2p_transfers_held(layout, num_micro, r) * e * tok * h / sp_div
@@ -465,7 +495,11 @@ def rank_memory(
     buffers = (2 * e * tok * h / sp_div if pp > 1 else 0) + (e * tok * h if layout.sequence_parallel else 0)
 
     # The largest block gathered at once (per TP rank): a layer, the embedding or the output layer.
-    largest = max(layer_p + layer_x, max(counts.embedding, counts.head) / tp)
+    largest = (
+        layer_p + layer_x
+        if vocab_sharded
+        else max(layer_p + layer_x, max(counts.embedding, counts.head) / tp)
+    )
     gathered = 0.0
     if layout.zero_stage == 3:
         # At the peak (the backward's start, in the output layer) the prefetched block is the last layer.
@@ -490,7 +524,13 @@ def rank_memory(
             # FSDP2 at the peak, the backward's start: zero_grad dropped the step's gradient shards; with
             # accumulation the earlier micro-batches' gradients stay unsharded (gradient sync is off until
             # the last micro-batch), a whole fp32 gradient of the rank's parameters.
+            shards = state["grads"]
             state["grads"] = software.grad_bytes * params if num_micro > 1 else 0.0
+            if num_micro == 1 and pp == 1 and shards + first_block_end > activations:
+                # Or its end, in the first block's backward: every gradient shard is in by then (the first
+                # block's own just after) and of the activations only that block's are left, recomputed
+                # whole under full recomputation. The later peak when recomputation made the saved ones few.
+                state["grads"], activations = shards, first_block_end
         exchange = 0.0
         if layout.offload != "none":
             # DeepSpeed's contiguous gradient bucket on the device, in the parameters' dtype (its elements:

@@ -70,6 +70,9 @@ def test_zero3_components_by_hand():
     two fp32 moments 8P/4 = 2P; gradients at the peak (the backward's start): over 4 micro-batches FSDP2
     keeps the earlier ones' gradients unsharded in fp32 (4P), over one there are none yet (zero_grad dropped
     the shards; measured: benchmarks/bench_memory.py's dp2-zero3 and dp4-zero3-hsdp2 rows differ by them).
+    Over one micro-batch with full recompute the later moment is the peak, the first block's backward: all
+    the fp32 gradient shards (4P/4 = P) and only that block's recomputed activations, fewer than the
+    start's (measured on llama-0.5b, README: 1.155 GiB against 1.138 predicted).
     Gathered: the largest block is a layer, 41088 / 2 = 20544 parameters per TP rank; the computing block and
     the prefetched next layer in bf16 (2 x 2 x 20544) plus one block's unsharded fp32 gradient (4 x 20544).
     Activations (full recompute): each of the 4 layers keeps its bf16 input, 2 x 32 x 64 = 4096 bytes, the
@@ -84,7 +87,8 @@ def test_zero3_components_by_hand():
     layout = Layout(tp=2, pp=1, dp=4, micro_batch=1, recompute="full", zero_stage=3)
     mem = tiny(layout)
     assert mem.params == P and mem.grads == 4 * P and mem.optimizer == 2 * P
-    assert tiny(layout, num_micro=1).grads == 0
+    one = tiny(layout, num_micro=1)
+    assert one.grads == P and one.activations < mem.activations
     assert mem.gathered == 2 * 2 * LARGEST + 4 * LARGEST
     assert mem.activations == 4 * 4096 + 4096 + 24576
     assert mem.buffers == 0
@@ -317,3 +321,25 @@ def test_init_block_matches_the_initialisation():
     from llmtrain.planner.memory import INIT_BLOCK_NUMEL
 
     assert INIT_BLOCK_NUMEL == BLOCK_NUMEL
+
+
+def test_vocab_sharded_edges_are_never_gathered():
+    """ZeRO-3 on 4 DP ranks, tp=pp=cp=1, untied, with a vocabulary of 4096 whose embedding (4096 x 64 =
+    262144 parameters) outweighs a layer: the edges stay vocabulary-sharded (llmtrain.parallel.vocab_sharded),
+    so the gathered bytes are a layer's (the computing and the prefetched one in bf16, one fp32 gradient:
+    8 x PER_LAYER) and the 4 ranks' final hidden states are held (bf16: 4 x 2 x 32 x 64 = 16384 bytes more
+    activations). Hybrid sharding (dp_shard=2) and tied embeddings gather them: the embedding is the
+    largest."""
+    wide = replace(TINY, vocab_size=4096)
+    layout = Layout(dp=4, zero_stage=3)
+    sharded = rank_memory(wide, "bf16", layout, Software(), inflight=1, num_micro=4, reserved_bytes=0.0)
+    assert sharded.gathered == 8 * PER_LAYER
+    hybrid = rank_memory(
+        wide, "bf16", replace(layout, dp_shard=2), Software(), inflight=1, num_micro=4, reserved_bytes=0.0
+    )
+    assert hybrid.gathered == 2 * (4096 * 64 + PER_LAYER) + 4 * 4096 * 64
+    assert sharded.activations - hybrid.activations == 16384
+    tied = replace(wide, tie_word_embeddings=True)
+    assert rank_memory(
+        tied, "bf16", layout, Software(), inflight=1, num_micro=4, reserved_bytes=0.0
+    ).gathered == (hybrid.gathered)
