@@ -96,6 +96,24 @@ def tp_head(tp: int, activation: int, tokens: int, sp: bool) -> PassComms:
     return PassComms(loss, (Comm("all_reduce", "tp", tp, activation),))
 
 
+TOKEN_ID_BYTES = 8
+"""Bytes of a token id or label as the data loader hands them over (int64)."""
+
+
+def vocab_sharded_edges(dp: int, activation: int, tokens: int) -> tuple[PassComms, PassComms]:
+    """The embedding's and the output layer's traffic per micro-batch when they stay vocabulary-sharded over
+    the `dp` ZeRO ranks (llmtrain.parallel.vocab_sharded), for a rank's `tokens` and `activation` bytes:
+    the embedding all-gathers the group's ids and reduce-scatters the looked-up rows (its backward
+    all-gathers their gradient); the head all-gathers the final hidden states and the labels, runs the
+    vocab-parallel cross-entropy's two fp32 all-reduces over the group's tokens, and reduce-scatters the
+    hidden states' gradient."""
+    ids = Comm("all_gather", "dp", dp, TOKEN_ID_BYTES * tokens * dp)
+    gather = Comm("all_gather", "dp", dp, activation * dp)
+    scatter = Comm("reduce_scatter", "dp", dp, activation * dp)
+    loss = (Comm("all_reduce", "dp", dp, 4 * tokens * dp), Comm("all_reduce", "dp", dp, 8 * tokens * dp))
+    return PassComms((ids, scatter), (gather,)), PassComms((gather, ids, *loss), (scatter,))
+
+
 RING_BYTES = 4
 """Bytes per element ring attention sends: it computes, and passes K/V and dK/dV around, in at least fp32
 (llmtrain.parallel.context_parallel._compute_dtype)."""

@@ -60,6 +60,7 @@ from llmtrain.planner.cluster import ClusterView
 from llmtrain.planner.memory import (
     MemoryBreakdown,
     activation_bytes_per_layer,
+    edges_vocab_sharded,
     expert_dp_size,
     expert_shard_group,
     layer_parameters,
@@ -500,18 +501,22 @@ class CostModel:
         once = self.c.all_to_all(self.act_bytes * rows * m.hidden_size, ep, tp * cp)
         return 2 * once * moe_layers / m.num_layers
 
-    def _stage_extras(self, tp: int, b: int, sp: bool, cp: int = 1) -> tuple[_Pass, _Pass]:
-        """(first stage: embedding, last stage: final norm, logits and cross-entropy) per micro-batch."""
+    def _stage_extras(self, tp: int, b: int, sp: bool, cp: int = 1, vocab_dp: int = 1) -> tuple[_Pass, _Pass]:
+        """(first stage: embedding, last stage: final norm, logits and cross-entropy) per micro-batch;
+        `vocab_dp` > 1: the edges vocabulary-sharded over that many ZeRO ranks (the same FLOPs per rank, the
+        group's tokens against its share of the vocabulary, plus collectives.vocab_sharded_edges)."""
         m, dev, prec, e = self.w.model, self.dev, self.prec, self.act_bytes
         tok, h, vocab = b * self.w.seq // cp, m.hidden_size, m.vocab_size / tp
         size = e * tok * h
         emb_f = dev.memory_time(2 * e * tok * h, kernels=2)
-        emb = C.tp_embedding(tp, size, sp)
+        if vocab_dp > 1:
+            emb, head = C.vocab_sharded_edges(vocab_dp, size, tok)
+        else:
+            emb, head = C.tp_embedding(tp, size, sp), C.tp_head(tp, size, tok, sp)
         first = _Pass(emb_f, 2 * emb_f, emb_f, self._comm_time(emb.fwd), self._comm_time(emb.bwd))
         logits = dev.gemm_time(tok, vocab, h, prec)
         ce = dev.memory_time(3 * 4 * tok * vocab, kernels=3)  # fp32 softmax, loss and its gradient
         norm = dev.memory_time(2 * e * tok * h / (tp if sp else 1))
-        head = C.tp_head(tp, size, tok, sp)
         head_tp, head_tp_b = self._comm_time(head.fwd), self._comm_time(head.bwd)
         # The embedding's few operators are counted with the head's (host_ops.extra_ops).
         ops_f, ops_b = H.extra_ops(m)
@@ -782,6 +787,7 @@ class CostModel:
         ep = layout.ep
         moe_extra, routed = C.moe_layer_parameters(m, tp, ep)
         experts = 0
+        vocab_sharded = edges_vocab_sharded(layout, m)
         for chunk in range(v):
             stage = chunk * pp + pp_rank
             first, last = stage == 0, stage == pp * v - 1
@@ -797,11 +803,13 @@ class CostModel:
                     add(expert.fwd + expert.bwd + stats.fwd + stats.bwd, num_micro * n)
                     numel += (moe_extra + (routed if ep == 1 else 0)) * n
                     experts += (routed if ep > 1 else 0) * n
+            if vocab_sharded:
+                emb, head = C.vocab_sharded_edges(dp, activation, tok)
+            else:
+                emb, head = C.tp_embedding(tp, activation, sp), C.tp_head(tp, activation, tok, sp)
             if first:
-                emb = C.tp_embedding(tp, activation, sp)
                 add(emb.fwd + emb.bwd, num_micro)
             if last:
-                head = C.tp_head(tp, activation, tok, sp)
                 add(head.fwd + head.bwd + C.cp_loss(cp).fwd, num_micro)
             sends = num_micro * ((not last) + (not first))
             if sends:
@@ -877,6 +885,10 @@ class CostModel:
         embedding = m.vocab_size // tp * m.hidden_size
         positions = m.max_positions * m.hidden_size if m.arch == "gpt" else 0
         norm = 2 * m.hidden_size if m.arch == "gpt" else m.hidden_size
+        if edges_vocab_sharded(layout, m):
+            # One chunk; the embedding and head are units that are never gathered, whose gradients land on
+            # their shards (collectives.vocab_sharded_edges): the root keeps the final norm.
+            return [(block, z3)] * stages[0] + [(norm + positions, False)]
         units: list[tuple[int, bool]] = []
         for chunk in range(v):
             stage = chunk * pp + pp_rank
@@ -916,7 +928,8 @@ class CostModel:
         gradient, and the tensor-parallel, recompute, context-parallel and expert-parallel parts of them."""
         tp, pp, v, b = layout.tp, layout.pp, layout.virtual_stages, layout.micro_batch
         sp, cp = layout.sequence_parallel, layout.cp
-        first, last = self._extras(tp, b, sp, cp)
+        vocab_dp = layout.dp if edges_vocab_sharded(layout, self.w.model) else 1
+        first, last = self._extras(tp, b, sp, cp, vocab_dp)
 
         def layer_of(mode: str) -> _Pass:
             return self._layer(tp, b, sp, mode, cp, layout.cp_comm, layout.ep)

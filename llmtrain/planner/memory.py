@@ -303,6 +303,21 @@ def shard_group(layout: Layout) -> int:
     return (layout.dp_shard or layout.dp) * layout.cp
 
 
+def edges_vocab_sharded(layout: Layout, model: ModelConfig) -> bool:
+    """Whether the trainer runs `layout`'s embedding and output layer vocabulary-parallel over the ZeRO shard
+    group (llmtrain.parallel.vocab_sharded; not under the DeepSpeed engine that offload selects)."""
+    return layout.offload == "none" and vocab_sharded_edges(
+        layout.zero_stage,
+        layout.tp,
+        layout.pp,
+        layout.cp,
+        layout.dp,
+        layout.dp_shard,
+        model.vocab_size,
+        model.tied_embeddings,
+    )
+
+
 def expert_dp_size(layout: Layout) -> int:
     """Ranks holding the same routed experts (the expert-data-parallel group): the cp x dp ranks of a TP rank
     over ep. The planner carves EP out of the dp ranks (ep divides dp) and counts the experts per TP rank,
@@ -449,16 +464,7 @@ def rank_memory(
     # The embedding and output layer stay vocabulary-sharded here (llmtrain.parallel.vocab_sharded): never
     # gathered; the shard group's final hidden states are, kept for the backward, and this rank's logits are
     # its share of the group's, as many as its own would be.
-    vocab_sharded = layout.offload == "none" and vocab_sharded_edges(
-        layout.zero_stage,
-        tp,
-        pp,
-        layout.cp,
-        layout.dp,
-        layout.dp_shard,
-        model.vocab_size,
-        model.tied_embeddings,
-    )
+    vocab_sharded = edges_vocab_sharded(layout, model)
 
     def rank_parts(r: int) -> tuple[float, float, float, float]:
         """(replicated parameters, routed experts' parameters, activation bytes, pipeline transfers held
