@@ -93,6 +93,11 @@ def _rho(t: int, beta1: float, beta2: float) -> float:
     return math.sqrt(sum(x * x / y for x, y in zip(a, b, strict=True)))
 
 
+def worst_gap(got: Sequence[float], want: Sequence[float]) -> float:
+    """The largest relative difference |got - want| / |want| over two equally long curves."""
+    return max(abs(a - b) / abs(b) for a, b in zip(got, want, strict=True))
+
+
 @dataclass
 class Reference:
     """A plain-torch run: each step's loss (then the held-out loss, if any), each step's pre-clipping
@@ -148,7 +153,7 @@ class Reference:
         norms to this one-process run at most `bound`, one line per failure."""
         failures = []
         for kind, got, want in (("loss", losses, self.losses), ("grad norm", grad_norms, self.grad_norms)):
-            gap = max(abs(a - b) / abs(b) for a, b in zip(got, want, strict=True))
+            gap = worst_gap(got, want)
             if not gap <= bound:
                 failures.append(f"{name}: {kind} relative gap {gap:.1e} to one process, bound {bound:.0e}")
         return failures

@@ -6,20 +6,16 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from llmtrain import models
-from llmtrain.checkpoint import Checkpointer
-from llmtrain.checkpoint.convert import read_full
-from llmtrain.config import ConfigError, ModelConfig, load, validate_world
+from llmtrain.config import ConfigError, JobConfig, ModelConfig, load, validate_world
 from llmtrain.models.moe import MoEMLP
-from llmtrain.parallel import Topology, apply_ep, build_optimizer, grad_sync, parallelize
+from llmtrain.parallel import Topology, apply_ep
 from tests.parallel._dist import batches, spawn, tiny_job
-from tests.parallel._reference import ISSUE_GAP, LR, Layout, train_layouts
+from tests.parallel._reference import LR, Layout, train_layouts
+from tests.parallel._resume import build_as_training, resume_failures, save, train_steps
 
 # (name, model overrides, biased routing): every expert reachable, experts 0 and 1 reached by no token
 # (router rows pushed far down; at ep=4 rank 0 then receives no row at all), capacity dropping, and a
@@ -293,65 +289,29 @@ def test_ep_is_carved_out_of_the_world() -> None:
     assert validate_world(load(None, across_tp), 8) == 2  # ep = dp x cp x tp
 
 
-def _build(settings: dict[str, int], out: Path, rank: int, world: int) -> tuple[Any, ...]:
-    """The tiny MoE job at ZeRO-1 and `settings` (ep, cp), saving under `out`, built as training does."""
+def _tiny_moe(settings: dict[str, int], out: Path) -> JobConfig:
+    """The tiny MoE job at ZeRO-1 and `settings` (ep, cp), saving under `out`."""
     job = tiny_job("mixtral", zero_stage=1, **settings)
     job.output_dir = str(out)
-    topo = Topology(job.parallel, world, rank)
-    model = parallelize(models.empty_model(job.model, device="meta"), topo, job)
-    return job, topo, model, build_optimizer(model, topo, job), Checkpointer(job, topo)
-
-
-def _train(parts: tuple[Any, ...], data: list[torch.Tensor]) -> list[float]:
-    """Global-batch mean losses of one step per batch of `data` (the same on every rank)."""
-    job, topo, model, opt, _ = parts
-    losses = []
-    for batch in data:
-        opt.zero_grad()
-        micro = batch.chunk(topo.dp)[topo.dp_rank].split(job.train.micro_batch_size)
-        loss = torch.zeros((), dtype=torch.float64)
-        for i, mb in enumerate(micro):
-            with grad_sync(model, i == len(micro) - 1):
-                part = model(mb[:, :-1], mb[:, 1:]) / len(micro)
-                opt.backward(part)
-            loss += part.detach() / topo.dp
-        dist.all_reduce(loss, group=topo.dp_group)
-        opt.step(LR)
-        losses.append(loss.item())
-    return losses
+    return job
 
 
 def _resume_across_ep(rank: int, world: int, tmp: str) -> list[str]:
     root = Path(tmp)
     data = batches(tiny_job("mixtral"), 4)
-    expected = _train(_build({}, root / "whole", rank, world), data)
+    expected = train_steps(build_as_training(_tiny_moe({}, root / "whole"), rank, world), data, LR)
     failures = []
     ep2, cp2 = dict(ep=2), dict(ep=2, cp=2)
     for first, then in (({}, ep2), (ep2, cp2), (cp2, {})):
         was = "_".join(f"{k}{v}" for k, v in first.items()) or "ep1"
         now = "_".join(f"{k}{v}" for k, v in then.items()) or "ep1"
-        what = f"{was} -> {now}"
-        saving = _build(first, root / was, rank, world)
-        _train(saving, data[:2])
-        saving[-1].save(2, saving[2], saving[3], {"step": 2})
-        loading = _build(then, root / f"{was}_at_{now}", rank, world)
-        loading[-1].load(root / was / "checkpoints", loading[2], loading[3])
-        loading[-1].save(2, loading[2], loading[3], {"step": 2})  # the same state, written by this layout
-        got = _train(loading, data[2:])
-        gap = max(abs(a - b) / abs(b) for a, b in zip(got, expected[2:], strict=True))
-        if not gap <= ISSUE_GAP:
-            failures.append(f"{what}: losses {got}, uninterrupted {expected[2:]}")
-        dist.barrier()
-        if rank == 0:  # model and optimizer state (experts' Adam moments included) stored bitwise alike
-            saved = read_full(root / was / "checkpoints")
-            again = read_full(root / f"{was}_at_{now}" / "checkpoints")
-            if saved.keys() != again.keys():
-                failures.append(f"{what}: keys {sorted(saved.keys() ^ again.keys())}")
-            failures += [
-                f"{what}: {key} differs once re-saved"
-                for key in saved.keys() & again.keys()
-                if not torch.equal(saved[key], again[key])
-            ]
+        saving = build_as_training(_tiny_moe(first, root / was), rank, world)
+        train_steps(saving, data[:2], LR)
+        save(saving, 2)
+        # Model and optimizer state (experts' Adam moments included) stored bitwise alike by both layouts.
+        loading = build_as_training(_tiny_moe(then, root / f"{was}_at_{now}"), rank, world)
+        checkpoints = root / was / "checkpoints"
+        failures += resume_failures(f"{was} -> {now}", checkpoints, loading, 2, data[2:], expected[2:], LR)
     return failures
 
 

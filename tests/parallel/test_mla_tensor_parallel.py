@@ -15,16 +15,13 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from llmtrain import models
-from llmtrain.checkpoint import Checkpointer
-from llmtrain.checkpoint.convert import read_full
 from llmtrain.config import JobConfig
 from llmtrain.models.moe import MoEMLP
-from llmtrain.parallel import Topology, build_optimizer, grad_sync, parallelize
+from llmtrain.parallel import Topology
 from tests.parallel._dist import batches, parallel_run, sgd, spawn, tiny_job
-from tests.parallel._reference import ISSUE_GAP, torch_reference
+from tests.parallel._reference import torch_reference
+from tests.parallel._resume import build_as_training, resume_failures, save, train_steps
 
 STEPS = 3
 LR = 1e-3
@@ -163,33 +160,11 @@ def test_deepseek_tp_layouts_train_like_one_process(world: int) -> None:
     assert not failures, "\n".join(failures)
 
 
-def _build(root: Path, name: str, rank: int, world: int, **layout: Any) -> tuple[Any, ...]:
-    """The DeepSeek job at `layout`, built as training does (on meta, materialised per rank), saving under
-    root/name."""
+def _deepseek_at(root: Path, name: str, **layout: Any) -> JobConfig:
+    """The DeepSeek job at `layout`, saving under root/name."""
     job = deepseek_job(**layout)
     job.output_dir = str(root / name)
-    topo = Topology(job.parallel, world, rank)
-    model = parallelize(models.empty_model(job.model, device="meta"), topo, job)
-    return job, topo, model, build_optimizer(model, topo, job), Checkpointer(job, topo)
-
-
-def _train(parts: tuple[Any, ...], data: list[torch.Tensor]) -> list[float]:
-    """Global-batch mean losses of one step per batch of `data` (the same on every rank)."""
-    job, topo, model, opt, _ = parts
-    losses = []
-    for batch in data:
-        opt.zero_grad()
-        micro = batch.chunk(topo.dp)[topo.dp_rank].split(job.train.micro_batch_size)
-        loss = torch.zeros((), dtype=torch.float64)
-        for i, mb in enumerate(micro):
-            with grad_sync(model, i == len(micro) - 1):
-                part = model(mb[:, :-1], mb[:, 1:]) / len(micro)
-                opt.backward(part)
-            loss += part.detach() / topo.dp
-        dist.all_reduce(loss, group=topo.dp_group)
-        opt.step(LR)
-        losses.append(loss.item())
-    return losses
+    return job
 
 
 TP2 = dict(tp=2, sequence_parallel=True)
@@ -199,32 +174,16 @@ DP2 = dict(dp=2, zero_stage=1)
 def _resume_across_tp(rank: int, world: int, tmp: str) -> list[str]:
     root = Path(tmp)
     data = batches(deepseek_job(), 4)
-    saving = _build(root, "tp2", rank, world, **TP2)
-    _train(saving, data[:2])
-    saving[-1].save(2, *saving[2:4], {"step": 2})
-    expected = _train(saving, data[2:])
+    saving = build_as_training(_deepseek_at(root, "tp2", **TP2), rank, world)
+    train_steps(saving, data[:2], LR)
+    save(saving, 2)
+    expected = train_steps(saving, data[2:], LR)
     failures = []
     # tp=2 -> tp=1 (dp=2), whose re-saved checkpoint goes back to tp=2.
     for name, layout, source in (("dp2", DP2, "tp2"), ("tp2_again", TP2, "dp2")):
-        loading = _build(root, name, rank, world, **layout)
-        loading[-1].load(root / source / "checkpoints", *loading[2:4])
-        loading[-1].save(2, *loading[2:4], {"step": 2})  # the same state, written by this layout
-        got = _train(loading, data[2:])
-        gap = max(abs(a - b) / abs(b) for a, b in zip(got, expected, strict=True))
-        if not gap <= ISSUE_GAP:
-            failures.append(f"{source} -> {name}: losses {got}, uninterrupted {expected}")
-    dist.barrier()
-    if rank == 0:  # model and optimizer state stored bitwise alike by every layout
-        saved = read_full(root / "tp2" / "checkpoints")
-        for name in ("dp2", "tp2_again"):
-            again = read_full(root / name / "checkpoints")
-            if saved.keys() != again.keys():
-                failures.append(f"{name}: keys {sorted(saved.keys() ^ again.keys())}")
-            failures += [
-                f"{name}: {key} differs once re-saved"
-                for key in saved.keys() & again.keys()
-                if not torch.equal(saved[key], again[key])
-            ]
+        loading = build_as_training(_deepseek_at(root, name, **layout), rank, world)
+        checkpoints = root / source / "checkpoints"
+        failures += resume_failures(f"{source} -> {name}", checkpoints, loading, 2, data[2:], expected, LR)
     return failures
 
 

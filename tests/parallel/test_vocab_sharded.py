@@ -23,7 +23,7 @@ from llmtrain.config import JobConfig
 from llmtrain.parallel import Topology
 from llmtrain.parallel import vocab_sharded as vs
 from tests.parallel._dist import batches, parallel_run, spawn, tiny_job
-from tests.parallel._reference import torch_reference
+from tests.parallel._reference import torch_reference, worst_gap
 
 STEPS = 3
 LR = 1e-3
@@ -74,10 +74,6 @@ def _results() -> list[dict]:
     return spawn(4, _worker)
 
 
-def _worst_gap(got: list[float], want: list[float]) -> float:
-    return max(abs(a - b) / abs(b) for a, b in zip(got, want, strict=True))
-
-
 @pytest.mark.slow
 def test_vocab_sharded_layouts_match_single_process_without_gathering() -> None:
     failures = []
@@ -89,7 +85,7 @@ def test_vocab_sharded_layouts_match_single_process_without_gathering() -> None:
             name = f"{overrides} rank {rank}"
             assert run["calls"] == {"sharded": True, "embed_tokens": 0, "lm_head": 0}, (name, run["calls"])
             failures += reference.check(name, run["losses"], run["grad_norms"], run["state"])
-            gap = _worst_gap(run["losses"] + run["grad_norms"], reference.losses + reference.grad_norms)
+            gap = worst_gap(run["losses"] + run["grad_norms"], reference.losses + reference.grad_norms)
             print(f"{name}: worst relative gap to float64 {gap:.2e}")  # shown with pytest -s
             if not gap <= WORST_RELATIVE_GAP:
                 failures.append(f"{name}: worst relative gap {gap:.2e}")
