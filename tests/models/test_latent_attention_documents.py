@@ -4,12 +4,10 @@ sequence gives each document the logits it gets when run alone, in float64."""
 from __future__ import annotations
 
 import pytest
-import torch
 
-from llmtrain import models
 from llmtrain.config import ModelConfig, load
+from tests.models._packed import assert_packed_documents_equal_separate_runs
 
-EOD = 3
 SMALL = dict(
     arch="deepseek_v3",
     num_layers=2,
@@ -45,19 +43,7 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=["low-rank query", "full query, yarn"])
 def test_packed_documents_equal_separate_runs(case: dict) -> None:
-    torch.manual_seed(0)
-    model = models.build(ModelConfig(**SMALL, **case)).double()
-    lengths = [5, 9, 10]  # each ends with EOD but the last
-    g = torch.Generator().manual_seed(1)
-    docs = [torch.randint(4, SMALL["vocab_size"], (2, n), generator=g) for n in lengths]
-    for d in docs[:-1]:
-        d[:, -1] = EOD
-    alone = torch.cat([model(d) for d in docs], dim=1)
-    model.document_separator = EOD
-    packed = model(torch.cat(docs, dim=1))
-    assert torch.allclose(packed, alone, rtol=0, atol=1e-10)
-    model.document_separator = None
-    assert not torch.allclose(model(torch.cat(docs, dim=1)), alone, rtol=0, atol=1e-3)
+    assert_packed_documents_equal_separate_runs(ModelConfig(**SMALL, **case))
 
 
 def test_deepseek_accepts_packed_documents() -> None:

@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 import torch
 
-from llmtrain import models
 from llmtrain.config import ConfigError, JobConfig, ParallelConfig, load, validate_world
 from llmtrain.config.validate import rank_order
 from llmtrain.parallel import Topology
@@ -23,8 +22,9 @@ from llmtrain.parallel.context_parallel import (
     ring_attention,
     split_sequence,
 )
+from tests.models._packed import assert_packed_documents_equal_separate_runs
 from tests.parallel._dist import batches, parallel_run, spawn, tiny_job
-from tests.parallel._reference import EOD, LR, Layout, torch_reference, train_layouts
+from tests.parallel._reference import LR, Layout, torch_reference, train_layouts
 
 
 @pytest.mark.parametrize("cp", [1, 2, 4])
@@ -287,20 +287,7 @@ def test_cp_sits_inside_dp_unless_named() -> None:
 @pytest.mark.parametrize("arch", ["gpt", "llama", "ernie"])
 def test_packed_documents_equal_separate_runs(arch: str) -> None:
     """With model.document_separator, a packed sequence gives each document the logits it gets alone."""
-    job = tiny_job(arch, seq_length=24)
-    torch.manual_seed(0)
-    model = models.build(job.model).double()
-    lengths = [5, 9, 10]  # each ends with EOD but the last
-    g = torch.Generator().manual_seed(1)
-    docs = [torch.randint(4, job.model.vocab_size, (2, n), generator=g) for n in lengths]
-    for d in docs[:-1]:
-        d[:, -1] = EOD
-    alone = torch.cat([model(d) for d in docs], dim=1)
-    model.document_separator = EOD
-    packed = model(torch.cat(docs, dim=1))
-    assert torch.allclose(packed, alone, rtol=0, atol=1e-10)
-    model.document_separator = None
-    assert not torch.allclose(model(torch.cat(docs, dim=1)), alone, rtol=0, atol=1e-3)
+    assert_packed_documents_equal_separate_runs(tiny_job(arch, seq_length=24).model)
 
 
 def test_cp_attention_refuses_bad_shapes() -> None:
