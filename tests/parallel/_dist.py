@@ -219,17 +219,25 @@ def _each_case(rank: int, world: int, fn: Callable[..., Any], cases: dict[str, t
 class SpawnedCases:
     """Results of fn(rank, world, *args) for named cases of (world, args): all cases of one world size run
     in turn in one gloo group, spawned at the first request for any of them (starting the processes and the
-    group costs more than a small case). A case that fails fails every case of its group. For a
-    module-scoped fixture: calling it with a case's name returns each rank's result."""
+    group costs more than a small case). A case that fails fails every case of its group, raising the same
+    error without spawning again. For a module-scoped fixture: called with a case's name, it returns each
+    rank's result."""
 
     def __init__(self, fn: Callable[..., Any], cases: dict[str, tuple[int, tuple]]) -> None:
         self.fn, self.cases = fn, cases
-        self.results: dict[str, list[Any]] = {}
+        self.outcomes: dict[int, dict[str, list[Any]] | Exception] = {}
 
     def __call__(self, name: str) -> list[Any]:
-        if name not in self.results:
-            world = self.cases[name][0]
+        world = self.cases[name][0]
+        if world not in self.outcomes:
             group = {n: args for n, (w, args) in self.cases.items() if w == world}
-            by_rank = spawn(world, _each_case, self.fn, group)
-            self.results.update({n: [r[n] for r in by_rank] for n in group})
-        return self.results[name]
+            try:
+                by_rank = spawn(world, _each_case, self.fn, group)
+            except Exception as err:
+                self.outcomes[world] = err
+                raise
+            self.outcomes[world] = {n: [r[n] for r in by_rank] for n in group}
+        outcome = self.outcomes[world]
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome[name]
