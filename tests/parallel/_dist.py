@@ -214,3 +214,34 @@ def spawn(world: int, fn: Callable[..., Any], *args: Any) -> list[Any]:
         if isinstance(r, Exception):
             raise r
     return results
+
+
+def _each_case(rank: int, world: int, fn: Callable[..., Any], cases: dict[str, tuple]) -> dict[str, Any]:
+    return {name: fn(rank, world, *args) for name, args in cases.items()}
+
+
+class SpawnedCases:
+    """Results of fn(rank, world, *args) for named cases of (world, args): all cases of one world size run
+    in turn in one gloo group, spawned at the first request for any of them (starting the processes and the
+    group costs more than a small case). A case that fails fails every case of its group, raising the same
+    error without spawning again. For a module-scoped fixture: called with a case's name, it returns each
+    rank's result."""
+
+    def __init__(self, fn: Callable[..., Any], cases: dict[str, tuple[int, tuple]]) -> None:
+        self.fn, self.cases = fn, cases
+        self.outcomes: dict[int, dict[str, list[Any]] | Exception] = {}
+
+    def __call__(self, name: str) -> list[Any]:
+        world = self.cases[name][0]
+        if world not in self.outcomes:
+            group = {n: args for n, (w, args) in self.cases.items() if w == world}
+            try:
+                by_rank = spawn(world, _each_case, self.fn, group)
+            except Exception as err:
+                self.outcomes[world] = err
+                raise
+            self.outcomes[world] = {n: [r[n] for r in by_rank] for n in group}
+        outcome = self.outcomes[world]
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome[name]

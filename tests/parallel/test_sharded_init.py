@@ -29,11 +29,13 @@ from llmtrain.parallel.fsdp import local_tensor
 from llmtrain.parallel.materialize import fill_local
 from llmtrain.pipeline.executor import build_pipeline
 from llmtrain.pipeline.stages import build_stages
-from tests.parallel._dist import spawn, tiny_job
+from tests.parallel._dist import SpawnedCases, tiny_job
 
 # 3 rows of 64 per block in the tiny models: blocks straddle the TP and ZeRO boundaries (64-row vocab
 # shards, 32-column o_proj shards), so partial blocks are drawn and cut.
 SMALL_BLOCK = 200
+# The library's block, read before any test or worker changes init.BLOCK_NUMEL.
+DEFAULT_BLOCK = init.BLOCK_NUMEL
 
 
 class LiveBytes(TorchDispatchMode):
@@ -185,21 +187,41 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_shards_of_every_rank_are_the_single_process_model(layout: str, monkeypatch: Any) -> None:
-    arch, world, overrides = LAYOUTS[layout]
+def _layout_job(layout: str) -> JobConfig:
+    arch, _, overrides = LAYOUTS[layout]
     job = tiny_job(arch, **overrides)
     job.train.seed = 4321
-    # The default block (1M elements) is larger than these tensors; the small one makes blocks straddle
+    return job
+
+
+def _block(layout: str) -> int:
+    # The default block (64K elements) is larger than these tensors; the small one makes blocks straddle
     # shard boundaries. One layout keeps the default, drawing each tensor in one block.
-    block = init.BLOCK_NUMEL if layout == "gpt-tp2" else SMALL_BLOCK
-    monkeypatch.setattr(init, "BLOCK_NUMEL", block)
+    return DEFAULT_BLOCK if layout == "gpt-tp2" else SMALL_BLOCK
+
+
+@pytest.fixture(scope="module")
+def constructed() -> SpawnedCases:
+    """Each rank's _construct results per layout, one gloo group per world size (each layout builds its own
+    Topology in it)."""
+    return SpawnedCases(
+        _construct,
+        {name: (world, (_layout_job(name), _block(name))) for name, (_, world, _) in LAYOUTS.items()},
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_shards_of_every_rank_are_the_single_process_model(
+    layout: str, constructed: SpawnedCases, monkeypatch: Any
+) -> None:
+    job = _layout_job(layout)
+    monkeypatch.setattr(init, "BLOCK_NUMEL", _block(layout))
     reference = models.build(job.model, seed=job.train.seed)
     want = dict(reference.named_parameters())
     full_bytes = _unique_bytes(reference)
 
-    results = spawn(world, _construct, job, block)
+    results = constructed(layout)
     for key in ("pieces", "trainer_pieces"):
         got = _assemble([r[key] for r in results])
         assert set(got) == set(want), key

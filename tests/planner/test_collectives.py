@@ -30,7 +30,7 @@ from llmtrain.pipeline.executor import build_pipeline
 from llmtrain.planner import CostModel, Workload, load_cluster
 from llmtrain.planner.collectives import COUNT_BYTES, Comm
 from llmtrain.planner.cost_model import Layout, Software
-from tests.parallel._dist import batches, spawn, tiny_job
+from tests.parallel._dist import SpawnedCases, batches, tiny_job
 from tests.planner._trace import Tracer
 
 pytestmark = pytest.mark.slow
@@ -102,15 +102,16 @@ def _split(
 
 
 def _check(
+    traced_ranks: list[tuple[int, Counter[Comm]]],
     arch: str,
     world: int,
     overrides: dict,
     bucket_slack: int | None = None,
     buckets: dict[str, tuple[str, ...]] = DP_BUCKETS,
 ) -> None:
-    """Traced against predicted on every rank; `bucket_slack`: compare gradient buckets (the `buckets`
-    groups' operations) by total bytes, to within that many bytes."""
-    for pp_rank, traced in spawn(world, _traced_step, arch, overrides):
+    """Traced (each rank's _traced_step) against predicted on every rank; `bucket_slack`: compare gradient
+    buckets (the `buckets` groups' operations) by total bytes, to within that many bytes."""
+    for pp_rank, traced in traced_ranks:
         predicted = _predicted(arch, overrides, world, pp_rank)
         got, got_totals = _split(traced, buckets if bucket_slack is not None else None)
         want, want_totals = _split(predicted, buckets if bucket_slack is not None else None)
@@ -121,89 +122,100 @@ def _check(
             assert abs(total - want_totals[op]) <= (bucket_slack or 0), (op, total, want_totals[op])
 
 
-@pytest.mark.parametrize(
-    "arch,world,overrides",
-    [
-        ("llama", 2, dict(tp=2)),
-        ("gpt", 2, dict(tp=2, recompute="full")),
-        ("llama", 2, dict(tp=2, sequence_parallel=True)),
-        ("gpt", 2, dict(tp=2, sequence_parallel=True, recompute="full")),
-        ("gpt", 2, dict(pp=2)),
-        ("llama", 2, dict(pp=2, schedule="interleaved_1f1b", virtual_stages=2, num_layers=4)),
-        ("llama", 4, dict(tp=2, pp=2, schedule="zb_h1", sequence_parallel=True)),
-        (
-            "gpt",
-            4,
-            dict(
-                tp=2,
-                pp=2,
-                num_layers=4,
-                stage_layers=[3, 1],
-                recompute_layers=["full", "none", "none", "full"],
-            ),
+MODEL_PARALLEL = {
+    "tp": ("llama", 2, dict(tp=2)),
+    "tp-full-recompute": ("gpt", 2, dict(tp=2, recompute="full")),
+    "tp-sp": ("llama", 2, dict(tp=2, sequence_parallel=True)),
+    "tp-sp-full-recompute": ("gpt", 2, dict(tp=2, sequence_parallel=True, recompute="full")),
+    "pp-1f1b-tied": ("gpt", 2, dict(pp=2)),
+    "pp-interleaved": ("llama", 2, dict(pp=2, schedule="interleaved_1f1b", virtual_stages=2, num_layers=4)),
+    "zb_h1-tp-sp": ("llama", 4, dict(tp=2, pp=2, schedule="zb_h1", sequence_parallel=True)),
+    "per-layer-plan": (
+        "gpt",
+        4,
+        dict(
+            tp=2, pp=2, num_layers=4, stage_layers=[3, 1], recompute_layers=["full", "none", "none", "full"]
         ),
-    ],
-    ids=[
-        "tp",
-        "tp-full-recompute",
-        "tp-sp",
-        "tp-sp-full-recompute",
-        "pp-1f1b-tied",
-        "pp-interleaved",
-        "zb_h1-tp-sp",
-        "per-layer-plan",
-    ],
-)
-def test_model_parallel_collectives_match_the_trace(arch: str, world: int, overrides: dict) -> None:
-    _check(arch, world, overrides)
+    ),
+}
+DATA_PARALLEL = {f"zero{zero}": ("llama", 2, dict(dp=2, zero_stage=zero)) for zero in (0, 1)}
+# FSDP2 units (blocks, embedding, output layer, root) are counted exactly: gathers per micro-batch, one
+# reduce-scatter per step, over the cp x dp ranks (named "cp" at dp=1).
+FSDP = {
+    "zero2": ("llama", 2, dict(dp=2, zero_stage=2)),
+    "zero3": ("llama", 2, dict(dp=2, zero_stage=3)),
+    "zero3-gpt-tied": ("gpt", 2, dict(dp=2, zero_stage=3)),
+    "zero3-tp-sp": ("llama", 4, dict(dp=2, zero_stage=3, tp=2, sequence_parallel=True)),
+    "zero3-cp": ("llama", 2, dict(dp=1, zero_stage=3, cp=2)),
+}
+# ring: per layer and micro-batch cp-1 K/V sends forward, 2cp-1 (K/V and dK/dV) backward, the forward's
+# again under recomputation; all_to_all: q, k, v and the output forward and backward (at tp=2 a rank's one
+# kv head repeated to cp=2). Under pp the loss's sums over cp run on the last stage. The buckets are
+# all-reduced over cp x dp ("cp" at dp=1) or, at zero 1, exchanged with the 3 peers of the cp x dp group;
+# each padded to the group's size.
+CONTEXT_PARALLEL = {
+    "ring-pp-selective": ("llama", 4, dict(cp=2, pp=2, recompute="selective"), {"cp": ("all_reduce",)}),
+    "all_to_all-tp-sp": (
+        "llama",
+        4,
+        dict(tp=2, cp=2, sequence_parallel=True, cp_comm="all_to_all"),
+        {"cp": ("all_reduce",)},
+    ),
+    "all_to_all-zero1-dp": (
+        "llama",
+        4,
+        dict(cp=2, dp=2, zero_stage=1, cp_comm="all_to_all"),
+        dict.fromkeys(("cp", "dp", "cp+dp"), ("send",)),
+    ),
+}
+EXPERT_PARALLEL = {
+    "ep2": ("mixtral", 2, dict(dp=2, ep=2)),
+    "ep2-expert-dp2-full-recompute": ("mixtral", 4, dict(dp=4, ep=2, recompute="full")),
+    "ep2-cp2-dp2": ("mixtral", 4, dict(cp=2, dp=2, ep=2)),
+}
+_GROUPS = {
+    "model": MODEL_PARALLEL,
+    "data": DATA_PARALLEL,
+    "fsdp": FSDP,
+    "cp": CONTEXT_PARALLEL,
+    "ep": EXPERT_PARALLEL,
+}
 
 
-@pytest.mark.parametrize("zero", [0, 1])
-def test_data_parallel_bytes_match_the_trace(zero: int) -> None:
+@pytest.fixture(scope="module")
+def traced() -> SpawnedCases:
+    """Each rank's _traced_step of every case ("<group>/<id>"), one gloo group per world size."""
+    return SpawnedCases(
+        _traced_step,
+        {
+            f"{group}/{name}": (world, (arch, overrides))
+            for group, cases in _GROUPS.items()
+            for name, (arch, world, overrides, *_) in cases.items()
+        },
+    )
+
+
+@pytest.mark.parametrize("case", MODEL_PARALLEL)
+def test_model_parallel_collectives_match_the_trace(traced: SpawnedCases, case: str) -> None:
+    _check(traced(f"model/{case}"), *MODEL_PARALLEL[case])
+
+
+@pytest.mark.parametrize("case", DATA_PARALLEL)
+def test_data_parallel_bytes_match_the_trace(traced: SpawnedCases, case: str) -> None:
     # Each of the ~10 buckets is padded to a multiple of dp=2 elements (4 bytes each, fp32 gradients).
-    _check("llama", 2, dict(dp=2, zero_stage=zero), bucket_slack=2 * 4 * 2 * 16)
+    _check(traced(f"data/{case}"), *DATA_PARALLEL[case], bucket_slack=2 * 4 * 2 * 16)
 
 
-@pytest.mark.parametrize(
-    "arch,zero,overrides",
-    [
-        ("llama", 2, {}),
-        ("llama", 3, {}),
-        ("gpt", 3, {}),
-        ("llama", 3, dict(tp=2, sequence_parallel=True)),
-        ("llama", 3, dict(cp=2, dp=1)),
-    ],
-    ids=["zero2", "zero3", "zero3-gpt-tied", "zero3-tp-sp", "zero3-cp"],
-)
-def test_fsdp_collectives_match_the_trace(arch: str, zero: int, overrides: dict) -> None:
-    # FSDP2 units (blocks, embedding, output layer, root) are counted exactly: gathers per micro-batch,
-    # one reduce-scatter per step, over the cp x dp ranks (named "cp" at dp=1).
-    overrides = {"dp": 2, **overrides}
-    world = overrides["dp"] * overrides.get("tp", 1) * overrides.get("cp", 1)
-    _check(arch, world, dict(overrides, zero_stage=zero))
+@pytest.mark.parametrize("case", FSDP)
+def test_fsdp_collectives_match_the_trace(traced: SpawnedCases, case: str) -> None:
+    _check(traced(f"fsdp/{case}"), *FSDP[case])
 
 
-@pytest.mark.parametrize(
-    "world,overrides,buckets",
-    [
-        (4, dict(cp=2, pp=2, recompute="selective"), {"cp": ("all_reduce",)}),
-        (4, dict(tp=2, cp=2, sequence_parallel=True, cp_comm="all_to_all"), {"cp": ("all_reduce",)}),
-        (
-            4,
-            dict(cp=2, dp=2, zero_stage=1, cp_comm="all_to_all"),
-            dict.fromkeys(("cp", "dp", "cp+dp"), ("send",)),
-        ),
-    ],
-    ids=["ring-pp-selective", "all_to_all-tp-sp", "all_to_all-zero1-dp"],
-)
-def test_context_parallel_collectives_match_the_trace(world: int, overrides: dict, buckets: dict) -> None:
-    # ring: per layer and micro-batch cp-1 K/V sends forward, 2cp-1 (K/V and dK/dV) backward, the forward's
-    # again under recomputation; all_to_all: q, k, v and the output forward and backward (at tp=2 a rank's
-    # one kv head repeated to cp=2). Under pp the loss's sums over cp run on the last stage. The buckets are
-    # all-reduced over cp x dp ("cp" at dp=1) or, at zero 1, exchanged with the 3 peers of the cp x dp
-    # group; each padded to the group's size.
+@pytest.mark.parametrize("case", CONTEXT_PARALLEL)
+def test_context_parallel_collectives_match_the_trace(traced: SpawnedCases, case: str) -> None:
+    arch, world, overrides, buckets = CONTEXT_PARALLEL[case]
     group = overrides.get("dp", 1) * overrides["cp"]
-    _check("llama", world, overrides, bucket_slack=2 * 4 * group * 16, buckets=buckets)
+    _check(traced(f"cp/{case}"), arch, world, overrides, bucket_slack=2 * 4 * group * 16, buckets=buckets)
 
 
 def _row_exchanges(counts: Counter[Comm], experts: int) -> tuple[Counter[Comm], Counter[Comm]]:
@@ -212,12 +224,8 @@ def _row_exchanges(counts: Counter[Comm], experts: int) -> tuple[Counter[Comm], 
     return counts - rows, rows
 
 
-@pytest.mark.parametrize(
-    "world,overrides",
-    [(2, dict(dp=2, ep=2)), (4, dict(dp=4, ep=2, recompute="full")), (4, dict(cp=2, dp=2, ep=2))],
-    ids=["ep2", "ep2-expert-dp2-full-recompute", "ep2-cp2-dp2"],
-)
-def test_expert_parallel_collectives_match_the_trace(world: int, overrides: dict) -> None:
+@pytest.mark.parametrize("case", EXPERT_PARALLEL)
+def test_expert_parallel_collectives_match_the_trace(traced: SpawnedCases, case: str) -> None:
     # Per MoE layer and micro-batch: the count exchange (E int64) and the dispatch and combine forward,
     # their reverses backward (the forward's again under full recomputation). A rank's all-to-all bytes
     # are what it sends: all its own routed rows (tokens x top-k, dropless) in the dispatch and in the
@@ -231,9 +239,10 @@ def test_expert_parallel_collectives_match_the_trace(world: int, overrides: dict
     experts = tiny_job("mixtral").model.num_experts
     buckets = {"dp": ("all_reduce",), "cp+dp": ("all_reduce",), "edp": ("all_reduce",)}
     traced_rows = predicted_rows = 0
-    for pp_rank, traced in spawn(world, _traced_step, "mixtral", overrides):
+    _, world, overrides = EXPERT_PARALLEL[case]
+    for pp_rank, counts in traced(f"ep/{case}"):
         predicted = _predicted("mixtral", overrides, world, pp_rank)
-        (got, got_rows), (want, want_rows) = (_row_exchanges(c, experts) for c in (traced, predicted))
+        (got, got_rows), (want, want_rows) = (_row_exchanges(c, experts) for c in (counts, predicted))
         assert got_rows.total() == want_rows.total() > 0, (got_rows, want_rows)
         [(own, sends)] = want_rows.items()  # one size predicted: the rank's own rows
         assert got_rows[own] >= sends // 2, (got_rows, own)  # dispatch and combine backward, exact
