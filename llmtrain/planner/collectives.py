@@ -45,7 +45,7 @@ def _gather_scatter(tp: int, activation: int) -> tuple[Comm, Comm]:
     return Comm("all_gather", "tp", tp, activation), Comm("reduce_scatter", "tp", tp, activation)
 
 
-def tp_layer(tp: int, activation: int, sp: bool, recompute: str) -> PassComms:
+def tp_layer(tp: int, activation: int, sp: bool, recompute: str, moe: bool = False) -> PassComms:
     """One transformer layer's TP collectives on an `activation`-byte (b*s*h) input.
 
     Without SP: the region entries all-reduce the input gradient in the backward (2) and the region exits
@@ -53,18 +53,27 @@ def tp_layer(tp: int, activation: int, sp: bool, recompute: str) -> PassComms:
     sequence in the forward and reduce-scatter its gradient in the backward, the exits reduce-scatter in
     the forward and all-gather the gradient in the backward, and the 4 column-parallel linears re-gather
     their input in the backward: 2 all-gathers + 2 reduce-scatters forward, 6 + 2 backward. Full
-    recomputation runs the forward's collectives again in the backward."""
+    recomputation runs the forward's collectives again in the backward.
+
+    `moe`: the MLP is a mixture of experts, which is not a TP region (tensor_parallel._shard_moe): with SP
+    it routes the sequence shard the rank holds (no collective); without SP each rank routes its slice of
+    the replicated input and all-gathers the outputs (the slice's backward all-gathers the gradient). The
+    attention region stays, with its 3 column-parallel q, k, v."""
     if tp == 1:
         return PassComms()
+    regions = 1 if moe else 2
     if sp:
         gather, scatter = (
             Comm("all_gather", "tp", tp, activation),
             Comm("reduce_scatter", "tp", tp, activation),
         )
-        fwd = (gather,) * 2 + (scatter,) * 2
-        bwd = (gather,) * (2 + COLUMN_PARALLEL_PER_LAYER) + (scatter,) * 2
+        column = COLUMN_PARALLEL_PER_LAYER - (1 if moe else 0)
+        fwd = (gather,) * regions + (scatter,) * regions
+        bwd = (gather,) * (regions + column) + (scatter,) * regions
     else:
-        fwd = bwd = (Comm("all_reduce", "tp", tp, activation),) * 2
+        fwd = bwd = (Comm("all_reduce", "tp", tp, activation),) * regions
+        if moe:
+            fwd = bwd = (*fwd, Comm("all_gather", "tp", tp, activation))
     return PassComms(fwd, fwd + bwd if recompute == "full" else bwd)
 
 
@@ -211,14 +220,14 @@ def rank_parameters(model: ModelConfig, tp: int, layers: int, first: bool, last:
     """(parameters, of which TP-replicated under sequence parallelism) one TP rank holds for `layers`
     layers plus the embedding (`first`) and the final norm and untied output layer (`last`): q heads,
     MLP columns and vocabulary rows split over tp, each rank holding max(kv/tp, 1) kv heads; norms, the
-    row-parallel biases and the learned position table replicated."""
+    row-parallel biases and the learned position table replicated; QK-norms whole (qk_norm_parameters)."""
     h, d, v = model.hidden_size, model.head_size, model.vocab_size
     a, kv = model.num_attention_heads // tp, max(model.kv_heads // tp, 1)
     norm = 2 * h if model.arch == "gpt" else h
     attn = h * (a + 2 * kv) * d + a * d * h + ((a + 2 * kv) * d if model.bias else 0)
     mlp = _dense_mlp_parameters(model, tp)
     replicated_layer = 2 * norm + (2 * h if model.bias else 0)
-    total = layers * (attn + mlp + replicated_layer)
+    total = layers * (attn + mlp + replicated_layer + qk_norm_parameters(model))
     replicated = layers * replicated_layer
     if first:
         positions = model.max_positions * h if model.arch == "gpt" else 0
@@ -230,18 +239,27 @@ def rank_parameters(model: ModelConfig, tp: int, layers: int, first: bool, last:
     return total, replicated
 
 
+def qk_norm_parameters(model: ModelConfig) -> int:
+    """A layer's QK-norm weights (qwen3_moe: one head_dim-wide weight each for q and k, shared by every
+    head): whole on every TP rank, their gradients partial sums over TP (each rank normalises its heads)."""
+    return 2 * model.head_size if model.arch == "qwen3_moe" else 0
+
+
 def _dense_mlp_parameters(model: ModelConfig, tp: int) -> int:
     """A dense MLP's column- and row-parallel weights (and column biases) on one TP rank."""
     h, f, gated = model.hidden_size, model.ffn_size, model.arch != "gpt"
     return (3 if gated else 2) * h * f // tp + (((2 if gated else 1) * f // tp) if model.bias else 0)
 
 
-def moe_layer_parameters(model: ModelConfig, tp: int, ep: int) -> tuple[int, int]:
-    """(parameters beyond the dense layer rank_parameters counts, routed experts) of one MoE layer on one
-    rank: the router and shared experts (gated, no biases) in place of the dense MLP, and the rank's
-    num_experts / ep routed experts, reduced apart over the expert-data-parallel group. Counted as the
-    planner's memory model counts them (MLP weights split over tp); traced at tp=1 only."""
+def moe_layer_parameters(model: ModelConfig, tp: int, ep: int) -> tuple[int, int, int]:
+    """(parameters beyond the dense layer rank_parameters counts, routed experts, gradients summed over TP)
+    of one MoE layer on one rank: the router and shared experts (gated, no biases) in place of the dense
+    MLP, and the rank's num_experts / ep routed experts, reduced apart over the expert-data-parallel group.
+    Every TP rank holds them whole and routes its share of the sequence, so at tp > 1 the router's, the
+    shared experts' and (at ep = 1) the routed experts' gradients are partial sums over TP
+    (llmtrain.parallel.tensor_parallel._shard_moe)."""
     h, fe = model.hidden_size, model.expert_ffn_size
-    shared = 3 * h * fe * model.num_shared_experts // tp
-    routed = model.num_experts // ep * 3 * h * fe // tp
-    return model.num_experts * h + shared - _dense_mlp_parameters(model, tp), routed
+    router_shared = model.num_experts * h + 3 * h * fe * model.num_shared_experts
+    routed = model.num_experts // ep * 3 * h * fe
+    partial = (router_shared + (routed if ep == 1 else 0)) if tp > 1 else 0
+    return router_shared - _dense_mlp_parameters(model, tp), routed, partial

@@ -783,9 +783,9 @@ class CostModel:
         modes = layout.layer_modes(m.num_layers)
         starts = list(itertools.accumulate(stages, initial=0))
         heads, kv = m.num_attention_heads // tp, max(m.kv_heads // tp, 1)
-        numel = replicated = 0
+        numel = replicated = partial = 0
         ep = layout.ep
-        moe_extra, routed = C.moe_layer_parameters(m, tp, ep)
+        moe_extra, routed, moe_partial = C.moe_layer_parameters(m, tp, ep)
         experts = 0
         vocab_sharded = edges_vocab_sharded(layout, m)
         for chunk in range(v):
@@ -793,7 +793,7 @@ class CostModel:
             first, last = stage == 0, stage == pp * v - 1
             layers = range(starts[stage], starts[stage + 1])
             for (mode, moe), n in Counter((modes[i], m.is_moe_layer(i)) for i in layers).items():
-                layer = C.tp_layer(tp, activation, sp, mode)
+                layer = C.tp_layer(tp, activation, sp, mode, moe)
                 context = C.cp_layer(cp, layout.cp_comm, tok, heads, kv, m.head_size, e, mode)
                 add(layer.fwd + layer.bwd + context.fwd + context.bwd, num_micro * n)
                 if moe:
@@ -802,6 +802,7 @@ class CostModel:
                     stats = C.router_stats(m.num_experts, tp, cp, mode)
                     add(expert.fwd + expert.bwd + stats.fwd + stats.bwd, num_micro * n)
                     numel += (moe_extra + (routed if ep == 1 else 0)) * n
+                    partial += moe_partial * n
                     experts += (routed if ep > 1 else 0) * n
             if vocab_sharded:
                 emb, head = C.vocab_sharded_edges(dp, activation, tok)
@@ -815,16 +816,20 @@ class CostModel:
             if sends:
                 out[C.Comm("send", "pp", 2, activation // (tp if sp else 1))] += sends
             n, r = C.rank_parameters(m, tp, stages[stage], first, last)
+            partial += C.qk_norm_parameters(m) * stages[stage] if tp > 1 else 0
             numel, replicated = numel + n, replicated + r
         if pp > 1:
             out[C.Comm("broadcast", "pp", pp, 4)] += 1  # the mean loss, from the last stage
             tied = m.tied_embeddings and pp_rank in (0, pp - 1)
             if tied:
                 out[C.Comm("all_reduce", "pp", 2, 4 * m.vocab_size // tp * m.hidden_size)] += 1
-        if sp and tp > 1:
+        # One all-reduce over TP of the gradients that are partial sums there: the SP-replicated ones, and
+        # (with SP or without) the MoE layers' and QK-norms' (reduce_tp_grads).
+        summed = (replicated if sp else 0) + partial
+        if tp > 1 and summed:
             # FSDP2 sums this rank's shards of them (dim 0 split over dp; exact when it divides).
             shards = dp if layout.zero_stage >= 2 else 1
-            out[C.Comm("all_reduce", "tp", tp, 4 * replicated // shards)] += 1
+            out[C.Comm("all_reduce", "tp", tp, 4 * summed // shards)] += 1
         # Under EP every rank's expert gradients differ: the norm is summed over the world.
         sharded_norm = (layout.zero_stage >= 1 and dp * cp > 1) or ep > 1
         norm_dims = ("tp", "cp", "pp", "dp") if sharded_norm else ("tp", "pp")

@@ -185,6 +185,14 @@ def moe_layer_count(model: ModelConfig) -> int:
     return sum(model.is_moe_layer(i) for i in range(model.num_layers))
 
 
+def moe_whole_parameters(model: ModelConfig) -> int:
+    """Parameters of all MoE layers' routers and shared experts: what every TP rank holds whole (the trainer
+    splits the sequence, not the MoE weights, over TP: llmtrain.parallel.tensor_parallel._shard_moe)."""
+    h = model.hidden_size
+    per_layer = model.num_experts * h + 3 * h * model.expert_ffn_size * model.num_shared_experts
+    return moe_layer_count(model) * per_layer
+
+
 def expert_parameters(model: ModelConfig) -> int:
     """Parameters of the routed experts of all MoE layers (gated MLPs of expert_ffn_size, no biases): what
     expert parallelism divides over its ranks; routers and shared experts stay replicated."""

@@ -218,12 +218,13 @@ def layer_parameters(
     model: ModelConfig, tp: int, ep: int, counts: F.ParamCounts | None = None
 ) -> tuple[float, float]:
     """(replicated, routed-expert) parameters of the mean layer on one TP rank: a MoE model's routers and
-    shared experts are averaged over its layers with the replicated part; its routed experts are divided
-    over the ep ranks too (and, as the MLP, over tp). `counts`: the model's parameter counts, if known."""
+    shared experts are averaged over its layers with the replicated part, whole on every TP rank (the
+    trainer splits the sequence over TP for them, not their weights); its routed experts are divided over
+    the ep ranks only. `counts`: the model's parameter counts, if known."""
     counts = counts or F.parameter_counts(model)
-    experts = F.expert_parameters(model)
-    replicated = (counts.per_layer + (counts.moe_extra - experts) / model.num_layers) / tp
-    return replicated, experts / model.num_layers / (tp * ep)
+    experts, whole = F.expert_parameters(model), F.moe_whole_parameters(model)
+    split = counts.per_layer * model.num_layers + counts.moe_extra - experts - whole
+    return (split / tp + whole) / model.num_layers, experts / model.num_layers / ep
 
 
 def stage_layers(model: ModelConfig, num_stages: int, balance: bool) -> tuple[int, ...]:

@@ -127,6 +127,10 @@ MODEL_PARALLEL = {
     "tp-full-recompute": ("gpt", 2, dict(tp=2, recompute="full")),
     "tp-sp": ("llama", 2, dict(tp=2, sequence_parallel=True)),
     "tp-sp-full-recompute": ("gpt", 2, dict(tp=2, sequence_parallel=True, recompute="full")),
+    # MoE layers keep their weights whole under TP and route a slice of the sequence (gathered back without
+    # SP); their router, shared and expert gradients join the TP all-reduce of partial sums.
+    "moe-tp": ("mixtral", 2, dict(tp=2)),
+    "moe-tp-sp-full-recompute": ("mixtral", 2, dict(tp=2, sequence_parallel=True, recompute="full")),
     "pp-1f1b-tied": ("gpt", 2, dict(pp=2)),
     "pp-interleaved": ("llama", 2, dict(pp=2, schedule="interleaved_1f1b", virtual_stages=2, num_layers=4)),
     "zb_h1-tp-sp": ("llama", 4, dict(tp=2, pp=2, schedule="zb_h1", sequence_parallel=True)),
