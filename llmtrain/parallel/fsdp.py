@@ -173,9 +173,15 @@ def apply_fsdp(model: nn.Module, topo: Topology, job: JobConfig) -> nn.Module:
             topo.expert_dp_group, topo.device.type, mesh=topo.expert_dp_ranks(), mesh_dim_names=("shard",)
         )
     expert_units: list[nn.Module] = []
-    p, m = job.parallel, job.model
     vocab_sharded = vocab_sharded_edges(
-        zero_stage, topo.tp, topo.pp, topo.cp, topo.dp, p.dp_shard, m.vocab_size, m.tied_embeddings
+        zero_stage,
+        topo.tp,
+        topo.pp,
+        topo.cp,
+        topo.dp,
+        job.parallel.dp_shard,
+        job.model.vocab_size,
+        job.model.tied_embeddings,
     )
     for root in _roots(model):
         for block in _blocks(root):
@@ -194,8 +200,9 @@ def apply_fsdp(model: nn.Module, topo: Topology, job: JobConfig) -> nn.Module:
         fully_shard(root, reshard_after_forward=False, **options)
     # Sum over the mesh, divide by dp (module docstring): every unit under CP, the experts under EP. Without
     # either, FSDP's mean over the dp mesh is already that.
+    expert_ids = {id(unit) for unit in expert_units}
     for module in fsdp_modules(model):
-        expert = any(module is unit for unit in expert_units)
+        expert = id(module) in expert_ids
         if topo.cp > 1 or expert:
             module.set_gradient_divide_factor(float(topo.dp))
             # On a one-rank mesh (experts at expert_dp = 1) torch divides by the factor when it copies the

@@ -123,6 +123,17 @@ def vocab_sharded_edges(dp: int, activation: int, tokens: int) -> tuple[PassComm
     return PassComms((ids, scatter), (gather,)), PassComms((gather, ids, *loss), (scatter,))
 
 
+def edge_layers(
+    tp: int, sp: bool, vocab_dp: int, activation: int, tokens: int
+) -> tuple[PassComms, PassComms]:
+    """The embedding's and the output layer's (with the loss) collectives per micro-batch: vocabulary-sharded
+    over `vocab_dp` ZeRO ranks when it is above 1 (llmtrain.config.vocab_sharding), else vocab-parallel over
+    tp."""
+    if vocab_dp > 1:
+        return vocab_sharded_edges(vocab_dp, activation, tokens)
+    return tp_embedding(tp, activation, sp), tp_head(tp, activation, tokens, sp)
+
+
 RING_BYTES = 4
 """Bytes per element ring attention sends: it computes, and passes K/V and dK/dV around, in at least fp32
 (llmtrain.parallel.context_parallel._compute_dtype)."""

@@ -509,10 +509,7 @@ class CostModel:
         tok, h, vocab = b * self.w.seq // cp, m.hidden_size, m.vocab_size / tp
         size = e * tok * h
         emb_f = dev.memory_time(2 * e * tok * h, kernels=2)
-        if vocab_dp > 1:
-            emb, head = C.vocab_sharded_edges(vocab_dp, size, tok)
-        else:
-            emb, head = C.tp_embedding(tp, size, sp), C.tp_head(tp, size, tok, sp)
+        emb, head = C.edge_layers(tp, sp, vocab_dp, size, tok)
         first = _Pass(emb_f, 2 * emb_f, emb_f, self._comm_time(emb.fwd), self._comm_time(emb.bwd))
         logits = dev.gemm_time(tok, vocab, h, prec)
         ce = dev.memory_time(3 * 4 * tok * vocab, kernels=3)  # fp32 softmax, loss and its gradient
@@ -690,26 +687,24 @@ class CostModel:
         z, tp, e, g = layout.zero_stage, layout.tp, self.act_bytes, self.sw.grad_bytes
         dp = layout.dp * layout.cp  # context-parallel ranks hold the same parameters: reduced together
         shard = shard_group(layout)
+        calls = 0
         if z == 0:
             reduce, gather = self.c.all_reduce(params * g, dp, tp), 0.0
-        else:
-            reduce = self.c.reduce_scatter(params * g, shard, tp)
-            if shard < dp:
-                reduce += self.c.all_reduce(params * g / shard, dp // shard, tp * shard)
-            gather = self.c.all_gather(params * e, shard, tp)
-        calls = 0
-        if z >= 2 and layout.offload == "none":
+        elif z >= 2 and layout.offload == "none":
             # FSDP2 issues one collective per unit (collectives.py counts them): per-call costs (latency,
             # the framework's per-call host time) scale with the units, not with the bytes alone.
             units = self._fsdp_units(layout, 0)
             per_micro = [(n, 2 if reshard else 1) for n, reshard in units]
             reduce = sum(self.c.reduce_scatter(n * g, shard, tp) for n, _ in units)
-            if shard < dp:
-                reduce += self.c.all_reduce(params * g / shard, dp // shard, tp * shard)
             # Per gather round (a micro-batch's forward, at zero 3 also its backward), as `gathers` counts.
             gather = sum(k * self.c.all_gather(n * e, shard, tp) for n, k in per_micro)
             gather /= 2 if z == 3 else 1
             calls = len(units) + num_micro * sum(k for _, k in per_micro)
+        else:
+            reduce = self.c.reduce_scatter(params * g, shard, tp)
+            gather = self.c.all_gather(params * e, shard, tp)
+        if z > 0 and shard < dp:  # hybrid sharding: the shard all-reduced across the replicas
+            reduce += self.c.all_reduce(params * g / shard, dp // shard, tp * shard)
         if experts:
             # Routed experts over the expert-data-parallel group: the ranks holding the same ones, the CP
             # ranks and the DP ranks ep apart, spread over the tp x cp x dp ranks of the stage.
@@ -787,7 +782,7 @@ class CostModel:
         ep = layout.ep
         moe_extra, routed, moe_partial = C.moe_layer_parameters(m, tp, ep)
         experts = 0
-        vocab_sharded = edges_vocab_sharded(layout, m)
+        emb, head = C.edge_layers(tp, sp, dp if edges_vocab_sharded(layout, m) else 1, activation, tok)
         for chunk in range(v):
             stage = chunk * pp + pp_rank
             first, last = stage == 0, stage == pp * v - 1
@@ -804,10 +799,6 @@ class CostModel:
                     numel += (moe_extra + (routed if ep == 1 else 0)) * n
                     partial += moe_partial * n
                     experts += (routed if ep > 1 else 0) * n
-            if vocab_sharded:
-                emb, head = C.vocab_sharded_edges(dp, activation, tok)
-            else:
-                emb, head = C.tp_embedding(tp, activation, sp), C.tp_head(tp, activation, tok, sp)
             if first:
                 add(emb.fwd + emb.bwd, num_micro)
             if last:
