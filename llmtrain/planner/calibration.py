@@ -291,6 +291,24 @@ def measure_host(kind: str, seconds: float) -> tuple[float, float]:
 # ---------------------------------------------------------------------------------------------- links
 
 
+def _median_call_s(dist: Any, call: Any, reps: int, backend: str) -> float:
+    """Median seconds of `reps` calls of a collective step, after one warm-up call (connections, buffers);
+    every rank runs it, a fixed count rather than a time limit so that all run the same collectives."""
+    import torch
+
+    call()
+    dist.barrier()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        call()
+        if backend == "nccl":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    dist.barrier()
+    return statistics.median(times)
+
+
 def _collective_worker(
     rank: int, world: int, port: int, backend: str, sizes: tuple[int, ...], reps: int, out: Any
 ) -> None:
@@ -319,19 +337,8 @@ def _collective_worker(
                 "send": lambda full=full: _ping(dist, full, rank),
             }
             for op, call in calls.items():
-                call()  # warm-up: connections and buffers
-                dist.barrier()
-                # A fixed count, not a time limit: every rank must run the same number of collectives.
-                times = []
-                for _ in range(reps):
-                    start = time.perf_counter()
-                    call()
-                    if backend == "nccl":
-                        torch.cuda.synchronize()
-                    times.append(time.perf_counter() - start)
-                dist.barrier()
                 # A ping-pong moves the buffer twice: one send is half of it.
-                median = statistics.median(times) / (2 if op == "send" else 1)
+                median = _median_call_s(dist, call, reps, backend) / (2 if op == "send" else 1)
                 result[op].append((full.numel() * 4, median))
         fsdp = _fsdp_call_s(dist, world, device, backend, reps, gather, scatter)
         after = _after_compute_s(dist, device, backend, 2 * reps)
@@ -407,20 +414,8 @@ def _fsdp_call_s(
         gather(full, part)
         scatter(part, full)
 
-    times = {}
-    for name, call in (("sharded", sharded), ("bare", bare)):
-        call()  # warm-up
-        dist.barrier()
-        runs = []
-        for _ in range(reps):
-            start = time.perf_counter()
-            call()
-            if backend == "nccl":
-                torch.cuda.synchronize()
-            runs.append(time.perf_counter() - start)
-        dist.barrier()
-        times[name] = statistics.median(runs)
-    return max(times["sharded"] - times["bare"], 0.0) / 3
+    added = _median_call_s(dist, sharded, reps, backend) - _median_call_s(dist, bare, reps, backend)
+    return max(added, 0.0) / 3
 
 
 def _ping(dist: Any, t: Any, rank: int) -> None:
