@@ -131,6 +131,10 @@ MODEL_PARALLEL = {
     # SP); their router, shared and expert gradients join the TP all-reduce of partial sums.
     "moe-tp": ("mixtral", 2, dict(tp=2)),
     "moe-tp-sp-full-recompute": ("mixtral", 2, dict(tp=2, sequence_parallel=True, recompute="full")),
+    # Latent attention: q/kv up-projections column-parallel, o_proj row-parallel, the down-projections
+    # and their norms whole on every TP rank, their gradients summed over TP.
+    "mla-tp": ("deepseek_v3", 2, dict(tp=2)),
+    "mla-tp-sp": ("deepseek_v3", 2, dict(tp=2, sequence_parallel=True)),
     "pp-1f1b-tied": ("gpt", 2, dict(pp=2)),
     "pp-interleaved": ("llama", 2, dict(pp=2, schedule="interleaved_1f1b", virtual_stages=2, num_layers=4)),
     "zb_h1-tp-sp": ("llama", 4, dict(tp=2, pp=2, schedule="zb_h1", sequence_parallel=True)),
@@ -176,6 +180,14 @@ EXPERT_PARALLEL = {
     "ep2": ("mixtral", 2, dict(dp=2, ep=2)),
     "ep2-expert-dp2-full-recompute": ("mixtral", 4, dict(dp=4, ep=2, recompute="full")),
     "ep2-cp2-dp2": ("mixtral", 4, dict(cp=2, dp=2, ep=2)),
+    # EP spanning the TP pair: each TP rank dispatches the 1/tp of the sequence it routes.
+    "ep2-tp2": ("mixtral", 2, dict(tp=2, ep=2)),
+    "ep2-tp2-sp": ("mixtral", 2, dict(tp=2, ep=2, sequence_parallel=True)),
+    # FSDP2: the experts in units of their own over the expert-DP ranks.
+    "ep2-zero3": ("mixtral", 2, dict(dp=2, ep=2, zero_stage=3)),
+    # EP inside dp at tp=2: the TP pair holds the same experts, their expert-DP group (edp = tp x dp / ep).
+    "ep2-tp2-dp2": ("mixtral", 4, dict(tp=2, dp=2, ep=2)),
+    "ep2-tp2-dp2-zero3": ("mixtral", 4, dict(tp=2, dp=2, ep=2, zero_stage=3, sequence_parallel=True)),
 }
 _GROUPS = {
     "model": MODEL_PARALLEL,

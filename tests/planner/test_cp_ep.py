@@ -119,11 +119,11 @@ def test_expert_all_to_all_time_by_hand() -> None:
     intra, inter = cost.c.intra, cost.c.inter
     # ep=8 in one node of 8; per MoE layer (all 32 are) a dispatch and a combine.
     one = 7 / 8 * volume / intra.bytes_per_s + 7 * intra.alpha
-    assert cost._ep_time(1, tok, 1, 8) == pytest.approx(2 * one)
+    assert cost._ep_time(1, tok, 1, 8, 64) == pytest.approx(2 * one)
     # ep=16 spans two nodes: 8 members per node drive 8 NICs.
     one = 15 / 16 * volume / min(8 * inter.bytes_per_s, intra.bytes_per_s) + 15 * inter.alpha
-    assert cost._ep_time(1, tok, 1, 16) == pytest.approx(2 * one)
-    assert cost._ep_time(1, tok, 1, 1) == 0.0
+    assert cost._ep_time(1, tok, 1, 16, 64) == pytest.approx(2 * one)
+    assert cost._ep_time(1, tok, 1, 1, 64) == 0.0
 
 
 def test_expert_state_divides_by_ep_and_shards_over_expert_data_parallel() -> None:
