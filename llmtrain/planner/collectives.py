@@ -10,7 +10,9 @@ tests/planner/test_collectives.py traces what the trainer issues on gloo and com
 
 from __future__ import annotations
 
+import functools
 import math
+from collections import Counter
 from dataclasses import dataclass
 
 from llmtrain.config.schema import ModelConfig
@@ -216,6 +218,27 @@ def expert_groups(tp: int, cp: int, dp: int, ep: int) -> tuple[tuple[int, ...], 
 
     ep_group = tuple(sorted(rank(i) for i in range(ep)))
     return ep_group, tuple(sorted(rank(i) for i in range(0, tp * cp * dp, ep)))
+
+
+@functools.lru_cache(maxsize=4096)  # asked for every layout the search evaluates
+def expert_group_strides(tp: int, cp: int, dp: int, ep: int, devices_per_node: int) -> tuple[int, int]:
+    """(EP group, expert-DP group): the stride (cluster.ClusterView's `stride` argument) that puts as many
+    of each group's members on one node as the trainer's placement does (expert_groups: EP inside the DP
+    ranks, or spanning CP or TP ranks, whose members are not evenly spaced); 1 for a group inside a node."""
+    strides = []
+    for ranks in expert_groups(tp, cp, dp, ep):
+        nodes = Counter(r // devices_per_node for r in ranks)
+        strides.append(1 if len(nodes) == 1 else max(devices_per_node // min(nodes.values()), 1))
+    return strides[0], strides[1]
+
+
+def ep_placement(tp: int, cp: int, dp: int, ep: int) -> str:
+    """Where the trainer carves the ep ranks out of tp x cp x dp (llmtrain.parallel.topology), in words."""
+    if dp % ep == 0:
+        return f"inside the {dp} data-parallel ranks"
+    if ep % dp == 0 and cp % (ep // dp) == 0:
+        return f"over the {dp} data-parallel ranks and {ep // dp} of the {cp} context-parallel ranks"
+    return f"over the {dp * cp} data x context-parallel ranks and {ep // (dp * cp)} of the {tp} TP ranks"
 
 
 def router_stats(experts: int, tp: int, cp: int, recompute: str) -> PassComms:

@@ -531,15 +531,8 @@ class CostModel:
         return 2 * once * moe_layers / m.num_layers
 
     def _expert_strides(self, layout: Layout) -> tuple[int, int]:
-        """The stride (collectives' `stride` argument) that puts as many members of the EP group, and of the
-        expert-data-parallel group, on one node as the trainer's placement does (collectives.expert_groups:
-        EP inside the DP ranks, or spanning CP or TP ranks): 1 for a group inside one node."""
-        gpn = self.c.devices_per_node
-        strides = []
-        for ranks in C.expert_groups(layout.tp, layout.cp, layout.dp, layout.ep):
-            nodes = Counter(r // gpn for r in ranks)
-            strides.append(1 if len(nodes) == 1 else max(gpn // min(nodes.values()), 1))
-        return strides[0], strides[1]
+        """The EP and expert-DP groups' strides on this cluster (collectives.expert_group_strides)."""
+        return C.expert_group_strides(layout.tp, layout.cp, layout.dp, layout.ep, self.c.devices_per_node)
 
     def _stage_extras(self, tp: int, b: int, sp: bool, cp: int = 1, vocab_dp: int = 1) -> tuple[_Pass, _Pass]:
         """(first stage: embedding, last stage: final norm, logits and cross-entropy) per micro-batch;
@@ -727,7 +720,7 @@ class CostModel:
         dp = layout.dp * layout.cp  # context-parallel ranks hold the same parameters: reduced together
         shard = shard_group(layout)
         xgroup, xshard = expert_dp_size(layout), expert_shard_group(layout)
-        xstride = self._expert_strides(layout)[1]
+        xstride = self._expert_strides(layout)[1] if experts else 1
         fsdp = z >= 2 and layout.offload == "none"
         calls = 0
         if z == 0:
