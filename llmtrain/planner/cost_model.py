@@ -23,9 +23,14 @@ Per transformer layer and micro-batch (b samples of s tokens, on one tensor-para
   reduced over dp x cp (collectives.cp_layer and tests/planner/test_collectives.py, traced).
 - mixture of experts: routed experts' matmuls run on top-k rows per token (times Software.moe_imbalance, the
   busiest rank's load over the mean) spread over the E/ep experts of the rank, plus the router and shared
-  experts; expert parallelism (ep ranks carved out of dp, any cp) adds a dispatch and a combine all-to-all of
-  tokens x top-k x hidden per MoE layer in the forward and again in the backward, on the links the ep group
-  spans; routed experts' gradients are reduced over the expert-data-parallel group (dp x cp / ep).
+  experts; under TP each TP rank routes 1/tp of the tokens with the MoE weights whole (no MLP region, the
+  router statistics all-reduced over TP and CP). Expert parallelism (ep ranks carved out of the tp x cp x dp
+  ranks as the trainer carves them: inside dp, spanning cp or tp) adds a dispatch and a combine all-to-all
+  of the rank's routed rows x hidden per MoE layer in the forward and again in the backward, on the links
+  the ep group spans (collectives.expert_group_strides); routed experts' gradients are reduced over the
+  expert-data-parallel group (tp x cp x dp / ep), under FSDP2 as units of their own on that group.
+- latent attention (deepseek_v3): the up-projections and o_proj split by heads over TP, the down-projections
+  and their norms whole on every rank (their gradients in the TP all-reduce of partial sums).
 - data parallelism: gradient all-reduce (ZeRO-0) or reduce-scatter plus parameter all-gather (ZeRO-1) over
   the DP group, overlapped with the last micro-batch's backward when the framework overlaps it; then the
   optimizer step, memory-bound over the rank's (sharded) fp32 state.
@@ -795,10 +800,11 @@ class CostModel:
         parallelism each layer adds its ring sends or all-to-alls (collectives.cp_layer), the last stage the
         loss's sums over cp, each MoE layer its router statistics' sums over tp and cp (collectives.
         router_stats), and the gradients are reduced over dp x cp. Under expert parallelism each MoE
-        layer adds its all-to-alls (collectives.ep_layer, balanced routing), the routed experts' gradients
-        are all-reduced apart over the expert-data-parallel group (memory.expert_dp_size: cp x dp / ep ranks,
-        the trainer's at tp = 1; at zero_stage 0 only: ZeRO's expert shards are not listed yet) and the
-        gradient norm is summed over the world."""
+        layer adds its all-to-alls (collectives.ep_layer of collectives.routed_rows, balanced routing), the
+        routed experts' gradients are all-reduced apart over the expert-data-parallel group (memory.
+        expert_dp_size: tp x cp x dp / ep ranks) at zero 0, or gathered and reduce-scattered there as FSDP2
+        units of their own at zero 2/3 (ZeRO-1's expert shard exchange is not listed yet), and the gradient
+        norm is summed over the world."""
         m, tp, pp, v, dp, cp = self.w.model, layout.tp, layout.pp, layout.virtual_stages, layout.dp, layout.cp
         sp, e, b = layout.sequence_parallel, self.act_bytes, layout.micro_batch
         sizes = {"tp": tp, "cp": cp, "pp": pp, "dp": dp}

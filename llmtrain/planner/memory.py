@@ -16,7 +16,8 @@ Context parallelism (cp): ranks hold the same parameters as data-parallel ones, 
 and every token-sized term (activations, logits, sends, buffers) counts the rank's s/cp tokens; ring
 attention also keeps its fp32 output and log-sum-exp. Mixture of experts: a layer's parameters are its
 replicated part (attention, norms, router, shared experts, averaged over the layers) and its routed experts,
-divided by ep as well as tp; the experts' state shards over the expert-data-parallel group (dp x cp / ep:
+divided by ep (whole on every TP rank, as routers, shared experts and latent attention's down-projections
+are); from zero 1 on the experts' state shards over the expert-data-parallel group (tp x cp x dp / ep:
 expert_shard_group); a MoE layer's activations keep per routed row (top-k per token) the dispatched input,
 the expert's output and the gated MLP's intermediates (moe_mlp_saved_per_token).
 

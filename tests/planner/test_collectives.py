@@ -147,6 +147,8 @@ MODEL_PARALLEL = {
     ),
 }
 DATA_PARALLEL = {f"zero{zero}": ("llama", 2, dict(dp=2, zero_stage=zero)) for zero in (0, 1)}
+# The gradient bytes of a TP rank of latent attention (down-projections whole) and of MoE layers (whole).
+DATA_PARALLEL["mla-tp2-zero0"] = ("deepseek_v3", 4, dict(tp=2, dp=2))
 # FSDP2 units (blocks, embedding, output layer, root) are counted exactly: gathers per micro-batch, one
 # reduce-scatter per step, over the cp x dp ranks (named "cp" at dp=1).
 FSDP = {
