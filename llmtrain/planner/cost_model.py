@@ -454,9 +454,10 @@ class CostModel:
 
     def _mlp_costs(self, tp: int, tok: int, ep: int) -> tuple[float, float]:
         """(matmul seconds, bytes of its memory-bound kernels) of the mean layer's MLP on `tok` tokens of a
-        TP rank. A MoE layer (llmtrain.models.moe.Experts): the router, then one expert after another, each
-        on its share of the top-k rows per token (times Software.moe_imbalance) of the rank's E/ep experts,
-        the shared experts, and the copies of every routed row (gathered by token, concatenated, weighted in
+        TP rank. A MoE layer (llmtrain.models.moe.Experts), its weights whole on the 1/tp of the tokens the
+        TP rank routes (collectives.routed_rows): the router, then one expert after another, each on its
+        share of the top-k rows per token (times Software.moe_imbalance) of the rank's E/ep experts, the
+        shared experts, and the copies of every routed row (gathered by token, concatenated, weighted in
         fp32 and added back); a MoE model's dense and MoE layers are averaged."""
         m, dev, prec, e = self.w.model, self.dev, self.prec, self.act_bytes
         h, f = m.hidden_size, m.ffn_size / tp
@@ -466,18 +467,18 @@ class CostModel:
         moe_layers = F.moe_layer_count(m)
         if not moe_layers:
             return dense, dense_bytes
-        fe, local = m.expert_ffn_size / tp, m.num_experts // ep
-        rows = tok * m.num_experts_per_tok * self.sw.moe_imbalance
+        fe, local, routing = m.expert_ffn_size, m.num_experts // ep, tok // tp
+        rows = C.routed_rows(tok, m.num_experts_per_tok, tp) * self.sw.moe_imbalance
         per_expert = rows / local
         routed = local * (dev.gemm_time(per_expert, 2 * fe, h, prec) + dev.gemm_time(per_expert, h, fe, prec))
         shared_f = fe * m.num_shared_experts
         shared = 0.0
         if shared_f:
-            shared = dev.gemm_time(tok, 2 * shared_f, h, prec) + dev.gemm_time(tok, h, shared_f, prec)
-        moe = dev.gemm_time(tok, m.num_experts, h, prec) + routed + shared
+            shared = dev.gemm_time(routing, 2 * shared_f, h, prec) + dev.gemm_time(routing, h, shared_f, prec)
+        moe = dev.gemm_time(routing, m.num_experts, h, prec) + routed + shared
         # Per routed row of h: gather (read, write), concatenate (read, write), cast up (read e, write 4),
         # weight (read 4, write 4), cast down (read 4, write e), index-add (read, write).
-        moe_bytes = 6 * e * (rows * fe + tok * shared_f) + (8 * e + 16) * rows * h
+        moe_bytes = 6 * e * (rows * fe + routing * shared_f) + (8 * e + 16) * rows * h
         share = moe_layers / m.num_layers
         return (1 - share) * dense + share * moe, (1 - share) * dense_bytes + share * moe_bytes
 

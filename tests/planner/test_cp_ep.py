@@ -289,6 +289,36 @@ def test_router_statistics_and_moe_tp_collectives_are_timed() -> None:
     assert ring.cp_fwd == pytest.approx(exposed[0] + cost.c.all_reduce(4 * (3 * m.num_experts + 2), 2, tp))
 
 
+def _gemm_shapes(cost: CostModel, tp: int) -> list[tuple[float, float, float]]:
+    """The (m, n, k) of every matmul the cost model times for a layer of one sequence at `tp`."""
+    shapes: list[tuple[float, float, float]] = []
+    device = cost.dev
+
+    class Recording:
+        def __getattr__(self, name: str) -> object:
+            return getattr(device, name)
+
+        def gemm_time(self, m: float, n: float, k: float, *args: object, **kw: object) -> float:
+            shapes.append((m, n, k))
+            return device.gemm_time(m, n, k, *args, **kw)
+
+    cost.dev = Recording()
+    try:
+        cost._layer(tp, 1, False, "none")
+    finally:
+        cost.dev = device
+    return shapes
+
+
+def test_moe_matmuls_under_tp_run_whole_weights_on_the_ranks_tokens() -> None:
+    # Mixtral at tp=2: each rank routes 2048 of the 4096 tokens through the whole router and experts (14336
+    # wide), 4096 top-2 rows over 8 experts, 512 a expert.
+    cost = _cost("configs/mixtral-8x7b.yaml", 64)
+    shapes = _gemm_shapes(cost, 2)
+    assert (2048, 8, 4096) in shapes  # the router
+    assert (512, 2 * 14336, 4096) in shapes and (512, 4096, 14336) in shapes  # an expert's gate-up, down
+
+
 def test_latent_attention_keeps_its_down_projections_whole_under_tp() -> None:
     cfg = _tiny_moe("deepseek_v3")
     h, rank, kv, rope = 64, 32, 16, 8
@@ -302,18 +332,7 @@ def test_latent_attention_keeps_its_down_projections_whole_under_tp() -> None:
     # The rank's matmuls: the down-projections whole (h -> rank + kv + rope) on every token of the rank, the
     # up-projections (as many multiply-adds as their weights) over its half of the heads.
     cost = CostModel(Workload(cfg, 8, "bf16"), load_cluster("h100-80gb").view(2))
-    shapes: list[tuple[float, float, float]] = []
-
-    class Recording:
-        def __getattr__(self, name: str) -> object:
-            return getattr(device, name)
-
-        def gemm_time(self, m: float, n: float, k: float, *args: object, **kw: object) -> float:
-            shapes.append((m, n, k))
-            return device.gemm_time(m, n, k, *args, **kw)
-
-    device, cost.dev = cost.dev, Recording()
-    cost._layer(2, 1, False, "none")
+    shapes = _gemm_shapes(cost, 2)
     up = F.latent_projection_params(cfg) - F.latent_down_projection_params(cfg)
     assert (16, up / (2 * h), h) in shapes and (16, rank + kv + rope, h) in shapes
     assert (16, F.latent_projection_params(cfg) / (2 * h), h) not in shapes  # not all split by heads
