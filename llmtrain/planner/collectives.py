@@ -220,6 +220,17 @@ def expert_groups(tp: int, cp: int, dp: int, ep: int) -> tuple[tuple[int, ...], 
     return ep_group, tuple(sorted(rank(i) for i in range(0, tp * cp * dp, ep)))
 
 
+def expert_dp_peers(tp: int, cp: int, dp: int, ep: int) -> list[str]:
+    """The other members of rank 0's expert-data-parallel group (expert_groups), each named by the parallel
+    dimensions in which it differs from rank 0 ("tp", "dp", "cp+dp", ...), as point-to-point sends are."""
+    sizes = {"tp": tp, "cp": cp, "dp": dp}
+    names = []
+    for r in expert_groups(tp, cp, dp, ep)[1][1:]:
+        coords = {"tp": r % tp, "cp": r // tp % cp, "dp": r // (tp * cp)}
+        names.append(group_name(tuple(d for d in DIMS if coords.get(d)), sizes))
+    return names
+
+
 @functools.lru_cache(maxsize=4096)  # asked for every layout the search evaluates
 def expert_group_strides(tp: int, cp: int, dp: int, ep: int, devices_per_node: int) -> tuple[int, int]:
     """(EP group, expert-DP group): the stride (cluster.ClusterView's `stride` argument) that puts as many

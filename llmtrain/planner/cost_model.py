@@ -874,11 +874,22 @@ class CostModel:
         if dp * cp > 1:
             for comm, times in self._dp_collectives(layout, numel, v, pp_rank).items():
                 out[comm] += times
-        if experts and expert_dp_size(layout) > 1 and layout.zero_stage == 0:
-            # Their own fp32 buckets, all-reduced over the ranks holding the same experts.
+        edp = expert_dp_size(layout)
+        if experts and edp > 1 and layout.zero_stage <= 1:
+            # Their own fp32 buckets over the ranks holding the same experts: all-reduced (zero 0), or
+            # reduce-scattered with the updated parameters gathered (zero 1), on gloo by exchanging shards
+            # with each peer (sends named by the dimensions the peer differs in).
             count = C.buckets(experts // v, int(self.w.dp_bucket_mb * 2**20 / 4)) * v
-            bucket = experts // count * self.sw.grad_bytes
-            out[C.Comm("all_reduce", "edp", expert_dp_size(layout), bucket)] += count
+            bucket, g = experts // count, self.sw.grad_bytes
+            if layout.zero_stage == 0:
+                out[C.Comm("all_reduce", "edp", edp, bucket * g)] += count
+            elif self.sw.gloo_shard_exchange:
+                for peer in C.expert_dp_peers(tp, cp, dp, layout.ep):
+                    out[C.Comm("send", peer, 2, bucket * g // edp)] += count
+                    out[C.Comm("send", peer, 2, bucket * e // edp)] += count
+            else:
+                out[C.Comm("reduce_scatter", "edp", edp, bucket * g)] += count
+                out[C.Comm("all_gather", "edp", edp, bucket * e)] += count
         return out
 
     def _dp_collectives(self, layout: Layout, numel: int, chunks: int, pp_rank: int) -> Counter[C.Comm]:
