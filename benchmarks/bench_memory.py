@@ -33,6 +33,7 @@ from llmtrain.planner.cost_model import layout_of_job
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "llama-small.yaml"
 DEEPSEEK = ROOT / "configs" / "deepseek-v3-small.yaml"
+MIXTRAL = ROOT / "configs" / "mixtral-small.yaml"
 MIB = 2**20
 
 SHAPE = [
@@ -117,6 +118,14 @@ ROWS = [
     # DeepSeek-V3-small under TP: latent attention's down-projections and the MoE layers' weights whole on
     # every TP rank, the up-projections, o_proj and the dense MLP split.
     Row("deepseek-tp2-sp", ("parallel.tp=2", "parallel.sequence_parallel=true"), DEEPSEEK),
+    # Mixtral-small with EP spanning the TP pair (each TP rank 4 of the 8 experts), and EP inside dp at
+    # tp=2 under ZeRO-3 (the experts sharded over their expert-DP group, the TP pair).
+    Row("mixtral-tp2-ep2-sp", ("parallel.tp=2", "parallel.ep=2", "parallel.sequence_parallel=true"), MIXTRAL),
+    Row(
+        "mixtral-tp2-dp2-ep2-zero3",
+        ("parallel.tp=2", "parallel.dp=2", "parallel.ep=2", "parallel.zero_stage=3"),
+        MIXTRAL,
+    ),
 ]
 
 # This machine as the planner sees it: only the memory fields matter here; no memory is reserved.
