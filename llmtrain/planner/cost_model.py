@@ -108,7 +108,7 @@ class Layout:
     """Context-parallel attention: ring or all_to_all."""
     ep: int = 1
     """Expert-parallel degree: the routed experts split over ep ranks carved out of the tp x cp x dp ranks
-    (ep dividing dp, dp times a divisor of cp, or dp x cp times a divisor of tp: ep_placement)."""
+    (ep dividing dp, dp times a divisor of cp, or dp x cp times a divisor of tp: collectives.ep_placement)."""
 
     @property
     def gpus(self) -> int:
@@ -803,9 +803,9 @@ class CostModel:
         router_stats), and the gradients are reduced over dp x cp. Under expert parallelism each MoE
         layer adds its all-to-alls (collectives.ep_layer of collectives.routed_rows, balanced routing), the
         routed experts' gradients are all-reduced apart over the expert-data-parallel group (memory.
-        expert_dp_size: tp x cp x dp / ep ranks) at zero 0, or gathered and reduce-scattered there as FSDP2
-        units of their own at zero 2/3 (ZeRO-1's expert shard exchange is not listed yet), and the gradient
-        norm is summed over the world."""
+        expert_dp_size: tp x cp x dp / ep ranks) at zero 0, their shards exchanged there at zero 1 (gloo:
+        sends to each peer), or gathered and reduce-scattered there as FSDP2 units of their own at zero 2/3,
+        and the gradient norm is summed over the world."""
         m, tp, pp, v, dp, cp = self.w.model, layout.tp, layout.pp, layout.virtual_stages, layout.dp, layout.cp
         sp, e, b = layout.sequence_parallel, self.act_bytes, layout.micro_batch
         sizes = {"tp": tp, "cp": cp, "pp": pp, "dp": dp}
