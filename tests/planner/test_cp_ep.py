@@ -186,6 +186,7 @@ def test_moe_plans_expert_parallelism_and_say_why(config: str, cluster: str, cap
     out = capsys.readouterr().out
     # Either ep=1 cannot fit at all, or the line compares against the best layout that has ep=1.
     assert "Why ep=" in out and ("no layout with ep=1 fits" in out or "for the best layout with ep=1" in out)
+    assert "; placed inside the" in out or "; placed over the" in out  # where the EP group lies
     result = plan_job(load(f"configs/{config}.yaml"), load_cluster(cluster), 64, top=1)
     assert result.best.fits and result.best.layout.ep > 1 and result.best.ep_comm > 0
 
