@@ -101,7 +101,7 @@ def memory_table(seq: int, layers: int, cps: list[int], steps: int) -> list[dict
         overrides = memory_overrides(seq, layers, cp)
         job = load(CONFIG, overrides)
         with tempfile.TemporaryDirectory() as tmp:
-            measured = measure(overrides, cp, steps, Path(tmp))
+            measured = measure(CONFIG, overrides, cp, steps, Path(tmp))
         static = STATIC_BYTES_PER_PARAM * parameter_count(job)
         activations = measured["steady"] - static
         base = rows[0]["activations"] if rows else activations

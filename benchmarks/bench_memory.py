@@ -32,14 +32,19 @@ from llmtrain.planner.cost_model import layout_of_job
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "llama-small.yaml"
+DEEPSEEK = ROOT / "configs" / "deepseek-v3-small.yaml"
+MIXTRAL = ROOT / "configs" / "mixtral-small.yaml"
 MIB = 2**20
 
-MODEL = [
+SHAPE = [
     "model.num_layers=4",
     "model.hidden_size=256",
     "model.num_attention_heads=8",
     "model.num_kv_heads=4",
     "model.seq_length=256",
+]
+"""The llama rows' model (a config of their own keeps its model)."""
+RUN = [
     "train.global_batch_size=16",
     "train.micro_batch_size=4",
     "train.eval_interval=0",
@@ -54,10 +59,15 @@ MODEL = [
 
 @dataclass(frozen=True)
 class Row:
-    """One layout: a name and its config overrides."""
+    """One layout: a name, its config overrides and its config (llama-small with SHAPE by default)."""
 
     name: str
     overrides: tuple[str, ...]
+    config: Path | None = None
+
+    @property
+    def job_overrides(self) -> list[str]:
+        return [*(SHAPE if self.config is None else ()), *RUN, *self.overrides]
 
     @property
     def world(self) -> int:
@@ -105,6 +115,17 @@ ROWS = [
         "dp2-zero2-offload",
         ("parallel.dp=2", "parallel.zero_stage=2", "parallel.engine=deepspeed", "parallel.offload=optimizer"),
     ),
+    # DeepSeek-V3-small under TP: latent attention's down-projections and the MoE layers' weights whole on
+    # every TP rank, the up-projections, o_proj and the dense MLP split.
+    Row("deepseek-tp2-sp", ("parallel.tp=2", "parallel.sequence_parallel=true"), DEEPSEEK),
+    # Mixtral-small with EP spanning the TP pair (each TP rank 4 of the 8 experts), and EP inside dp at
+    # tp=2 under ZeRO-3 (the experts sharded over their expert-DP group, the TP pair).
+    Row("mixtral-tp2-ep2-sp", ("parallel.tp=2", "parallel.ep=2", "parallel.sequence_parallel=true"), MIXTRAL),
+    Row(
+        "mixtral-tp2-dp2-ep2-zero3",
+        ("parallel.tp=2", "parallel.dp=2", "parallel.ep=2", "parallel.zero_stage=3"),
+        MIXTRAL,
+    ),
 ]
 
 # This machine as the planner sees it: only the memory fields matter here; no memory is reserved.
@@ -120,9 +141,9 @@ CPU_CLUSTER = {
 }  # fmt: skip
 
 
-def predict(overrides: list[str], world: int) -> dict[str, float]:
+def predict(config: Path, overrides: list[str], world: int) -> dict[str, float]:
     """The memory model's fullest-rank bytes for the job the row trains."""
-    job = load(CONFIG, overrides)
+    job = load(config, overrides)
     view = cluster_from_dict(CPU_CLUSTER).view(world)
     # On CPU the model's kernels are PyTorch's reference ops, and ZeRO-1 exchanges shards over gloo.
     software = Software(
@@ -138,10 +159,10 @@ def predict(overrides: list[str], world: int) -> dict[str, float]:
     return memory
 
 
-def measure(overrides: list[str], world: int, steps: int, workdir: Path) -> dict[str, float]:
+def measure(config: Path, overrides: list[str], world: int, steps: int, workdir: Path) -> dict[str, float]:
     """Train the row's job; every rank's peaks (bytes) from the last metrics.jsonl row."""
     out = workdir / "run"
-    args = [str(ROOT / "tools" / "pretrain.py"), "--config", str(CONFIG), *overrides, f"train.steps={steps}"]
+    args = [str(ROOT / "tools" / "pretrain.py"), "--config", str(config), *overrides, f"train.steps={steps}"]
     args.append(f"output_dir={out}")
     if world == 1:
         command = [sys.executable, *args]
@@ -179,17 +200,17 @@ def main(argv: list[str] | None = None) -> int:
     rows = [r for r in ROWS if not args.rows or r.name in args.rows]
     print(
         f"predicted (planner memory model) vs measured (live tensors, max over ranks) peak per rank, MiB; "
-        f"llama {' '.join(MODEL[:5])}"
+        f"llama {' '.join(SHAPE)} unless a row names its config"
     )
     header = f"{'layout':<20}{'ranks':>6}{'pred step':>11}{'meas step':>11}{'ratio':>7}"
     header += f"{'pred start':>12}{'meas start':>12}{'ratio':>7}  per-rank step peaks"
     print(header)
     worst = 0.0
     for row in rows:
-        overrides = [*MODEL, *row.overrides]
-        predicted = predict(overrides, row.world)
+        config, overrides = row.config or CONFIG, row.job_overrides
+        predicted = predict(config, overrides, row.world)
         with tempfile.TemporaryDirectory() as tmp:
-            measured = measure(overrides, row.world, args.steps, Path(tmp))
+            measured = measure(config, overrides, row.world, args.steps, Path(tmp))
         step_ratio = predicted["steady"] / measured["steady"]
         start_ratio = predicted["startup"] / measured["startup"]
         worst = max(worst, abs(step_ratio - 1), abs(start_ratio - 1))

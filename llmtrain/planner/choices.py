@@ -8,7 +8,8 @@ and what its own communication costs per step.
 
 from __future__ import annotations
 
-from llmtrain.planner.cost_model import GIB, Estimate
+from llmtrain.planner import collectives as C
+from llmtrain.planner.cost_model import GIB, Estimate, Layout
 from llmtrain.planner.search import PlanResult
 
 STATE = ("params", "grads", "optimizer")
@@ -28,6 +29,28 @@ def _versus(best: Estimate, alt: Estimate | None, degree: str) -> str:
     return (
         f"{best.step_time:.3g} s per step against {alt.step_time:.3g} s ({ratio:.2f}x) "
         f"for the best layout with {degree}=1, {alt.layout.short()} ({alt.memory_gb:.1f} GiB)"
+    )
+
+
+def _inside_dp(layout: Layout) -> bool:
+    return layout.dp % layout.ep == 0
+
+
+def _placement(best: Estimate, result: PlanResult) -> str:
+    """Where the best layout's EP group lies (C.ep_placement) and how it compares with the best evaluated
+    layout of the same ep placed the other way: inside the DP ranks, or spanning CP or TP ranks."""
+    lay = best.layout
+    where = C.ep_placement(lay.tp, lay.cp, lay.dp, lay.ep)
+    inside = _inside_dp(lay)
+    alt = next((e for e in result.ranked if e.layout.ep == lay.ep and _inside_dp(e.layout) != inside), None)
+    other = "inside dp" if not inside else "spanning CP or TP ranks"
+    if alt is None:
+        return f"placed {where}; no layout with ep={lay.ep} {other} was possible"
+    if not alt.fits:
+        return f"placed {where}; with ep={lay.ep} {other} the closest, {alt.layout.short()}, {alt.why}"
+    return (
+        f"placed {where}; with ep={lay.ep} {other} the best, {alt.layout.short()}, takes "
+        f"{alt.step_time:.3g} s ({alt.step_time / best.step_time:.2f}x, EP all-to-alls {alt.ep_comm:.3g} s)"
     )
 
 
@@ -56,6 +79,6 @@ def parallelism_notes(result: PlanResult) -> list[str]:
             f"ep={lay.ep}: each rank holds {experts} of a MoE layer, {state}; its dispatch and combine "
             f"all-to-alls take {best.ep_comm:.3g} s per step "
             f"(DP gradient reduction {best.dp_comm:.3g} s, {best.dp_exposed:.3g} s exposed); "
-            f"{_versus(best, alt, 'ep')}"
+            f"{_versus(best, alt, 'ep')}; {_placement(best, result)}"
         )
     return notes

@@ -10,10 +10,13 @@ tests/planner/test_collectives.py traces what the trainer issues on gloo and com
 
 from __future__ import annotations
 
+import functools
 import math
+from collections import Counter
 from dataclasses import dataclass
 
 from llmtrain.config.schema import ModelConfig
+from llmtrain.planner import flops as F
 
 
 @dataclass(frozen=True)
@@ -45,7 +48,9 @@ def _gather_scatter(tp: int, activation: int) -> tuple[Comm, Comm]:
     return Comm("all_gather", "tp", tp, activation), Comm("reduce_scatter", "tp", tp, activation)
 
 
-def tp_layer(tp: int, activation: int, sp: bool, recompute: str, moe: bool = False) -> PassComms:
+def tp_layer(
+    tp: int, activation: int, sp: bool, recompute: str, moe: bool = False, latent: bool = False
+) -> PassComms:
     """One transformer layer's TP collectives on an `activation`-byte (b*s*h) input.
 
     Without SP: the region entries all-reduce the input gradient in the backward (2) and the region exits
@@ -58,7 +63,11 @@ def tp_layer(tp: int, activation: int, sp: bool, recompute: str, moe: bool = Fal
     `moe`: the MLP is a mixture of experts, which is not a TP region (tensor_parallel._shard_moe): with SP
     it routes the sequence shard the rank holds (no collective); without SP each rank routes its slice of
     the replicated input and all-gathers the outputs (the slice's backward all-gathers the gradient). The
-    attention region stays, with its 3 column-parallel q, k, v."""
+    attention region stays, with its 3 column-parallel q, k, v.
+
+    `latent`: the attention is multi-head latent attention (deepseek_v3), whose column-parallel
+    up-projections take the latents of its whole down-projections, not the gathered input: under SP they
+    re-gather nothing (llmtrain.parallel.tensor_parallel._shard_latent_attention)."""
     if tp == 1:
         return PassComms()
     regions = 1 if moe else 2
@@ -67,7 +76,7 @@ def tp_layer(tp: int, activation: int, sp: bool, recompute: str, moe: bool = Fal
             Comm("all_gather", "tp", tp, activation),
             Comm("reduce_scatter", "tp", tp, activation),
         )
-        column = COLUMN_PARALLEL_PER_LAYER - (1 if moe else 0)
+        column = COLUMN_PARALLEL_PER_LAYER - (1 if moe else 0) - (3 if latent else 0)
         fwd = (gather,) * regions + (scatter,) * regions
         bwd = (gather,) * (regions + column) + (scatter,) * regions
     else:
@@ -172,9 +181,16 @@ COUNT_BYTES = 8
 """Bytes of one per-expert row count the EP ranks exchange (int64)."""
 
 
+def routed_rows(tokens: int, top_k: int, tp: int) -> int:
+    """Rows a rank routes in a MoE layer for its `tokens` (its CP share of the micro-batch): top-k per token
+    of the 1/tp of them its TP rank routes (llmtrain.parallel.tensor_parallel._shard_moe: the sequence
+    shard it holds under SP, else its slice of the replicated input), dropless."""
+    return tokens // tp * top_k
+
+
 def ep_layer(ep: int, experts: int, rows: int, row_bytes: int, recompute: str) -> PassComms:
-    """One MoE layer's expert-parallel traffic for a rank's `rows` routed rows (tokens x top-k, dropless) of
-    `row_bytes` each (llmtrain.parallel.expert_parallel.ExpertDispatch).
+    """One MoE layer's expert-parallel traffic for a rank's `rows` routed rows (routed_rows) of `row_bytes`
+    each (llmtrain.parallel.expert_parallel.ExpertDispatch).
 
     Forward: the per-expert counts (all_to_all of `experts` int64), the dispatch of the rows to the ranks
     holding their experts and the combine that brings their outputs back; backward: the reverse exchanges
@@ -188,6 +204,52 @@ def ep_layer(ep: int, experts: int, rows: int, row_bytes: int, recompute: str) -
     exchange = Comm("all_to_all", "ep", ep, rows * row_bytes)
     fwd, bwd = (counts, exchange, exchange), (exchange, exchange)
     return PassComms(fwd, fwd + bwd if recompute == "full" else bwd)
+
+
+def expert_groups(tp: int, cp: int, dp: int, ep: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Global ranks (of one pipeline stage, the default tp-cp-dp order) of the first EP group and of the
+    first expert-data-parallel group, as llmtrain.parallel.topology carves them: expert-domain index
+    dp_rank + dp * (cp_rank + cp * tp_rank), EP groups runs of ep consecutive indices, the expert-DP group
+    the indices ep apart."""
+
+    def rank(index: int) -> int:
+        d, c, t = index % dp, index // dp % cp, index // (dp * cp)
+        return t + tp * (c + cp * d)
+
+    ep_group = tuple(sorted(rank(i) for i in range(ep)))
+    return ep_group, tuple(sorted(rank(i) for i in range(0, tp * cp * dp, ep)))
+
+
+def expert_dp_peers(tp: int, cp: int, dp: int, ep: int) -> list[str]:
+    """The other members of rank 0's expert-data-parallel group (expert_groups), each named by the parallel
+    dimensions in which it differs from rank 0 ("tp", "dp", "cp+dp", ...), as point-to-point sends are."""
+    sizes = {"tp": tp, "cp": cp, "dp": dp}
+    names = []
+    for r in expert_groups(tp, cp, dp, ep)[1][1:]:
+        coords = {"tp": r % tp, "cp": r // tp % cp, "dp": r // (tp * cp)}
+        names.append(group_name(tuple(d for d in DIMS if coords.get(d)), sizes))
+    return names
+
+
+@functools.lru_cache(maxsize=4096)  # asked for every layout the search evaluates
+def expert_group_strides(tp: int, cp: int, dp: int, ep: int, devices_per_node: int) -> tuple[int, int]:
+    """(EP group, expert-DP group): the stride (cluster.ClusterView's `stride` argument) that puts as many
+    of each group's members on one node as the trainer's placement does (expert_groups: EP inside the DP
+    ranks, or spanning CP or TP ranks, whose members are not evenly spaced); 1 for a group inside a node."""
+    strides = []
+    for ranks in expert_groups(tp, cp, dp, ep):
+        nodes = Counter(r // devices_per_node for r in ranks)
+        strides.append(1 if len(nodes) == 1 else max(devices_per_node // min(nodes.values()), 1))
+    return strides[0], strides[1]
+
+
+def ep_placement(tp: int, cp: int, dp: int, ep: int) -> str:
+    """Where the trainer carves the ep ranks out of tp x cp x dp (llmtrain.parallel.topology), in words."""
+    if dp % ep == 0:
+        return f"inside the {dp} data-parallel ranks"
+    if ep % dp == 0 and cp % (ep // dp) == 0:
+        return f"over the {dp} data-parallel ranks and {ep // dp} of the {cp} context-parallel ranks"
+    return f"over the {dp * cp} data x context-parallel ranks and {ep // (dp * cp)} of the {tp} TP ranks"
 
 
 def router_stats(experts: int, tp: int, cp: int, recompute: str) -> PassComms:
@@ -231,14 +293,20 @@ def rank_parameters(model: ModelConfig, tp: int, layers: int, first: bool, last:
     """(parameters, of which TP-replicated under sequence parallelism) one TP rank holds for `layers`
     layers plus the embedding (`first`) and the final norm and untied output layer (`last`): q heads,
     MLP columns and vocabulary rows split over tp, each rank holding max(kv/tp, 1) kv heads; norms, the
-    row-parallel biases and the learned position table replicated; QK-norms whole (qk_norm_parameters)."""
+    row-parallel biases and the learned position table replicated; QK-norms and latent attention's
+    down-projections whole (flops.attention_whole_parameters), its up-projections and o_proj split by
+    heads."""
     h, d, v = model.hidden_size, model.head_size, model.vocab_size
     a, kv = model.num_attention_heads // tp, max(model.kv_heads // tp, 1)
     norm = 2 * h if model.arch == "gpt" else h
-    attn = h * (a + 2 * kv) * d + a * d * h + ((a + 2 * kv) * d if model.bias else 0)
+    whole = F.attention_whole_parameters(model)
+    if model.arch == "deepseek_v3":
+        attn = (F.latent_attention_parameters(model) - whole) // tp + whole
+    else:
+        attn = h * (a + 2 * kv) * d + a * d * h + ((a + 2 * kv) * d if model.bias else 0) + whole
     mlp = _dense_mlp_parameters(model, tp)
     replicated_layer = 2 * norm + (2 * h if model.bias else 0)
-    total = layers * (attn + mlp + replicated_layer + qk_norm_parameters(model))
+    total = layers * (attn + mlp + replicated_layer)
     replicated = layers * replicated_layer
     if first:
         positions = model.max_positions * h if model.arch == "gpt" else 0
@@ -248,12 +316,6 @@ def rank_parameters(model: ModelConfig, tp: int, layers: int, first: bool, last:
         total += norm + (0 if model.tied_embeddings and first else v // tp * h)
         replicated += norm
     return total, replicated
-
-
-def qk_norm_parameters(model: ModelConfig) -> int:
-    """A layer's QK-norm weights (qwen3_moe: one head_dim-wide weight each for q and k, shared by every
-    head): whole on every TP rank, their gradients partial sums over TP (each rank normalises its heads)."""
-    return 2 * model.head_size if model.arch == "qwen3_moe" else 0
 
 
 def _dense_mlp_parameters(model: ModelConfig, tp: int) -> int:

@@ -23,9 +23,14 @@ Per transformer layer and micro-batch (b samples of s tokens, on one tensor-para
   reduced over dp x cp (collectives.cp_layer and tests/planner/test_collectives.py, traced).
 - mixture of experts: routed experts' matmuls run on top-k rows per token (times Software.moe_imbalance, the
   busiest rank's load over the mean) spread over the E/ep experts of the rank, plus the router and shared
-  experts; expert parallelism (ep ranks carved out of dp, any cp) adds a dispatch and a combine all-to-all of
-  tokens x top-k x hidden per MoE layer in the forward and again in the backward, on the links the ep group
-  spans; routed experts' gradients are reduced over the expert-data-parallel group (dp x cp / ep).
+  experts; under TP each TP rank routes 1/tp of the tokens with the MoE weights whole (no MLP region, the
+  router statistics all-reduced over TP and CP). Expert parallelism (ep ranks carved out of the tp x cp x dp
+  ranks as the trainer carves them: inside dp, spanning cp or tp) adds a dispatch and a combine all-to-all
+  of the rank's routed rows x hidden per MoE layer in the forward and again in the backward, on the links
+  the ep group spans (collectives.expert_group_strides); routed experts' gradients are reduced over the
+  expert-data-parallel group (tp x cp x dp / ep), under FSDP2 as units of their own on that group.
+- latent attention (deepseek_v3): the up-projections and o_proj split by heads over TP, the down-projections
+  and their norms whole on every rank (their gradients in the TP all-reduce of partial sums).
 - data parallelism: gradient all-reduce (ZeRO-0) or reduce-scatter plus parameter all-gather (ZeRO-1) over
   the DP group, overlapped with the last micro-batch's backward when the framework overlaps it; then the
   optimizer step, memory-bound over the rank's (sharded) fp32 state.
@@ -48,6 +53,7 @@ from dataclasses import asdict, dataclass, replace
 from llmtrain.config.schema import JobConfig, ModelConfig, ParallelConfig, TrainConfig
 from llmtrain.config.validate import (
     context_parallel_problem,
+    expert_layout_problem,
     layer_plan_problem,
     moe_problem,
     pipeline_problem,
@@ -101,8 +107,8 @@ class Layout:
     cp_comm: str = "ring"
     """Context-parallel attention: ring or all_to_all."""
     ep: int = 1
-    """Expert-parallel degree: the routed experts split over ep ranks carved out of dp (ep divides dp; the
-    trainer can also span cp and tp ranks, which the planner does not search)."""
+    """Expert-parallel degree: the routed experts split over ep ranks carved out of the tp x cp x dp ranks
+    (ep dividing dp, dp times a divisor of cp, or dp x cp times a divisor of tp: collectives.ep_placement)."""
 
     @property
     def gpus(self) -> int:
@@ -345,8 +351,17 @@ class CostModel:
     # ------------------------------------------------------------------------------------ compute
 
     def _layer_costs(
-        self, tp: int, b: int, sp: bool, recompute: str, cp: int = 1, cp_comm: str = "ring", ep: int = 1
+        self,
+        tp: int,
+        b: int,
+        sp: bool,
+        recompute: str,
+        cp: int = 1,
+        cp_comm: str = "ring",
+        ep: int = 1,
+        dp: int = 1,
     ) -> _Pass:
+        """One mean layer's _Pass for a micro-batch of `b` sequences; `dp` places the EP group (ep > 1)."""
         m, dev, prec = self.w.model, self.dev, self.prec
         s, h, d = self.w.seq, m.hidden_size, m.head_size
         a, kv = m.num_attention_heads / tp, max(m.kv_heads / tp, 1)
@@ -354,9 +369,12 @@ class CostModel:
         mlp_gemms, mlp_bytes = self._mlp_costs(tp, tok, ep)
         if m.arch == "deepseek_v3":
             # Latent attention: the query and key/value down- and up-projections, as many multiply-adds per
-            # token as their weights (flops.latent_projection_params); scores over qk_nope + qk_rope wide
-            # heads, values v_head_dim wide.
-            attn = dev.gemm_time(tok, F.latent_projection_params(m) / (tp * h), h, prec)
+            # token as their weights (flops.latent_projection_params), the up-projections split by heads over
+            # TP, the down-projections whole on every rank; scores over qk_nope + qk_rope wide heads, values
+            # v_head_dim wide.
+            down = F.latent_down_projection_params(m)
+            attn = dev.gemm_time(tok, (F.latent_projection_params(m) - down) / (tp * h), h, prec)
+            attn += dev.gemm_time(tok, down / h, h, prec)
             attn += dev.gemm_time(tok, h, a * m.v_head_dim, prec)
             width = (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) / 2
         else:
@@ -399,14 +417,29 @@ class CostModel:
             bwd += fwd
         elif recompute == "selective":
             bwd += core_f
-        # Tensor-parallel collectives on the b*s*h activation, as the trainer issues them (collectives.py).
-        comms = C.tp_layer(tp, e * tok * h, sp, recompute)
-        tp_f, tp_b = self._comm_time(comms.fwd), self._comm_time(comms.bwd)
+        # Tensor-parallel collectives on the b*s*h activation, as the trainer issues them (collectives.py),
+        # the dense and the MoE layers' averaged; a MoE layer's router statistics summed over TP and CP.
+        latent, share = m.arch == "deepseek_v3", F.moe_layer_count(m) / m.num_layers
+        comms = C.tp_layer(tp, e * tok * h, sp, recompute, latent=latent)
+        moe = C.tp_layer(tp, e * tok * h, sp, recompute, True, latent)
+        stats = C.router_stats(m.num_experts, tp, cp, recompute)
+        tp_f = (1 - share) * self._comm_time(comms.fwd) + share * self._comm_time(moe.fwd)
+        tp_b = (1 - share) * self._comm_time(comms.bwd) + share * self._comm_time(moe.bwd)
+        tp_f += share * self._router_stats_time(stats.fwd, "tp", tp)
+        tp_b += share * self._router_stats_time(stats.bwd, "tp", tp)
         ops_f, ops_b = H.layer_ops(m, comms, recompute)
         fwd, bwd = self._with_host(fwd, ops_f), self._with_host(bwd, ops_b)
         cp_f, cp_b = self._cp_exposed(tp, tok, cp, cp_comm, recompute, core_f, core_b)
-        ep_f = ep_b = self._ep_time(tp, tok, cp, ep)
+        cp_f += share * self._router_stats_time(stats.fwd, "cp", tp)
+        cp_b += share * self._router_stats_time(stats.bwd, "cp", tp)
+        ep_f = ep_b = self._ep_time(tp, tok, cp, ep, dp)
         return _Pass(fwd, bwd, wgrad, tp_f, tp_b, cp_f, cp_b, ep_f, ep_b)
+
+    def _router_stats_time(self, comms: tuple[C.Comm, ...], dim: str, tp: int) -> float:
+        """Seconds of the router-statistics all-reduces (collectives.router_stats) over `dim` ("tp": adjacent
+        ranks; "cp": ranks tp apart)."""
+        stride = 1 if dim == "tp" else tp
+        return sum(self.c.all_reduce(c.nbytes, c.size, stride) for c in comms if c.group == dim)
 
     def _with_host(self, device: float, ops: int) -> float:
         """Seconds of a pass of `device` seconds of compute that dispatches `ops` operators (host_ops).
@@ -421,9 +454,10 @@ class CostModel:
 
     def _mlp_costs(self, tp: int, tok: int, ep: int) -> tuple[float, float]:
         """(matmul seconds, bytes of its memory-bound kernels) of the mean layer's MLP on `tok` tokens of a
-        TP rank. A MoE layer (llmtrain.models.moe.Experts): the router, then one expert after another, each
-        on its share of the top-k rows per token (times Software.moe_imbalance) of the rank's E/ep experts,
-        the shared experts, and the copies of every routed row (gathered by token, concatenated, weighted in
+        TP rank. A MoE layer (llmtrain.models.moe.Experts), its weights whole on the 1/tp of the tokens the
+        TP rank routes (collectives.routed_rows): the router, then one expert after another, each on its
+        share of the top-k rows per token (times Software.moe_imbalance) of the rank's E/ep experts, the
+        shared experts, and the copies of every routed row (gathered by token, concatenated, weighted in
         fp32 and added back); a MoE model's dense and MoE layers are averaged."""
         m, dev, prec, e = self.w.model, self.dev, self.prec, self.act_bytes
         h, f = m.hidden_size, m.ffn_size / tp
@@ -433,18 +467,18 @@ class CostModel:
         moe_layers = F.moe_layer_count(m)
         if not moe_layers:
             return dense, dense_bytes
-        fe, local = m.expert_ffn_size / tp, m.num_experts // ep
-        rows = tok * m.num_experts_per_tok * self.sw.moe_imbalance
+        fe, local, routing = m.expert_ffn_size, m.num_experts // ep, tok // tp
+        rows = C.routed_rows(tok, m.num_experts_per_tok, tp) * self.sw.moe_imbalance
         per_expert = rows / local
         routed = local * (dev.gemm_time(per_expert, 2 * fe, h, prec) + dev.gemm_time(per_expert, h, fe, prec))
         shared_f = fe * m.num_shared_experts
         shared = 0.0
         if shared_f:
-            shared = dev.gemm_time(tok, 2 * shared_f, h, prec) + dev.gemm_time(tok, h, shared_f, prec)
-        moe = dev.gemm_time(tok, m.num_experts, h, prec) + routed + shared
+            shared = dev.gemm_time(routing, 2 * shared_f, h, prec) + dev.gemm_time(routing, h, shared_f, prec)
+        moe = dev.gemm_time(routing, m.num_experts, h, prec) + routed + shared
         # Per routed row of h: gather (read, write), concatenate (read, write), cast up (read e, write 4),
         # weight (read 4, write 4), cast down (read 4, write e), index-add (read, write).
-        moe_bytes = 6 * e * (rows * fe + tok * shared_f) + (8 * e + 16) * rows * h
+        moe_bytes = 6 * e * (rows * fe + routing * shared_f) + (8 * e + 16) * rows * h
         share = moe_layers / m.num_layers
         return (1 - share) * dense + share * moe, (1 - share) * dense_bytes + share * moe_bytes
 
@@ -489,17 +523,22 @@ class CostModel:
         bwd = 2 * max(0.0, t - step_b) + (cp - 2) * max(0.0, 2 * t - step_b) + t
         return fwd, bwd + (fwd if recompute != "none" else 0.0)
 
-    def _ep_time(self, tp: int, tok: int, cp: int, ep: int) -> float:
+    def _ep_time(self, tp: int, tok: int, cp: int, ep: int, dp: int) -> float:
         """Seconds of the mean layer's expert-parallel all-to-alls in one pass (forward or backward): a
-        dispatch and a combine of the rank's routed rows (top-k per token, times the imbalance) of h
-        elements, over the ep group (ranks tp x cp apart), in the MoE layers."""
+        dispatch and a combine of the rank's routed rows (collectives.routed_rows, times the imbalance) of h
+        elements, over the ep group (where _expert_strides places it), in the MoE layers."""
         m = self.w.model
         moe_layers = F.moe_layer_count(m)
         if ep == 1 or not moe_layers:
             return 0.0
-        rows = tok * m.num_experts_per_tok * self.sw.moe_imbalance
-        once = self.c.all_to_all(self.act_bytes * rows * m.hidden_size, ep, tp * cp)
+        rows = C.routed_rows(tok, m.num_experts_per_tok, tp) * self.sw.moe_imbalance
+        stride = self._expert_strides(Layout(tp=tp, cp=cp, dp=dp, ep=ep))[0]
+        once = self.c.all_to_all(self.act_bytes * rows * m.hidden_size, ep, stride)
         return 2 * once * moe_layers / m.num_layers
+
+    def _expert_strides(self, layout: Layout) -> tuple[int, int]:
+        """The EP and expert-DP groups' strides on this cluster (collectives.expert_group_strides)."""
+        return C.expert_group_strides(layout.tp, layout.cp, layout.dp, layout.ep, self.c.devices_per_node)
 
     def _stage_extras(self, tp: int, b: int, sp: bool, cp: int = 1, vocab_dp: int = 1) -> tuple[_Pass, _Pass]:
         """(first stage: embedding, last stage: final norm, logits and cross-entropy) per micro-batch;
@@ -654,8 +693,8 @@ class CostModel:
 
     def _expert_problem(self, layout: Layout) -> str:
         """Why a layout's expert parallelism cannot run ("" if it can): ep > 1 needs routed experts, ep
-        dividing their number, and ep ranks carved out of dp (the trainer's expert_layout_problem also lets
-        ep span cp and tp ranks; the planner prices EP inside dp only)."""
+        dividing their number, and ep ranks carved out of the tp x cp x dp ranks as the trainer carves them
+        (llmtrain.config.validate.expert_layout_problem: inside dp, spanning cp, or spanning tp)."""
         m, ep = self.w.model, layout.ep
         if ep == 1:
             return ""
@@ -663,9 +702,8 @@ class CostModel:
             return f"ep={ep}: model.arch={m.arch} has no experts (expert parallelism needs a MoE arch)"
         if m.num_experts % ep:
             return f"ep={ep} does not divide model.num_experts={m.num_experts}"
-        if layout.dp % ep:
-            return f"ep={ep} does not divide dp={layout.dp} (expert-parallel ranks are data-parallel ranks)"
-        return ""
+        parallel = ParallelConfig(tp=layout.tp, cp=layout.cp, ep=ep)
+        return expert_layout_problem(parallel, layout.dp)
 
     def _data_parallel_time(
         self, layout: Layout, num_micro: int, fwd: float, bwd: float
@@ -687,33 +725,38 @@ class CostModel:
         z, tp, e, g = layout.zero_stage, layout.tp, self.act_bytes, self.sw.grad_bytes
         dp = layout.dp * layout.cp  # context-parallel ranks hold the same parameters: reduced together
         shard = shard_group(layout)
+        xgroup, xshard = expert_dp_size(layout), expert_shard_group(layout)
+        xstride = self._expert_strides(layout)[1] if experts else 1
+        fsdp = z >= 2 and layout.offload == "none"
         calls = 0
         if z == 0:
             reduce, gather = self.c.all_reduce(params * g, dp, tp), 0.0
-        elif z >= 2 and layout.offload == "none":
+        elif fsdp:
             # FSDP2 issues one collective per unit (collectives.py counts them): per-call costs (latency,
             # the framework's per-call host time) scale with the units, not with the bytes alone.
-            units = self._fsdp_units(layout, 0)
-            per_micro = [(n, 2 if reshard else 1) for n, reshard in units]
-            reduce = sum(self.c.reduce_scatter(n * g, shard, tp) for n, _ in units)
+            # Expert units on their own mesh (the expert-data-parallel group: collectives._dp_collectives).
+            units = [
+                (n, 2 if reshard else 1, (xshard, xstride) if expert else (shard, tp))
+                for n, reshard, expert in self._fsdp_units(layout, 0)
+            ]
+            reduce = sum(self.c.reduce_scatter(n * g, *where) for n, _, where in units)
             # Per gather round (a micro-batch's forward, at zero 3 also its backward), as `gathers` counts.
-            gather = sum(k * self.c.all_gather(n * e, shard, tp) for n, k in per_micro)
+            gather = sum(k * self.c.all_gather(n * e, *where) for n, k, where in units)
             gather /= 2 if z == 3 else 1
-            calls = len(units) + num_micro * sum(k for _, k in per_micro)
+            calls = sum((1 + num_micro * k) * (where[0] > 1) for _, k, where in units)
         else:
             reduce = self.c.reduce_scatter(params * g, shard, tp)
             gather = self.c.all_gather(params * e, shard, tp)
         if z > 0 and shard < dp:  # hybrid sharding: the shard all-reduced across the replicas
             reduce += self.c.all_reduce(params * g / shard, dp // shard, tp * shard)
-        if experts:
-            # Routed experts over the expert-data-parallel group: the ranks holding the same ones, the CP
-            # ranks and the DP ranks ep apart, spread over the tp x cp x dp ranks of the stage.
-            group, stride, xshard = expert_dp_size(layout), tp * layout.ep, expert_shard_group(layout)
+        if experts and not fsdp:
+            # Routed experts over the expert-data-parallel group: the ranks holding the same ones, spread
+            # over the tp x cp x dp ranks of the stage (_expert_strides).
             if z == 0:
-                reduce += self.c.all_reduce(experts * g, group, stride)
+                reduce += self.c.all_reduce(experts * g, xgroup, xstride)
             else:
-                reduce += self.c.reduce_scatter(experts * g, xshard, stride)
-                gather += self.c.all_gather(experts * e, xshard, stride)
+                reduce += self.c.reduce_scatter(experts * g, xshard, xstride)
+                gather += self.c.all_gather(experts * e, xshard, xstride)
         reductions = 1
         gathers = num_micro * (2 if z == 3 else 1) if z >= 2 else 1
         reduce, gather = reduce * reductions, gather * gathers if z else 0.0
@@ -734,7 +777,7 @@ class CostModel:
         # The framework's own host time per FSDP2 collective (hooks, copy-in/out, DTensor bookkeeping) is
         # not overlapped: the collective cannot start before it.
         exposed += calls * self.dev.fsdp_call_us * 1e-6
-        local = params / shard + experts / expert_shard_group(layout)
+        local = params / shard + experts / xshard
         if layout.offload == "none":
             # Adam: read grad, master, m, v; write master, m, v, the 16-bit weights; plus the grad norm.
             optimizer = self.dev.memory_time(local * (g * 2 + 4 * 6 + e), kernels=4)
@@ -758,10 +801,11 @@ class CostModel:
         parallelism each layer adds its ring sends or all-to-alls (collectives.cp_layer), the last stage the
         loss's sums over cp, each MoE layer its router statistics' sums over tp and cp (collectives.
         router_stats), and the gradients are reduced over dp x cp. Under expert parallelism each MoE
-        layer adds its all-to-alls (collectives.ep_layer, balanced routing), the routed experts' gradients
-        are all-reduced apart over the expert-data-parallel group (memory.expert_dp_size: cp x dp / ep ranks,
-        the trainer's at tp = 1; at zero_stage 0 only: ZeRO's expert shards are not listed yet) and the
-        gradient norm is summed over the world."""
+        layer adds its all-to-alls (collectives.ep_layer of collectives.routed_rows, balanced routing), the
+        routed experts' gradients are all-reduced apart over the expert-data-parallel group (memory.
+        expert_dp_size: tp x cp x dp / ep ranks) at zero 0, their shards exchanged there at zero 1 (gloo:
+        sends to each peer), or gathered and reduce-scattered there as FSDP2 units of their own at zero 2/3,
+        and the gradient norm is summed over the world."""
         m, tp, pp, v, dp, cp = self.w.model, layout.tp, layout.pp, layout.virtual_stages, layout.dp, layout.cp
         sp, e, b = layout.sequence_parallel, self.act_bytes, layout.micro_batch
         sizes = {"tp": tp, "cp": cp, "pp": pp, "dp": dp}
@@ -788,11 +832,11 @@ class CostModel:
             first, last = stage == 0, stage == pp * v - 1
             layers = range(starts[stage], starts[stage + 1])
             for (mode, moe), n in Counter((modes[i], m.is_moe_layer(i)) for i in layers).items():
-                layer = C.tp_layer(tp, activation, sp, mode, moe)
+                layer = C.tp_layer(tp, activation, sp, mode, moe, m.arch == "deepseek_v3")
                 context = C.cp_layer(cp, layout.cp_comm, tok, heads, kv, m.head_size, e, mode)
                 add(layer.fwd + layer.bwd + context.fwd + context.bwd, num_micro * n)
                 if moe:
-                    rows = tok * m.num_experts_per_tok
+                    rows = C.routed_rows(tok, m.num_experts_per_tok, tp)
                     expert = C.ep_layer(ep, m.num_experts, rows, e * m.hidden_size, mode)
                     stats = C.router_stats(m.num_experts, tp, cp, mode)
                     add(expert.fwd + expert.bwd + stats.fwd + stats.bwd, num_micro * n)
@@ -807,7 +851,7 @@ class CostModel:
             if sends:
                 out[C.Comm("send", "pp", 2, activation // (tp if sp else 1))] += sends
             n, r = C.rank_parameters(m, tp, stages[stage], first, last)
-            partial += C.qk_norm_parameters(m) * stages[stage] if tp > 1 else 0
+            partial += F.attention_whole_parameters(m) * stages[stage] if tp > 1 else 0
             numel, replicated = numel + n, replicated + r
         if pp > 1:
             out[C.Comm("broadcast", "pp", pp, 4)] += 1  # the mean loss, from the last stage
@@ -830,11 +874,22 @@ class CostModel:
         if dp * cp > 1:
             for comm, times in self._dp_collectives(layout, numel, v, pp_rank).items():
                 out[comm] += times
-        if experts and expert_dp_size(layout) > 1 and layout.zero_stage == 0:
-            # Their own fp32 buckets, all-reduced over the ranks holding the same experts.
+        edp = expert_dp_size(layout)
+        if experts and edp > 1 and layout.zero_stage <= 1:
+            # Their own fp32 buckets over the ranks holding the same experts: all-reduced (zero 0), or
+            # reduce-scattered with the updated parameters gathered (zero 1), on gloo by exchanging shards
+            # with each peer (sends named by the dimensions the peer differs in).
             count = C.buckets(experts // v, int(self.w.dp_bucket_mb * 2**20 / 4)) * v
-            bucket = experts // count * self.sw.grad_bytes
-            out[C.Comm("all_reduce", "edp", expert_dp_size(layout), bucket)] += count
+            bucket, g = experts // count, self.sw.grad_bytes
+            if layout.zero_stage == 0:
+                out[C.Comm("all_reduce", "edp", edp, bucket * g)] += count
+            elif self.sw.gloo_shard_exchange:
+                for peer in C.expert_dp_peers(tp, cp, dp, layout.ep):
+                    out[C.Comm("send", peer, 2, bucket * g // edp)] += count
+                    out[C.Comm("send", peer, 2, bucket * e // edp)] += count
+            else:
+                out[C.Comm("reduce_scatter", "edp", edp, bucket * g)] += count
+                out[C.Comm("all_gather", "edp", edp, bucket * e)] += count
         return out
 
     def _dp_collectives(self, layout: Layout, numel: int, chunks: int, pp_rank: int) -> Counter[C.Comm]:
@@ -865,40 +920,60 @@ class CostModel:
             out[C.Comm("reduce_scatter", group, dp, bucket * g)] = count
             out[C.Comm("all_gather", group, dp, bucket * e)] = count
         else:
-            for unit, reshard in self._fsdp_units(layout, pp_rank):
-                out[C.Comm("all_gather", group, dp, unit * e)] += num_micro * (2 if reshard else 1)
-                out[C.Comm("reduce_scatter", group, dp, unit * 4)] += 1
+            edp = expert_dp_size(layout)
+            for unit, reshard, expert in self._fsdp_units(layout, pp_rank):
+                # Expert units on their own mesh, the ranks holding the same experts; one reduces nothing.
+                name, size = ("edp", edp) if expert else (group, dp)
+                if size > 1:
+                    out[C.Comm("all_gather", name, size, unit * e)] += num_micro * (2 if reshard else 1)
+                    out[C.Comm("reduce_scatter", name, size, unit * 4)] += 1
         return out
 
-    def _fsdp_units(self, layout: Layout, pp_rank: int) -> list[tuple[int, bool]]:
-        """(parameters, reshard after forward) of each FSDP2 unit of a rank (llmtrain.parallel.fsdp): every
-        block (resharded at zero 3), the embedding (idem) and the final norm with the output layer as units
-        of their own unless tied in one chunk, and the root with what is left (kept gathered)."""
-        m, tp, pp, v = self.w.model, layout.tp, layout.pp, layout.virtual_stages
+    def _fsdp_units(self, layout: Layout, pp_rank: int) -> list[tuple[int, bool, bool]]:
+        """(parameters, reshard after forward, expert) of each FSDP2 unit of a rank (llmtrain.parallel.fsdp):
+        every block (resharded at zero 3), under EP a MoE block's routed experts as a unit of their own on
+        the expert-data-parallel mesh (expert true), the embedding (idem) and the final norm with the output
+        layer as units of their own unless tied in one chunk, and the root with what is left (kept
+        gathered)."""
+        m, tp, pp, v, ep = self.w.model, layout.tp, layout.pp, layout.virtual_stages, layout.ep
         z3 = layout.zero_stage == 3
         stages = self.chunk_layers(layout)
-        block = C.rank_parameters(m, tp, 1, False, False)[0]
+        starts = list(itertools.accumulate(stages, initial=0))
+        dense = C.rank_parameters(m, tp, 1, False, False)[0]
+        moe_extra, routed, _ = C.moe_layer_parameters(m, tp, ep)
+
+        def blocks(stage: int) -> list[tuple[int, bool, bool]]:
+            out = []
+            for i in range(starts[stage], starts[stage + 1]):
+                if not m.is_moe_layer(i):
+                    out.append((dense, z3, False))
+                elif ep > 1:
+                    out += [(dense + moe_extra, z3, False), (routed, z3, True)]
+                else:
+                    out.append((dense + moe_extra + routed, z3, False))
+            return out
+
         embedding = m.vocab_size // tp * m.hidden_size
         positions = m.max_positions * m.hidden_size if m.arch == "gpt" else 0
         norm = 2 * m.hidden_size if m.arch == "gpt" else m.hidden_size
         if edges_vocab_sharded(layout, m):
             # One chunk; the embedding and head are units that are never gathered, whose gradients land on
             # their shards (collectives.vocab_sharded_edges): the root keeps the final norm.
-            return [(block, z3)] * stages[0] + [(norm + positions, False)]
-        units: list[tuple[int, bool]] = []
+            return [*blocks(0), (norm + positions, False, False)]
+        units: list[tuple[int, bool, bool]] = []
         for chunk in range(v):
             stage = chunk * pp + pp_rank
             first, last = stage == 0, stage == pp * v - 1
-            units += [(block, z3)] * stages[stage]
+            units += blocks(stage)
             if first and last and m.tied_embeddings:
-                units.append((embedding + positions + norm, False))
+                units.append((embedding + positions + norm, False, False))
                 continue
             if first:
-                units.append((embedding, z3))
+                units.append((embedding, z3, False))
             if last:
-                units.append((norm + embedding, False))
+                units.append((norm + embedding, False, False))
             if first and positions:
-                units.append((positions, False))
+                units.append((positions, False, False))
         return units
 
     def _overflow(self, mem: dict[str, float]) -> str:
@@ -927,8 +1002,10 @@ class CostModel:
         vocab_dp = layout.dp if edges_vocab_sharded(layout, self.w.model) else 1
         first, last = self._extras(tp, b, sp, cp, vocab_dp)
 
+        ep_dp = layout.dp if layout.ep > 1 else 1  # places the EP group; 1 keeps the cache small without EP
+
         def layer_of(mode: str) -> _Pass:
-            return self._layer(tp, b, sp, mode, cp, layout.cp_comm, layout.ep)
+            return self._layer(tp, b, sp, mode, cp, layout.cp_comm, layout.ep, ep_dp)
 
         none = layer_of("none")
         # Per-rank per-chunk costs from each rank's layers (the trainer's split, even or balanced by FLOPs, or

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from llmtrain.planner import collectives as C
 from llmtrain.planner.cluster import ClusterView
 from llmtrain.planner.cost_model import GIB, Estimate, Layout
 from llmtrain.planner.report import format_memory
@@ -62,10 +63,11 @@ def part_kinds(layout: Layout, view: ClusterView) -> dict[str, str]:
     if layout.offload != "none":
         dp += ", host transfers"
     cp = "ring K/V sends" if layout.cp_comm == "ring" else "q/k/v/output all-to-alls"
+    ep_stride = C.expert_group_strides(layout.tp, layout.cp, layout.dp, layout.ep, view.devices_per_node)[0]
     return {
         "tp": f"TP {tp} {link(layout.tp)}" if layout.tp > 1 else "",
         "cp": f"CP {cp} {link(layout.cp, layout.tp)}" if layout.cp > 1 else "",
-        "ep": f"EP dispatch + combine {link(layout.ep, layout.tp * layout.cp)}" if layout.ep > 1 else "",
+        "ep": f"EP dispatch + combine {link(layout.ep, ep_stride)}" if layout.ep > 1 else "",
         "p2p": f"PP sends {link(layout.pp, layout.tp * layout.cp * layout.dp)}" if layout.pp > 1 else "",
         "dp": f"DP {dp} {link(layout.dp * layout.cp, layout.tp)}" if layout.dp * layout.cp > 1 else "",
         "bubble": f"{layout.schedule} fill and drain" if layout.pp > 1 else "",

@@ -88,6 +88,35 @@ def latent_projection_params(model: ModelConfig) -> int:
     return query + kv + model.kv_lora_rank * a * (model.qk_nope_head_dim + model.v_head_dim)
 
 
+def latent_attention_parameters(model: ModelConfig) -> int:
+    """deepseek_v3: a layer's latent attention weights: the projections, o_proj and the latent norms (no
+    biases)."""
+    norms = model.kv_lora_rank + (model.q_lora_rank or 0)
+    o_proj = model.num_attention_heads * model.v_head_dim * model.hidden_size
+    return latent_projection_params(model) + o_proj + norms
+
+
+def attention_whole_parameters(model: ModelConfig) -> int:
+    """A layer's attention weights every TP rank holds whole, whose gradients are partial sums over TP (each
+    rank's heads contribute): latent attention's down-projections and their norms (deepseek_v3: q_a_proj,
+    q_a_norm, kv_a_proj with the shared rotary key part, kv_a_norm), or the QK-norms (qwen3_moe: one
+    head_dim-wide weight each for q and k); 0 for the other archs."""
+    if model.arch == "qwen3_moe":
+        return 2 * model.head_size
+    if model.arch != "deepseek_v3":
+        return 0
+    h, rank, kv = model.hidden_size, model.q_lora_rank, model.kv_lora_rank
+    query = 0 if rank is None else h * rank + rank
+    return query + h * (kv + model.qk_rope_head_dim) + kv
+
+
+def latent_down_projection_params(model: ModelConfig) -> int:
+    """deepseek_v3: the weights of the down-projections (q_a_proj, kv_a_proj) among latent_projection_params:
+    the matmuls every TP rank runs whole."""
+    rank = model.q_lora_rank or 0
+    return model.hidden_size * (rank + model.kv_lora_rank + model.qk_rope_head_dim)
+
+
 def logits_flops_per_token(model: ModelConfig) -> float:
     """Forward FLOPs of the output layer per token (2*h*V)."""
     return 2.0 * model.hidden_size * model.vocab_size
@@ -159,9 +188,8 @@ def parameter_counts(model: ModelConfig) -> ParamCounts:
     bias = model.bias
     norm = 2 * h if model.arch == "gpt" else h  # LayerNorm has weight and bias, RMSNorm a weight only
     attn = h * (a + 2 * kv) * d + a * d * h + ((a + 2 * kv) * d + h if bias else 0)
-    if model.arch == "deepseek_v3":  # no biases; the latent norms' weights
-        attn = latent_projection_params(model) + a * model.v_head_dim * h
-        attn += model.kv_lora_rank + (model.q_lora_rank or 0)
+    if model.arch == "deepseek_v3":
+        attn = latent_attention_parameters(model)
     if is_gated(model):
         mlp = 3 * h * f + (2 * f + h if bias else 0)
     else:

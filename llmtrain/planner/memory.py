@@ -16,7 +16,8 @@ Context parallelism (cp): ranks hold the same parameters as data-parallel ones, 
 and every token-sized term (activations, logits, sends, buffers) counts the rank's s/cp tokens; ring
 attention also keeps its fp32 output and log-sum-exp. Mixture of experts: a layer's parameters are its
 replicated part (attention, norms, router, shared experts, averaged over the layers) and its routed experts,
-divided by ep as well as tp; the experts' state shards over the expert-data-parallel group (dp x cp / ep:
+divided by ep (whole on every TP rank, as routers, shared experts and latent attention's down-projections
+are); from zero 1 on the experts' state shards over the expert-data-parallel group (tp x cp x dp / ep:
 expert_shard_group); a MoE layer's activations keep per routed row (top-k per token) the dispatched input,
 the expert's output and the gated MLP's intermediates (moe_mlp_saved_per_token).
 
@@ -219,10 +220,12 @@ def layer_parameters(
 ) -> tuple[float, float]:
     """(replicated, routed-expert) parameters of the mean layer on one TP rank: a MoE model's routers and
     shared experts are averaged over its layers with the replicated part, whole on every TP rank (the
-    trainer splits the sequence over TP for them, not their weights); its routed experts are divided over
-    the ep ranks only. `counts`: the model's parameter counts, if known."""
+    trainer splits the sequence over TP for them, not their weights), as are latent attention's
+    down-projections and the QK-norms (flops.attention_whole_parameters); its routed experts are divided
+    over the ep ranks only. `counts`: the model's parameter counts, if known."""
     counts = counts or F.parameter_counts(model)
-    experts, whole = F.expert_parameters(model), F.moe_whole_parameters(model)
+    experts = F.expert_parameters(model)
+    whole = F.moe_whole_parameters(model) + F.attention_whole_parameters(model) * model.num_layers
     split = counts.per_layer * model.num_layers + counts.moe_extra - experts - whole
     return (split / tp + whole) / model.num_layers, experts / model.num_layers / ep
 
@@ -320,16 +323,15 @@ def edges_vocab_sharded(layout: Layout, model: ModelConfig) -> bool:
 
 
 def expert_dp_size(layout: Layout) -> int:
-    """Ranks holding the same routed experts (the expert-data-parallel group): the cp x dp ranks of a TP rank
-    over ep. The planner carves EP out of the dp ranks (ep divides dp) and counts the experts per TP rank,
-    so this is the trainer's group (tp x cp x dp / ep ranks, llmtrain.parallel.topology) at tp = 1."""
-    return max(layout.dp * layout.cp // layout.ep, 1)
+    """Ranks holding the same routed experts (the expert-data-parallel group, llmtrain.parallel.topology):
+    the tp x cp x dp ranks of a stage over ep (every TP rank holds its experts whole)."""
+    return max(layout.tp * layout.cp * layout.dp // layout.ep, 1)
 
 
 def expert_shard_group(layout: Layout) -> int:
-    """Ranks the routed experts' state is sharded over: the expert-data-parallel group, the shard group's
-    ranks that hold the same experts (shard_group / ep)."""
-    return max(shard_group(layout) // layout.ep, 1)
+    """Ranks the routed experts' state is sharded over from zero 1 on: their expert-data-parallel group
+    (ZeRO-1's expert shards and FSDP2's expert mesh, llmtrain.parallel.fsdp); 1 at zero 0."""
+    return 1 if layout.zero_stage == 0 else expert_dp_size(layout)
 
 
 def sharding_problem(layout: Layout) -> str:

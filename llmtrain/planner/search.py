@@ -1,7 +1,8 @@
 """Search over parallel layouts for a fixed model, global batch and GPU count.
 
 Dimensions: tp, pp, context parallelism (cp with ring or all-to-all attention; dp = gpus / (tp*cp*pp)),
-expert parallelism (ep, MoE models: ep dividing the experts and dp), micro-batch size, schedule with its
+expert parallelism (ep, MoE models: ep dividing the experts, carved out of tp x cp x dp as the trainer
+allows: inside dp, spanning cp or tp), micro-batch size, schedule with its
 virtual stages, recompute mode, sequence parallelism and the sharding of the model state: ZeRO stage 0-3,
 hybrid sharding (zero 2/3 sharded inside a node, replicated across) and CPU offload (zero 2/3). A layout fits
 only when both its steady state and its startup peak fit (llmtrain.planner.memory). Impossible values are

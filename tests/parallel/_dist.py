@@ -38,7 +38,13 @@ ARCH_CONFIGS = {
     # Four experts, top-2. No load-balancing loss: the reference runs the global batch at once, our runs a
     # micro-batch at a time, and that loss is not a mean over tokens (its statistics are tested apart).
     "mixtral": dict(arch="mixtral", num_kv_heads=2, num_experts=4, router_aux_loss_coef=0.0),
-}
+    # Latent attention with a low-rank query, a dense first layer, then 4 routed experts and a shared one.
+    "deepseek_v3": dict(
+        arch="deepseek_v3", num_kv_heads=None, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=12, num_experts=4, moe_ffn_hidden_size=32, num_shared_experts=1,
+        moe_layer_start=1, router_aux_loss_coef=0.0,
+    ),
+}  # fmt: skip
 
 
 def tiny_job(arch: str, **overrides: Any) -> JobConfig:

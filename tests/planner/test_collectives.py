@@ -131,6 +131,10 @@ MODEL_PARALLEL = {
     # SP); their router, shared and expert gradients join the TP all-reduce of partial sums.
     "moe-tp": ("mixtral", 2, dict(tp=2)),
     "moe-tp-sp-full-recompute": ("mixtral", 2, dict(tp=2, sequence_parallel=True, recompute="full")),
+    # Latent attention: q/kv up-projections column-parallel, o_proj row-parallel, the down-projections
+    # and their norms whole on every TP rank, their gradients summed over TP.
+    "mla-tp": ("deepseek_v3", 2, dict(tp=2)),
+    "mla-tp-sp": ("deepseek_v3", 2, dict(tp=2, sequence_parallel=True)),
     "pp-1f1b-tied": ("gpt", 2, dict(pp=2)),
     "pp-interleaved": ("llama", 2, dict(pp=2, schedule="interleaved_1f1b", virtual_stages=2, num_layers=4)),
     "zb_h1-tp-sp": ("llama", 4, dict(tp=2, pp=2, schedule="zb_h1", sequence_parallel=True)),
@@ -143,6 +147,8 @@ MODEL_PARALLEL = {
     ),
 }
 DATA_PARALLEL = {f"zero{zero}": ("llama", 2, dict(dp=2, zero_stage=zero)) for zero in (0, 1)}
+# The gradient bytes of a TP rank of latent attention (down-projections whole) and of MoE layers (whole).
+DATA_PARALLEL["mla-tp2-zero0"] = ("deepseek_v3", 4, dict(tp=2, dp=2))
 # FSDP2 units (blocks, embedding, output layer, root) are counted exactly: gathers per micro-batch, one
 # reduce-scatter per step, over the cp x dp ranks (named "cp" at dp=1).
 FSDP = {
@@ -176,6 +182,16 @@ EXPERT_PARALLEL = {
     "ep2": ("mixtral", 2, dict(dp=2, ep=2)),
     "ep2-expert-dp2-full-recompute": ("mixtral", 4, dict(dp=4, ep=2, recompute="full")),
     "ep2-cp2-dp2": ("mixtral", 4, dict(cp=2, dp=2, ep=2)),
+    # EP spanning the TP pair: each TP rank dispatches the 1/tp of the sequence it routes.
+    "ep2-tp2": ("mixtral", 2, dict(tp=2, ep=2)),
+    "ep2-tp2-sp": ("mixtral", 2, dict(tp=2, ep=2, sequence_parallel=True)),
+    # FSDP2: the experts in units of their own over the expert-DP ranks.
+    "ep2-zero3": ("mixtral", 2, dict(dp=2, ep=2, zero_stage=3)),
+    # EP inside dp at tp=2: the TP pair holds the same experts, their expert-DP group (edp = tp x dp / ep).
+    "ep2-tp2-dp2": ("mixtral", 4, dict(tp=2, dp=2, ep=2)),
+    # ZeRO-1 on gloo: the experts' shards exchanged with the peer holding the same experts (dp ranks 2 apart).
+    "ep2-dp4-zero1": ("mixtral", 4, dict(dp=4, ep=2, zero_stage=1)),
+    "ep2-tp2-dp2-zero3": ("mixtral", 4, dict(tp=2, dp=2, ep=2, zero_stage=3, sequence_parallel=True)),
 }
 _GROUPS = {
     "model": MODEL_PARALLEL,
@@ -233,15 +249,18 @@ def test_expert_parallel_collectives_match_the_trace(traced: SpawnedCases, case:
     # Per MoE layer and micro-batch: the count exchange (E int64) and the dispatch and combine forward,
     # their reverses backward (the forward's again under full recomputation). A rank's all-to-all bytes
     # are what it sends: all its own routed rows (tokens x top-k, dropless) in the dispatch and in the
-    # combine's backward, exactly as predicted; in the other two the rows routed to its experts, which
+    # combine's backward, exactly as predicted (a TP rank routes 1/tp of the tokens, with or without SP);
+    # in the other two the rows routed to its experts, which
     # depend on the routing. The model assumes balanced routing (as many received as sent); routing here
     # is whatever the random weights choose, but each row one rank receives is one another sends, so over
     # the EP group the received rows add up to the sent ones: the row exchanges' bytes summed over the
     # world (whole EP groups) are exact. Everything else is exact per rank, the dense buckets over dp (cp x
-    # dp under cp) and the experts' over the expert-DP group ("edp", cp x dp / ep ranks: none at dp = ep
-    # without cp, the CP pair at cp=2 dp=2 ep=2) by total bytes.
+    # dp under cp) and the experts' over the expert-DP group ("edp", tp x cp x dp / ep ranks: none at
+    # dp = ep without cp or tp, the CP pair at cp=2 dp=2 ep=2, the TP pair at tp=2 dp=2 ep=2; FSDP2 expert
+    # units there exactly) by total bytes, and at zero 1 the gloo shard exchange's sends to the dense and
+    # the expert peers (all DP ranks here) by total bytes too.
     experts = tiny_job("mixtral").model.num_experts
-    buckets = {"dp": ("all_reduce",), "cp+dp": ("all_reduce",), "edp": ("all_reduce",)}
+    buckets = {"dp": ("all_reduce", "send"), "cp+dp": ("all_reduce",), "edp": ("all_reduce",)}
     traced_rows = predicted_rows = 0
     _, world, overrides = EXPERT_PARALLEL[case]
     for pp_rank, counts in traced(f"ep/{case}"):

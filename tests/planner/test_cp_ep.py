@@ -16,6 +16,7 @@ from llmtrain.planner import CostModel, Workload, load_cluster, parse_fixed, pla
 from llmtrain.planner import collectives as C
 from llmtrain.planner import flops as F
 from llmtrain.planner.auto import layout_overrides
+from llmtrain.planner.choices import parallelism_notes
 from llmtrain.planner.cost_model import Layout, Software, with_layout
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -119,11 +120,11 @@ def test_expert_all_to_all_time_by_hand() -> None:
     intra, inter = cost.c.intra, cost.c.inter
     # ep=8 in one node of 8; per MoE layer (all 32 are) a dispatch and a combine.
     one = 7 / 8 * volume / intra.bytes_per_s + 7 * intra.alpha
-    assert cost._ep_time(1, tok, 1, 8) == pytest.approx(2 * one)
+    assert cost._ep_time(1, tok, 1, 8, 64) == pytest.approx(2 * one)
     # ep=16 spans two nodes: 8 members per node drive 8 NICs.
     one = 15 / 16 * volume / min(8 * inter.bytes_per_s, intra.bytes_per_s) + 15 * inter.alpha
-    assert cost._ep_time(1, tok, 1, 16) == pytest.approx(2 * one)
-    assert cost._ep_time(1, tok, 1, 1) == 0.0
+    assert cost._ep_time(1, tok, 1, 16, 64) == pytest.approx(2 * one)
+    assert cost._ep_time(1, tok, 1, 1, 64) == 0.0
 
 
 def test_expert_state_divides_by_ep_and_shards_over_expert_data_parallel() -> None:
@@ -185,6 +186,7 @@ def test_moe_plans_expert_parallelism_and_say_why(config: str, cluster: str, cap
     out = capsys.readouterr().out
     # Either ep=1 cannot fit at all, or the line compares against the best layout that has ep=1.
     assert "Why ep=" in out and ("no layout with ep=1 fits" in out or "for the best layout with ep=1" in out)
+    assert "; placed inside the" in out or "; placed over the" in out  # where the EP group lies
     result = plan_job(load(f"configs/{config}.yaml"), load_cluster(cluster), 64, top=1)
     assert result.best.fits and result.best.layout.ep > 1 and result.best.ep_comm > 0
 
@@ -241,3 +243,111 @@ def test_coordinate_descent_finds_the_exhaustive_optimum_over_cp_and_ep(model, b
     assert best.fits and (best.layout.cp > 1 or best.layout.ep > 1)
     assert descent.best.step_time == pytest.approx(best.step_time, rel=1e-12)
     assert descent.evaluated < exhaustive.evaluated
+
+
+def test_expert_groups_lie_where_the_topology_carves_them() -> None:
+    # Expert domain index dp + dp * (cp + cp * tp) (llmtrain.parallel.topology); global rank tp + tp * (cp +
+    # cp * dp). EP inside dp at tp=2: DP ranks 0 and 2 hold different experts, the TP pair the same ones.
+    assert C.expert_groups(2, 1, 2, 2) == ((0, 2), (0, 1))
+    # Spanning TP (dp=1): the TP pair is the EP group, nobody else holds the same experts.
+    assert C.expert_groups(2, 1, 1, 2) == ((0, 1), (0,))
+    # Spanning CP: all 2 DP ranks and both CP ranks (tp=2: global ranks 0, 2, 4, 6); edp: the TP pair.
+    assert C.expert_groups(2, 2, 2, 4) == ((0, 2, 4, 6), (0, 1))
+    # 8 devices a node, tp=8, dp=8, ep=8 inside dp: one member per node (stride 8); the expert-DP group is a
+    # node's TP ranks. ep=16 spanning 2 of the 8 TP ranks: two members per node, 8 nodes apart.
+    assert C.expert_group_strides(8, 1, 8, 8, 8) == (8, 1)
+    assert C.expert_group_strides(8, 1, 8, 16, 8) == (4, 1)
+    assert C.expert_group_strides(1, 1, 64, 8, 8) == (1, 8)
+    assert C.ep_placement(1, 1, 64, 8) == "inside the 64 data-parallel ranks"
+    spanning_cp = "over the 4 data-parallel ranks and 2 of the 2 context-parallel ranks"
+    assert C.ep_placement(1, 2, 4, 8) == spanning_cp
+    assert C.ep_placement(4, 1, 2, 4) == "over the 2 data x context-parallel ranks and 2 of the 4 TP ranks"
+
+
+def test_the_planner_accepts_the_ep_placements_the_trainer_accepts() -> None:
+    cost = _cost("configs/mixtral-8x7b.yaml", 64)
+    for tp, cp, dp, ep in ((1, 1, 64, 8), (8, 1, 8, 2), (8, 1, 1, 8), (1, 2, 4, 8), (2, 2, 2, 8)):
+        layout = Layout(tp=tp, cp=cp, dp=dp, pp=64 // (tp * cp * dp), ep=ep)
+        assert cost._expert_problem(layout) == "", layout
+    refused = cost._expert_problem(Layout(tp=2, dp=2, pp=16, ep=8))  # dp x cp x 4, but 4 does not divide tp
+    assert "parallel.ep=8 cannot be carved out of the tp x cp x dp = 2x1x2 ranks" in refused
+
+
+def test_router_statistics_and_moe_tp_collectives_are_timed() -> None:
+    # Every Mixtral layer is MoE: under TP its forward runs the attention region's all-reduce, the output
+    # all-gather of the routed slices, and the router statistics' all-reduce (3E + 2 fp32) over the pair.
+    cost = _cost("configs/mixtral-8x7b.yaml", 64)
+    m, tp, e = cost.w.model, 2, cost.act_bytes
+    activation = e * m.seq_length * m.hidden_size
+    layer = cost._layer(tp, 1, False, "none")
+    stats = cost.c.all_reduce(4 * (3 * m.num_experts + 2), tp)
+    moe_tp = cost.c.all_reduce(activation, tp) + cost.c.all_gather(activation, tp)
+    assert layer.tp_fwd == pytest.approx(moe_tp + stats)
+    assert layer.tp_bwd == pytest.approx(moe_tp)
+    # Under CP the CP ranks' sum follows, on ranks tp apart.
+    ring = cost._layer(tp, 1, False, "none", 2)
+    exposed = cost._cp_exposed(tp, m.seq_length // 2, 2, "ring", "none", *cost._ring_core(tp, 1, 2))
+    assert ring.cp_fwd == pytest.approx(exposed[0] + cost.c.all_reduce(4 * (3 * m.num_experts + 2), 2, tp))
+
+
+def _gemm_shapes(cost: CostModel, tp: int) -> list[tuple[float, float, float]]:
+    """The (m, n, k) of every matmul the cost model times for a layer of one sequence at `tp`."""
+    shapes: list[tuple[float, float, float]] = []
+    device = cost.dev
+
+    class Recording:
+        def __getattr__(self, name: str) -> object:
+            return getattr(device, name)
+
+        def gemm_time(self, m: float, n: float, k: float, *args: object, **kw: object) -> float:
+            shapes.append((m, n, k))
+            return device.gemm_time(m, n, k, *args, **kw)
+
+    cost.dev = Recording()
+    try:
+        cost._layer(tp, 1, False, "none")
+    finally:
+        cost.dev = device
+    return shapes
+
+
+def test_moe_matmuls_under_tp_run_whole_weights_on_the_ranks_tokens() -> None:
+    # Mixtral at tp=2: each rank routes 2048 of the 4096 tokens through the whole router and experts (14336
+    # wide), 4096 top-2 rows over 8 experts, 512 a expert.
+    cost = _cost("configs/mixtral-8x7b.yaml", 64)
+    shapes = _gemm_shapes(cost, 2)
+    assert (2048, 8, 4096) in shapes  # the router
+    assert (512, 2 * 14336, 4096) in shapes and (512, 4096, 14336) in shapes  # an expert's gate-up, down
+
+
+def test_latent_attention_keeps_its_down_projections_whole_under_tp() -> None:
+    cfg = _tiny_moe("deepseek_v3")
+    h, rank, kv, rope = 64, 32, 16, 8
+    whole = h * rank + rank + h * (kv + rope) + kv  # q_a_proj, q_a_norm, kv_a_proj, kv_a_norm
+    assert F.attention_whole_parameters(cfg) == whole
+    attention = F.latent_attention_parameters(cfg)
+    one, two = (C.rank_parameters(cfg, tp, 1, False, False)[0] for tp in (1, 2))
+    dense_mlp = 3 * h * cfg.ffn_size
+    # Split by heads: the up-projections and o_proj, and the dense MLP; whole: the down-projections, norms.
+    assert one - two == (attention - whole) // 2 + dense_mlp // 2
+    # The rank's matmuls: the down-projections whole (h -> rank + kv + rope) on every token of the rank, the
+    # up-projections (as many multiply-adds as their weights) over its half of the heads.
+    cost = CostModel(Workload(cfg, 8, "bf16"), load_cluster("h100-80gb").view(2))
+    shapes = _gemm_shapes(cost, 2)
+    up = F.latent_projection_params(cfg) - F.latent_down_projection_params(cfg)
+    assert (16, up / (2 * h), h) in shapes and (16, rank + kv + rope, h) in shapes
+    assert (16, F.latent_projection_params(cfg) / (2 * h), h) not in shapes  # not all split by heads
+
+
+def test_search_places_ep_across_context_parallel_ranks_where_dp_cannot_hold_it() -> None:
+    # DeepSeek-V3 on 256 H100s with pp=32, cp=2 fixed leaves dp=4: no ep inside dp fits (fewer experts' state
+    # per rank needs ep >= 8); ep=8 over the 4 DP ranks and both CP ranks does, and the note says so.
+    job = load("configs/deepseek-v3.yaml")
+    result = plan_job(job, load_cluster("h100-80gb"), 256, fixed=dict(pp=32, cp=2, tp=1), top=3)
+    best = result.best
+    assert best.fits and best.layout.dp == 4 and best.layout.ep == 8, best.layout.short()
+    inside = [e for e in result.ranked if e.layout.dp % e.layout.ep == 0]
+    assert inside and not any(e.fits for e in inside)
+    note = next(n for n in parallelism_notes(result) if n.startswith("ep="))
+    assert "placed over the 4 data-parallel ranks and 2 of the 2 context-parallel ranks" in note
+    assert "with ep=8 inside dp" in note
