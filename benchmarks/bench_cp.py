@@ -6,23 +6,33 @@ at parallel.cp = 1, 2, 4 (cp ranks, dp 1) and every rank's step peak is read fro
 of live tensors, llmtrain.training.memory_tracking). What no split shrinks is the static part: the fp32
 parameters, their fp32 gradient buffer and Adam's two moments, 4 x 4 bytes per parameter on every rank.
 Activations = peak - static; the expectation is activations(1) / cp. What ring attention adds on top is
-bounded by `ring_extra_bytes`: the PyTorch block path's fp32 score-sized temporaries of one (query chunk,
-key chunk) pair at a time, and the K/V (and dK/dV) in flight.
+bounded by `ring_extra_bytes`: the explicit PyTorch block path's fp32 score-sized temporaries of one (query
+chunk, key chunk) pair at a time (on CPU the fused kernel holds none, so the bound is loose there), and the
+K/V (and dK/dV) in flight.
 
-Speed. One sequence of --seq tokens through a --layers LLaMA, forward + backward of the loss, on one rank and
-at cp = 2 and 4 (spawned gloo processes, ring attention); the slowest rank's time, median over --repeats
-rounds (the variants of a round run back to back, so load from other processes hits them alike). Overlap:
-the same cp run with the ring's transfers replaced by local copies (the benchmark patches
-context_parallel._exchange; the blocks then compute on this rank's own K/V, the same work) gives the time
-without communication; replaying the step's recorded transfers alone gives the communication time, and the
-time the step blocks in the transfers' wait() (the slowest rank's) the exposed part of it:
-overlap = 1 - exposed / communication. The exposed time is measured directly because the difference of the
-two step times is within the noise of a shared machine when the communication is small. On a CPU the cp
-processes share the cores, so cp > 1 is not faster here; the ratios say what the ring costs over the same
-work on one rank.
+Speed. One sequence of --seq tokens through a --layers LLaMA (--kv-heads of its 8 heads), forward + backward
+of the loss, on one rank and at cp = 2 and 4 (spawned gloo processes, ring attention): the slowest rank's
+seconds, median and range over --repeats rounds. A round runs three variants back to back, so load from
+other processes hits them alike:
+  with      the ring as it is;
+  without   the ring's transfers replaced by local copies (the benchmark patches context_parallel._exchange;
+            the blocks compute on this rank's own K/V, the same work). with - without (paired per round) is
+            what the communication costs the step: on a CPU the transfers' copies also take cycles from the
+            same cores, so hidden transfers are not free;
+  comm      the step's recorded transfers replayed alone: the communication time to hide.
+Overlap = 1 - exposed / comm, from the timeline of every transfer of the `with` step (posted, first waited
+for, wait returned; one monotonic clock for the processes of the machine): a rank's time blocked in wait()
+is split by split_waits into skew, while a ring neighbour had not yet posted the same exchange (the ranks
+drifting apart: no transfer can run, it is not communication), and exposed, after the rank's own compute was
+done and both neighbours had posted (transfer time not hidden behind compute). The last transfer (dK/dV sent
+home) has no compute left to hide behind, so the overlap is at most the printed ceiling, the share of the
+bytes sent while blocks compute. The difference with - without stays within the noise of a shared machine
+when the communication is a few percent of the step, which is why the exposed time is measured directly.
+Every process runs one thread: on a 2-core machine cp = 2 has twice one rank's cores, and cp = 4
+oversubscribes them (a transfer then also waits for its sender to be scheduled).
 
   python benchmarks/bench_cp.py                      # memory at cp 1, 2, 4 and speed at cp 2, 4
-  python benchmarks/bench_cp.py --skip-memory --seq 16384 --layers 2
+  python benchmarks/bench_cp.py --skip-memory --cps 2 4 --seq 2048 --kv-heads 8 --layers 2 --repeats 7
 """
 
 from __future__ import annotations
@@ -30,11 +40,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
+import os
 import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -80,8 +93,9 @@ def parameter_count(job: JobConfig) -> int:
 
 def ring_extra_bytes(job: JobConfig, cp: int) -> int:
     """Upper bound of the bytes ring attention holds beyond activations(1) / cp on a rank (0 at cp 1): the
-    PyTorch block path's fp32 temporaries of one pair of chunks (n = seq / 2cp queries and keys; at most
-    four (b, heads, n, n) score-sized tensors at once: scores, probabilities, dP and dS in the backward)
+    explicit PyTorch block path's fp32 temporaries of one pair of chunks (n = seq / 2cp queries and keys; at
+    most four (b, heads, n, n) score-sized tensors at once: scores, probabilities, dP and dS in the
+    backward; the fused CPU kernel's blocks hold none)
     plus the K/V block and its dK/dV in flight (received copies, fp32, (2, b, kv_heads, seq / cp, d) each,
     two of each kind)."""
     if cp == 1:
@@ -132,14 +146,15 @@ def print_memory(rows: list[dict[str, Any]], seq: int, layers: int) -> None:
 # --- Speed and overlap ------------------------------------------------------------------------------------
 
 
-def speed_job(seq: int, layers: int, cp: int) -> JobConfig:
-    """A LLaMA of llama-small's width with `layers` layers over one sequence of `seq` tokens."""
+def speed_job(seq: int, layers: int, cp: int, kv_heads: int = 4) -> JobConfig:
+    """A LLaMA of llama-small's width (8 heads of 32) with `layers` layers and `kv_heads` K/V heads over one
+    sequence of `seq` tokens."""
     model = ModelConfig(
         arch="llama",
         num_layers=layers,
         hidden_size=256,
         num_attention_heads=8,
-        num_kv_heads=4,
+        num_kv_heads=kv_heads,
         vocab_size=8192,
         seq_length=seq,
     )
@@ -187,40 +202,79 @@ def _local_copies(split: Any, sends: list[torch.Tensor], detail: str) -> tuple[l
     return [], [t.clone() for t in sends]
 
 
-class _TimedWait:
-    """A transfer whose wait() adds the seconds it blocks to `waited[0]`."""
+@dataclass
+class _Transfer:
+    """One ring exchange on this rank, in time.monotonic() seconds (one clock for every process of the
+    machine): when it was posted, when the rank first waited for it (the compute it overlaps done) and when
+    its last wait returned."""
 
-    def __init__(self, work: Any, waited: list[float]) -> None:
-        self.work, self.waited = work, waited
+    posted: float
+    waiting: float = math.inf
+    done: float = -math.inf
+
+
+class _TimedWait:
+    """A transfer's work whose wait() marks its _Transfer."""
+
+    def __init__(self, work: Any, transfer: _Transfer) -> None:
+        self.work, self.transfer = work, transfer
 
     def wait(self) -> None:
-        start = time.perf_counter()
+        start = time.monotonic()
         self.work.wait()
-        self.waited[0] += time.perf_counter() - start
+        self.transfer.waiting = min(self.transfer.waiting, start)
+        self.transfer.done = max(self.transfer.done, time.monotonic())
 
 
-def _speed_worker(rank: int, world: int, port: int, seq: int, layers: int, repeats: int, out: Any) -> None:
+def split_waits(timelines: list[list[tuple[float, float, float]]]) -> tuple[list[float], list[float]]:
+    """Per rank of a ring, the seconds its waits blocked split in two: skew, before both ring neighbours had
+    posted the exchange (a transfer starts only when both ends are in it: the ranks drifting apart, not
+    communication), and exposed, after the rank's compute was done and both neighbours had posted (the
+    transfer not hidden behind compute). timelines[r] holds rank r's (posted, waiting, done) per exchange,
+    in the order every rank makes them."""
+    cp = len(timelines)
+    skew, exposed = [0.0] * cp, [0.0] * cp
+    for r, mine in enumerate(timelines):
+        for i, (_, waiting, done) in enumerate(mine):
+            partners = max(timelines[(r - 1) % cp][i][0], timelines[(r + 1) % cp][i][0])
+            skew[r] += max(0.0, min(done, partners) - waiting)
+            exposed[r] += max(0.0, done - max(waiting, partners))
+    return skew, exposed
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def _speed_worker(
+    rank: int, world: int, port: int, seq: int, layers: int, kv_heads: int, repeats: int, out: Any
+) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, None, is_master=False)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     try:
-        job = speed_job(seq, layers, world)
+        job = speed_job(seq, layers, world, kv_heads)
         topo = Topology(job.parallel, world, rank)
         model, tokens = _model(job, topo), _tokens(job)
         split = model.context
         real = cpmod._exchange
         sends: list[list[torch.Tensor]] = []  # the transfers of one step, recorded
-        waited = [0.0]  # seconds blocked in the transfers' wait() (communication not hidden by compute)
+        unhideable = [0]  # bytes of those with no compute to overlap (dK/dV sent home after the last block)
+        timeline: list[_Transfer] = []
 
         def recording(split: Any, tensors: list[torch.Tensor], detail: str) -> tuple[list, list]:
             sends.append([torch.empty_like(t) for t in tensors])
+            if detail == cpmod.HOME:
+                unhideable[0] += sum(t.numel() * t.element_size() for t in tensors)
             return real(split, tensors, detail)
 
         def timing(split: Any, tensors: list[torch.Tensor], detail: str) -> tuple[list, list]:
+            transfer = _Transfer(time.monotonic())
+            timeline.append(transfer)
             works, received = real(split, tensors, detail)
-            return [_TimedWait(w, waited) for w in works], received
+            return [_TimedWait(w, transfer) for w in works], received
 
         def replay() -> None:
             for tensors in sends:
@@ -231,25 +285,35 @@ def _speed_worker(rank: int, world: int, port: int, seq: int, layers: int, repea
             _step(model, tokens)  # warm-up
         with _exchange_replaced(_local_copies):
             _step(model, tokens)
-        times: dict[str, list[float]] = {"with": [], "without": [], "comm": [], "waited": []}
+        times: dict[str, list[float]] = {
+            k: [] for k in ("with", "without", "comm", "waited", "skew", "exposed")
+        }
         for _ in range(repeats):
-            waited[0] = 0.0
+            timeline.clear()
             with _exchange_replaced(timing):
                 times["with"].append(_timed(lambda: _step(model, tokens), topo.cp_group))
-            times["waited"].append(_slowest(waited[0], topo.cp_group))
+            mine = [(t.posted, t.waiting, t.done) for t in timeline]
+            timelines: list[Any] = [None] * world
+            dist.all_gather_object(timelines, mine, group=topo.cp_group)
+            skew, exposed = split_waits(timelines)
+            times["waited"].append(max(sum(d - w for _, w, d in t) for t in timelines))
+            times["skew"].append(max(skew))
+            times["exposed"].append(max(exposed))
             with _exchange_replaced(_local_copies):
                 times["without"].append(_timed(lambda: _step(model, tokens), topo.cp_group))
             times["comm"].append(_timed(replay, topo.cp_group))
         if rank == 0:
             sent = sum(t.numel() * t.element_size() for tensors in sends for t in tensors)
-            out.put({k: statistics.median(v) for k, v in times.items()} | {"bytes": sent})
+            cost = [w - wo for w, wo in zip(times["with"], times["without"], strict=True)]
+            spreads = {k: _spread(v) for k, v in times.items()} | {"cost": _spread(cost)}
+            out.put({"spreads": spreads, "bytes": sent, "unhideable_bytes": unhideable[0]})
     finally:
         dist.destroy_process_group()
 
 
-def one_rank_seconds(seq: int, layers: int, repeats: int) -> float:
-    """The same model and sequence, forward + backward on one process (no cp): median seconds."""
-    job = speed_job(seq, layers, 1)
+def one_rank_seconds(seq: int, layers: int, kv_heads: int, repeats: int) -> dict[str, float]:
+    """The same model and sequence, forward + backward on one process (no cp): seconds over `repeats`."""
+    job = speed_job(seq, layers, 1, kv_heads)
     model, tokens = _model(job, None), _tokens(job)
     _step(model, tokens)
     times = []
@@ -257,36 +321,51 @@ def one_rank_seconds(seq: int, layers: int, repeats: int) -> float:
         start = time.perf_counter()
         _step(model, tokens)
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return _spread(times)
 
 
-def speed_table(seq: int, layers: int, cps: list[int], repeats: int) -> list[dict[str, Any]]:
-    """Per cp: seconds with and without the ring's communication, the communication alone, the time blocked
-    waiting for it (exposed), one rank's seconds, and overlap = 1 - exposed / communication."""
+def speed_table(
+    seq: int, layers: int, cps: list[int], repeats: int, kv_heads: int = 4
+) -> list[dict[str, Any]]:
+    """Per cp, each over `repeats` rounds (median, min, max): seconds with and without the ring's
+    communication and their paired difference (cost), the communication alone, the time blocked in its
+    waits split into skew and exposed transfer (split_waits), one rank's seconds, and overlap =
+    1 - exposed / communication alone (of the medians)."""
     torch.set_num_threads(1)
-    single = one_rank_seconds(seq, layers, repeats)
+    single = one_rank_seconds(seq, layers, kv_heads, repeats)
     rows = []
     for cp in cps:
-        raw = run_local_workers(_speed_worker, cp, seq, layers, repeats)
-        overlap = 1.0 - min(1.0, raw["waited"] / raw["comm"]) if raw["comm"] > 0 else 1.0
-        rows.append({"cp": cp, "one_rank": single, **raw, "overlap": overlap})
+        raw = run_local_workers(_speed_worker, cp, seq, layers, kv_heads, repeats)
+        spreads = raw["spreads"] | {"one_rank": single}
+        medians = {k: v["median"] for k, v in spreads.items()}
+        comm, exposed = medians["comm"], medians["exposed"]
+        overlap = 1.0 - min(1.0, exposed / comm) if comm > 0 else 1.0
+        rows.append(
+            {"cp": cp, **medians, "bytes": raw["bytes"], "overlap": overlap}
+            | {"ceiling": 1.0 - raw["unhideable_bytes"] / raw["bytes"]}
+            | {"spread": {k: [v["min"], v["max"]] for k, v in spreads.items()}, "repeats": repeats}
+            | {"kv_heads": kv_heads, "load": os.getloadavg()}
+        )
     return rows
 
 
 def print_speed(rows: list[dict[str, Any]], seq: int, layers: int) -> None:
     print(
-        f"\nforward + backward of one sequence of {seq} tokens, llama {layers} layers x 256, ring attention "
-        "(seconds, slowest rank, median)"
+        f"\nforward + backward of one sequence of {seq} tokens, llama {layers} layers x 256 "
+        f"(8 heads, {rows[0]['kv_heads']} K/V heads), ring attention "
+        f"(seconds, slowest rank; median [min..max] of {rows[0]['repeats']} rounds)"
     )
-    print(
-        f"{'cp':>3}{'one rank':>10}{'cp ranks':>10}{'vs one':>8}{'no comm':>9}{'comm alone':>12}"
-        f"{'exposed':>9}{'overlap':>9}{'MiB sent':>10}"
-    )
+    columns = ("one_rank", "with", "without", "cost", "comm", "waited", "skew", "exposed")
+    names = ("one rank", "cp ranks", "no comm", "with-without", "comm alone", "waited", "skew", "exposed")
     for r in rows:
+        print(f"cp={r['cp']}  (load average {' '.join(f'{x:.2f}' for x in r['load'])})")
+        for key, name in zip(columns, names, strict=True):
+            low, high = r["spread"][key]
+            print(f"  {name:>13} {r[key]:8.3f}  [{low:.3f}..{high:.3f}]")
         print(
-            f"{r['cp']:>3}{r['one_rank']:>10.3f}{r['with']:>10.3f}{r['with'] / r['one_rank']:>8.2f}"
-            f"{r['without']:>9.3f}{r['comm']:>12.3f}{r['waited']:>9.3f}{r['overlap']:>9.2f}"
-            f"{r['bytes'] / MIB:>10.1f}"
+            f"  cp/one rank {r['with'] / r['one_rank']:.2f}, {r['bytes'] / MIB:.1f} MiB sent, "
+            f"overlap {r['overlap']:.2f} (1 - exposed / comm alone; at most {r['ceiling']:.2f}, the share "
+            "of the bytes sent while blocks compute)"
         )
 
 
@@ -301,6 +380,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seq", type=int, default=8192, help="sequence of the speed runs")
     parser.add_argument("--layers", type=int, default=2, help="layers of the speed runs")
     parser.add_argument("--cps", type=int, nargs="+", default=[2, 4], help="cp degrees of the speed runs")
+    parser.add_argument("--kv-heads", type=int, default=4, help="K/V heads of the speed runs (of 8 heads)")
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds of the speed runs")
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--skip-speed", action="store_true")
@@ -313,7 +393,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         results["memory"] = memory_table(args.memory_seq, args.memory_layers, args.memory_cps, args.steps)
         print_memory(results["memory"], args.memory_seq, args.memory_layers)
     if not args.skip_speed:
-        results["speed"] = speed_table(args.seq, args.layers, args.cps, args.repeats)
+        results["speed"] = speed_table(args.seq, args.layers, args.cps, args.repeats, args.kv_heads)
         print_speed(results["speed"], args.seq, args.layers)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))

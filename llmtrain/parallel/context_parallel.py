@@ -53,6 +53,8 @@ from llmtrain.parallel.tensor_parallel import all_gather_dim, share_capacity, su
 from llmtrain.parallel.topology import Topology
 
 FULL, DIAGONAL, MASKED = "full", "diagonal", "masked"
+HOME = "ring attention dK/dV home"
+"""The detail of the ring's last transfer, made after every block is computed (bench_cp reads it)."""
 
 
 def chunk_ids(cp: int, rank: int) -> tuple[int, int]:
@@ -265,7 +267,7 @@ class _RingAttention(torch.autograd.Function):
                 kv = received.pop(0)
             dkv = own if dkv is None else received[0] + own
         # After cp - 1 steps each rank holds the complete gradient of its successor's block: send it home.
-        pending, received = _exchange(split, [dkv], "ring attention dK/dV home")
+        pending, received = _exchange(split, [dkv], HOME)
         for work in pending:
             work.wait()
         dkv = received[0]
