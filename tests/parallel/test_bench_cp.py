@@ -94,8 +94,9 @@ def test_speed_section_reports_every_cp(tmp_path):
     assert row["skew"] + row["exposed"] >= row["waited"] - 1e-9
     for key, (low, high) in row["spread"].items():
         assert low <= row[key] <= high, key
+    assert row["exposed_home"] <= row["exposed"] + 1e-9 and 0.0 <= row["overlap_hideable"] <= 1.0
     # The dK/dV sent home are 1 of the 4 equal transfers per layer at cp = 2 (see below).
-    assert row["ceiling"] == 0.75
+    assert row["home_bytes"] * 4 == row["bytes"]
     # The replayed transfers are the ring's of one step: a K/V block is (2, batch 1, 4 kv heads, 64 / cp
     # tokens, head 32) fp32 = 32 KiB; at cp = 2 it travels once forward and once backward, then its dK/dV
     # (the same size) moves on once and goes home once.
