@@ -32,7 +32,13 @@ percent of the step, which is why the exposed time is measured directly.
 Every process runs one thread: on a 2-core machine cp = 2 has twice one rank's cores, and cp = 4
 oversubscribes them (a transfer then also waits for its sender to be scheduled).
 
-  python benchmarks/bench_cp.py                      # memory at cp 1, 2, 4 and speed at cp 2, 4
+Blocks. The ring's attention work without communication, in one process and one thread (block_table):
+causal attention forward + backward over --seq tokens by one SDPA call, against the same work done as the
+ring's blocks at each cp (every visible chunk pair, merged by log-sum-exp, then every pair's gradients) by
+the fused CPU kernel (what the ring runs on CPU) and by the explicit path (matmul + softmax with score-sized
+temporaries, what it ran before and still runs on other devices).
+
+  python benchmarks/bench_cp.py                      # memory at cp 1, 2, 4; speed and blocks at cp 2, 4
   python benchmarks/bench_cp.py --skip-memory --cps 2 4 --seq 2048 --kv-heads 8 --layers 2 --repeats 7
 """
 
@@ -40,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import math
 import os
@@ -54,7 +61,9 @@ from typing import Any
 from unittest import mock
 
 import torch
+import torch.nn.functional as F
 
+from kernels import cpu_attention, reference
 from llmtrain import models
 from llmtrain.config import JobConfig, ModelConfig, ParallelConfig, load
 from llmtrain.parallel import Topology
@@ -388,6 +397,76 @@ def print_speed(rows: list[dict[str, Any]], seq: int, layers: int) -> None:
         )
 
 
+# --- The ring's blocks against one SDPA call -------------------------------------------------------------
+
+
+def _ring_blocks(
+    block: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, cp: int
+) -> None:
+    """Causal attention forward + backward as ring attention computes it at `cp`, in one process: every
+    visible (query chunk, key chunk) pair of the 2cp chunks by `block`'s attention_block, merged by
+    log-sum-exp, then every pair's attention_block_grads from the merged output and log-sum-exp."""
+    n = q.shape[2] // (2 * cp)
+    chunk = lambda t, i: t[:, :, i * n : (i + 1) * n]  # noqa: E731
+    pairs = [(i, j) for i in range(2 * cp) for j in range(2 * cp) if cpmod.pair_kind(i, j) != cpmod.MASKED]
+    merged: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for i, j in pairs:
+        o, lo = block.attention_block(chunk(q, i), chunk(k, j), chunk(v, j), True, None, i * n, j * n, None)
+        merged[i] = cpmod._merge(*merged.get(i, (None, None)), o, lo)
+    for i, j in pairs:
+        out, lse = merged[i]
+        block.attention_block_grads(
+            chunk(do, i), chunk(q, i), chunk(k, j), chunk(v, j), lse, out, True, None, i * n, j * n, None
+        )
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor) -> None:
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).backward(do)
+
+
+def block_table(seq: int, kv_heads: int, cps: list[int], repeats: int) -> list[dict[str, Any]]:
+    """Per cp: seconds (median, min, max over `repeats`, one thread) of causal attention forward + backward
+    over one sequence of `seq` tokens (8 heads of 32, `kv_heads` K/V heads, fp32) by one SDPA call (torch's
+    fused CPU kernel), and by the ring's blocks (_ring_blocks: the same work) with the fused CPU kernel and
+    with the explicit path: the blocks' cost over one rank's, without any communication."""
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    q, do = (torch.randn(1, 8, seq, 32, generator=g) for _ in range(2))
+    k, v = (torch.randn(1, kv_heads, seq, 32, generator=g) for _ in range(2))
+    rows = []
+    for cp in cps:
+        variants = {
+            "sdpa": functools.partial(_sdpa, q, k, v, do),
+            "fused": functools.partial(_ring_blocks, cpu_attention, q, k, v, do, cp),
+            "explicit": functools.partial(_ring_blocks, reference, q, k, v, do, cp),
+        }
+        times: dict[str, list[float]] = {name: [] for name in variants}
+        for fn in variants.values():
+            fn()  # warm-up
+        for _ in range(repeats):  # the variants of a round back to back, as the speed rounds
+            for name, fn in variants.items():
+                start = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - start)
+        rows.append({"cp": cp, "load": os.getloadavg()} | {name: _spread(t) for name, t in times.items()})
+    return rows
+
+
+def print_blocks(rows: list[dict[str, Any]], seq: int, kv_heads: int) -> None:
+    print(
+        f"\ncausal attention forward + backward over {seq} tokens (8 heads of 32, {kv_heads} K/V heads, one "
+        "thread): one SDPA call against the ring's blocks in one process (seconds, median [min..max])"
+    )
+    for r in rows:
+        cells = "  ".join(
+            f"{name} {r[name]['median']:.3f} [{r[name]['min']:.3f}..{r[name]['max']:.3f}]"
+            for name in ("sdpa", "fused", "explicit")
+        )
+        load = " ".join(f"{x:.2f}" for x in r["load"])
+        print(f"cp={r['cp']}  {cells}  (load average {load})")
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -403,6 +482,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds of the speed runs")
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--skip-speed", action="store_true")
+    parser.add_argument("--skip-blocks", action="store_true")
     parser.add_argument("--json", type=Path, help="also write the tables here")
     args = parser.parse_args(argv)
     if args.memory_cps[0] != 1:
@@ -414,6 +494,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not args.skip_speed:
         results["speed"] = speed_table(args.seq, args.layers, args.cps, args.repeats, args.kv_heads)
         print_speed(results["speed"], args.seq, args.layers)
+    if not args.skip_blocks:
+        results["blocks"] = block_table(args.seq, args.kv_heads, args.cps, args.repeats)
+        print_blocks(results["blocks"], args.seq, args.kv_heads)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     return results

@@ -86,7 +86,10 @@ def test_speed_section_reports_every_cp(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "overlap" in done.stdout
-    (row,) = json.loads(out.read_text())["speed"]
+    tables = json.loads(out.read_text())
+    (blocks,) = tables["blocks"]
+    assert blocks["cp"] == 2 and all(blocks[k]["median"] > 0 for k in ("sdpa", "fused", "explicit"))
+    (row,) = tables["speed"]
     assert row["cp"] == 2 and 0.0 <= row["overlap"] <= 1.0
     assert row["with"] > 0 and row["without"] > 0 and row["comm"] > 0
     # Every wait is split into skew and exposed transfer, nothing lost or counted twice (per rank; the
