@@ -171,15 +171,19 @@ def flash_attention_block(
     """One block of a longer attention, for ring attention: q (b, hq, n, d) at global positions q_offset..,
     k/v (b, hk, m, d) at k_offset.. -> (output (b, hq, n, d), log-sum-exp (b, hq, n)), both in at least
     fp32. Causal: key j is visible to query i when k_offset + j <= q_offset + i; a row that sees no key gets
-    output 0 and log-sum-exp -inf. `allowed` (b, n, m) further restricts the pairs (PyTorch path only)."""
+    output 0 and log-sum-exp -inf. `allowed` (b, n, m) further restricts the pairs (PyTorch path only).
+    The PyTorch path runs torch's fused CPU flash-attention kernel on CPU tensors (kernels/cpu_attention.py),
+    the explicit one (kernels/reference.py) elsewhere."""
     if _block_impl(impl, q, allowed) == "triton":
         from kernels import attention
 
         return attention.attention_block(q, k, v, causal, softmax_scale, q_offset, k_offset)
+    from kernels import cpu_attention
     from kernels.checks import check_attention_args
 
     check_attention_args(q, k, v)
-    return reference.attention_block(q, k, v, causal, softmax_scale, q_offset, k_offset, allowed)
+    path = cpu_attention if cpu_attention.applies(q) else reference
+    return path.attention_block(q, k, v, causal, softmax_scale, q_offset, k_offset, allowed)
 
 
 def flash_attention_block_grads(
@@ -188,7 +192,7 @@ def flash_attention_block_grads(
     k: torch.Tensor,
     v: torch.Tensor,
     lse: torch.Tensor,
-    delta: torch.Tensor,
+    out: torch.Tensor,
     causal: bool = True,
     softmax_scale: float | None = None,
     q_offset: int = 0,
@@ -198,19 +202,22 @@ def flash_attention_block_grads(
     allowed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv (at least fp32) of one flash_attention_block, given the rows' final log-sum-exp `lse`
-    (b, hq, n) and `delta` = rowsum(dO * O) (b, hq, n) of the final (merged) output O: the block's share of
-    the gradient of the whole attention. Same masks and arguments as flash_attention_block."""
+    (b, hq, n) and final (merged) output `out` (b, hq, n, d), whose rowsum(dO * O) each path computes: the
+    block's share of the gradient of the whole attention. Same masks, arguments and paths as
+    flash_attention_block."""
     if _block_impl(impl, q, allowed) == "triton":
         from kernels import attention
 
         return attention.attention_block_grads(
-            do, q, k, v, lse, delta, causal, softmax_scale, q_offset, k_offset
+            do, q, k, v, lse, out, causal, softmax_scale, q_offset, k_offset
         )
+    from kernels import cpu_attention
     from kernels.checks import check_attention_args
 
     check_attention_args(q, k, v)
-    return reference.attention_block_grads(
-        do, q, k, v, lse, delta, causal, softmax_scale, q_offset, k_offset, allowed
+    path = cpu_attention if cpu_attention.applies(q) else reference
+    return path.attention_block_grads(
+        do, q, k, v, lse, out, causal, softmax_scale, q_offset, k_offset, allowed
     )
 
 

@@ -705,16 +705,18 @@ def attention_block_grads(
     k: torch.Tensor,
     v: torch.Tensor,
     lse: torch.Tensor,
-    delta: torch.Tensor,
+    out: torch.Tensor,
     causal: bool = True,
     softmax_scale: float | None = None,
     q_offset: int = 0,
     k_offset: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv (fp32) of one block of attention_block's, its probabilities recomputed from `lse` (b, hq,
-    n), the log-sum-exp of the rows' final (merged) output, with `delta` (b, hq, n) = rowsum(dO * O) of that
-    final output: a block's share of the gradient of the whole attention."""
+    n), the log-sum-exp of the rows' final (merged) output `out` (b, hq, n, d), with delta = rowsum(dO * O)
+    of that final output: a block's share of the gradient of the whole attention."""
     scale = _checked_scale(q, k, v, softmax_scale)
-    q, k, v, do = (_last_dim_contiguous(t) for t in (q, k, v, do))
-    lse, delta = lse.float().contiguous(), delta.float().contiguous()
-    return _backward(do, q, k, v, lse, delta, bool(causal), scale, q_offset - k_offset, torch.float32)
+    q, k, v, do, out = (_last_dim_contiguous(t) for t in (q, k, v, do, out))
+    delta = _delta(out, do)
+    return _backward(
+        do, q, k, v, lse.float().contiguous(), delta, bool(causal), scale, q_offset - k_offset, torch.float32
+    )

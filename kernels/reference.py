@@ -117,7 +117,7 @@ def attention_block_grads(
     k: torch.Tensor,
     v: torch.Tensor,
     lse: torch.Tensor,
-    delta: torch.Tensor,
+    out: torch.Tensor,
     causal: bool = True,
     softmax_scale: float | None = None,
     q_offset: int = 0,
@@ -125,12 +125,13 @@ def attention_block_grads(
     allowed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv (at least fp32) of one block of attention_block's, its probabilities recomputed from
-    `lse` (b, hq, n), the log-sum-exp of the rows' final (merged) output; `delta` (b, hq, n) is
-    rowsum(dO * O) of that final output (the softmax's backward)."""
+    `lse` (b, hq, n), the log-sum-exp of the rows' final (merged) output `out` (b, hq, n, d), whose
+    rowsum(dO * O) is the softmax's backward term."""
     dtype = torch.promote_types(q.dtype, torch.float32)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     hk = k.shape[1]
     qg, dog = _grouped(q.to(dtype), hk), _grouped(do.to(dtype), hk)
+    delta = (do.to(dtype) * out.to(dtype)).sum(-1)
     k, v = k.to(dtype), v.to(dtype)
     s = _block_scores(qg, k, scale, causal, q_offset, k_offset, allowed)
     p = torch.exp(s - _grouped(lse.to(dtype)[..., None], hk))

@@ -15,7 +15,8 @@ Attention (each block's `attn.core` is replaced, as apply_tp and apply_recompute
   backward recomputes each block's probabilities from the final log-sum-exp and passes dK/dV around the
   ring with the K/V they belong to, so they arrive home after cp transfers. Each block is
   kernels.flash_attention_block(_grads) at the chunks' global offsets: the Triton kernel with
-  model.kernels=triton, PyTorch otherwise and always with packed documents.
+  model.kernels=triton, PyTorch otherwise and always with packed documents (on CPU tensors torch's fused
+  flash-attention kernel, given the final output and log-sum-exp in the backward).
 * ``all_to_all`` (Ulysses): an all-to-all scatters the heads and gathers the sequence, each rank runs causal
   attention over the whole sequence for cp-th of the heads, and the reverse all-to-all brings its tokens
   back. Grouped-query K/V with fewer heads than cp ranks are replicated up to a multiple of cp first.
@@ -52,6 +53,8 @@ from llmtrain.parallel.tensor_parallel import all_gather_dim, share_capacity, su
 from llmtrain.parallel.topology import Topology
 
 FULL, DIAGONAL, MASKED = "full", "diagonal", "masked"
+HOME = "ring attention dK/dV home"
+"""The detail of the ring's last transfer, made after every block is computed (bench_cp reads it)."""
 
 
 def chunk_ids(cp: int, rank: int) -> tuple[int, int]:
@@ -233,9 +236,8 @@ class _RingAttention(torch.autograd.Function):
         split: ContextSplit = ctx.split
         size = q.shape[2] // 2
         dtype = out.dtype
-        delta = (dout.to(dtype) * out).sum(-1)
-        q_parts, do_parts = _chunks(q), _chunks(dout)
-        lse_parts, delta_parts = lse.chunk(2, dim=-1), delta.chunk(2, dim=-1)
+        q_parts, do_parts, out_parts = _chunks(q), _chunks(dout), _chunks(out)
+        lse_parts = lse.chunk(2, dim=-1)
         dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
         dq_parts = _chunks(dq)
         kv = torch.stack((k, v))
@@ -253,7 +255,7 @@ class _RingAttention(torch.autograd.Function):
             dk_parts, dv_parts = _chunks(own[0]), _chunks(own[1])
             for i, j, q_offset, k_offset, allowed in _visible_pairs(split, source, documents, size):
                 dq_ij, dk_ij, dv_ij = kernels.flash_attention_block_grads(
-                    do_parts[i], q_parts[i], k_parts[j], v_parts[j], lse_parts[i], delta_parts[i], True,
+                    do_parts[i], q_parts[i], k_parts[j], v_parts[j], lse_parts[i], out_parts[i], True,
                     ctx.scale, q_offset, k_offset, ctx.impl, allowed=allowed,
                 )  # fmt: skip
                 dq_parts[i].add_(dq_ij)
@@ -265,7 +267,7 @@ class _RingAttention(torch.autograd.Function):
                 kv = received.pop(0)
             dkv = own if dkv is None else received[0] + own
         # After cp - 1 steps each rank holds the complete gradient of its successor's block: send it home.
-        pending, received = _exchange(split, [dkv], "ring attention dK/dV home")
+        pending, received = _exchange(split, [dkv], HOME)
         for work in pending:
             work.wait()
         dkv = received[0]

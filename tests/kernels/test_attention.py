@@ -9,15 +9,21 @@ import triton
 
 import kernels
 from kernels import attention
+from llmtrain.models.documents import same_document
 from tests.kernels.conftest import DEVICE, DTYPES, INTERPRETED, assert_close, forward_backward, randn
 
 
-def _sdpa64(q, k, v, causal, scale):
-    # Repeat kv heads explicitly so the reference does not depend on SDPA's enable_gqa path.
+def _sdpa64(q, k, v, causal, scale, documents=None):
+    # Repeat kv heads explicitly so the reference does not depend on SDPA's enable_gqa path. Packed
+    # `documents` (b, seq) ids: causal attention inside each document, by an explicit boolean mask.
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+    if documents is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+    seq = q.shape[2]
+    mask = same_document(documents, documents) & torch.ones(seq, seq, dtype=torch.bool).tril()
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None].to(q.device), scale=scale)
 
 
 CASES = [
@@ -147,19 +153,32 @@ CHUNKS_48 = ([(0, 20), (20, 48)], [(0, 13), (13, 30), (30, 48)])
 CHUNKS_200 = ([(0, 90), (90, 200)], [(0, 57), (57, 130), (130, 200)])
 
 
-def _check_blocks_against_whole(dtype, impl, seq, chunks):
+def _documents(b, seq):
+    """Packed-document ids (b, seq): documents of 1 to 13 tokens, so that some rows see no key of a block."""
+    lengths = torch.randint(1, 14, (b, seq), generator=torch.Generator().manual_seed(2))
+    starts = torch.zeros(b, seq, dtype=torch.bool)
+    for row, sizes in zip(starts, lengths.tolist(), strict=True):
+        row[torch.tensor(sizes).cumsum(0).clamp(max=seq - 1)] = True
+    return starts.long().cumsum(-1)
+
+
+def _check_blocks_against_whole(dtype, impl, seq, chunks, documents=None):
     """flash_attention_block's (output, log-sum-exp) per (query chunk, key chunk) pair, merged by
-    log-sum-exp, against causal attention over the whole sequence (SDPA in float64), and
-    flash_attention_block_grads from the merged output's log-sum-exp and delta, summed over the pairs,
-    against its gradient; every block also against the PyTorch block in float64, including the -inf
-    log-sum-exp and zero output of rows that see none of a block's keys."""
+    log-sum-exp, against causal attention over the whole sequence (SDPA in float64; inside packed
+    `documents` if given), and flash_attention_block_grads from the merged output and its log-sum-exp,
+    summed over the pairs, against its gradient; every block also against the explicit PyTorch block in
+    float64, including the -inf log-sum-exp and zero output of rows that see none of a block's keys."""
     q_chunks, k_chunks = chunks
     b, hq, hk, dim, scale = 2, 4, 2, 16, 0.3
     q, k, v = (randn(b, h, seq, dim, dtype=dtype) for h in (hq, hk, hk))
     exp, exp_g = forward_backward(
-        lambda q, k, v: _sdpa64(q, k, v, True, scale),
+        lambda q, k, v: _sdpa64(q, k, v, True, scale, documents),
         [t.detach().double().requires_grad_() for t in (q, k, v)],
     )
+
+    def allowed(q0, q1, k0, k1):
+        return None if documents is None else same_document(documents[:, q0:q1], documents[:, k0:k1])
+
     do = torch.randn(b, hq, seq, dim, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     do = do.half().to(DEVICE, dtype)  # forward_backward's cotangent: the same seed, rounded the same way
     q64, k64, v64 = (t.detach().double() for t in (q, k, v))
@@ -168,10 +187,11 @@ def _check_blocks_against_whole(dtype, impl, seq, chunks):
         out = lse = None
         for k0, k1 in k_chunks:
             args = (q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], True, scale, q0, k0)
-            o, lo = kernels.flash_attention_block(*args, impl=impl)
+            o, lo = kernels.flash_attention_block(*args, impl=impl, allowed=allowed(q0, q1, k0, k1))
             want_o, want_lse = kernels.reference.attention_block(
-                q64[:, :, q0:q1], k64[:, :, k0:k1], v64[:, :, k0:k1], True, scale, q0, k0
-            )
+                q64[:, :, q0:q1], k64[:, :, k0:k1], v64[:, :, k0:k1], True, scale, q0, k0,
+                allowed(q0, q1, k0, k1),
+            )  # fmt: skip
             assert o.dtype == lo.dtype == torch.float32
             assert torch.equal(lo.isinf(), want_lse.isinf()), f"rows without keys, block q{q0} k{k0}"
             assert_close(o, want_o, dtype, what=f"block output q{q0} k{k0}")
@@ -180,20 +200,21 @@ def _check_blocks_against_whole(dtype, impl, seq, chunks):
             if out is None:
                 out, lse = o, lo
             else:
+                # Rows that have seen no key yet (in a document that starts later) keep -inf and 0.
                 new = torch.logaddexp(lse, lo)
-                out = out * (lse - new).exp()[..., None] + o * (lo - new).exp()[..., None]
+                shift = new.masked_fill(new == -torch.inf, 0.0)
+                out = out * (lse - shift).exp()[..., None] + o * (lo - shift).exp()[..., None]
                 lse = new
         outs.append(out)
         lses.append(lse)
     out, lse = torch.cat(outs, 2), torch.cat(lses, 2)
     assert_close(out, exp[0], dtype, what="merged output")
-    delta = (do.float() * out).sum(-1)
     grads = [torch.zeros(t.shape, dtype=torch.float64) for t in (q, k, v)]
     for q0, q1 in q_chunks:
         for k0, k1 in k_chunks:
             dq, dk, dv = kernels.flash_attention_block_grads(
                 do[:, :, q0:q1], q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], lse[:, :, q0:q1],
-                delta[:, :, q0:q1], True, scale, q0, k0, impl=impl,
+                out[:, :, q0:q1], True, scale, q0, k0, impl=impl, allowed=allowed(q0, q1, k0, k1),
             )  # fmt: skip
             grads[0][:, :, q0:q1] += dq.cpu().double()
             grads[1][:, :, k0:k1] += dk.cpu().double()
@@ -207,6 +228,33 @@ def _check_blocks_against_whole(dtype, impl, seq, chunks):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_attention_blocks_merged_by_lse_equal_whole_attention(dtype, impl):
     _check_blocks_against_whole(dtype, impl, 48, CHUNKS_48)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_attention_blocks_inside_packed_documents_equal_whole_attention(dtype):
+    """The PyTorch path's `allowed` mask (the fused CPU kernel's additive mask on CPU), with documents
+    short enough that whole rows of a block see no key; bf16 inputs are computed in fp32, so the bf16
+    case needs no interpreter skip."""
+    _check_blocks_against_whole(dtype, "torch", 48, CHUNKS_48, _documents(2, 48))
+
+
+def test_cpu_attention_blocks_run_the_fused_kernel(monkeypatch):
+    """On CPU tensors the PyTorch block path never falls back to the explicit one (whose score-sized
+    temporaries made ring attention's blocks several times slower than one rank's SDPA)."""
+
+    def explicit(*args, **kwargs):
+        raise AssertionError("the explicit block path ran on CPU tensors")
+
+    monkeypatch.setattr(kernels.reference, "attention_block", explicit)
+    monkeypatch.setattr(kernels.reference, "attention_block_grads", explicit)
+    q = torch.randn(1, 2, 8, 16)
+    allowed = torch.ones(1, 8, 8, dtype=torch.bool)
+    for q_offset, k_offset, mask in ((0, 0, None), (8, 0, None), (4, 0, None), (0, 0, allowed)):
+        o, lse = kernels.flash_attention_block(q, q, q, True, None, q_offset, k_offset, "torch", allowed=mask)
+        grads = kernels.flash_attention_block_grads(
+            q, q, q, q, lse, o, True, None, q_offset, k_offset, "torch", allowed=mask
+        )
+        assert all(g.shape == q.shape for g in grads)
 
 
 @pytest.mark.slow
