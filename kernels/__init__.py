@@ -300,11 +300,10 @@ def moe_experts(
     if not isinstance(counts, torch.Tensor):
         counts = torch.tensor(counts, device=rows.device)
     offsets = counts.cumsum(0, dtype=torch.int32)
-    gu = grouped_mm(rows, gate_up, offsets, impl)
     if resolve_impl(impl, rows) == "triton":
+        gu = grouped_mm(rows, gate_up, offsets, impl)
         h = swiglu(*gu.chunk(2, dim=-1), impl=impl)
-    else:
-        from kernels import grouped_torch
+        return grouped_mm(h, down, offsets, impl)
+    from kernels import grouped_torch
 
-        h = grouped_torch.swiglu_packed(gu)
-    return grouped_mm(h, down, offsets, impl)
+    return grouped_torch.moe_experts(rows, offsets, gate_up, down)

@@ -41,11 +41,9 @@ def _to_experts(x: torch.Tensor, where: ExpertOrder) -> torch.Tensor:
     return x.index_select(0, where.order // where.top_k)
 
 
-def _padded(where: ExpertOrder, *tensors: torch.Tensor) -> list[torch.Tensor]:
-    """The tensors with a zero row appended when assignments were dropped (their slot_row points there)."""
-    if where.dropless:
-        return list(tensors)
-    return [torch.cat((t, t.new_zeros(1, *t.shape[1:]))) for t in tensors]
+def _padded(where: ExpertOrder, rows: torch.Tensor) -> torch.Tensor:
+    """`rows` with a zero row appended when assignments were dropped (their slot_row points there)."""
+    return rows if where.dropless else torch.cat((rows, rows.new_zeros(1, *rows.shape[1:])))
 
 
 def _acc_dtype(*tensors: torch.Tensor) -> torch.dtype:
@@ -57,20 +55,18 @@ def _acc_dtype(*tensors: torch.Tensor) -> torch.dtype:
 
 def _to_tokens(rows: torch.Tensor, where: ExpertOrder, weights: torch.Tensor | None) -> torch.Tensor:
     """sum over each token's slots of (weight *) row, accumulated slot by slot in fp32 (or wider), so no
-    (routed, hidden) product is ever materialised; one rounding to the rows' dtype. Operands are cast to
-    the accumulation dtype first: mixed-dtype elementwise ops are not vectorised on CPU."""
+    (routed, hidden) product is ever materialised; one rounding to the rows' dtype. `weights` (tokens, k)
+    are in token order, so slot j's are a column, not a gather. Operands are cast to the accumulation
+    dtype first: mixed-dtype elementwise ops are not vectorised on CPU."""
     tokens, k = where.slot_row.shape[0] // where.top_k, where.top_k
-    if weights is None:
-        acc, (rows,) = _acc_dtype(rows), _padded(where, rows)
-    else:
-        acc, (rows, weights) = _acc_dtype(rows, weights), _padded(where, rows, weights)
-    out = torch.zeros(tokens, rows.shape[1], dtype=acc, device=rows.device)
-    for idx in where.slot_row.view(tokens, k).unbind(1):
-        part = rows.index_select(0, idx).to(acc)
-        if weights is None:
-            out.add_(part)
-        else:
-            out.addcmul_(part, weights.index_select(0, idx).to(acc).unsqueeze(1))
+    acc = _acc_dtype(rows) if weights is None else _acc_dtype(rows, weights)
+    rows = _padded(where, rows)
+    out = None
+    for j, idx in enumerate(where.slot_row.view(tokens, k).unbind(1)):
+        part = rows.index_select(0, idx).to(acc)  # a fresh tensor either way: the first slot starts the sum
+        if weights is not None:
+            part.mul_(weights[:, j : j + 1].to(acc))
+        out = part if out is None else out.add_(part)
     return out.to(rows.dtype)
 
 
@@ -101,14 +97,12 @@ class _Combine(torch.autograd.Function):
         # are formed in fp32 (as autograd would for rows * fp32 weights) and d_rows is rounded once.
         acc = _acc_dtype(rows, weights)
         g = grad.to(acc)
-        rows, weights = _padded(where, rows, weights)
-        d_rows, d_weights = torch.empty_like(rows), torch.empty(rows.shape[0], dtype=acc, device=rows.device)
-        for idx in where.slot_row.view(tokens, k).unbind(1):
-            w = weights.index_select(0, idx).to(acc)
-            d_rows.index_copy_(0, idx, (g * w.unsqueeze(1)).to(rows.dtype))
-            part = rows.index_select(0, idx).to(acc)
-            d_weights.index_copy_(0, idx, torch.linalg.vecdot(part, g))
-        return d_rows[:routed], d_weights[:routed].to(weights.dtype), None
+        rows = _padded(where, rows)
+        d_rows, d_weights = torch.empty_like(rows), torch.empty(tokens, k, dtype=acc, device=rows.device)
+        for j, idx in enumerate(where.slot_row.view(tokens, k).unbind(1)):
+            d_rows.index_copy_(0, idx, (g * weights[:, j : j + 1].to(acc)).to(rows.dtype))
+            d_weights[:, j] = torch.linalg.vecdot(rows.index_select(0, idx).to(acc), g)
+        return d_rows[:routed], d_weights.to(weights.dtype), None
 
 
 def to_experts(x: torch.Tensor, where: ExpertOrder) -> torch.Tensor:
@@ -117,7 +111,8 @@ def to_experts(x: torch.Tensor, where: ExpertOrder) -> torch.Tensor:
 
 
 def combine(rows: torch.Tensor, weights: torch.Tensor, where: ExpertOrder) -> torch.Tensor:
-    """(routed, hidden) expert-ordered rows and their (routed,) router weights -> (tokens, hidden): the
-    weighted sum of each token's kept rows, products and sum in fp32 (or the wider of the two dtypes), one
-    rounding to the rows' dtype, as transformers' grouped_mm experts compute it."""
+    """(routed, hidden) expert-ordered rows and the (tokens, k) router weights in token order -> (tokens,
+    hidden): the weighted sum of each token's kept rows (a dropped assignment's weight gets gradient 0),
+    products and sum in fp32 (or the wider of the two dtypes), one rounding to the rows' dtype, as
+    transformers' grouped_mm experts compute it."""
     return _Combine.apply(rows, weights, where)
