@@ -91,11 +91,13 @@ class _Combine(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         rows, weights = ctx.saved_tensors
-        where, routed = ctx.where, rows.shape[0]
-        tokens, k = grad.shape[0], where.top_k
+        where = ctx.where
+        acc = _acc_dtype(rows, weights)
+        if rows.dtype == acc and grad.dtype == acc:
+            return (*_combine_grads_in_place(rows, weights, grad, where), None)
         # Slot by slot over (tokens, hidden) slices in the accumulation dtype, as the forward: the products
         # are formed in fp32 (as autograd would for rows * fp32 weights) and d_rows is rounded once.
-        acc = _acc_dtype(rows, weights)
+        routed, (tokens, k) = rows.shape[0], weights.shape
         g = grad.to(acc)
         rows = _padded(where, rows)
         d_rows, d_weights = torch.empty_like(rows), torch.empty(tokens, k, dtype=acc, device=rows.device)
@@ -103,6 +105,22 @@ class _Combine(torch.autograd.Function):
             d_rows.index_copy_(0, idx, (g * weights[:, j : j + 1].to(acc)).to(rows.dtype))
             d_weights[:, j] = torch.linalg.vecdot(rows.index_select(0, idx).to(acc), g)
         return d_rows[:routed], d_weights.to(weights.dtype), None
+
+
+def _combine_grads_in_place(
+    rows: torch.Tensor, weights: torch.Tensor, grad: torch.Tensor, where: ExpertOrder
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine's gradients when rows, weights and grad share one dtype (no rounding to place): the token
+    gradient of every row gathered once in expert order, the weight gradients its dot products with the
+    rows, then scaled in place into d_rows; sequential passes, where the slot loop scatters into d_rows."""
+    d_rows = grad.index_select(0, where.order // where.top_k)
+    # Row blocks of one slot's size: vecdot materialises its product, which for all rows at once would be
+    # a fresh mapping (page faults) rather than reused heap memory.
+    blocks = zip(rows.split(grad.shape[0]), d_rows.split(grad.shape[0]), strict=True)
+    d_sorted = torch.cat([torch.linalg.vecdot(a, b) for a, b in blocks])
+    d_rows.mul_(weights.flatten().index_select(0, where.order).unsqueeze(1))
+    d_weights = d_sorted.new_zeros(weights.numel()).index_copy_(0, where.order, d_sorted)
+    return d_rows, d_weights.view_as(weights)
 
 
 def to_experts(x: torch.Tensor, where: ExpertOrder) -> torch.Tensor:
