@@ -124,7 +124,9 @@ def _combine_grads_in_place(
     # a fresh mapping (page faults) rather than reused heap memory.
     blocks = zip(rows.split(grad.shape[0]), d_rows.split(grad.shape[0]), strict=True)
     d_sorted = torch.cat([torch.linalg.vecdot(a, b) for a, b in blocks])
-    d_rows.mul_(weights.flatten().index_select(0, where.order).unsqueeze(1))
+    scale = weights.flatten().index_select(0, where.order).unsqueeze(1)
+    # Under create_graph (a Hessian-vector product) the gradient must stay differentiable: out of place.
+    d_rows = d_rows * scale if torch.is_grad_enabled() else d_rows.mul_(scale)
     d_weights = d_sorted.new_zeros(weights.numel()).index_copy_(0, where.order, d_sorted)
     return d_rows, d_weights.view_as(weights)
 

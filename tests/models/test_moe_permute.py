@@ -42,6 +42,9 @@ def test_gradients_float64(drop):
     w = torch.rand(tokens, k, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda x: to_experts(x, where), (x,))
     assert torch.autograd.gradcheck(lambda y, w: combine(y, w, where), (y, w))
+    # Second order too: the tests' one-process reference takes Hessian-vector products through the block.
+    assert torch.autograd.gradgradcheck(lambda x: to_experts(x, where), (x,))
+    assert torch.autograd.gradgradcheck(lambda y, w: combine(y, w, where), (y, w))
 
 
 def test_bf16_rows_are_weighted_and_summed_in_fp32():
