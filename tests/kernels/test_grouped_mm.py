@@ -61,7 +61,8 @@ def test_torch_grouped_mm_gradcheck_float64():
 
 
 def test_torch_moe_experts_gradcheck_float64():
-    # Checks the packed SwiGLU's hand-written backward (one d(gate_up) buffer, silu recomputed).
+    # Checks the experts Function's hand-written backward (gradients written into its own buffers, silu
+    # recomputed).
     c = torch.tensor([2, 0, 1])
     rows = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
     gate_up = torch.randn(3, 6, 4, dtype=torch.float64, requires_grad=True)
