@@ -307,11 +307,15 @@ def moe_experts(
     if not isinstance(counts, torch.Tensor):
         counts = torch.tensor(counts, device=rows.device)
     offsets = counts.cumsum(0, dtype=torch.int32)
-    gu = grouped_mm(rows, gate_up, offsets, impl)
-    if resolve_impl(impl, rows) == "triton":
-        h = swiglu(*gu.chunk(2, dim=-1), impl=impl)
-    else:
-        from kernels import grouped_torch
+    from kernels.checks import check_grouped_mm_args
 
-        h = grouped_torch.swiglu_packed(gu)
-    return grouped_mm(h, down, offsets, impl)
+    # The down projection takes (rows, F) activations: a zero-row stand-in checks its shape the same way.
+    check_grouped_mm_args(rows, gate_up, offsets)
+    check_grouped_mm_args(rows.new_empty(0, gate_up.shape[1] // 2), down, offsets)
+    if resolve_impl(impl, rows) == "triton":
+        gu = grouped_mm(rows, gate_up, offsets, impl)
+        h = swiglu(*gu.chunk(2, dim=-1), impl=impl)
+        return grouped_mm(h, down, offsets, impl)
+    from kernels import grouped_torch
+
+    return grouped_torch.moe_experts(rows, offsets, gate_up, down)

@@ -182,7 +182,7 @@ class Experts(nn.Module):
         else:
             out = self.dispatch(rows, counts.tolist(), self)
         # The router weights (fp32) stay fp32 through the product, as transformers' Mixtral computes it.
-        return combine(out, weights.flatten()[order], where)
+        return combine(out, weights, where)
 
 
 class MoEMLP(nn.Module):

@@ -206,13 +206,13 @@ def moe_mlp_saved_per_token(
     """Bytes a MoE layer's MLP saves per token of the rank (before the TP split): the router's fp32 logits
     and probabilities, then per routed row (top-k per token, times the load `imbalance` of the busiest rank)
     the dispatched input, the expert's output cast to fp32 (kept by the routing weight's product,
-    llmtrain.models.moe.Experts) and the gated MLP's intermediates, and the shared experts' intermediates
-    per token."""
+    llmtrain.models.moe.Experts) and the gated MLP's intermediates (gate+up output and the product on both
+    kernel paths: kernels.moe_experts keeps no activated gate), and the shared experts' intermediates per
+    token."""
     m, e = model, act_bytes
     f = m.expert_ffn_size
-    gated = (3 if fused_kernels else 4) * f * e
-    routed = m.num_experts_per_tok * imbalance * ((e + 4) * m.hidden_size + gated)
-    return 2 * 4 * m.num_experts + routed + m.num_shared_experts * gated
+    routed = m.num_experts_per_tok * imbalance * ((e + 4) * m.hidden_size + 3 * f * e)
+    return 2 * 4 * m.num_experts + routed + m.num_shared_experts * (3 if fused_kernels else 4) * f * e
 
 
 def layer_parameters(

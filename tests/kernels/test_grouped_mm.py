@@ -61,7 +61,8 @@ def test_torch_grouped_mm_gradcheck_float64():
 
 
 def test_torch_moe_experts_gradcheck_float64():
-    # Checks the packed SwiGLU's hand-written backward (one d(gate_up) buffer, silu recomputed).
+    # Checks the experts Function's hand-written backward (gradients written into its own buffers, silu
+    # recomputed).
     c = torch.tensor([2, 0, 1])
     rows = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
     gate_up = torch.randn(3, 6, 4, dtype=torch.float64, requires_grad=True)
@@ -70,6 +71,21 @@ def test_torch_moe_experts_gradcheck_float64():
     assert torch.autograd.gradcheck(fn, (rows, gate_up, down))
     # Second order too: the tests' one-process reference takes Hessian-vector products through the experts.
     assert torch.autograd.gradgradcheck(fn, (rows, gate_up, down))
+
+
+def test_torch_moe_experts_backward_runs_twice():
+    # The backward overwrites its own buffers with gradients; a second backward (retain_graph) recomputes
+    # them, so it gives the first one's gradients exactly.
+    c = torch.tensor([5, 0, 3])
+    rows = randn(8, 32, dtype=torch.float32)
+    gate_up = randn(3, 48, 32, dtype=torch.float32, scale=32**-0.5)
+    down = randn(3, 32, 24, dtype=torch.float32, scale=24**-0.5)
+    out = kernels.moe_experts(rows, c, gate_up, down, impl="torch")
+    dy = torch.randn_like(out)
+    first = torch.autograd.grad(out, (rows, gate_up, down), dy, retain_graph=True)
+    second = torch.autograd.grad(out, (rows, gate_up, down), dy)
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("impl", ["triton", "torch"])
