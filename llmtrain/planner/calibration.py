@@ -309,6 +309,34 @@ def _median_call_s(dist: Any, call: Any, reps: int, backend: str) -> float:
     return statistics.median(times)
 
 
+ROUNDS = 3
+"""Rounds of every timing of the link measurements (the whole size sweep, the FSDP2 and after-compute
+differences), interleaved so that a burst of other load on a shared machine lands in one round of several
+sizes rather than in every repeat of one; the least disturbed round counts (least_disturbed)."""
+WARMUP_CALLS = 20
+"""Small all-reduces every rank runs before the first timed size: a new process group's first collectives
+set up its connections and buffers and run slower (the first size of a sweep without them: 15x the next)."""
+
+
+def least_disturbed(rounds: list[float]) -> float:
+    """The smallest of several rounds' medians: other processes' load and scheduling only ever add time to a
+    round, so the least disturbed one is the closest to the operation's own time (each round a median
+    already, one fast outlier cannot set it)."""
+    if not rounds:
+        raise ValueError("least_disturbed needs at least one round")
+    return min(rounds)
+
+
+def monotone_times(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """(bytes, seconds) sorted by bytes with each time capped by every larger size's: a collective of fewer
+    bytes never costs more than one of more (it could be sent padded), so a smaller size measured slower is
+    noise (a disturbed round, a lazy set-up) and the larger size's time bounds it."""
+    out = sorted(points)
+    for i in range(len(out) - 2, -1, -1):
+        out[i] = (out[i][0], min(out[i][1], out[i + 1][1]))
+    return out
+
+
 def _collective_worker(
     rank: int, world: int, port: int, backend: str, sizes: tuple[int, ...], reps: int, out: Any
 ) -> None:
@@ -326,20 +354,30 @@ def _collective_worker(
     store = dist.TCPStore("127.0.0.1", port, None, is_master=False)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world)
     try:
-        result: dict[str, list[tuple[int, float]]] = {op: [] for op in COLLECTIVES}
+        calls: dict[int, dict[str, Any]] = {}
         for nbytes in sizes:
             full = torch.zeros(max(nbytes // 4 // world, 1) * world, device=device)
             part = torch.zeros(full.numel() // world, device=device)
-            calls = {
+            calls[full.numel() * 4] = {
                 "all_reduce": lambda full=full: dist.all_reduce(full),
                 "all_gather": lambda full=full, part=part: gather(full, part),
                 "reduce_scatter": lambda full=full, part=part: scatter(part, full),
                 "send": lambda full=full: _ping(dist, full, rank),
             }
-            for op, call in calls.items():
-                # A ping-pong moves the buffer twice: one send is half of it.
-                median = _median_call_s(dist, call, reps, backend) / (2 if op == "send" else 1)
-                result[op].append((full.numel() * 4, median))
+        tiny = torch.zeros(1, device=device)
+        for _ in range(WARMUP_CALLS):
+            dist.all_reduce(tiny)
+        rounds: dict[str, dict[int, list[float]]] = {op: {n: [] for n in calls} for op in COLLECTIVES}
+        for _ in range(ROUNDS):
+            for nbytes, ops in calls.items():
+                for op, call in ops.items():
+                    # A ping-pong moves the buffer twice: one send is half of it.
+                    median = _median_call_s(dist, call, reps, backend) / (2 if op == "send" else 1)
+                    rounds[op][nbytes].append(median)
+        result = {
+            op: monotone_times([(n, least_disturbed(times)) for n, times in per_size.items()])
+            for op, per_size in rounds.items()
+        }
         fsdp = _fsdp_call_s(dist, world, device, backend, reps, gather, scatter)
         after = _after_compute_s(dist, device, backend, 2 * reps)
         if rank == 0:
@@ -357,7 +395,7 @@ def _after_compute_s(dist: Any, device: str, backend: str, reps: int) -> float:
     """Seconds a small all-reduce costs more when every rank issues it after a burst of compute, as training
     does, than back to back as the size sweep times it: the ranks finish their bursts apart (scheduling
     noise) and the waiting thread must be woken. Rank 0's loop of burst + all-reduce, minus its loops of
-    bursts alone and of all-reduces alone, per iteration."""
+    bursts alone and of all-reduces alone, per iteration, each the least disturbed of ROUNDS rounds."""
     import torch
 
     a = torch.randn(256, 256, device=device)
@@ -379,9 +417,16 @@ def _after_compute_s(dist: Any, device: str, backend: str, reps: int) -> float:
         dist.barrier()
         return elapsed
 
-    alone = per_iteration(burst)
-    bare = per_iteration(lambda: dist.all_reduce(t))
-    both = per_iteration(lambda: (burst(), dist.all_reduce(t)))
+    steps = {
+        "alone": burst,
+        "bare": lambda: dist.all_reduce(t),
+        "both": lambda: (burst(), dist.all_reduce(t)),
+    }
+    rounds: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(ROUNDS):
+        for name, step in steps.items():
+            rounds[name].append(per_iteration(step))
+    alone, bare, both = (least_disturbed(rounds[name]) for name in steps)
     return max(both - alone - bare, 0.0)
 
 
@@ -394,7 +439,8 @@ def _fsdp_call_s(
 ) -> float:
     """Seconds FSDP2 adds per collective: a fully_shard'ed linear resharded after its forward (ZeRO-3: an
     all-gather in the forward, another in the backward, a reduce-scatter of its gradient) stepped on one
-    row, minus the same three collectives issued bare, over three. Its matmuls are one row: microseconds."""
+    row, minus the same three collectives issued bare, over three (each the least disturbed of ROUNDS
+    interleaved rounds). Its matmuls are one row: microseconds."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -414,7 +460,11 @@ def _fsdp_call_s(
         gather(full, part)
         scatter(part, full)
 
-    added = _median_call_s(dist, sharded, reps, backend) - _median_call_s(dist, bare, reps, backend)
+    rounds: tuple[list[float], list[float]] = ([], [])
+    for _ in range(ROUNDS):
+        for times, step in zip(rounds, (sharded, bare), strict=True):
+            times.append(_median_call_s(dist, step, reps, backend))
+    added = least_disturbed(rounds[0]) - least_disturbed(rounds[1])
     return max(added, 0.0) / 3
 
 

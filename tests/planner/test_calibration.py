@@ -11,7 +11,14 @@ from pathlib import Path
 import pytest
 
 from llmtrain.config.errors import ConfigError
-from llmtrain.planner.calibration import LinkFit, Measurements, fit_alpha_beta, profile_of
+from llmtrain.planner.calibration import (
+    LinkFit,
+    Measurements,
+    fit_alpha_beta,
+    least_disturbed,
+    monotone_times,
+    profile_of,
+)
 from llmtrain.planner.cluster import cluster_from_dict, load_cluster
 from llmtrain.planner.interpolate import rate_at, time_at
 
@@ -108,3 +115,12 @@ def test_a_quick_calibration_is_a_cluster_the_planner_plans_on(tmp_path, capsys)
     printed = capsys.readouterr().out
     best = json.loads(printed[printed.index("\n{") + 1 :])["layouts"][0]
     assert best["step_time_s"] > 0 and best["tp"] * best["pp"] * best["dp"] == 2
+
+
+def test_the_least_disturbed_round_counts_and_a_smaller_message_never_costs_more():
+    assert least_disturbed([3e-3, 1e-3, 2e-3]) == 1e-3
+    with pytest.raises(ValueError, match="at least one round"):
+        least_disturbed([])
+    # A disturbed first size (set-up, load) is capped by the larger sizes' times; the rest stays as measured.
+    measured = [(8192, 2.6e-4), (1024, 3.9e-3), (65536, 4e-4), (524288, 6.7e-4)]
+    assert monotone_times(measured) == [(1024, 2.6e-4), (8192, 2.6e-4), (65536, 4e-4), (524288, 6.7e-4)]
