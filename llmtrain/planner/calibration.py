@@ -75,6 +75,9 @@ class Measurements:
     cores (CPU) or one GPU."""
     host_op_us: float = 0.0
     """Host time per dispatched operator (forward and backward) of a tiny autograd chain."""
+    memory_table: dict[str, list[list[float]]] = field(default_factory=dict)
+    """Operator kind -> [bytes of one tensor, achieved GB/s] of memory-bound operators, timed with one
+    process's share of the cores (CPU) or one GPU (measure_memory_table)."""
     links: list[LinkFit] = field(default_factory=list)
 
     def peak(self, dtype: str) -> float:
@@ -225,6 +228,135 @@ def measure_host_op_us(kind: str, seconds: float, threads: int) -> float:
     torch.set_num_threads(threads)
     try:
         return _best_time(chain, seconds) / Count.ops * 1e6
+    finally:
+        torch.set_num_threads(before)
+
+
+MEMORY_TOKENS_CPU = (64, 256, 1024, 4096)
+MEMORY_TOKENS_GPU = (4096, 16384, 65536)
+"""Tokens of the reference block whose memory-bound operators the memory table times (MEMORY_BLOCK wide):
+on a CPU from hidden states that fit a core's L2 cache (64 KiB of fp32) to ones beyond it; on a GPU
+activations well beyond its L2."""
+MEMORY_BLOCK = {"arch": "llama", "hidden_size": 256, "num_attention_heads": 4, "num_kv_heads": 2}
+"""The reference block timed: a gated (RMSNorm, rotary, SwiGLU) LLaMA block, the layer host_ops counts."""
+SOFTMAX_ELEMENTS_CPU = (2**14, 2**16, 2**18, 2**20, 2**22, 2**23)
+SOFTMAX_ELEMENTS_GPU = (2**20, 2**22, 2**24, 2**26, 2**28)
+"""fp32 logits of the cross-entropy the memory table times: on a CPU from 64 KiB to 32 MiB, from which size
+on glibc serves allocations with fresh pages that fault on first touch (its mmap threshold's maximum on
+64-bit; the cost model keeps the largest size's rate beyond it); on a GPU well beyond its L2."""
+MEMORY_RUNS = 5
+"""At least this many timed runs per size of the memory table, the fastest counting: a shared machine's
+other load slows single runs by several times (one timed run at 64 KiB came out 100x slow)."""
+SOFTMAX_ROW = 4096
+"""Classes per row of the timed cross-entropy (a small vocabulary or a TP shard of one)."""
+
+
+class _OperatorClock:
+    """A TorchDispatchMode summing the time and the bytes read and written (input and output tensors) of
+    the memory-bound operators dispatched under it: every one but views, matmuls and fused attention, as
+    host_ops.reference_bytes counts a layer's. The time is each operator's own (dispatch inside PyTorch
+    and kernel), not the Python around it, which host_op_us charges apart."""
+
+    def __init__(self, kind: str) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        clock = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+                return clock.run(func, args, kwargs or {})
+
+        self.mode = Mode()
+        self.kind = kind
+        self.seconds = 0.0
+        self.moved = 0
+
+    def run(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        import torch
+        from torch.utils._pytree import tree_flatten
+
+        name = func.__name__.split(".")[0]
+        # _unsafe_view aliases its input although its schema does not say so.
+        if func.is_view or name in ("_unsafe_view", "mm", "addmm", "bmm") or "scaled_dot_product" in name:
+            return func(*args, **kwargs)
+        start = time.perf_counter()
+        out = func(*args, **kwargs)
+        _sync(self.kind)
+        self.seconds += time.perf_counter() - start
+        tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
+        self.moved += sum(t.numel() * t.element_size() for t in tensors)
+        return out
+
+
+def _block_rate(kind: str, tokens: int, seconds: float) -> tuple[float, float]:
+    """(bytes of the hidden states, achieved GB/s) of the reference block's memory-bound operators over a
+    forward and backward of `tokens` tokens: the best of the runs `seconds` allow."""
+    import torch
+
+    from llmtrain.config.schema import ModelConfig
+    from llmtrain.models.causal_lm import build
+
+    seq = min(tokens, 128)
+    cfg = ModelConfig(**MEMORY_BLOCK, num_layers=1, vocab_size=256, seq_length=seq, kernels="torch")
+    dtype = torch.bfloat16 if kind == "cuda" else torch.float32
+    model = build(cfg).to(device=kind, dtype=dtype).train()
+    rope = model.rope(seq, torch.device(kind), dtype)
+    x = torch.randn(tokens // seq, seq, cfg.hidden_size, device=kind, dtype=dtype, requires_grad=True)
+
+    grad = torch.ones_like(x)
+
+    def step() -> _OperatorClock:
+        clock = _OperatorClock(kind)
+        with clock.mode:
+            model.layers[0](x, rope).backward(grad)
+        return clock
+
+    step()  # warm-up: allocation, rotary tables
+    best, deadline, runs = step(), time.perf_counter() + seconds, 1
+    while runs < MEMORY_RUNS or time.perf_counter() < deadline:
+        best = min(best, step(), key=lambda c: c.seconds)
+        runs += 1
+    return float(x.numel() * x.element_size()), best.moved / best.seconds / 1e9
+
+
+def _softmax_rate(kind: str, elements: int, seconds: float) -> tuple[float, float]:
+    """(bytes of the fp32 logits, achieved GB/s) of F.cross_entropy's forward and backward over `elements`
+    logits, counting host_ops.CE_PASSES' reference passes over them."""
+    import torch
+    import torch.nn.functional as F
+
+    from llmtrain.planner.host_ops import CE_PASSES
+
+    logits = torch.randn(elements // SOFTMAX_ROW, SOFTMAX_ROW, device=kind, requires_grad=True)
+    labels = torch.randint(0, SOFTMAX_ROW, (elements // SOFTMAX_ROW,), device=kind)
+
+    def run() -> None:
+        F.cross_entropy(logits, labels).backward()
+        _sync(kind)
+
+    nbytes = 4.0 * elements
+    return nbytes, sum(CE_PASSES["reference"]) * nbytes / _best_time(run, seconds, MEMORY_RUNS) / 1e9
+
+
+def measure_memory_table(kind: str, seconds: float, threads: int) -> dict[str, list[list[float]]]:
+    """Per operator kind (cluster.MEMORY_KINDS), [bytes of one tensor, achieved GB/s] of the memory-bound
+    operators of the trainer's reference path on `threads` CPU threads, each output freshly allocated as in
+    a training step: "elementwise", a reference LLaMA block's (norms, rotary, SwiGLU, residual adds, the
+    layout copies; _OperatorClock times and counts them) against its hidden states' bytes (MEMORY_TOKENS_*);
+    "softmax", the reference cross-entropy's against its logits' bytes (SOFTMAX_ELEMENTS_*). The cost model
+    looks the rate up at a layer's hidden-state or logits size (cluster.Device.memory_table)."""
+    import torch
+
+    tokens = MEMORY_TOKENS_GPU if kind == "cuda" else MEMORY_TOKENS_CPU
+    logits = SOFTMAX_ELEMENTS_GPU if kind == "cuda" else SOFTMAX_ELEMENTS_CPU
+    share = seconds / (len(tokens) + len(logits))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return {
+            "elementwise": [list(_block_rate(kind, n, share)) for n in tokens],
+            "softmax": [list(_softmax_rate(kind, n, share)) for n in logits],
+        }
     finally:
         torch.set_num_threads(before)
 
@@ -530,6 +662,7 @@ def measure(
         gemm_table=measure_gemm_table(kind, dtypes, 4 * seconds, threads),
         host_op_us=measure_host_op_us(kind, seconds, threads),
     )
+    result.memory_table = measure_memory_table(kind, seconds, threads)
     backends = ["gloo"] + (["nccl"] if kind == "cuda" and dist_has_nccl() else [])
     for backend in backends:
         for group in group_sizes:
@@ -628,6 +761,11 @@ def profile_of(m: Measurements, when: str | None = None) -> dict[str, Any]:
             dtype: [[flops, round(tflops, 5)] for flops, tflops in points]
             for dtype, points in m.gemm_table.items()
         }
+    if m.memory_table:
+        device["memory_table"] = {
+            name: [[nbytes, round(gbs, 4)] for nbytes, gbs in points]
+            for name, points in m.memory_table.items()
+        }
     fsdp = fsdp_call_us(m)
     if fsdp:
         device["fsdp_call_us"] = round(fsdp, 2)
@@ -666,6 +804,12 @@ def profile_of(m: Measurements, when: str | None = None) -> dict[str, Any]:
     if m.gemm_table:
         sources[f"{d}.gemm_table"] = (
             f"{run}: matmuls of calibration.TABLE_WIDTHS shapes, achieved TFLOP/s"
+            + (f" on {process_threads(m.devices)} thread(s) per process" if cpu else "")
+        )
+    if m.memory_table:
+        sources[f"{d}.memory_table"] = (
+            f"{run}: a reference LLaMA block's memory-bound operators (calibration.MEMORY_TOKENS) and the "
+            "reference cross-entropy (calibration.SOFTMAX_ELEMENTS), achieved GB/s of the bytes they move"
             + (f" on {process_threads(m.devices)} thread(s) per process" if cpu else "")
         )
     if fsdp:

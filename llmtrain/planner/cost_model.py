@@ -392,7 +392,10 @@ class CostModel:
             elem_b = 2 * elem
         else:  # PyTorch's ops (the CPU): more passes, as host_ops counts them (a dense layer's)
             ref_f, ref_b = H.reference_bytes(m, tok, tp, sp, e)
-            elem, elem_b = dev.memory_time(ref_f, kernels=6), dev.memory_time(ref_b, kernels=12)
+            # At the rate measured for the reference block at this many hidden-state bytes (a CPU's falls
+            # from cache-sized activations to larger ones), where calibrated.
+            elem = dev.memory_time(ref_f, kernels=6, tensor_bytes=e * nh)
+            elem_b = dev.memory_time(ref_b, kernels=12, tensor_bytes=e * nh)
         fwd = gemms + core_f + elem
         bwd = 2 * gemms + core_b + elem_b
         if recompute == "full":
@@ -508,17 +511,27 @@ class CostModel:
         m, dev, prec, e = self.w.model, self.dev, self.prec, self.act_bytes
         tok, h, vocab = b * self.w.seq // cp, m.hidden_size, m.vocab_size / tp
         size = e * tok * h
-        emb_f = dev.memory_time(2 * e * tok * h, kernels=2)
+        # Device.memory_table times the reference path's operators: the fused kernels (a GPU's) keep the
+        # bandwidth model, whose terms are a few percent of a GPU layer's time.
+        measured = 0.0 if self.sw.fused_kernels else 1.0
+        emb_f = dev.memory_time(2 * e * tok * h, kernels=2, tensor_bytes=measured * size)
         emb, head = C.edge_layers(tp, sp, vocab_dp, size, tok)
         first = _Pass(emb_f, 2 * emb_f, emb_f, self._comm_time(emb.fwd), self._comm_time(emb.bwd))
         logits = dev.gemm_time(tok, vocab, h, prec)
-        ce = dev.memory_time(3 * 4 * tok * vocab, kernels=3)  # fp32 softmax, loss and its gradient
-        norm = dev.memory_time(2 * e * tok * h / (tp if sp else 1))
+        # The fp32 softmax, loss and its gradient, in passes over the rank's logits (host_ops.CE_PASSES).
+        ce_bytes = 4 * tok * vocab
+        passes = H.ce_passes(self.sw.fused_kernels, tp > 1 or vocab_dp > 1)
+        ce_f, ce_b = (
+            dev.memory_time(n * ce_bytes, kernels=n, tensor_bytes=measured * ce_bytes, kind="softmax")
+            for n in passes
+        )
+        hidden = size / (tp if sp else 1)
+        norm = dev.memory_time(2 * hidden, tensor_bytes=measured * hidden)
         head_tp, head_tp_b = self._comm_time(head.fwd), self._comm_time(head.bwd)
         # The embedding's few operators are counted with the head's (host_ops.extra_ops).
         ops_f, ops_b = H.extra_ops(m)
-        last_f = self._with_host(logits + ce / 3 + norm, ops_f)
-        last_b = self._with_host(2 * logits + 2 * ce / 3 + 2 * norm, ops_b)
+        last_f = self._with_host(logits + ce_f + norm, ops_f)
+        last_b = self._with_host(2 * logits + ce_b + 2 * norm, ops_b)
         last = _Pass(last_f, last_b, logits, head_tp, head_tp_b)
         return first, last
 
