@@ -361,9 +361,13 @@ def measure_memory_table(kind: str, seconds: float, threads: int) -> dict[str, l
         torch.set_num_threads(before)
 
 
-def measure_attention_tflops(kind: str, dtype: str, seconds: float) -> float:
+ATTENTION_DTYPE = {"cuda": "bf16", "cpu": "fp32"}
+"""The dtype fused attention is timed in per device kind (what training runs there)."""
+
+
+def measure_attention_tflops(kind: str, dtype: str, seconds: float, threads: int) -> float:
     """Forward plus backward TFLOP/s of torch's fused attention (causal; FLOPs counted over the full square,
-    as llmtrain.planner.flops does)."""
+    as llmtrain.planner.flops does) on `threads` CPU threads (one process's share; ignored on a GPU)."""
     import torch
     import torch.nn.functional as F
 
@@ -379,7 +383,12 @@ def measure_attention_tflops(kind: str, dtype: str, seconds: float) -> float:
         F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
         _sync(kind)
 
-    return 3 * 4 * b * heads * s * s * d / _best_time(run, seconds) / 1e12
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return 3 * 4 * b * heads * s * s * d / _best_time(run, seconds) / 1e12
+    finally:
+        torch.set_num_threads(before)
 
 
 def measure_launch_us(kind: str, seconds: float) -> float:
@@ -653,7 +662,7 @@ def measure(
         devices=devices,
         memory_gb=memory_gb,
         gemm_tflops=measure_gemms(kind, dtypes, seconds),
-        attention_tflops=measure_attention_tflops(kind, "bf16" if kind == "cuda" else "fp32", seconds),
+        attention_tflops=measure_attention_tflops(kind, ATTENTION_DTYPE[kind], seconds, threads),
         memory_bandwidth_gbs=measure_memory_bandwidth_gbs(kind, seconds=seconds),
         launch_us=measure_launch_us(kind, seconds),
         host_bandwidth_gbs=host_gbs,
@@ -742,6 +751,7 @@ def profile_of(m: Measurements, when: str | None = None) -> dict[str, Any]:
     share = m.devices if cpu else 1  # processes on one CPU share its cores and memory bandwidth
     peaks = {dtype: round(m.peak(dtype) / share, 4) for dtype in m.gemm_tflops}
     link, how = link_of(m)
+    attention_dtype = ATTENTION_DTYPE[m.device_kind]
     name = m.device
     d = f"devices.{name}"
     device = {
@@ -750,7 +760,9 @@ def profile_of(m: Measurements, when: str | None = None) -> dict[str, Any]:
         "memory_bandwidth_gbs": round(m.memory_bandwidth_gbs / share, 2),
         "gemm_efficiency": 1.0,
         "memory_efficiency": 1.0,
-        "attention_efficiency": round(min(m.attention_tflops / max(peaks.values()) * share, 1.0), 3),
+        # Over the peak of the dtype it was timed in (a CPU's bf16 matmuls run several times its fp32 ones),
+        # on one process's share of the cores as the per-process peak is.
+        "attention_efficiency": round(min(m.attention_tflops / peaks[attention_dtype], 1.0), 3),
         "kernel_overhead_us": round(m.launch_us, 2),
         "reserved_gb": 0.5 if cpu else 2.0,
         "host_bandwidth_gbs": round(m.host_bandwidth_gbs / share, 2),
@@ -785,7 +797,8 @@ def profile_of(m: Measurements, when: str | None = None) -> dict[str, Any]:
         f"{d}.memory_bandwidth_gbs": f"{run}: copy bandwidth (read + write) of a 256 MiB buffer" + shared,
         f"{d}.gemm_efficiency": f"{run}: 1 (peak_tflops is the achieved best, not a datasheet figure)",
         f"{d}.memory_efficiency": f"{run}: 1 (memory_bandwidth_gbs is the achieved copy bandwidth)",
-        f"{d}.attention_efficiency": f"{run}: fused attention forward+backward TFLOP/s over peak_tflops",
+        f"{d}.attention_efficiency": f"{run}: fused attention forward+backward TFLOP/s over peak_tflops of "
+        f"its dtype ({attention_dtype})" + shared,
         f"{d}.kernel_overhead_us": f"{run}: time per tiny kernel issued back to back",
         f"{d}.reserved_gb": "assumption (not measured): runtime context and library workspaces",
         f"{d}.host_bandwidth_gbs": f"{run}: "

@@ -183,6 +183,10 @@ class Software:
     offload: bool = True
     """The framework offloads optimizer state (and ZeRO-3 parameters) to the host (llmtrain: through the
     DeepSpeed engine, which runs data parallelism only: tp=1, pp=1, no hybrid sharding)."""
+    grad_accumulation_fusion: bool = False
+    """The weight-gradient matmuls accumulate into the fp32 gradient buffer (Megatron-LM's
+    gradient_accumulation_fusion); false: llmtrain, whose every micro-batch adds its gradients into the
+    buffer in a separate memory-bound pass."""
     moe_imbalance: float = 1.0
     """Routed rows of the busiest expert-parallel rank over the mean: an assumption, 1.0 for dropless routing
     kept balanced by the load-balancing loss; it scales the experts' compute, activations and all-to-alls."""
@@ -196,13 +200,15 @@ class Software:
     @classmethod
     def megatron_2021(cls) -> Software:
         """Megatron-LM as run in Narayanan et al. 2021: materialised softmax, non-overlapped fp16 gradient
-        all-reduce, scatter/gather pipeline sends, layers split evenly over stages, ZeRO 0/1 at most; each
-        rank initialises only its own shards."""
+        all-reduce, scatter/gather pipeline sends, gradient accumulation fused into the weight-gradient
+        matmuls (Megatron-LM's gradient_accumulation_fusion; an assumption for the paper's runs), layers
+        split evenly over stages, ZeRO 0/1 at most; each rank initialises only its own shards."""
         return cls(
             flash_attention=False,
             dp_overlap=False,
             overlap_param_gather=False,
             p2p_scatter_gather=True,
+            grad_accumulation_fusion=True,
             grad_bytes=2,
             sharded_init=True,
             balance_stages=False,
@@ -970,12 +976,29 @@ class CostModel:
                 bk += (last.bwd + last.tp_bwd) / v
                 wg += last.wgrad / v
                 tcomm += (last.tp_fwd + last.tp_bwd) / v
+            bk += self._accumulation_time(layout, r) / v
             fwd.append(f)
             bwd.append(bk)
             wgt.append(min(wg, bk))
             tpc.append(tcomm)
             rec.append(redo)
         return fwd, bwd, wgt, tpc, rec, cpc, epc
+
+    def _accumulation_time(self, layout: Layout, pp_rank: int) -> float:
+        """Seconds a micro-batch's backward on pipeline rank `pp_rank` spends adding its gradients into the
+        rank's fp32 gradient buffer (llmtrain: autograd adds in place into the buffer-backed .grad, or
+        DataParallel adds the 16-bit gradient into main_grad: read both, write one), unless the
+        weight-gradient matmuls accumulate into the buffer themselves (Software.grad_accumulation_fusion).
+        The pass streams the whole buffer: on the reference path at the memory table's rate for its size
+        (a CPU's beyond its caches); on a GPU at its memory bandwidth."""
+        if self.sw.grad_accumulation_fusion:
+            return 0.0
+        first, last = self._params_on_rank(layout)
+        params = first if pp_rank == 0 else last
+        nbytes = self.sw.grad_bytes * (params + self._expert_params_on_rank(layout))
+        # Read the buffer and the new gradient (4 bytes each, or 2 for a 16-bit one), write the buffer.
+        moved = nbytes * (2 + self.act_bytes / self.sw.grad_bytes)
+        return self.dev.memory_time(moved, tensor_bytes=0.0 if self.sw.fused_kernels else nbytes)
 
     def p2p_time(self, layout: Layout) -> float:
         """Seconds of one pipeline send of a micro-batch's activation (0 without pipeline parallelism)."""

@@ -124,3 +124,11 @@ def test_the_least_disturbed_round_counts_and_a_smaller_message_never_costs_more
     # A disturbed first size (set-up, load) is capped by the larger sizes' times; the rest stays as measured.
     measured = [(8192, 2.6e-4), (1024, 3.9e-3), (65536, 4e-4), (524288, 6.7e-4)]
     assert monotone_times(measured) == [(1024, 2.6e-4), (8192, 2.6e-4), (65536, 4e-4), (524288, 6.7e-4)]
+
+
+def test_attention_efficiency_is_over_the_peak_of_the_dtype_it_was_timed_in():
+    m = _measurements()
+    m.gemm_tflops["bf16"] = {"512x512x512": 2.0}  # a CPU's bf16 matmuls (AMX) far faster than its fp32 ones
+    device = profile_of(m, when="2026-01-01 00:00 UTC")["devices"]["cpu-8-cores"]
+    # Timed in fp32 on one process's share: 0.1 TFLOP/s over the per-process fp32 peak 0.4 / 2.
+    assert device["attention_efficiency"] == pytest.approx(0.5)

@@ -229,3 +229,18 @@ def test_the_reference_path_runs_at_the_measured_memory_rates_and_the_fused_one_
     assert costs[10.0][1] - costs[20.0][1] == pytest.approx(ce + norm)
     fused = [_with_memory_table({"elementwise": [[1, gbs]]}, True) for gbs in (1.0, 2.0)]
     assert fused[0]._layer(1, b, False, "none") == fused[1]._layer(1, b, False, "none")
+
+
+def test_each_micro_batch_adds_its_gradients_into_the_buffer_unless_the_matmuls_accumulate():
+    workload = Workload.from_job(load("configs/llama-small.yaml", ["train.precision=fp32"]))
+    view = load_cluster("a100-80gb").view(1)
+    layout = Layout(micro_batch=4)
+    steps = [
+        CostModel(workload, view, Software(grad_accumulation_fusion=fused)).evaluate(layout).step_time
+        for fused in (False, True)
+    ]
+    # fp32: read the buffer and the new gradient, write the buffer, 4 bytes each, per micro-batch.
+    params = CostModel(workload, view).params.total
+    num_micro = workload.global_batch // layout.micro_batch
+    added = num_micro * view.device.memory_time(3 * 4 * params)
+    assert steps[0] - steps[1] == pytest.approx(added, rel=1e-6)
