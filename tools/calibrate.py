@@ -54,7 +54,8 @@ def summary(m) -> str:  # noqa: ANN001 (imports stay lazy)
     )
     lines.append(
         f"  kernel {m.launch_us:.1f} us, host copy {m.host_bandwidth_gbs:.1f} GB/s, "
-        f"host Adam {m.host_adam_gparams:.3g} Gparams/s, {m.host_op_us:.1f} us host time per operator"
+        f"host Adam {m.host_adam_gparams:.3g} Gparams/s, {m.host_op_us:.1f} us host time per operator, "
+        f"fresh pages {m.fresh_page_gbs:.3g} GB/s"
     )
     for dtype, points in m.gemm_table.items():
         lines.append(

@@ -78,6 +78,8 @@ class Measurements:
     memory_table: dict[str, list[list[float]]] = field(default_factory=dict)
     """Operator kind -> [bytes of one tensor, achieved GB/s] of memory-bound operators, timed with one
     process's share of the cores (CPU) or one GPU (measure_memory_table)."""
+    fresh_page_gbs: float = 0.0
+    """GB/s of first touching freshly mapped host pages (measure_fresh_page_gbs; CPU only)."""
     links: list[LinkFit] = field(default_factory=list)
 
     def peak(self, dtype: str) -> float:
@@ -336,6 +338,22 @@ def _softmax_rate(kind: str, elements: int, seconds: float) -> tuple[float, floa
 
     nbytes = 4.0 * elements
     return nbytes, sum(CE_PASSES["reference"]) * nbytes / _best_time(run, seconds, MEMORY_RUNS) / 1e9
+
+
+def measure_fresh_page_gbs(seconds: float) -> float:
+    """GB/s of first touching fresh pages on the host: filling a newly allocated tensor of twice
+    cluster.FRESH_PAGE_BYTES (mapped from the system, its pages faulted in and zeroed) minus filling one
+    kept from before, over its bytes; the fastest of MEMORY_RUNS runs or more of each."""
+    import torch
+
+    from llmtrain.planner.cluster import FRESH_PAGE_BYTES
+
+    n = 2 * FRESH_PAGE_BYTES // 4
+    kept = torch.empty(n)
+    fresh = _best_time(lambda: torch.empty(n).fill_(1.0), seconds / 2, MEMORY_RUNS)
+    reused = _best_time(lambda: kept.fill_(1.0), seconds / 2, MEMORY_RUNS)
+    # Noise could make the difference vanish: at most the bandwidth of the refill itself then.
+    return 4 * n / max(fresh - reused, reused) / 1e9
 
 
 def measure_memory_table(kind: str, seconds: float, threads: int) -> dict[str, list[list[float]]]:
@@ -672,6 +690,8 @@ def measure(
         host_op_us=measure_host_op_us(kind, seconds, threads),
     )
     result.memory_table = measure_memory_table(kind, seconds, threads)
+    if kind == "cpu":
+        result.fresh_page_gbs = measure_fresh_page_gbs(seconds)
     backends = ["gloo"] + (["nccl"] if kind == "cuda" and dist_has_nccl() else [])
     for backend in backends:
         for group in group_sizes:
@@ -778,6 +798,8 @@ def profile_of(m: Measurements, when: str | None = None) -> dict[str, Any]:
             name: [[nbytes, round(gbs, 4)] for nbytes, gbs in points]
             for name, points in m.memory_table.items()
         }
+    if m.fresh_page_gbs:
+        device["fresh_page_gbs"] = round(m.fresh_page_gbs, 3)
     fsdp = fsdp_call_us(m)
     if fsdp:
         device["fsdp_call_us"] = round(fsdp, 2)
@@ -824,6 +846,10 @@ def profile_of(m: Measurements, when: str | None = None) -> dict[str, Any]:
             f"{run}: a reference LLaMA block's memory-bound operators (calibration.MEMORY_TOKENS) and the "
             "reference cross-entropy (calibration.SOFTMAX_ELEMENTS), achieved GB/s of the bytes they move"
             + (f" on {process_threads(m.devices)} thread(s) per process" if cpu else "")
+        )
+    if m.fresh_page_gbs:
+        sources[f"{d}.fresh_page_gbs"] = (
+            f"{run}: filling a newly allocated 64 MiB tensor minus filling a kept one, per byte"
         )
     if fsdp:
         sources[f"{d}.fsdp_call_us"] = (

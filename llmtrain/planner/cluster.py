@@ -66,6 +66,11 @@ class Device:
     host_is_device: bool = False
     """The device is the host CPU: operator overhead runs on the same cores as the compute and adds to it,
     rather than overlapping an accelerator's queue of kernels (read only with host_op_us)."""
+    fresh_page_gbs: float = 0.0
+    """GB/s at which the host maps and first touches fresh pages: what a CPU tensor of FRESH_PAGE_BYTES or
+    more costs besides its kernel's work, since the allocator returns such buffers to the system when
+    freed and gets new zeroed pages for the next one (tools/calibrate.py); 0: not modelled (a GPU's caching
+    allocator reuses its blocks)."""
     memory_table: dict[str, list[list[float]]] = field(default_factory=dict)
     """Measured memory-bound operators per kind (MEMORY_KINDS), [bytes of one operator's tensor, achieved
     GB/s of the bytes the operators read and write] each (tools/calibrate.py): where given, memory-bound
@@ -124,6 +129,13 @@ class Device:
             + kernels * self.kernel_overhead_us * 1e-6
         )
 
+    def fresh_time(self, nbytes: float) -> float:
+        """Seconds a newly allocated tensor of `nbytes` adds when its pages are fresh (fresh_page_gbs, for
+        tensors of at least FRESH_PAGE_BYTES)."""
+        if not self.fresh_page_gbs or nbytes < FRESH_PAGE_BYTES:
+            return 0.0
+        return nbytes / (self.fresh_page_gbs * 1e9)
+
     def attention_time(self, flops: float, precision: str) -> float:
         """Seconds for a fused attention kernel of `flops`."""
         return (
@@ -131,6 +143,10 @@ class Device:
         )
 
 
+FRESH_PAGE_BYTES = 32 * 2**20
+"""Allocations from this size on are mapped fresh from the system every time on Linux (glibc's mmap
+threshold rises with freed blocks up to DEFAULT_MMAP_THRESHOLD_MAX, 4 * 1024 * 1024 * sizeof(long) bytes on
+64-bit: mallopt(3)), so their pages fault and are zeroed on first touch."""
 MEMORY_KINDS = ("elementwise", "softmax")
 """Kinds of memory-bound operators Device.memory_table times: element-wise ones (norms, activation
 functions, rotary embeddings, residual adds) and row-wise softmaxes (the cross-entropy's)."""
@@ -164,7 +180,15 @@ class Link:
         return self.latency_us * 1e-6
 
 
-MEASURED_ONLY = {"gemm_table", "memory_table", "host_op_us", "fsdp_call_us", "measured", "after_compute_us"}
+MEASURED_ONLY = {
+    "gemm_table",
+    "memory_table",
+    "fresh_page_gbs",
+    "host_op_us",
+    "fsdp_call_us",
+    "measured",
+    "after_compute_us",
+}
 """Device and link fields that only calibration sets: unset (empty, 0), the cost model does not read them."""
 
 

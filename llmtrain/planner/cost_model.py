@@ -523,7 +523,10 @@ class CostModel:
         emb_f = dev.memory_time(2 * e * tok * h, kernels=2, tensor_bytes=measured * size)
         emb, head = C.edge_layers(tp, sp, vocab_dp, size, tok)
         first = _Pass(emb_f, 2 * emb_f, emb_f, self._comm_time(emb.fwd), self._comm_time(emb.bwd))
+        # The logits are the one output large enough to come fresh from the system on a CPU (the gradient
+        # ones the cross-entropy writes are in its measured rate); a GPU's allocator reuses its blocks.
         logits = dev.gemm_time(tok, vocab, h, prec)
+        logits_f = logits + dev.fresh_time(e * tok * vocab)
         # The fp32 softmax, loss and its gradient, in passes over the rank's logits (host_ops.CE_PASSES).
         ce_bytes = 4 * tok * vocab
         passes = H.ce_passes(self.sw.fused_kernels, tp > 1 or vocab_dp > 1)
@@ -536,7 +539,7 @@ class CostModel:
         head_tp, head_tp_b = self._comm_time(head.fwd), self._comm_time(head.bwd)
         # The embedding's few operators are counted with the head's (host_ops.extra_ops).
         ops_f, ops_b = H.extra_ops(m)
-        last_f = self._with_host(logits + ce_f + norm, ops_f)
+        last_f = self._with_host(logits_f + ce_f + norm, ops_f)
         last_b = self._with_host(2 * logits + ce_b + 2 * norm, ops_b)
         last = _Pass(last_f, last_b, logits, head_tp, head_tp_b)
         return first, last

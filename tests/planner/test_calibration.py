@@ -75,6 +75,8 @@ def test_the_measured_tables_reach_the_cost_model_with_their_sources():
     m = _measurements()
     m.gemm_table = {"fp32": [[1e6, 0.05], [1e9, 0.2]]}
     m.host_op_us = 4.0
+    m.fresh_page_gbs = 3.0
+    m.memory_table = {"elementwise": [[2**16, 20.0], [2**22, 8.0]], "softmax": [[2**20, 5.0]]}
     m.links.append(LinkFit("nccl", "all_reduce", 2, 1e-6, 1e11, ((2**12, 1e-5), (2**20, 2e-5))))
     m.links[0] = replace(m.links[0], fsdp_call_s=300e-6, after_compute_s=100e-6)
     profile = profile_of(m, when="2026-01-01 00:00 UTC")
@@ -87,6 +89,8 @@ def test_the_measured_tables_reach_the_cost_model_with_their_sources():
         2e6 / (rate_at(m.gemm_table["fp32"], 2e6) * 1e12)
     )
     assert device.host_op_us == 4.0 and device.host_is_device and device.fsdp_call_us == 300.0
+    assert device.fresh_page_gbs == 3.0 and device.memory_table == m.memory_table
+    assert {"devices.cpu-8-cores.memory_table", "devices.cpu-8-cores.fresh_page_gbs"} <= set(cluster.sources)
     # A CPU's trainer runs gloo: the gloo points interpolated (not nccl's), plus the after-compute cost.
     assert cluster.view(2).all_reduce(2**16, 2) == pytest.approx(
         time_at([[float(n), t] for n, t in m.links[0].points], 2**16) + 100e-6
