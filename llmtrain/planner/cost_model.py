@@ -953,6 +953,7 @@ class CostModel:
             return self._layer(tp, b, sp, mode, cp, layout.cp_comm, layout.ep)
 
         none = layer_of("none")
+        accumulation = self._accumulation_time(layout)
         # Per-rank per-chunk costs from each rank's layers (the trainer's split, even or balanced by FLOPs, or
         # the layout's own) and their recompute modes.
         fwd, bwd, wgt, tpc, rec, cpc, epc = [], [], [], [], [], [], []
@@ -979,7 +980,7 @@ class CostModel:
                 bk += (last.bwd + last.tp_bwd) / v
                 wg += last.wgrad / v
                 tcomm += (last.tp_fwd + last.tp_bwd) / v
-            bk += self._accumulation_time(layout, r) / v
+            bk += accumulation[min(r, 1)] / v
             fwd.append(f)
             bwd.append(bk)
             wgt.append(min(wg, bk))
@@ -987,21 +988,25 @@ class CostModel:
             rec.append(redo)
         return fwd, bwd, wgt, tpc, rec, cpc, epc
 
-    def _accumulation_time(self, layout: Layout, pp_rank: int) -> float:
-        """Seconds a micro-batch's backward on pipeline rank `pp_rank` spends adding its gradients into the
-        rank's fp32 gradient buffer (llmtrain: autograd adds in place into the buffer-backed .grad, or
-        DataParallel adds the 16-bit gradient into main_grad: read both, write one), unless the
-        weight-gradient matmuls accumulate into the buffer themselves (Software.grad_accumulation_fusion).
-        The pass streams the whole buffer: on the reference path at the memory table's rate for its size
-        (a CPU's beyond its caches); on a GPU at its memory bandwidth."""
+    def _accumulation_time(self, layout: Layout) -> tuple[float, float]:
+        """(first pipeline rank, the others: the last's) seconds a micro-batch's backward spends adding its
+        gradients into the rank's fp32 gradient buffer (llmtrain: autograd adds in place into the
+        buffer-backed .grad, or DataParallel adds the 16-bit gradient into main_grad: read both, write one),
+        unless the weight-gradient matmuls accumulate into the buffer themselves (Software.
+        grad_accumulation_fusion). The pass streams the whole buffer: on the reference path at the memory
+        table's rate for its size (a CPU's beyond its caches); on a GPU at its memory bandwidth (an A100's
+        fp32 buffer costs about 400 / tokens-per-micro-batch of the micro-batch's matmul time: it matters
+        at small micro-batches)."""
         if self.sw.grad_accumulation_fusion:
-            return 0.0
-        first, last = self._params_on_rank(layout)
-        params = first if pp_rank == 0 else last
-        nbytes = self.sw.grad_bytes * (params + self._expert_params_on_rank(layout))
-        # Read the buffer and the new gradient (4 bytes each, or 2 for a 16-bit one), write the buffer.
-        moved = nbytes * (2 + self.act_bytes / self.sw.grad_bytes)
-        return self.dev.memory_time(moved, tensor_bytes=0.0 if self.sw.fused_kernels else nbytes)
+            return 0.0, 0.0
+        experts = self._expert_params_on_rank(layout)
+        times = []
+        for params in self._params_on_rank(layout):
+            nbytes = self.sw.grad_bytes * (params + experts)
+            # Read the buffer and the new gradient (4 bytes each, or 2 for a 16-bit one), write the buffer.
+            moved = nbytes * (2 + self.act_bytes / self.sw.grad_bytes)
+            times.append(self.dev.memory_time(moved, tensor_bytes=0.0 if self.sw.fused_kernels else nbytes))
+        return times[0], times[1]
 
     def p2p_time(self, layout: Layout) -> float:
         """Seconds of one pipeline send of a micro-batch's activation (0 without pipeline parallelism)."""
