@@ -246,6 +246,8 @@ SOFTMAX_ELEMENTS_GPU = (2**20, 2**22, 2**24, 2**26, 2**28)
 """fp32 logits of the cross-entropy the memory table times: on a CPU from 64 KiB to 32 MiB, from which size
 on glibc serves allocations with fresh pages that fault on first touch (its mmap threshold's maximum on
 64-bit; the cost model keeps the largest size's rate beyond it); on a GPU well beyond its L2."""
+MEMORY_MAX_LAYERS = 32
+"""The deepest stack of reference blocks _block_rate builds to find its tensors cold."""
 MEMORY_RUNS = 5
 """At least this many timed runs per size of the memory table, the fastest counting: a shared machine's
 other load slows single runs by several times (one timed run at 64 KiB came out 100x slow)."""
@@ -292,32 +294,45 @@ class _OperatorClock:
 
 def _block_rate(kind: str, tokens: int, seconds: float) -> tuple[float, float]:
     """(bytes of the hidden states, achieved GB/s) of the reference block's memory-bound operators over a
-    forward and backward of `tokens` tokens: the best of the runs `seconds` allow."""
+    forward and backward of `tokens` tokens through a stack of such blocks deep enough that its weights and
+    saved activations exceed COLD_BYTES (at most MEMORY_MAX_LAYERS), as a training step runs them: each
+    layer's backward finds its saved tensors evicted by the layers after it (one block run forward and
+    backward alone finds them hot, up to 1.5x faster here); the best of the runs `seconds` allow."""
+    import math
+
     import torch
 
     from llmtrain.config.schema import ModelConfig
     from llmtrain.models.causal_lm import build
 
     seq = min(tokens, 128)
-    cfg = ModelConfig(**MEMORY_BLOCK, num_layers=1, vocab_size=256, seq_length=seq, kernels="torch")
     dtype = torch.bfloat16 if kind == "cuda" else torch.float32
-    model = build(cfg).to(device=kind, dtype=dtype).train()
-    rope = model.rope(seq, torch.device(kind), dtype)
-    x = torch.randn(tokens // seq, seq, cfg.hidden_size, device=kind, dtype=dtype, requires_grad=True)
 
-    grad = torch.ones_like(x)
+    def stack(layers: int) -> tuple[Any, Any, Any, Any]:
+        cfg = ModelConfig(**MEMORY_BLOCK, num_layers=layers, vocab_size=256, seq_length=seq, kernels="torch")
+        model = build(cfg).to(device=kind, dtype=dtype).train()
+        x = torch.randn(tokens // seq, seq, cfg.hidden_size, device=kind, dtype=dtype, requires_grad=True)
+        return model, model.rope(seq, torch.device(kind), dtype), x, torch.ones_like(x)
 
-    def step() -> _OperatorClock:
+    def step(model: Any, rope: Any, x: Any, grad: Any) -> _OperatorClock:
         clock = _OperatorClock(kind)
         with clock.mode:
-            model.layers[0](x, rope).backward(grad)
+            y = x
+            for layer in model.layers:
+                y = layer(y, rope)
+            y.backward(grad)
         return clock
 
-    step()  # warm-up: allocation, rotary tables
-    best, deadline, runs = step(), time.perf_counter() + seconds, 1
+    one = stack(1)
+    step(*one)  # warm-up: allocation, rotary tables
+    per_layer = step(*one).moved + sum(p.numel() * p.element_size() for p in one[0].layers.parameters())
+    built = stack(min(max(math.ceil(COLD_BYTES / per_layer), 1), MEMORY_MAX_LAYERS))
+    step(*built)
+    best, deadline, runs = step(*built), time.perf_counter() + seconds, 1
     while runs < MEMORY_RUNS or time.perf_counter() < deadline:
-        best = min(best, step(), key=lambda c: c.seconds)
+        best = min(best, step(*built), key=lambda c: c.seconds)
         runs += 1
+    x = built[2]
     return float(x.numel() * x.element_size()), best.moved / best.seconds / 1e9
 
 
