@@ -5,7 +5,9 @@
     python tools/plan.py --config MODEL.yaml --cluster my-cluster.yaml --gpus 2
 
 Measures matmul TFLOP/s over shapes and dtypes (a table from small to large kernels, on one process's
-share of the cores, that the cost model interpolates), the host time per dispatched operator, fused
+share of the cores, that the cost model interpolates), the rate of the reference path's memory-bound
+operators (a LLaMA block's and the cross-entropy's) from cache-sized to larger tensors, the host time per
+dispatched operator, fused
 attention, memory copy bandwidth, kernel launch overhead, host copy bandwidth and a host Adam step, and per
 backend (gloo; nccl where GPUs allow) and group size all-reduce, all-gather, reduce-scatter and
 point-to-point times over message sizes, kept as a table the cost model interpolates and fitted as alpha +
@@ -52,12 +54,18 @@ def summary(m) -> str:  # noqa: ANN001 (imports stay lazy)
     )
     lines.append(
         f"  kernel {m.launch_us:.1f} us, host copy {m.host_bandwidth_gbs:.1f} GB/s, "
-        f"host Adam {m.host_adam_gparams:.3g} Gparams/s, {m.host_op_us:.1f} us host time per operator"
+        f"host Adam {m.host_adam_gparams:.3g} Gparams/s, {m.host_op_us:.1f} us host time per operator, "
+        f"fresh pages {m.fresh_page_gbs:.3g} GB/s"
     )
     for dtype, points in m.gemm_table.items():
         lines.append(
             f"  matmul table {dtype} (GFLOP: TFLOP/s): "
             + ", ".join(f"{flops / 1e9:.3g}: {tflops:.3g}" for flops, tflops in points)
+        )
+    for name, points in m.memory_table.items():
+        lines.append(
+            f"  memory-bound {name} (MiB: GB/s): "
+            + ", ".join(f"{nbytes / 2**20:.3g}: {gbs:.3g}" for nbytes, gbs in points)
         )
     for f in m.links:
         lines.append(

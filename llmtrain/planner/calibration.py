@@ -75,6 +75,11 @@ class Measurements:
     cores (CPU) or one GPU."""
     host_op_us: float = 0.0
     """Host time per dispatched operator (forward and backward) of a tiny autograd chain."""
+    memory_table: dict[str, list[list[float]]] = field(default_factory=dict)
+    """Operator kind -> [bytes of one tensor, achieved GB/s] of memory-bound operators, timed with one
+    process's share of the cores (CPU) or one GPU (measure_memory_table)."""
+    fresh_page_gbs: float = 0.0
+    """GB/s of first touching freshly mapped host pages (measure_fresh_page_gbs; CPU only)."""
     links: list[LinkFit] = field(default_factory=list)
 
     def peak(self, dtype: str) -> float:
@@ -229,9 +234,173 @@ def measure_host_op_us(kind: str, seconds: float, threads: int) -> float:
         torch.set_num_threads(before)
 
 
-def measure_attention_tflops(kind: str, dtype: str, seconds: float) -> float:
+MEMORY_TOKENS_CPU = (64, 256, 1024, 4096)
+MEMORY_TOKENS_GPU = (4096, 16384, 65536)
+"""Tokens of the reference block whose memory-bound operators the memory table times (MEMORY_BLOCK wide):
+on a CPU from hidden states that fit a core's L2 cache (64 KiB of fp32) to ones beyond it; on a GPU
+activations well beyond its L2."""
+MEMORY_BLOCK = {"arch": "llama", "hidden_size": 256, "num_attention_heads": 4, "num_kv_heads": 2}
+"""The reference block timed: a gated (RMSNorm, rotary, SwiGLU) LLaMA block, the layer host_ops counts."""
+SOFTMAX_ELEMENTS_CPU = (2**14, 2**16, 2**18, 2**20, 2**22, 2**23)
+SOFTMAX_ELEMENTS_GPU = (2**20, 2**22, 2**24, 2**26, 2**28)
+"""fp32 logits of the cross-entropy the memory table times: on a CPU from 64 KiB to 32 MiB, from which size
+on glibc serves allocations with fresh pages that fault on first touch (its mmap threshold's maximum on
+64-bit; the cost model keeps the largest size's rate beyond it); on a GPU well beyond its L2."""
+MEMORY_MAX_LAYERS = 32
+"""The deepest stack of reference blocks _block_rate builds to find its tensors cold."""
+MEMORY_RUNS = 5
+"""At least this many timed runs per size of the memory table, the fastest counting: a shared machine's
+other load slows single runs by several times (one timed run at 64 KiB came out 100x slow)."""
+SOFTMAX_ROW = 4096
+"""Classes per row of the timed cross-entropy (a small vocabulary or a TP shard of one)."""
+
+
+class _OperatorClock:
+    """A TorchDispatchMode summing the time and the bytes read and written (input and output tensors) of
+    the memory-bound operators dispatched under it: every one but views, matmuls and fused attention, as
+    host_ops.reference_bytes counts a layer's. The time is each operator's own (dispatch inside PyTorch
+    and kernel), not the Python around it, which host_op_us charges apart."""
+
+    def __init__(self, kind: str) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        clock = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+                return clock.run(func, args, kwargs or {})
+
+        self.mode = Mode()
+        self.kind = kind
+        self.seconds = 0.0
+        self.moved = 0
+
+    def run(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        import torch
+        from torch.utils._pytree import tree_flatten
+
+        name = func.__name__.split(".")[0]
+        # _unsafe_view aliases its input although its schema does not say so.
+        if func.is_view or name in ("_unsafe_view", "mm", "addmm", "bmm") or "scaled_dot_product" in name:
+            return func(*args, **kwargs)
+        start = time.perf_counter()
+        out = func(*args, **kwargs)
+        _sync(self.kind)
+        self.seconds += time.perf_counter() - start
+        tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
+        self.moved += sum(t.numel() * t.element_size() for t in tensors)
+        return out
+
+
+def _block_rate(kind: str, tokens: int, seconds: float) -> tuple[float, float]:
+    """(bytes of the hidden states, achieved GB/s) of the reference block's memory-bound operators over a
+    forward and backward of `tokens` tokens through a stack of such blocks deep enough that its weights and
+    saved activations exceed COLD_BYTES (at most MEMORY_MAX_LAYERS), as a training step runs them: each
+    layer's backward finds its saved tensors evicted by the layers after it (one block run forward and
+    backward alone finds them hot, up to 1.5x faster here); the best of the runs `seconds` allow."""
+    import math
+
+    import torch
+
+    from llmtrain.config.schema import ModelConfig
+    from llmtrain.models.causal_lm import build
+
+    seq = min(tokens, 128)
+    dtype = torch.bfloat16 if kind == "cuda" else torch.float32
+
+    def stack(layers: int) -> tuple[Any, Any, Any, Any]:
+        cfg = ModelConfig(**MEMORY_BLOCK, num_layers=layers, vocab_size=256, seq_length=seq, kernels="torch")
+        model = build(cfg).to(device=kind, dtype=dtype).train()
+        x = torch.randn(tokens // seq, seq, cfg.hidden_size, device=kind, dtype=dtype, requires_grad=True)
+        return model, model.rope(seq, torch.device(kind), dtype), x, torch.ones_like(x)
+
+    def step(model: Any, rope: Any, x: Any, grad: Any) -> _OperatorClock:
+        clock = _OperatorClock(kind)
+        with clock.mode:
+            y = x
+            for layer in model.layers:
+                y = layer(y, rope)
+            y.backward(grad)
+        return clock
+
+    one = stack(1)
+    step(*one)  # warm-up: allocation, rotary tables
+    per_layer = step(*one).moved + sum(p.numel() * p.element_size() for p in one[0].layers.parameters())
+    built = stack(min(max(math.ceil(COLD_BYTES / per_layer), 1), MEMORY_MAX_LAYERS))
+    step(*built)
+    best, deadline, runs = step(*built), time.perf_counter() + seconds, 1
+    while runs < MEMORY_RUNS or time.perf_counter() < deadline:
+        best = min(best, step(*built), key=lambda c: c.seconds)
+        runs += 1
+    x = built[2]
+    return float(x.numel() * x.element_size()), best.moved / best.seconds / 1e9
+
+
+def _softmax_rate(kind: str, elements: int, seconds: float) -> tuple[float, float]:
+    """(bytes of the fp32 logits, achieved GB/s) of F.cross_entropy's forward and backward over `elements`
+    logits, counting host_ops.CE_PASSES' reference passes over them."""
+    import torch
+    import torch.nn.functional as F
+
+    from llmtrain.planner.host_ops import CE_PASSES
+
+    logits = torch.randn(elements // SOFTMAX_ROW, SOFTMAX_ROW, device=kind, requires_grad=True)
+    labels = torch.randint(0, SOFTMAX_ROW, (elements // SOFTMAX_ROW,), device=kind)
+
+    def run() -> None:
+        F.cross_entropy(logits, labels).backward()
+        _sync(kind)
+
+    nbytes = 4.0 * elements
+    return nbytes, sum(CE_PASSES["reference"]) * nbytes / _best_time(run, seconds, MEMORY_RUNS) / 1e9
+
+
+def measure_fresh_page_gbs(seconds: float) -> float:
+    """GB/s of first touching fresh pages on the host: filling a newly allocated tensor of twice
+    cluster.FRESH_PAGE_BYTES (mapped from the system, its pages faulted in and zeroed) minus filling one
+    kept from before, over its bytes; the fastest of MEMORY_RUNS runs or more of each."""
+    import torch
+
+    from llmtrain.planner.cluster import FRESH_PAGE_BYTES
+
+    n = 2 * FRESH_PAGE_BYTES // 4
+    kept = torch.empty(n)
+    fresh = _best_time(lambda: torch.empty(n).fill_(1.0), seconds / 2, MEMORY_RUNS)
+    reused = _best_time(lambda: kept.fill_(1.0), seconds / 2, MEMORY_RUNS)
+    # Noise could make the difference vanish: at most the bandwidth of the refill itself then.
+    return 4 * n / max(fresh - reused, reused) / 1e9
+
+
+def measure_memory_table(kind: str, seconds: float, threads: int) -> dict[str, list[list[float]]]:
+    """Per operator kind (cluster.MEMORY_KINDS), [bytes of one tensor, achieved GB/s] of the memory-bound
+    operators of the trainer's reference path on `threads` CPU threads, each output freshly allocated as in
+    a training step: "elementwise", a reference LLaMA block's (norms, rotary, SwiGLU, residual adds, the
+    layout copies; _OperatorClock times and counts them) against its hidden states' bytes (MEMORY_TOKENS_*);
+    "softmax", the reference cross-entropy's against its logits' bytes (SOFTMAX_ELEMENTS_*). The cost model
+    looks the rate up at a layer's hidden-state or logits size (cluster.Device.memory_table)."""
+    import torch
+
+    tokens = MEMORY_TOKENS_GPU if kind == "cuda" else MEMORY_TOKENS_CPU
+    logits = SOFTMAX_ELEMENTS_GPU if kind == "cuda" else SOFTMAX_ELEMENTS_CPU
+    share = seconds / (len(tokens) + len(logits))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return {
+            "elementwise": [list(_block_rate(kind, n, share)) for n in tokens],
+            "softmax": [list(_softmax_rate(kind, n, share)) for n in logits],
+        }
+    finally:
+        torch.set_num_threads(before)
+
+
+ATTENTION_DTYPE = {"cuda": "bf16", "cpu": "fp32"}
+"""The dtype fused attention is timed in per device kind (what training runs there)."""
+
+
+def measure_attention_tflops(kind: str, dtype: str, seconds: float, threads: int) -> float:
     """Forward plus backward TFLOP/s of torch's fused attention (causal; FLOPs counted over the full square,
-    as llmtrain.planner.flops does)."""
+    as llmtrain.planner.flops does) on `threads` CPU threads (one process's share; ignored on a GPU)."""
     import torch
     import torch.nn.functional as F
 
@@ -247,7 +416,12 @@ def measure_attention_tflops(kind: str, dtype: str, seconds: float) -> float:
         F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
         _sync(kind)
 
-    return 3 * 4 * b * heads * s * s * d / _best_time(run, seconds) / 1e12
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return 3 * 4 * b * heads * s * s * d / _best_time(run, seconds) / 1e12
+    finally:
+        torch.set_num_threads(before)
 
 
 def measure_launch_us(kind: str, seconds: float) -> float:
@@ -309,6 +483,34 @@ def _median_call_s(dist: Any, call: Any, reps: int, backend: str) -> float:
     return statistics.median(times)
 
 
+ROUNDS = 3
+"""Rounds of every timing of the link measurements (the whole size sweep, the FSDP2 and after-compute
+differences), interleaved so that a burst of other load on a shared machine lands in one round of several
+sizes rather than in every repeat of one; the least disturbed round counts (least_disturbed)."""
+WARMUP_CALLS = 20
+"""Small all-reduces every rank runs before the first timed size: a new process group's first collectives
+set up its connections and buffers and run slower (the first size of a sweep without them: 15x the next)."""
+
+
+def least_disturbed(rounds: list[float]) -> float:
+    """The smallest of several rounds' medians: other processes' load and scheduling only ever add time to a
+    round, so the least disturbed one is the closest to the operation's own time (each round a median
+    already, one fast outlier cannot set it)."""
+    if not rounds:
+        raise ValueError("least_disturbed needs at least one round")
+    return min(rounds)
+
+
+def monotone_times(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """(bytes, seconds) sorted by bytes with each time capped by every larger size's: a collective of fewer
+    bytes never costs more than one of more (it could be sent padded), so a smaller size measured slower is
+    noise (a disturbed round, a lazy set-up) and the larger size's time bounds it."""
+    out = sorted(points)
+    for i in range(len(out) - 2, -1, -1):
+        out[i] = (out[i][0], min(out[i][1], out[i + 1][1]))
+    return out
+
+
 def _collective_worker(
     rank: int, world: int, port: int, backend: str, sizes: tuple[int, ...], reps: int, out: Any
 ) -> None:
@@ -326,20 +528,30 @@ def _collective_worker(
     store = dist.TCPStore("127.0.0.1", port, None, is_master=False)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world)
     try:
-        result: dict[str, list[tuple[int, float]]] = {op: [] for op in COLLECTIVES}
+        calls: dict[int, dict[str, Any]] = {}
         for nbytes in sizes:
             full = torch.zeros(max(nbytes // 4 // world, 1) * world, device=device)
             part = torch.zeros(full.numel() // world, device=device)
-            calls = {
+            calls[full.numel() * 4] = {
                 "all_reduce": lambda full=full: dist.all_reduce(full),
                 "all_gather": lambda full=full, part=part: gather(full, part),
                 "reduce_scatter": lambda full=full, part=part: scatter(part, full),
                 "send": lambda full=full: _ping(dist, full, rank),
             }
-            for op, call in calls.items():
-                # A ping-pong moves the buffer twice: one send is half of it.
-                median = _median_call_s(dist, call, reps, backend) / (2 if op == "send" else 1)
-                result[op].append((full.numel() * 4, median))
+        tiny = torch.zeros(1, device=device)
+        for _ in range(WARMUP_CALLS):
+            dist.all_reduce(tiny)
+        rounds: dict[str, dict[int, list[float]]] = {op: {n: [] for n in calls} for op in COLLECTIVES}
+        for _ in range(ROUNDS):
+            for nbytes, ops in calls.items():
+                for op, call in ops.items():
+                    # A ping-pong moves the buffer twice: one send is half of it.
+                    median = _median_call_s(dist, call, reps, backend) / (2 if op == "send" else 1)
+                    rounds[op][nbytes].append(median)
+        result = {
+            op: monotone_times([(n, least_disturbed(times)) for n, times in per_size.items()])
+            for op, per_size in rounds.items()
+        }
         fsdp = _fsdp_call_s(dist, world, device, backend, reps, gather, scatter)
         after = _after_compute_s(dist, device, backend, 2 * reps)
         if rank == 0:
@@ -357,7 +569,7 @@ def _after_compute_s(dist: Any, device: str, backend: str, reps: int) -> float:
     """Seconds a small all-reduce costs more when every rank issues it after a burst of compute, as training
     does, than back to back as the size sweep times it: the ranks finish their bursts apart (scheduling
     noise) and the waiting thread must be woken. Rank 0's loop of burst + all-reduce, minus its loops of
-    bursts alone and of all-reduces alone, per iteration."""
+    bursts alone and of all-reduces alone, per iteration, each the least disturbed of ROUNDS rounds."""
     import torch
 
     a = torch.randn(256, 256, device=device)
@@ -379,9 +591,16 @@ def _after_compute_s(dist: Any, device: str, backend: str, reps: int) -> float:
         dist.barrier()
         return elapsed
 
-    alone = per_iteration(burst)
-    bare = per_iteration(lambda: dist.all_reduce(t))
-    both = per_iteration(lambda: (burst(), dist.all_reduce(t)))
+    steps = {
+        "alone": burst,
+        "bare": lambda: dist.all_reduce(t),
+        "both": lambda: (burst(), dist.all_reduce(t)),
+    }
+    rounds: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(ROUNDS):
+        for name, step in steps.items():
+            rounds[name].append(per_iteration(step))
+    alone, bare, both = (least_disturbed(rounds[name]) for name in steps)
     return max(both - alone - bare, 0.0)
 
 
@@ -394,7 +613,8 @@ def _fsdp_call_s(
 ) -> float:
     """Seconds FSDP2 adds per collective: a fully_shard'ed linear resharded after its forward (ZeRO-3: an
     all-gather in the forward, another in the backward, a reduce-scatter of its gradient) stepped on one
-    row, minus the same three collectives issued bare, over three. Its matmuls are one row: microseconds."""
+    row, minus the same three collectives issued bare, over three (each the least disturbed of ROUNDS
+    interleaved rounds). Its matmuls are one row: microseconds."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -414,7 +634,11 @@ def _fsdp_call_s(
         gather(full, part)
         scatter(part, full)
 
-    added = _median_call_s(dist, sharded, reps, backend) - _median_call_s(dist, bare, reps, backend)
+    rounds: tuple[list[float], list[float]] = ([], [])
+    for _ in range(ROUNDS):
+        for times, step in zip(rounds, (sharded, bare), strict=True):
+            times.append(_median_call_s(dist, step, reps, backend))
+    added = least_disturbed(rounds[0]) - least_disturbed(rounds[1])
     return max(added, 0.0) / 3
 
 
@@ -471,7 +695,7 @@ def measure(
         devices=devices,
         memory_gb=memory_gb,
         gemm_tflops=measure_gemms(kind, dtypes, seconds),
-        attention_tflops=measure_attention_tflops(kind, "bf16" if kind == "cuda" else "fp32", seconds),
+        attention_tflops=measure_attention_tflops(kind, ATTENTION_DTYPE[kind], seconds, threads),
         memory_bandwidth_gbs=measure_memory_bandwidth_gbs(kind, seconds=seconds),
         launch_us=measure_launch_us(kind, seconds),
         host_bandwidth_gbs=host_gbs,
@@ -480,6 +704,9 @@ def measure(
         gemm_table=measure_gemm_table(kind, dtypes, 4 * seconds, threads),
         host_op_us=measure_host_op_us(kind, seconds, threads),
     )
+    result.memory_table = measure_memory_table(kind, seconds, threads)
+    if kind == "cpu":
+        result.fresh_page_gbs = measure_fresh_page_gbs(seconds)
     backends = ["gloo"] + (["nccl"] if kind == "cuda" and dist_has_nccl() else [])
     for backend in backends:
         for group in group_sizes:
@@ -559,6 +786,7 @@ def profile_of(m: Measurements, when: str | None = None) -> dict[str, Any]:
     share = m.devices if cpu else 1  # processes on one CPU share its cores and memory bandwidth
     peaks = {dtype: round(m.peak(dtype) / share, 4) for dtype in m.gemm_tflops}
     link, how = link_of(m)
+    attention_dtype = ATTENTION_DTYPE[m.device_kind]
     name = m.device
     d = f"devices.{name}"
     device = {
@@ -567,7 +795,9 @@ def profile_of(m: Measurements, when: str | None = None) -> dict[str, Any]:
         "memory_bandwidth_gbs": round(m.memory_bandwidth_gbs / share, 2),
         "gemm_efficiency": 1.0,
         "memory_efficiency": 1.0,
-        "attention_efficiency": round(min(m.attention_tflops / max(peaks.values()) * share, 1.0), 3),
+        # Over the peak of the dtype it was timed in (a CPU's bf16 matmuls run several times its fp32 ones),
+        # on one process's share of the cores as the per-process peak is.
+        "attention_efficiency": round(min(m.attention_tflops / peaks[attention_dtype], 1.0), 3),
         "kernel_overhead_us": round(m.launch_us, 2),
         "reserved_gb": 0.5 if cpu else 2.0,
         "host_bandwidth_gbs": round(m.host_bandwidth_gbs / share, 2),
@@ -578,6 +808,13 @@ def profile_of(m: Measurements, when: str | None = None) -> dict[str, Any]:
             dtype: [[flops, round(tflops, 5)] for flops, tflops in points]
             for dtype, points in m.gemm_table.items()
         }
+    if m.memory_table:
+        device["memory_table"] = {
+            name: [[nbytes, round(gbs, 4)] for nbytes, gbs in points]
+            for name, points in m.memory_table.items()
+        }
+    if m.fresh_page_gbs:
+        device["fresh_page_gbs"] = round(m.fresh_page_gbs, 3)
     fsdp = fsdp_call_us(m)
     if fsdp:
         device["fsdp_call_us"] = round(fsdp, 2)
@@ -597,7 +834,8 @@ def profile_of(m: Measurements, when: str | None = None) -> dict[str, Any]:
         f"{d}.memory_bandwidth_gbs": f"{run}: copy bandwidth (read + write) of a 256 MiB buffer" + shared,
         f"{d}.gemm_efficiency": f"{run}: 1 (peak_tflops is the achieved best, not a datasheet figure)",
         f"{d}.memory_efficiency": f"{run}: 1 (memory_bandwidth_gbs is the achieved copy bandwidth)",
-        f"{d}.attention_efficiency": f"{run}: fused attention forward+backward TFLOP/s over peak_tflops",
+        f"{d}.attention_efficiency": f"{run}: fused attention forward+backward TFLOP/s over peak_tflops of "
+        f"its dtype ({attention_dtype})" + shared,
         f"{d}.kernel_overhead_us": f"{run}: time per tiny kernel issued back to back",
         f"{d}.reserved_gb": "assumption (not measured): runtime context and library workspaces",
         f"{d}.host_bandwidth_gbs": f"{run}: "
@@ -617,6 +855,16 @@ def profile_of(m: Measurements, when: str | None = None) -> dict[str, Any]:
         sources[f"{d}.gemm_table"] = (
             f"{run}: matmuls of calibration.TABLE_WIDTHS shapes, achieved TFLOP/s"
             + (f" on {process_threads(m.devices)} thread(s) per process" if cpu else "")
+        )
+    if m.memory_table:
+        sources[f"{d}.memory_table"] = (
+            f"{run}: a reference LLaMA block's memory-bound operators (calibration.MEMORY_TOKENS) and the "
+            "reference cross-entropy (calibration.SOFTMAX_ELEMENTS), achieved GB/s of the bytes they move"
+            + (f" on {process_threads(m.devices)} thread(s) per process" if cpu else "")
+        )
+    if m.fresh_page_gbs:
+        sources[f"{d}.fresh_page_gbs"] = (
+            f"{run}: filling a newly allocated 64 MiB tensor minus filling a kept one, per byte"
         )
     if fsdp:
         sources[f"{d}.fsdp_call_us"] = (

@@ -66,6 +66,17 @@ class Device:
     host_is_device: bool = False
     """The device is the host CPU: operator overhead runs on the same cores as the compute and adds to it,
     rather than overlapping an accelerator's queue of kernels (read only with host_op_us)."""
+    fresh_page_gbs: float = 0.0
+    """GB/s at which the host maps and first touches fresh pages: what a CPU tensor of FRESH_PAGE_BYTES or
+    more costs besides its kernel's work, since the allocator returns such buffers to the system when
+    freed and gets new zeroed pages for the next one (tools/calibrate.py); 0: not modelled (a GPU's caching
+    allocator reuses its blocks)."""
+    memory_table: dict[str, list[list[float]]] = field(default_factory=dict)
+    """Measured memory-bound operators per kind (MEMORY_KINDS), [bytes of one operator's tensor, achieved
+    GB/s of the bytes the operators read and write] each (tools/calibrate.py): where given, memory-bound
+    kernels whose tensor size the cost model knows run at the rate interpolated at that size (caches, fresh
+    pages), replacing memory_bandwidth_gbs x memory_efficiency and the kernel overhead; empty: the
+    bandwidth."""
 
     def peak_flops(self, precision: str) -> float:
         """Peak FLOP/s for a training precision (fp16 falls back to bf16 and vice versa)."""
@@ -103,18 +114,42 @@ class Device:
         """Achieved fraction of peak for one (m x k) @ (k x n) matmul: the efficiency curve."""
         return 2.0 * m * n * k / self.gemm_time(m, n, k, precision) / self.peak_flops(precision)
 
-    def memory_time(self, nbytes: float, kernels: int = 1) -> float:
-        """Seconds for memory-bound kernels moving `nbytes` in total."""
+    def memory_time(
+        self, nbytes: float, kernels: int = 1, tensor_bytes: float = 0.0, kind: str = "elementwise"
+    ) -> float:
+        """Seconds for memory-bound kernels of `kind` (MEMORY_KINDS) moving `nbytes` in total, each on
+        tensors of `tensor_bytes` (0: not known): the measured rate at that size where memory_table has the
+        kind, else the bandwidth plus the kernel overhead."""
+        table = self.memory_table.get(kind)
+        if table and tensor_bytes > 0:
+            # The measured rates include the kernels' own per-call time (not the dispatch: host_op_us).
+            return nbytes / (rate_at(table, tensor_bytes) * 1e9)
         return (
             nbytes / (self.memory_bandwidth_gbs * 1e9 * self.memory_efficiency)
             + kernels * self.kernel_overhead_us * 1e-6
         )
+
+    def fresh_time(self, nbytes: float) -> float:
+        """Seconds a newly allocated tensor of `nbytes` adds when its pages are fresh (fresh_page_gbs, for
+        tensors of at least FRESH_PAGE_BYTES)."""
+        if not self.fresh_page_gbs or nbytes < FRESH_PAGE_BYTES:
+            return 0.0
+        return nbytes / (self.fresh_page_gbs * 1e9)
 
     def attention_time(self, flops: float, precision: str) -> float:
         """Seconds for a fused attention kernel of `flops`."""
         return (
             flops / (self.peak_flops(precision) * self.attention_efficiency) + self.kernel_overhead_us * 1e-6
         )
+
+
+FRESH_PAGE_BYTES = 32 * 2**20
+"""Allocations from this size on are mapped fresh from the system every time on Linux (glibc's mmap
+threshold rises with freed blocks up to DEFAULT_MMAP_THRESHOLD_MAX, 4 * 1024 * 1024 * sizeof(long) bytes on
+64-bit: mallopt(3)), so their pages fault and are zeroed on first touch."""
+MEMORY_KINDS = ("elementwise", "softmax")
+"""Kinds of memory-bound operators Device.memory_table times: element-wise ones (norms, activation
+functions, rotary embeddings, residual adds) and row-wise softmaxes (the cross-entropy's)."""
 
 
 def _bytes(precision: str) -> int:
@@ -145,7 +180,15 @@ class Link:
         return self.latency_us * 1e-6
 
 
-MEASURED_ONLY = {"gemm_table", "host_op_us", "fsdp_call_us", "measured", "after_compute_us"}
+MEASURED_ONLY = {
+    "gemm_table",
+    "memory_table",
+    "fresh_page_gbs",
+    "host_op_us",
+    "fsdp_call_us",
+    "measured",
+    "after_compute_us",
+}
 """Device and link fields that only calibration sets: unset (empty, 0), the cost model does not read them."""
 
 
@@ -390,6 +433,13 @@ def cluster_from_dict(raw: dict[str, Any], source: str = "<dict>") -> Cluster:
             raise ConfigError(f"{source}: devices.{name}.gemm_table must map precisions to measured points")
         for precision, points in dev.gemm_table.items():
             _check_points(points, f"{source}: devices.{name}.gemm_table.{precision}", "[FLOPs, TFLOP/s]")
+        if not isinstance(dev.memory_table, dict) or set(dev.memory_table) - set(MEMORY_KINDS):
+            raise ConfigError(
+                f"{source}: devices.{name}.memory_table must map operator kinds ({', '.join(MEMORY_KINDS)}) "
+                "to measured points"
+            )
+        for kind, points in dev.memory_table.items():
+            _check_points(points, f"{source}: devices.{name}.memory_table.{kind}", "[bytes, GB/s]")
         devices[str(name)] = dev
     links = raw["links"] or {}
     if "inter_node" not in links:

@@ -189,6 +189,10 @@ class Software:
     offload: bool = True
     """The framework offloads optimizer state (and ZeRO-3 parameters) to the host (llmtrain: through the
     DeepSpeed engine, which runs data parallelism only: tp=1, pp=1, no hybrid sharding)."""
+    grad_accumulation_fusion: bool = False
+    """The weight-gradient matmuls accumulate into the fp32 gradient buffer (Megatron-LM's
+    gradient_accumulation_fusion); false: llmtrain, whose every micro-batch adds its gradients into the
+    buffer in a separate memory-bound pass."""
     moe_imbalance: float = 1.0
     """Routed rows of the busiest expert-parallel rank over the mean: an assumption, 1.0 for dropless routing
     kept balanced by the load-balancing loss; it scales the experts' compute, activations and all-to-alls."""
@@ -202,13 +206,15 @@ class Software:
     @classmethod
     def megatron_2021(cls) -> Software:
         """Megatron-LM as run in Narayanan et al. 2021: materialised softmax, non-overlapped fp16 gradient
-        all-reduce, scatter/gather pipeline sends, layers split evenly over stages, ZeRO 0/1 at most; each
-        rank initialises only its own shards."""
+        all-reduce, scatter/gather pipeline sends, gradient accumulation fused into the weight-gradient
+        matmuls (Megatron-LM's gradient_accumulation_fusion; an assumption for the paper's runs), layers
+        split evenly over stages, ZeRO 0/1 at most; each rank initialises only its own shards."""
         return cls(
             flash_attention=False,
             dp_overlap=False,
             overlap_param_gather=False,
             p2p_scatter_gather=True,
+            grad_accumulation_fusion=True,
             grad_bytes=2,
             sharded_init=True,
             balance_stages=False,
@@ -410,7 +416,10 @@ class CostModel:
             elem_b = 2 * elem
         else:  # PyTorch's ops (the CPU): more passes, as host_ops counts them (a dense layer's)
             ref_f, ref_b = H.reference_bytes(m, tok, tp, sp, e)
-            elem, elem_b = dev.memory_time(ref_f, kernels=6), dev.memory_time(ref_b, kernels=12)
+            # At the rate measured for the reference block at this many hidden-state bytes (a CPU's falls
+            # from cache-sized activations to larger ones), where calibrated.
+            elem = dev.memory_time(ref_f, kernels=6, tensor_bytes=e * nh)
+            elem_b = dev.memory_time(ref_b, kernels=12, tensor_bytes=e * nh)
         fwd = gemms + core_f + elem
         bwd = 2 * gemms + core_b + elem_b
         if recompute == "full":
@@ -547,17 +556,30 @@ class CostModel:
         m, dev, prec, e = self.w.model, self.dev, self.prec, self.act_bytes
         tok, h, vocab = b * self.w.seq // cp, m.hidden_size, m.vocab_size / tp
         size = e * tok * h
-        emb_f = dev.memory_time(2 * e * tok * h, kernels=2)
+        # Device.memory_table times the reference path's operators: the fused kernels (a GPU's) keep the
+        # bandwidth model, whose terms are a few percent of a GPU layer's time.
+        measured = 0.0 if self.sw.fused_kernels else 1.0
+        emb_f = dev.memory_time(2 * e * tok * h, kernels=2, tensor_bytes=measured * size)
         emb, head = C.edge_layers(tp, sp, vocab_dp, size, tok)
         first = _Pass(emb_f, 2 * emb_f, emb_f, self._comm_time(emb.fwd), self._comm_time(emb.bwd))
+        # The logits are the one output large enough to come fresh from the system on a CPU (the gradient
+        # ones the cross-entropy writes are in its measured rate); a GPU's allocator reuses its blocks.
         logits = dev.gemm_time(tok, vocab, h, prec)
-        ce = dev.memory_time(3 * 4 * tok * vocab, kernels=3)  # fp32 softmax, loss and its gradient
-        norm = dev.memory_time(2 * e * tok * h / (tp if sp else 1))
+        logits_f = logits + dev.fresh_time(e * tok * vocab)
+        # The fp32 softmax, loss and its gradient, in passes over the rank's logits (host_ops.CE_PASSES).
+        ce_bytes = 4 * tok * vocab
+        passes = H.ce_passes(self.sw.fused_kernels, tp > 1 or vocab_dp > 1)
+        ce_f, ce_b = (
+            dev.memory_time(n * ce_bytes, kernels=n, tensor_bytes=measured * ce_bytes, kind="softmax")
+            for n in passes
+        )
+        hidden = size / (tp if sp else 1)
+        norm = dev.memory_time(2 * hidden, tensor_bytes=measured * hidden)
         head_tp, head_tp_b = self._comm_time(head.fwd), self._comm_time(head.bwd)
         # The embedding's few operators are counted with the head's (host_ops.extra_ops).
         ops_f, ops_b = H.extra_ops(m)
-        last_f = self._with_host(logits + ce / 3 + norm, ops_f)
-        last_b = self._with_host(2 * logits + 2 * ce / 3 + 2 * norm, ops_b)
+        last_f = self._with_host(logits_f + ce_f + norm, ops_f)
+        last_b = self._with_host(2 * logits + ce_b + 2 * norm, ops_b)
         last = _Pass(last_f, last_b, logits, head_tp, head_tp_b)
         return first, last
 
@@ -1008,6 +1030,7 @@ class CostModel:
             return self._layer(tp, b, sp, mode, cp, layout.cp_comm, layout.ep, ep_dp)
 
         none = layer_of("none")
+        accumulation = self._accumulation_time(layout)
         # Per-rank per-chunk costs from each rank's layers (the trainer's split, even or balanced by FLOPs, or
         # the layout's own) and their recompute modes.
         fwd, bwd, wgt, tpc, rec, cpc, epc = [], [], [], [], [], [], []
@@ -1034,12 +1057,33 @@ class CostModel:
                 bk += (last.bwd + last.tp_bwd) / v
                 wg += last.wgrad / v
                 tcomm += (last.tp_fwd + last.tp_bwd) / v
+            bk += accumulation[min(r, 1)] / v
             fwd.append(f)
             bwd.append(bk)
             wgt.append(min(wg, bk))
             tpc.append(tcomm)
             rec.append(redo)
         return fwd, bwd, wgt, tpc, rec, cpc, epc
+
+    def _accumulation_time(self, layout: Layout) -> tuple[float, float]:
+        """(first pipeline rank, the others: the last's) seconds a micro-batch's backward spends adding its
+        gradients into the rank's fp32 gradient buffer (llmtrain: autograd adds in place into the
+        buffer-backed .grad, or DataParallel adds the 16-bit gradient into main_grad: read both, write one),
+        unless the weight-gradient matmuls accumulate into the buffer themselves (Software.
+        grad_accumulation_fusion). The pass streams the whole buffer: on the reference path at the memory
+        table's rate for its size (a CPU's beyond its caches); on a GPU at its memory bandwidth (an A100's
+        fp32 buffer costs about 400 / tokens-per-micro-batch of the micro-batch's matmul time: it matters
+        at small micro-batches)."""
+        if self.sw.grad_accumulation_fusion:
+            return 0.0, 0.0
+        experts = self._expert_params_on_rank(layout)
+        times = []
+        for params in self._params_on_rank(layout):
+            nbytes = self.sw.grad_bytes * (params + experts)
+            # Read the buffer and the new gradient (4 bytes each, or 2 for a 16-bit one), write the buffer.
+            moved = nbytes * (2 + self.act_bytes / self.sw.grad_bytes)
+            times.append(self.dev.memory_time(moved, tensor_bytes=0.0 if self.sw.fused_kernels else nbytes))
+        return times[0], times[1]
 
     def p2p_time(self, layout: Layout) -> float:
         """Seconds of one pipeline send of a micro-batch's activation (0 without pipeline parallelism)."""

@@ -54,6 +54,20 @@ def reference_bytes(
     return fwd, REFERENCE_BACKWARD[gated] * fwd
 
 
+CE_PASSES = {"fused": (1, 2), "reference": (2, 4), "vocab_parallel": (6, 6)}
+"""(forward, backward) passes over the fp32 logits of the cross-entropy: llmtrain's fused kernel (one read
+in the forward; the backward's read and write); the reference F.cross_entropy (log-softmax's read and
+write; the loss gradient's zero fill, then log-softmax's gradient reading it and the output and writing the
+input's gradient); the reference vocabulary-parallel one (kernels/reference.py: the max, the shifted
+logits' write and exp and their sum; the backward's shifted exp rewritten in place and scaled). Counted by
+tests/planner/test_host_ops.py where one process runs them."""
+
+
+def ce_passes(fused: bool, vocab_parallel: bool) -> tuple[int, int]:
+    """(forward, backward) passes of the cross-entropy over the logits (CE_PASSES)."""
+    return CE_PASSES["fused" if fused else "vocab_parallel" if vocab_parallel else "reference"]
+
+
 def layer_ops(model: ModelConfig, comms: PassComms, recompute: str) -> tuple[int, int]:
     """(forward, backward) operators of one layer for one micro-batch: the block's, one more per
     collective the layer issues (`comms`, recomputation's repeats included), and the forward again in the

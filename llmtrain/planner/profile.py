@@ -20,13 +20,15 @@ from llmtrain.planner.cluster import Cluster, cluster_from_dict, load_cluster
 LOOPBACK_LINK = {"bandwidth_gbs": 2.0, "latency_us": 60.0, "efficiency": 1.0}
 
 
-def _best_time(fn, seconds: float) -> float:
+def _best_time(fn, seconds: float, min_runs: int = 1) -> float:
+    """The fastest of the runs of `fn` that fit in `seconds` after a warm-up run, at least `min_runs`."""
     fn()  # warm-up: allocation and kernel selection
-    best, deadline = float("inf"), time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
+    best, deadline, runs = float("inf"), time.perf_counter() + seconds, 0
+    while runs < min_runs or time.perf_counter() < deadline:
         start = time.perf_counter()
         fn()
         best = min(best, time.perf_counter() - start)
+        runs += 1
     return best
 
 

@@ -11,7 +11,14 @@ from pathlib import Path
 import pytest
 
 from llmtrain.config.errors import ConfigError
-from llmtrain.planner.calibration import LinkFit, Measurements, fit_alpha_beta, profile_of
+from llmtrain.planner.calibration import (
+    LinkFit,
+    Measurements,
+    fit_alpha_beta,
+    least_disturbed,
+    monotone_times,
+    profile_of,
+)
 from llmtrain.planner.cluster import cluster_from_dict, load_cluster
 from llmtrain.planner.interpolate import rate_at, time_at
 
@@ -68,6 +75,8 @@ def test_the_measured_tables_reach_the_cost_model_with_their_sources():
     m = _measurements()
     m.gemm_table = {"fp32": [[1e6, 0.05], [1e9, 0.2]]}
     m.host_op_us = 4.0
+    m.fresh_page_gbs = 3.0
+    m.memory_table = {"elementwise": [[2**16, 20.0], [2**22, 8.0]], "softmax": [[2**20, 5.0]]}
     m.links.append(LinkFit("nccl", "all_reduce", 2, 1e-6, 1e11, ((2**12, 1e-5), (2**20, 2e-5))))
     m.links[0] = replace(m.links[0], fsdp_call_s=300e-6, after_compute_s=100e-6)
     profile = profile_of(m, when="2026-01-01 00:00 UTC")
@@ -80,6 +89,8 @@ def test_the_measured_tables_reach_the_cost_model_with_their_sources():
         2e6 / (rate_at(m.gemm_table["fp32"], 2e6) * 1e12)
     )
     assert device.host_op_us == 4.0 and device.host_is_device and device.fsdp_call_us == 300.0
+    assert device.fresh_page_gbs == 3.0 and device.memory_table == m.memory_table
+    assert {"devices.cpu-8-cores.memory_table", "devices.cpu-8-cores.fresh_page_gbs"} <= set(cluster.sources)
     # A CPU's trainer runs gloo: the gloo points interpolated (not nccl's), plus the after-compute cost.
     assert cluster.view(2).all_reduce(2**16, 2) == pytest.approx(
         time_at([[float(n), t] for n, t in m.links[0].points], 2**16) + 100e-6
@@ -108,3 +119,20 @@ def test_a_quick_calibration_is_a_cluster_the_planner_plans_on(tmp_path, capsys)
     printed = capsys.readouterr().out
     best = json.loads(printed[printed.index("\n{") + 1 :])["layouts"][0]
     assert best["step_time_s"] > 0 and best["tp"] * best["pp"] * best["dp"] == 2
+
+
+def test_the_least_disturbed_round_counts_and_a_smaller_message_never_costs_more():
+    assert least_disturbed([3e-3, 1e-3, 2e-3]) == 1e-3
+    with pytest.raises(ValueError, match="at least one round"):
+        least_disturbed([])
+    # A disturbed first size (set-up, load) is capped by the larger sizes' times; the rest stays as measured.
+    measured = [(8192, 2.6e-4), (1024, 3.9e-3), (65536, 4e-4), (524288, 6.7e-4)]
+    assert monotone_times(measured) == [(1024, 2.6e-4), (8192, 2.6e-4), (65536, 4e-4), (524288, 6.7e-4)]
+
+
+def test_attention_efficiency_is_over_the_peak_of_the_dtype_it_was_timed_in():
+    m = _measurements()
+    m.gemm_tflops["bf16"] = {"512x512x512": 2.0}  # a CPU's bf16 matmuls (AMX) far faster than its fp32 ones
+    device = profile_of(m, when="2026-01-01 00:00 UTC")["devices"]["cpu-8-cores"]
+    # Timed in fp32 on one process's share: 0.1 TFLOP/s over the per-process fp32 peak 0.4 / 2.
+    assert device["attention_efficiency"] == pytest.approx(0.5)

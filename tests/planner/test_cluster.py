@@ -3,7 +3,7 @@
 import pytest
 
 from llmtrain.config.errors import ConfigError
-from llmtrain.planner.cluster import cluster_from_dict, cluster_to_dict, load_cluster
+from llmtrain.planner.cluster import FRESH_PAGE_BYTES, cluster_from_dict, cluster_to_dict, load_cluster
 
 
 def tiny(**links):
@@ -66,6 +66,29 @@ def test_efficiency_curve_grows_with_matmul_size():
     assert small < mid < big <= dev.gemm_efficiency
 
 
+def test_memory_bound_kernels_run_at_the_rate_measured_at_their_tensor_size():
+    raw = tiny()
+    table = {"elementwise": [[2**16, 40.0], [2**22, 10.0]], "softmax": [[2**20, 5.0]]}
+    raw["devices"]["fast"]["memory_table"] = table
+    dev = cluster_from_dict(raw).view(4).device
+    # Cache-sized tensors at the first rate, large ones at the last, between them linear in log(bytes).
+    assert dev.memory_time(1e6, kernels=3, tensor_bytes=2**14) == pytest.approx(1e6 / 40e9)
+    assert dev.memory_time(1e6, kernels=3, tensor_bytes=2**24) == pytest.approx(1e6 / 10e9)
+    assert dev.memory_time(1e6, tensor_bytes=2**19) == pytest.approx(1e6 / 25e9)
+    assert dev.memory_time(1e6, tensor_bytes=2**19, kind="softmax") == pytest.approx(1e6 / 5e9)
+    # Tensor size not known: the bandwidth and the per-kernel overhead.
+    assert dev.memory_time(1e6, kernels=3) == pytest.approx(1e6 / (2000e9 * 0.8) + 3 * 4e-6)
+
+
+def test_only_tensors_the_allocator_maps_fresh_pay_for_their_pages():
+    raw = tiny()
+    raw["devices"]["fast"]["fresh_page_gbs"] = 4.0
+    dev = cluster_from_dict(raw).view(4).device
+    assert dev.fresh_time(FRESH_PAGE_BYTES - 1) == 0.0
+    assert dev.fresh_time(2 * FRESH_PAGE_BYTES) == pytest.approx(2 * FRESH_PAGE_BYTES / 4e9)
+    assert cluster_from_dict(tiny()).view(4).device.fresh_time(2 * FRESH_PAGE_BYTES) == 0.0  # not measured
+
+
 @pytest.mark.parametrize(
     "mutate,needle",
     [
@@ -73,6 +96,8 @@ def test_efficiency_curve_grows_with_matmul_size():
         (lambda d: d["devices"]["fast"].update(memory_gb=-1), "memory_gb"),
         (lambda d: d["devices"]["fast"].update(colour="red"), "colour"),
         (lambda d: d["links"].pop("inter_node"), "inter_node"),
+        (lambda d: d["devices"]["fast"].update(memory_table={"gemm": [[1, 1]]}), "memory_table must map"),
+        (lambda d: d["devices"]["fast"].update(memory_table={"softmax": [[1, -2]]}), "memory_table.softmax"),
     ],
 )
 def test_bad_cluster_files_name_the_field(mutate, needle):

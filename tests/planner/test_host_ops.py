@@ -12,8 +12,8 @@ from llmtrain.config import load
 from llmtrain.models.causal_lm import build
 from llmtrain.planner import Workload, load_cluster
 from llmtrain.planner import collectives as C
-from llmtrain.planner.cost_model import CostModel, Layout
-from llmtrain.planner.host_ops import BLOCK_OPS, extra_ops, layer_ops, reference_bytes
+from llmtrain.planner.cost_model import CostModel, Layout, Software
+from llmtrain.planner.host_ops import BLOCK_OPS, ce_passes, extra_ops, layer_ops, reference_bytes
 from llmtrain.planner.memory import edges_vocab_sharded
 
 SMALL = ["model.num_layers=2", "model.hidden_size=64", "model.seq_length=16", "model.vocab_size=256"]
@@ -157,3 +157,90 @@ def test_fsdp_host_time_is_charged_per_collective_the_step_issues(zero):
     num_micro = workload.global_batch // (layout.dp * layout.micro_batch)
     calls -= num_micro * sum(c.op != "all_reduce" for c in emb.fwd + emb.bwd + head.fwd + head.bwd)
     assert costs[1] - costs[0] == pytest.approx(calls * 100e-6)
+
+
+def test_the_reference_cross_entropy_makes_the_passes_ce_passes_counts():
+    import kernels
+
+    class _LossBytes(_Bytes):
+        """_Bytes, but the NLL loss and its gradient read or write one element per row of the logits (the
+        label's): only their outputs count, the gradient's being its zero fill."""
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            if not func.__name__.startswith("nll_loss"):
+                return super().__torch_dispatch__(func, types, args, kwargs)
+            out = func(*args, **(kwargs or {}))
+            self.bytes += sum(t.numel() * t.element_size() for t in tree_flatten(out)[0])
+            return out
+
+    rows, vocab = 64, 512
+    logits = torch.randn(rows, vocab, requires_grad=True)
+    labels = torch.randint(0, vocab, (rows,))
+    with _LossBytes() as fwd:
+        loss = kernels.cross_entropy(logits, labels, impl="torch")
+    with _LossBytes() as bwd:
+        loss.backward()
+    passes = ce_passes(fused=False, vocab_parallel=False)
+    # Per-row tensors (labels, the loss's reduction) are under 1% of the logits' passes here.
+    nbytes = 4 * rows * vocab
+    assert fwd.bytes == pytest.approx(passes[0] * nbytes, rel=0.02)
+    assert bwd.bytes == pytest.approx(passes[1] * nbytes, rel=0.02)
+
+
+def test_the_calibrated_block_moves_the_bytes_the_cost_model_charges():
+    # The memory table's rate is the bytes _OperatorClock counts over their time; the cost model divides
+    # reference_bytes by it: the two counts must agree.
+    from llmtrain.config.schema import ModelConfig
+    from llmtrain.planner.calibration import MEMORY_BLOCK, _OperatorClock
+
+    tokens, seq = 256, 128
+    cfg = ModelConfig(**MEMORY_BLOCK, num_layers=1, vocab_size=256, seq_length=seq, kernels="torch")
+    model = build(cfg).train()
+    x = torch.randn(tokens // seq, seq, cfg.hidden_size, requires_grad=True)
+    grad, rope = torch.ones_like(x), model.rope(seq)
+    clock = _OperatorClock("cpu")
+    with clock.mode:
+        model.layers[0](x, rope).backward(grad)
+    assert clock.seconds > 0
+    assert clock.moved == pytest.approx(sum(reference_bytes(cfg, tokens, 1, False, 4)), rel=0.02)
+
+
+def _with_memory_table(table: dict, fused: bool) -> CostModel:
+    workload = Workload.from_job(load("configs/llama-small.yaml", ["train.precision=fp32"]))
+    view = load_cluster("a100-80gb").view(1)
+    device = replace(view.device, memory_table=table)
+    return CostModel(workload, replace(view, device=device), Software(fused_kernels=fused))
+
+
+def test_the_reference_path_runs_at_the_measured_memory_rates_and_the_fused_one_ignores_them():
+    model = load("configs/llama-small.yaml", ["train.precision=fp32"]).model
+    b, tokens, vocab = 2, 2 * model.seq_length, model.vocab_size
+    passes = ce_passes(fused=False, vocab_parallel=False)
+    costs = {}
+    for gbs in (10.0, 20.0):
+        table = {"elementwise": [[1, gbs]], "softmax": [[1, gbs / 2]]}
+        cost = _with_memory_table(table, fused=False)
+        costs[gbs] = (cost._layer(1, b, False, "none").fwd, cost._extras(1, b, False)[1].bwd)
+    # Halving the rate adds the bytes over the faster rate: the reference bytes, the CE's passes.
+    ref_f = reference_bytes(model, tokens, 1, False, 4)[0]
+    assert costs[10.0][0] - costs[20.0][0] == pytest.approx(ref_f / 20e9)
+    # The last stage's backward: the CE's passes over the logits (softmax), the final norm's twice 2 passes.
+    ce, norm = passes[1] * 4 * tokens * vocab / 10e9, 2 * 2 * 4 * tokens * model.hidden_size / 20e9
+    assert costs[10.0][1] - costs[20.0][1] == pytest.approx(ce + norm)
+    fused = [_with_memory_table({"elementwise": [[1, gbs]]}, True) for gbs in (1.0, 2.0)]
+    assert fused[0]._layer(1, b, False, "none") == fused[1]._layer(1, b, False, "none")
+
+
+def test_each_micro_batch_adds_its_gradients_into_the_buffer_unless_the_matmuls_accumulate():
+    workload = Workload.from_job(load("configs/llama-small.yaml", ["train.precision=fp32"]))
+    view = load_cluster("a100-80gb").view(1)
+    layout = Layout(micro_batch=4)
+    steps = [
+        CostModel(workload, view, Software(grad_accumulation_fusion=fused)).evaluate(layout).step_time
+        for fused in (False, True)
+    ]
+    # fp32: read the buffer and the new gradient, write the buffer, 4 bytes each, per micro-batch.
+    params = CostModel(workload, view).params.total
+    num_micro = workload.global_batch // layout.micro_batch
+    added = num_micro * view.device.memory_time(3 * 4 * params)
+    assert steps[0] - steps[1] == pytest.approx(added, rel=1e-6)
