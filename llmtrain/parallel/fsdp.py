@@ -199,14 +199,17 @@ def apply_fsdp(model: nn.Module, topo: Topology, job: JobConfig) -> nn.Module:
             root.vocab_sharded = VocabShardedEdges(topo.dp_cp_group, mp_policy.param_dtype, job.model.kernels)
         # What is left on the root (a tied embedding and head, position embeddings) is needed first and last.
         fully_shard(root, reshard_after_forward=False, **options)
-    # Sum over the mesh, divide by dp (module docstring): every unit under CP, the experts under EP. Without
-    # either, FSDP's mean over the dp mesh is already that.
     expert_ids = {id(unit) for unit in expert_units}
-    exchanged: list[FSDPModule] = []
+    # The vocabulary-sharded edges are never gathered in training (their shards are read directly).
+    never_gathered = {id(m) for root in _roots(model) if vocab_sharded for m in _edges(root)}
+    gathered_after_step: list[FSDPModule] = []
     for unit, module in enumerate(fsdp_modules(model)):
         expert = id(module) in expert_ids
-        if use_shard_exchange(module, expert_mesh if expert else mesh, unit):
-            exchanged.append(module)
+        exchanged = use_shard_exchange(module, expert_mesh if expert else mesh, unit)
+        if exchanged and zero_stage == 2 and id(module) not in never_gathered:
+            gathered_after_step.append(module)
+        # Sum over the mesh, divide by dp (module docstring): every unit under CP, the experts under EP.
+        # Without either, FSDP's mean over the dp mesh is already that.
         if topo.cp > 1 or expert:
             module.set_gradient_divide_factor(float(topo.dp))
             # On a one-rank mesh (experts at expert_dp = 1) torch divides by the factor when it copies the
@@ -222,7 +225,7 @@ def apply_fsdp(model: nn.Module, topo: Topology, job: JobConfig) -> nn.Module:
     # ZeRO-2 keeps the parameters whole through the step anyway, so gathering them right after the update
     # costs no memory and lets the transfers overlap the next forward (measured on gloo; NCCL's gathers
     # already overlap through FSDP2's prefetching on its own streams).
-    model.fsdp_gather_after_step = exchanged if zero_stage == 2 else []
+    model.fsdp_gather_after_step = gathered_after_step
     model.fsdp_gathers_in_flight = []
     return model
 
