@@ -368,7 +368,12 @@ def apply_data_parallel(model: nn.Module, topo: Topology, job: JobConfig) -> nn.
     shard-exchange reduce-scatter / parameter gather overlapped with the next forward (1), tuned for gloo,
     and the optimizer state sharded with no parameter gathers in the step at all for zero_stage 1.
     zero_stage 2/3: FSDP2 (llmtrain.parallel.fsdp), which shards gradients and parameters per block and
-    offers hybrid sharding; flat buffers would have to hold every gradient whole.
+    offers hybrid sharding; flat buffers would have to hold every gradient whole. ZeRO-2 stays on FSDP2
+    rather than on flat buffers with per-bucket gradient freeing: what made it slower than DeepSpeed's
+    ZeRO-2 on gloo (1.05x, benchmarks/bench_dp.py) was gloo's all_gather_into_tensor/reduce_scatter_tensor
+    and gathers with nothing to overlap, not FSDP2's per-unit work; with FSDP2's own custom-collective
+    hooks doing ZeRO-1's shard exchange and the gathers launched after the optimizer step
+    (llmtrain.parallel.fsdp_comm) it measured 0.90-0.96x of DeepSpeed's step time on a loaded machine.
     """
     if job.parallel.zero_stage >= 2:
         from llmtrain.parallel.fsdp import apply_fsdp
