@@ -8,9 +8,9 @@ global-norm clipping at 1.0, on the same gloo process group, in the same run. Va
 them alike; a variant's step time is its turn's time over its step count, median over rounds, and the
 minimum (its least disturbed turn) is shown beside it. A step is zero_grad + forward + backward (with the
 DP reduction) + clip + AdamW; a turn ends once no communication of the variant is in flight (our ZeRO-1
-overlaps its parameter all-gather with the next step's forward, so a turn waits for the last one); its time
-is the slowest rank's. Optimizer bytes are what each rank holds beyond the model: Adam states plus any
-separate fp32 copy.
+and ZeRO-2 overlap their parameter all-gathers with the next step's forward, so a turn waits for the last
+one); its time is the slowest rank's. Optimizer bytes are what each rank holds beyond the model: Adam
+states plus any separate fp32 copy.
 
 Peak memory per rank is measured per variant while it is built and takes its warm-up steps, before any
 timing: the bytes of live tensors the variant created (PyTorch's MemTracker, llmtrain.training.
@@ -21,6 +21,7 @@ steps: parameters, gradients, optimizer state, activations and gathered buffers.
 
   python benchmarks/bench_dp.py                          # 2 processes, gpt 4x256, seq 128, batch 4 per rank
   DS_ACCELERATOR=cpu python benchmarks/bench_dp.py --nproc 4 --hidden 512
+  python benchmarks/bench_dp.py --only "ours zero2" "DeepSpeed ZeRO-2"   # a subset, same protocol
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from torch.distributed.fsdp import fully_shard  # noqa: E402
 from llmtrain import models  # noqa: E402
 from llmtrain.config import JobConfig, ModelConfig  # noqa: E402
 from llmtrain.parallel import Topology, build_optimizer, parallelize  # noqa: E402
+from llmtrain.parallel.fsdp import wait_gathers  # noqa: E402
 from llmtrain.parallel.optimizer import no_weight_decay  # noqa: E402
 from llmtrain.training.memory_tracking import PeakMemory  # noqa: E402
 
@@ -70,6 +72,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--bucket-mb", type=float, default=None, help="our parallel.dp_bucket_mb (default: the config's)"
     )
     p.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeed even when it is installed")
+    p.add_argument(
+        "--only",
+        nargs="+",
+        metavar="NAME",
+        help='measure only these variants (as printed, e.g. "ours zero2" "DeepSpeed ZeRO-2")',
+    )
     return p.parse_args(argv)
 
 
@@ -147,8 +155,8 @@ def _ours(job: JobConfig, topo: Topology) -> Variant:
         opt.backward(model(batch[:, :-1], batch[:, 1:]))
         opt.step(job.train.lr)
 
-    # ZeRO-0/1 may still be gathering parameters for the next step; FSDP2 (ZeRO-2/3) waits inside its step.
-    settle = model.grad_buffers.wait_params if hasattr(model, "grad_buffers") else _nothing_in_flight
+    # ZeRO-0/1 (and ZeRO-2 on gloo) may still be gathering parameters for the next step.
+    settle = model.grad_buffers.wait_params if hasattr(model, "grad_buffers") else lambda: wait_gathers(model)
     return step, settle, opt.state_bytes
 
 
@@ -243,6 +251,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: dic
             builders[name] = lambda job=job, stage=stage, offload=offload: _deepspeed(
                 job, Topology(job.parallel, world, rank), stage, offload
             )
+    if args.only:
+        builders = {name: build for name, build in builders.items() if name in args.only}
     g = torch.Generator().manual_seed(1000 + rank)
     batch = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)
     variants: dict[str, Variant] = {}
@@ -305,6 +315,10 @@ def _built_and_warmed(
 def main(argv: list[str] | None = None) -> dict[str, Result]:
     """Run the benchmark; print step times, memory per rank and the ratios of ours to each peer."""
     args = parse_args(argv)
+    names = [f"ours zero{z}" for z in range(4)] + ["torch DDP", "FSDP2 (as ZeRO-2)", "FSDP2 (as ZeRO-3)"]
+    unknown = set(args.only or []) - set(names) - {name for name, _, _ in DEEPSPEED_VARIANTS}
+    if unknown:
+        raise SystemExit(f"--only: no variant named {sorted(unknown)}; the variants: {names}, DeepSpeed's")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

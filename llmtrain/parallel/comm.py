@@ -164,3 +164,32 @@ def batch_isend_irecv(ops: list[dist.P2POp], group: str, detail: str = "") -> li
         Pending(work, watchdog, group, "send" if op.op is dist.isend else "recv", detail, peer=op.peer)
         for op, work in zip(ops, works, strict=True)
     ]
+
+
+def exchange_shards(
+    flat: torch.Tensor,
+    ranks: list[int],
+    index: int,
+    group: Any,
+    tag: int,
+    group_name: str,
+    detail: str,
+    into: list[torch.Tensor] | None = None,
+) -> list[Pending]:
+    """An all-gather or reduce-scatter of ``flat`` (one equal shard per rank of ``group``, whose global
+    ``ranks`` in group order; this rank at ``index``) as point-to-point transfers, one message per peer
+    each way: the same bytes a ring moves, and on gloo (2 CPU cores, 17 MB, 2 ranks) 6 ms against 17 ms
+    for all_gather_into_tensor and 23 ms for reduce_scatter_tensor. Gather (``into`` None): send this
+    rank's shard to every peer and receive each peer's shard into its place in ``flat``. Reduce-scatter:
+    send each peer its shard of ``flat`` and receive the peers' copies of this rank's shard into ``into``
+    (peers in group order, this rank left out); the caller sums them after the waits."""
+    shard_size = flat.numel() // len(ranks)
+    mine = flat[index * shard_size : (index + 1) * shard_size]
+    ops = []
+    peers = [i for i in range(len(ranks)) if i != index]
+    for i, peer in enumerate(peers):
+        theirs = flat[peer * shard_size : (peer + 1) * shard_size]
+        send, recv = (mine, theirs) if into is None else (theirs, into[i])
+        ops.append(dist.P2POp(dist.isend, send, ranks[peer], group, tag))
+        ops.append(dist.P2POp(dist.irecv, recv, ranks[peer], group, tag))
+    return batch_isend_irecv(ops, group_name, detail)

@@ -31,7 +31,7 @@ from llmtrain.parallel.comm import (
     Pending,
     all_gather_single,
     all_reduce,
-    batch_isend_irecv,
+    exchange_shards,
     reduce_scatter_single,
 )
 from llmtrain.parallel.expert_parallel import is_expert
@@ -108,10 +108,8 @@ class GradBuffers:
         self.topo = topo
         self.dense, self.expert = reduce_groups(topo)
         self.zero_stage = zero_stage
-        # On gloo (17 MB, dp=2, 2 CPU cores) reduce_scatter_tensor takes 23 ms and all_gather_into_tensor
-        # 17 ms, against 6 ms for sending one shard to each peer, so there zero_stage 1 reduce-scatters
-        # and gathers by point-to-point shard exchange (the same bytes as a ring). NCCL uses the native
-        # collectives.
+        # On gloo zero_stage 1 reduce-scatters and gathers by point-to-point shard exchange, 3-4x faster
+        # than gloo's collectives (llmtrain.parallel.comm.exchange_shards). NCCL uses the native ones.
         self.native_shard_comm = self.dense.size > 1 and dist.get_backend(self.dense.group) != "gloo"
         self.sync_enabled = True
         names: dict[int, str] = {}
@@ -296,26 +294,19 @@ class GradBuffers:
     def _exchange_shards(
         self, flat: torch.Tensor, bucket: Bucket, tag: int, into: list[torch.Tensor] | None = None
     ) -> list[Pending]:
-        """Point-to-point over the DP group, one message per peer each way. Gather (``into`` None): send
-        this rank's shard of ``flat`` to every peer and receive each peer's shard into its place.
-        Reduce-scatter: send each peer its shard of ``flat`` and receive the peers' copies of this rank's
-        shard into ``into``."""
-        ops = []
+        """llmtrain.parallel.comm.exchange_shards of a bucket-sized ``flat`` over the bucket's group."""
         reduce = bucket.reduce
-        ranks = reduce.ranks
-        peers = [r for r in range(reduce.size) if r != reduce.index]
-        for i, index in enumerate(peers):
-            peer = ranks[index]
-            theirs = flat[index * bucket.shard_size : (index + 1) * bucket.shard_size]
-            if into is None:
-                send, recv = self.shard(flat, bucket), theirs
-            else:
-                send, recv = theirs, into[i]
-            ops.append(dist.P2POp(dist.isend, send, peer, reduce.group, tag))
-            ops.append(dist.P2POp(dist.irecv, recv, peer, reduce.group, tag))
         what = "parameters" if into is None else "gradients"
-        name = "expert-dp" if reduce is not self.dense else "dp"
-        return batch_isend_irecv(ops, name, f"{what} of bucket {bucket.index}, shard exchange")
+        return exchange_shards(
+            flat,
+            reduce.ranks,
+            reduce.index,
+            reduce.group,
+            tag,
+            "expert-dp" if reduce is not self.dense else "dp",
+            f"{what} of bucket {bucket.index}, shard exchange",
+            into,
+        )
 
     def _wait_gathers(self, buckets: list[Bucket]) -> None:
         for bucket in buckets:
@@ -377,7 +368,13 @@ def apply_data_parallel(model: nn.Module, topo: Topology, job: JobConfig) -> nn.
     shard-exchange reduce-scatter / parameter gather overlapped with the next forward (1), tuned for gloo,
     and the optimizer state sharded with no parameter gathers in the step at all for zero_stage 1.
     zero_stage 2/3: FSDP2 (llmtrain.parallel.fsdp), which shards gradients and parameters per block and
-    offers hybrid sharding; flat buffers would have to hold every gradient whole.
+    offers hybrid sharding; flat buffers would have to hold every gradient whole. ZeRO-2 stays on FSDP2
+    rather than on flat buffers with per-bucket gradient freeing: what made it slower than DeepSpeed's
+    ZeRO-2 on gloo (1.05x, benchmarks/bench_dp.py) was gloo's all_gather_into_tensor/reduce_scatter_tensor
+    and gathers with nothing to overlap, not FSDP2's per-unit work; with FSDP2's own custom-collective
+    hooks doing ZeRO-1's shard exchange and the gathers launched after the optimizer step
+    (llmtrain.parallel.fsdp_comm) it measured 0.90-1.08x of DeepSpeed's step time (medians, a machine
+    loaded 5-12x its 2 cores), against 0.99-1.08x for the same run's FSDP2 with gloo's collectives.
     """
     if job.parallel.zero_stage >= 2:
         from llmtrain.parallel.fsdp import apply_fsdp

@@ -167,8 +167,8 @@ class Software:
     (model.kernels auto on CUDA); false: the PyTorch reference ops (CPU), which save more for backward and
     move more bytes (host_ops.reference_bytes)."""
     gloo_shard_exchange: bool = False
-    """ZeRO-1 reduce-scatters by point-to-point exchange into separate receive buffers (gloo, CPU) instead
-    of NCCL's in-place reduce-scatter."""
+    """ZeRO-1, and FSDP2 at ZeRO-2/3, reduce-scatter and all-gather by point-to-point exchange of the shards
+    with each peer, into separate receive buffers (gloo, CPU) instead of NCCL's in-place collectives."""
     p2p_held_until_step_end: bool = False
     """Pipeline transfers of every micro-batch stay alive until the step's end (llmtrain's executor on gloo,
     measured: received activations, and the sent activations and gradients its pending sends hold)."""
@@ -917,11 +917,11 @@ class CostModel:
     def _dp_collectives(self, layout: Layout, numel: int, chunks: int, pp_rank: int) -> Counter[C.Comm]:
         """The data-parallel reduction of one step over `numel` gradients of the rank (in `chunks` buffers):
         zero 0 all-reduces each fp32 bucket; zero 1 reduce-scatters it and all-gathers the updated
-        parameters, on gloo by point-to-point exchange of the shards with each peer (Software.
-        gloo_shard_exchange); zero 2/3 (FSDP2) gather each unit's parameters at every micro-batch's forward
-        (zero 3 again in its backward) and reduce-scatter its gradients once per step (gradient sync is off
-        for every micro-batch but the last). The group is dp x cp (the CP ranks hold the same parameters);
-        the gloo exchange's sends are named by the dimensions in which each peer differs."""
+        parameters; zero 2/3 (FSDP2) gather each unit's parameters at every micro-batch's forward (zero 3
+        again in its backward) and reduce-scatter its gradients once per step (gradient sync is off for
+        every micro-batch but the last). On gloo both stages do it by point-to-point exchange of the shards
+        with each peer (Software.gloo_shard_exchange). The group is dp x cp (the CP ranks hold the same
+        parameters); the gloo exchange's sends are named by the dimensions in which each peer differs."""
         g, e, cp = self.sw.grad_bytes, self.act_bytes, layout.cp
         dp = layout.dp * cp
         sizes = {"cp": cp, "dp": layout.dp}
@@ -929,26 +929,37 @@ class CostModel:
         num_micro = self.w.global_batch // (layout.dp * layout.micro_batch)
         count = C.buckets(numel // chunks, int(self.w.dp_bucket_mb * 2**20 / 4)) * chunks
         bucket = numel // count
+        # (gathered bytes, reduced bytes, how many of each, expert unit): the buckets, or the FSDP2 units.
+        # Expert units (under EP) are sharded over the ranks holding the same experts; one reduces nothing.
+        edp = expert_dp_size(layout)
+        if layout.zero_stage == 1:
+            pieces = [(bucket * e, bucket * g, count, count, False)]
+        else:
+            pieces = [
+                (unit * e, unit * 4, num_micro * (2 if reshard else 1), 1, expert)
+                for unit, reshard, expert in self._fsdp_units(layout, pp_rank)
+            ]
         out: Counter[C.Comm] = Counter()
         if layout.zero_stage == 0:
             out[C.Comm("all_reduce", group, dp, bucket * g)] = count
-        elif layout.zero_stage == 1 and self.sw.gloo_shard_exchange:
-            for c, d in itertools.product(range(cp), range(layout.dp)):
-                if c or d:
-                    peer = C.group_name(tuple(n for n, i in (("cp", c), ("dp", d)) if i), sizes)
-                    out[C.Comm("send", peer, 2, bucket * g // dp)] += count
-                    out[C.Comm("send", peer, 2, bucket * e // dp)] += count
-        elif layout.zero_stage == 1:
-            out[C.Comm("reduce_scatter", group, dp, bucket * g)] = count
-            out[C.Comm("all_gather", group, dp, bucket * e)] = count
+        elif self.sw.gloo_shard_exchange:
+            peers = [
+                C.group_name(tuple(n for n, i in (("cp", c), ("dp", d)) if i), sizes)
+                for c, d in itertools.product(range(cp), range(layout.dp))
+                if c or d
+            ]
+            expert_peers = C.expert_dp_peers(layout.tp, cp, layout.dp, layout.ep)
+            for gathered, reduced, gathers, reductions, expert in pieces:
+                size = edp if expert else dp
+                for peer in expert_peers if expert else peers:
+                    out[C.Comm("send", peer, 2, gathered // size)] += gathers
+                    out[C.Comm("send", peer, 2, reduced // size)] += reductions
         else:
-            edp = expert_dp_size(layout)
-            for unit, reshard, expert in self._fsdp_units(layout, pp_rank):
-                # Expert units on their own mesh, the ranks holding the same experts; one reduces nothing.
+            for gathered, reduced, gathers, reductions, expert in pieces:
                 name, size = ("edp", edp) if expert else (group, dp)
                 if size > 1:
-                    out[C.Comm("all_gather", name, size, unit * e)] += num_micro * (2 if reshard else 1)
-                    out[C.Comm("reduce_scatter", name, size, unit * 4)] += 1
+                    out[C.Comm("all_gather", name, size, gathered)] += gathers
+                    out[C.Comm("reduce_scatter", name, size, reduced)] += reductions
         return out
 
     def _fsdp_units(self, layout: Layout, pp_rank: int) -> list[tuple[int, bool, bool]]:
