@@ -8,6 +8,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "fault_soak.py"
 
 
@@ -75,3 +77,13 @@ def test_resumed_launches_read_from_the_launch_log(tmp_path: Path) -> None:
     (tmp_path / "launches.jsonl").write_text("".join(json.dumps(launch) + "\n" for launch in launches))
     assert fault_soak.resumed_launches(tmp_path) == 1
     assert fault_soak.resumed_launches(tmp_path / "missing") == 0
+
+
+@pytest.mark.slow
+def test_one_kill_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Two workers, one kill: the whole path (reference, kill, restart, record) passes and prints its row.
+    argv = ["--kills", "1", "--steps", "3", "--nproc", "2", "--layout", "parallel.tp=2"]
+    code = fault_soak.main([*argv, "--no-busy", "--output", str(tmp_path), "--timeout", "600"])
+    printed = capsys.readouterr().out
+    assert code == 0, printed + (tmp_path / "soak.log").read_text()[-3000:]
+    assert "| parallel.tp=2 | 1 | 1 (" in printed and printed.rstrip().endswith("PASS")
