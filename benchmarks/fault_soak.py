@@ -6,7 +6,9 @@ store, no TORCH_DISABLE_SHARE_RDZV_TCP_STORE): once uninterrupted (the reference
 for the restarted attempt to log a step before the next kill. With --busy (the default) one busy-loop
 process per core competes with the job the whole time. The soak passes when torchrun exits 0 after exactly
 N restarts (the i-th kill hits attempt i) and every step's loss equals the reference's bit for bit (so the
-final loss does too); steps re-run after a restart must reproduce the loss they logged before it.
+final loss does too); steps re-run after a restart must reproduce the loss they logged before it. It prints
+the kills, the restarts (and how many resumed from a checkpoint), the steps each restart re-ran, the load
+average at the start and the end, and one Markdown row for README's fault-tolerance table.
 
   python benchmarks/fault_soak.py                        # 20 kills, tp 2 x pp 2 on 4 workers
   python benchmarks/fault_soak.py --kills 5 --kind ep2-moe --no-busy
@@ -16,6 +18,7 @@ final loss does too); steps re-run after a restart must reproduce the loss they 
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing
 import os
 import random
@@ -25,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -155,18 +159,74 @@ def soak(args: argparse.Namespace, out: Path, deadline: float) -> tuple[int, lis
     return wait_or_end(proc, deadline), kills
 
 
+@dataclass
+class Comparison:
+    """The soak's training rows against the uninterrupted reference's."""
+
+    restarts: int  # launches after the first
+    steps_lost: list[int]  # per restart, the steps it re-ran (logged by an earlier launch already)
+    rerun_differ: int  # re-run steps whose loss differs from the one first logged
+    missing: list[int]  # steps never logged
+    differ: list[int]  # steps whose last logged loss differs from the reference's
+    final_loss: float | None
+    reference_loss: float | None
+
+
+def compare(reference_rows: list[dict], soak_rows: list[dict], steps: int) -> Comparison:
+    """Compare a soak's metrics rows (every launch's, in file order) with the reference run's."""
+    reference = {r["step"]: r["loss"] for r in latest_per_step(reference_rows)}
+    train_rows = [r for r in soak_rows if "eval_loss" not in r]
+    final = {r["step"]: r["loss"] for r in latest_per_step(train_rows)}
+    first_loss: dict[int, float] = {}
+    # Each launch after the first logs under a new segment number.
+    lost: dict[int, int] = {}
+    rerun_differ = 0
+    for row in train_rows:
+        segment = row.get("segment", 0)
+        if segment:
+            lost.setdefault(segment, 0)
+        if row["step"] in first_loss:
+            lost[segment] += 1
+            rerun_differ += row["loss"] != first_loss[row["step"]]
+        first_loss.setdefault(row["step"], row["loss"])
+    return Comparison(
+        restarts=len(lost),
+        steps_lost=[lost[segment] for segment in sorted(lost)],
+        rerun_differ=rerun_differ,
+        missing=sorted(set(range(1, steps + 1)) - set(final)),
+        differ=sorted(s for s in final if final[s] != reference.get(s)),
+        final_loss=final.get(steps),
+        reference_loss=reference.get(steps),
+    )
+
+
+def resumed_launches(out: Path) -> int:
+    """How many launches of the run in `out` resumed from a checkpoint (a kill before the first save
+    restarts from scratch)."""
+    path = out / "launches.jsonl"
+    launches = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return sum(launch.get("resumed_from") is not None for launch in launches)
+
+
+def load_average() -> str:
+    """The 1-minute load average, as evidence of how busy the machine was."""
+    return f"{os.getloadavg()[0]:.2f}"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.steps = args.steps or 3 * args.kills
+    name = args.kind if args.layout is None else " ".join(args.layout)
     if args.layout is None:
         args.layout = KINDS[args.kind]
     if args.kills >= args.steps:
         raise SystemExit(f"--kills {args.kills} needs more than {args.kills} --steps (one kill per step)")
     out = args.output or Path(tempfile.mkdtemp(prefix="fault_soak_"))
     out.mkdir(parents=True, exist_ok=True)
-    for name in ("reference", "soak"):
-        if (out / name).exists():
-            raise SystemExit(f"{out / name} exists; pass an empty --output")
+    for run in ("reference", "soak"):
+        if (out / run).exists():
+            raise SystemExit(f"{out / run} exists; pass an empty --output")
+    load_start = load_average()
     started = time.time()
     deadline = started + args.timeout
     busy = [
@@ -182,45 +242,54 @@ def main(argv: list[str] | None = None) -> int:
             p.terminate()
             p.join()
     elapsed = time.time() - started
+    load_end = load_average()
 
-    reference = {r["step"]: r["loss"] for r in latest_per_step(read_rows(out / "reference"))}
-    train_rows = [r for r in read_rows(out / "soak") if "eval_loss" not in r]
-    final = {r["step"]: r["loss"] for r in latest_per_step(train_rows)}
-    first_loss: dict[int, float] = {}
-    rerun = rerun_differ = 0
-    for row in train_rows:
-        if row["step"] in first_loss:
-            rerun += 1
-            rerun_differ += row["loss"] != first_loss[row["step"]]
-        first_loss.setdefault(row["step"], row["loss"])
-    # Each launch after the first logs under a new segment number; each kill must have cost one restart.
-    restarts = len({r.get("segment", 0) for r in train_rows}) - 1
+    result = compare(read_rows(out / "reference"), read_rows(out / "soak"), args.steps)
+    resumed = resumed_launches(out / "soak")
     attempts = [attempt for _, _, attempt in kills]
-    missing = sorted(set(range(1, args.steps + 1)) - set(final))
-    differ = sorted(s for s in final if final[s] != reference.get(s))
-    final_loss = final.get(args.steps)
 
     print(f"layout: {' '.join(args.layout)} on {args.nproc} workers, {args.steps} steps, "
           f"checkpoint every {args.checkpoint_interval}, busy loops: {len(busy)}, output {out}")  # fmt: skip
-    print(f"runtime: {elapsed:.0f} s (reference and soak)")
+    print(
+        f"runtime: {elapsed:.0f} s (reference and soak); "
+        f"load average {load_start} at the start, {load_end} at the end"
+    )
     print(f"faults injected: {len(kills)} SIGKILLs (step, rank, attempt): {kills}")
-    print(f"restarts: {restarts} (torchrun exit code {soak_code}; reference exit code {reference_code})")
-    print(f"steps lost: {rerun} re-run steps, {rerun - rerun_differ} of them reproduced their first loss")
+    print(
+        f"restarts: {result.restarts}, {resumed} of them resumed from a checkpoint "
+        f"(torchrun exit code {soak_code}; reference exit code {reference_code})"
+    )
+    print(
+        f"steps lost: {sum(result.steps_lost)} re-run steps, per restart {result.steps_lost}, "
+        f"{sum(result.steps_lost) - result.rerun_differ} of them reproduced their first loss"
+    )
     print(
         "data lost: "
-        + ("none" if not missing and not differ else f"steps missing {missing}, loss differs at {differ}")
-        + f"; final loss {final_loss} vs reference {reference.get(args.steps)}"
+        + (
+            "none"
+            if not result.missing and not result.differ
+            else f"steps missing {result.missing}, loss differs at {result.differ}"
+        )
+        + f"; final loss {result.final_loss} vs reference {result.reference_loss}"
     )
     ok = (
         reference_code == 0
         and soak_code == 0
         and len(kills) == args.kills
-        and restarts == args.kills
+        and result.restarts == args.kills
         and attempts == list(range(args.kills))
-        and not missing
-        and not differ
-        and rerun_differ == 0
-        and final_loss is not None
+        and not result.missing
+        and not result.differ
+        and result.rerun_differ == 0
+        and result.final_loss is not None
+    )
+    # One Markdown table row per soak, as README's fault-tolerance table records it.
+    print(
+        f"| {name} | {len(kills)} "
+        f"| {result.restarts} ({resumed} from a checkpoint) | {sum(result.steps_lost)} "
+        f"({max(result.steps_lost, default=0)} at most) | {result.final_loss} "
+        f"| {'bit for bit' if result.final_loss == result.reference_loss else 'differs'} | {elapsed:.0f} s "
+        f"| {load_start} / {load_end} | {'PASS' if ok else 'FAIL'} |"
     )
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
