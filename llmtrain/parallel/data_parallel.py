@@ -373,8 +373,9 @@ def apply_data_parallel(model: nn.Module, topo: Topology, job: JobConfig) -> nn.
     ZeRO-2 on gloo (1.05x, benchmarks/bench_dp.py) was gloo's all_gather_into_tensor/reduce_scatter_tensor
     and gathers with nothing to overlap, not FSDP2's per-unit work; with FSDP2's own custom-collective
     hooks doing ZeRO-1's shard exchange and the gathers launched after the optimizer step
-    (llmtrain.parallel.fsdp_comm) it measured 0.90-1.08x of DeepSpeed's step time (medians, a machine
-    loaded 5-12x its 2 cores), against 0.99-1.08x for the same run's FSDP2 with gloo's collectives.
+    (llmtrain.parallel.fsdp_comm) it measured 0.935x of DeepSpeed's step time on the idle machine (median;
+    0.90-1.08x with the machine loaded 5-12x its 2 cores, against 0.99-1.08x for the same runs' FSDP2 with
+    gloo's collectives).
     """
     if job.parallel.zero_stage >= 2:
         from llmtrain.parallel.fsdp import apply_fsdp
