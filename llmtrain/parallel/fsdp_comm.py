@@ -34,10 +34,6 @@ def _group_ranks(group: dist.ProcessGroup) -> tuple[list[int], int]:
     return dist.get_process_group_ranks(group), group.rank()
 
 
-def _empty(size: Sequence[int | torch.SymInt], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.empty(*size, dtype=dtype, device=device)
-
-
 class _Transfers(dist.distributed_c10d.Work):
     """Point-to-point transfers in flight as one torch Work: FSDP2 waits for an asynchronous all-gather
     only when it gets a Work (gloo's send/recv works have no future to combine them into one)."""
@@ -52,9 +48,8 @@ class _Transfers(dist.distributed_c10d.Work):
         return True
 
 
-class ExchangeAllGather(AllGather):
-    """FSDP2's all-gather of a unit's parameter shards: ``output_tensor`` holds every rank's shard in group
-    order, this rank's already in place (FSDP2 copies it in there), the peers' received into theirs."""
+class _TaggedExchange:
+    """What both FSDP2 hooks share: their unit's point-to-point tag, and plain buffers to exchange into."""
 
     def __init__(self, tag: int) -> None:
         self.tag = tag
@@ -62,7 +57,12 @@ class ExchangeAllGather(AllGather):
     def allocate(
         self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
     ) -> torch.Tensor:
-        return _empty(size, dtype, device)
+        return torch.empty(*size, dtype=dtype, device=device)
+
+
+class ExchangeAllGather(_TaggedExchange, AllGather):
+    """FSDP2's all-gather of a unit's parameter shards: ``output_tensor`` holds every rank's shard in group
+    order, this rank's already in place (FSDP2 copies it in there), the peers' received into theirs."""
 
     def __call__(
         self,
@@ -83,17 +83,9 @@ class ExchangeAllGather(AllGather):
         return None
 
 
-class ExchangeReduceScatter(ReduceScatter):
+class ExchangeReduceScatter(_TaggedExchange, ReduceScatter):
     """FSDP2's reduce-scatter of a unit's gradients: ``output_tensor`` is the sum (or mean, for AVG) over
     the group of every rank's shard at this rank's index of ``input_tensor``, added in group order."""
-
-    def __init__(self, tag: int) -> None:
-        self.tag = tag
-
-    def allocate(
-        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
-        return _empty(size, dtype, device)
 
     def __call__(
         self,
