@@ -66,6 +66,33 @@ def curve(precision: str, overrides: list[str], steps: int, device: str) -> list
     return losses
 
 
+def write_results(
+    out: Path, curves: dict[str, list[float]], overrides: list[str], steps: int, device: str
+) -> dict[str, bool]:
+    """Each finished curve's worst per-step relative gap to fp32's and its verdict, written to `out`."""
+    gaps = {p: max(abs(a - b) / b for a, b in zip(c, curves["fp32"], strict=True)) for p, c in curves.items()}
+    gaps.pop("fp32")
+    verdict = {p: gaps[p] <= BOUNDS[p] for p in gaps}
+    for p in gaps:
+        print(f"{p}: worst per-step relative gap to fp32 {gaps[p]:.4f} (bound {BOUNDS[p]:.4f}): {verdict[p]}")
+    write_json(
+        out,
+        {
+            "step": "loss_curves",
+            "device": device_name(device),
+            "config": str(CONFIG.relative_to(ROOT)),
+            "overrides": overrides,
+            "steps": steps,
+            "worst_relative_gap_to_fp32": gaps,
+            "bounds": BOUNDS,
+            "within_bound": verdict,
+            "curves": curves,
+            "torchao": peer_version("torchao"),
+        },
+    )
+    return verdict
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -84,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     # fp8 needs torchao; without it the fp8 curve is reported as not installed rather than failing the step.
     fp8 = peer_version("torchao") != "not installed"
     precisions = ("fp32", "bf16", "fp8") if fp8 else ("fp32", "bf16")
-    curves = {}
+    curves: dict[str, list[float]] = {}
+    verdict: dict[str, bool] = {}
     for precision in precisions:
         start = time.perf_counter()
         curves[precision] = curve(precision, overrides, steps, device)
@@ -93,30 +121,9 @@ def main(argv: list[str] | None = None) -> int:
             f"final loss {curves[precision][-1]:.4f}",
             flush=True,
         )
-    gaps = {
-        p: max(abs(a - b) / b for a, b in zip(curves[p], curves["fp32"], strict=True)) for p in precisions[1:]
-    }
-    verdict = {p: gaps[p] <= BOUNDS[p] for p in gaps}
-    for p in gaps:
-        print(
-            f"{p}: worst per-step relative gap to fp32 {gaps[p]:.4f} (bound {BOUNDS[p]:.4f}) -> {verdict[p]}"
-        )
+        # Written after every curve: a step stopped by its time budget keeps the curves it finished.
+        verdict = write_results(args.out, curves, overrides, steps, device)
     print("final losses: " + ", ".join(f"{p} {c[-1]:.4f}" for p, c in curves.items()))
-    write_json(
-        args.out,
-        {
-            "step": "loss_curves",
-            "device": device_name(device),
-            "config": str(CONFIG.relative_to(ROOT)),
-            "overrides": overrides,
-            "steps": steps,
-            "worst_relative_gap_to_fp32": gaps,
-            "bounds": BOUNDS,
-            "within_bound": verdict,
-            "curves": curves,
-            "torchao": peer_version("torchao"),
-        },
-    )
     return 0 if all(verdict.values()) else 1
 
 
