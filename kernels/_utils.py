@@ -30,6 +30,17 @@ def num_programs(device: torch.device, work_items: int) -> int:
     return max(1, min(work_items, 4))
 
 
+def launch_layout(t: torch.Tensor) -> torch.Tensor:
+    """`t` as a kernel launch takes it: unit stride along the last dim (copied only where it must be), and
+    wholly contiguous while torch.compile traces the launch. There the strides handed to the kernel are
+    fixed at trace time, yet Inductor may lay a view argument out afresh keeping only its stride order
+    (pytorch#130243), and an autograd.Function's backward is traced with guessed gradient strides
+    (pytorch#136394); the first compiled H100 run got wrong gradients from Triton RMSNorm + attention."""
+    if torch.compiler.is_compiling():
+        return t.contiguous()
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 def autotuning() -> bool:
     """False when LLMTRAIN_AUTOTUNE=0: CUDA launches then use each kernel's first config, as the
     interpreter does. Correctness runs set it (the GPU kernel tests, loss curves) to skip compiling and

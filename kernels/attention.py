@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._utils import check_same_device, interpreting, tuned
+from kernels._utils import check_same_device, interpreting, launch_layout, tuned
 from kernels.checks import check_attention_args
 
 LOG2E = 1.4426950408889634
@@ -543,10 +543,6 @@ _DKDV = tuned(_attn_bwd_dkdv_kernel, DKDV_CONFIGS, key=_KEY)
 _DQ = tuned(_attn_bwd_dq_kernel, DQ_CONFIGS, key=_KEY)
 
 
-def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def _precision(dtype: torch.dtype) -> str:
     # fp32 inputs get exact fp32 products (no TF32) so they match an fp32 reference.
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -648,7 +644,7 @@ def _backward(
 class _FlashAttentionFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal, scale):
-        q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+        q, k, v = (launch_layout(t) for t in (q, k, v))
         o, lse = _forward(q, k, v, causal, scale, 0, q.dtype)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.causal = causal
@@ -658,7 +654,7 @@ class _FlashAttentionFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
-        do = _last_dim_contiguous(do)
+        do = launch_layout(do)
         dq, dk, dv = _backward(do, q, k, v, lse, _delta(o, do), ctx.causal, ctx.scale, 0, None)
         return dq, dk, dv, None, None
 
@@ -695,7 +691,7 @@ def attention_block(
     (b, hk, m, d) at k_offset.. -> output (b, hq, n, d) and log-sum-exp (b, hq, n), both fp32 so blocks
     merge without rounding. Causal: key j visible to query i when k_offset + j <= q_offset + i."""
     scale = _checked_scale(q, k, v, softmax_scale)
-    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    q, k, v = (launch_layout(t) for t in (q, k, v))
     return _forward(q, k, v, bool(causal), scale, q_offset - k_offset, torch.float32)
 
 
@@ -715,7 +711,7 @@ def attention_block_grads(
     n), the log-sum-exp of the rows' final (merged) output `out` (b, hq, n, d), with delta = rowsum(dO * O)
     of that final output: a block's share of the gradient of the whole attention."""
     scale = _checked_scale(q, k, v, softmax_scale)
-    q, k, v, do, out = (_last_dim_contiguous(t) for t in (q, k, v, do, out))
+    q, k, v, do, out = (launch_layout(t) for t in (q, k, v, do, out))
     delta = _delta(out, do)
     return _backward(
         do, q, k, v, lse.float().contiguous(), delta, bool(causal), scale, q_offset - k_offset, torch.float32

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._utils import check_same_device, tuned
+from kernels._utils import check_same_device, launch_layout, tuned
 
 
 @triton.jit
@@ -96,8 +96,7 @@ def _glu_bwd_kernel(
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
-    t2 = t.reshape(-1, t.shape[-1]) if t.dim() != 2 else t
-    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+    return launch_layout(t.reshape(-1, t.shape[-1]) if t.dim() != 2 else t)
 
 
 def _block_n(n: int) -> int:

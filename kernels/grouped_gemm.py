@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._utils import check_same_device, interpreting, tuned
+from kernels._utils import check_same_device, interpreting, launch_layout, tuned
 
 
 @triton.jit
@@ -205,21 +205,17 @@ def _mm_dw(dy: torch.Tensor, x: torch.Tensor, bounds: torch.Tensor, groups: int)
     return dw
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 class _GroupedMMFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, offsets):
-        x, bounds = _rows(x), _bounds(offsets)
+        x, bounds = launch_layout(x), _bounds(offsets)
         ctx.save_for_backward(x, weight, bounds)
         return _mm(x, weight, bounds, transpose_weight=False)
 
     @staticmethod
     def backward(ctx, dy):
         x, weight, bounds = ctx.saved_tensors
-        dy = _rows(dy)
+        dy = launch_layout(dy)
         dx = _mm(dy, weight, bounds, transpose_weight=True) if ctx.needs_input_grad[0] else None
         dw = _mm_dw(dy, x, bounds, weight.shape[0]) if ctx.needs_input_grad[1] else None
         return dx, dw, None

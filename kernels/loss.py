@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from kernels import chunked_ce
-from kernels._utils import check_same_device, tuned
+from kernels._utils import check_same_device, launch_layout, tuned
 from kernels.checks import check_ce_args
 
 
@@ -212,9 +212,7 @@ def cross_entropy(
     """Triton mean cross-entropy; with tp_group, logits is this rank's vocab shard, target global ids."""
     check_ce_args(logits, target)
     check_same_device(logits=logits, target=target)
-    logits2 = logits.reshape(-1, logits.shape[-1])
-    if logits2.stride(-1) != 1:
-        logits2 = logits2.contiguous()
+    logits2 = launch_layout(logits.reshape(-1, logits.shape[-1]))
     return _CrossEntropyFn.apply(logits2, target.reshape(-1).contiguous().long(), int(ignore_index), tp_group)
 
 

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._utils import check_same_device, num_programs, tuned
+from kernels._utils import check_same_device, launch_layout, num_programs, tuned
 
 MAX_HIDDEN = 65536
 
@@ -149,8 +149,7 @@ def _norm_bwd_kernel(
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """(rows, hidden) view with unit stride along hidden; copies only when it must."""
-    t2 = t.reshape(-1, t.shape[-1])
-    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+    return launch_layout(t.reshape(-1, t.shape[-1]))
 
 
 def _block_sizes(n: int) -> tuple[int, int, int]:

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._utils import check_same_device, tuned
+from kernels._utils import check_same_device, launch_layout, tuned
 from kernels.checks import check_rotary_args
 
 
@@ -88,10 +88,7 @@ _KERNELS = {w: _tuned(w) for w in (2, 4)}
 def _launch(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, offset: int, backward: bool
 ):
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    cos = cos if cos.stride(-1) == 1 else cos.contiguous()
-    sin = sin if sin.stride(-1) == 1 else sin.contiguous()
+    x, cos, sin = launch_layout(x), launch_layout(cos), launch_layout(sin)
     bsz, seq, heads, dim = x.shape
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     block_d = triton.next_power_of_2(dim)

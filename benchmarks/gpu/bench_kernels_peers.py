@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--budget-s", type=float, default=150.0, help="start no new kernel after this")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baselines")
+    parser.add_argument("--kernels", nargs="+", default=(), help="run only these kernels (default: all)")
     args = parser.parse_args(argv)
 
     if args.dry_run:
@@ -71,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         bandwidth_gbps=bandwidth,
         seconds=args.budget_s,
         first=PRIORITY,
+        only=tuple(args.kernels),
     )
     write_json(
         args.out,

@@ -129,6 +129,15 @@ def test_every_autotune_config_is_correct(index, causal, dtype, monkeypatch):
     ragged tail, a head dim that is not a power of two) must give the same answer. The configs run in
     turn, the i-th of each kernel together; the first H100 run found an fp16 dK error at one of them."""
     _one_config_each(index, monkeypatch)
+    try:
+        _check_one_config(causal, dtype)
+    except triton.runtime.errors.OutOfResources as exc:
+        # Compiled, the large fp32 tiles need more shared memory than an H100 has (up to 384 KiB of 227);
+        # the autotuner skips such a config (it times it as infinitely slow), so it never runs.
+        pytest.skip(f"config {index} does not fit this device in {dtype}: {exc}")
+
+
+def _check_one_config(causal, dtype):
     for seq, dim in ((200, 128), (131, 40)):
         q = randn(1, 4, seq, dim, dtype=dtype)
         k = randn(1, 2, seq, dim, dtype=dtype)
@@ -177,7 +186,9 @@ def _check_blocks_against_whole(dtype, impl, seq, chunks, documents=None):
     )
 
     def allowed(q0, q1, k0, k1):
-        return None if documents is None else same_document(documents[:, q0:q1], documents[:, k0:k1])
+        if documents is None:
+            return None
+        return same_document(documents[:, q0:q1], documents[:, k0:k1]).to(DEVICE)
 
     do = torch.randn(b, hq, seq, dim, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     do = do.half().to(DEVICE, dtype)  # forward_backward's cotangent: the same seed, rounded the same way
