@@ -106,9 +106,9 @@ step() {
 step env "$B_ENV" "$PY" "$HERE/env_info.py" --out "$OUT/env.json" $FLAG
 # Correctness steps skip autotuning (LLMTRAIN_AUTOTUNE=0: each kernel's first config), which would compile
 # and time every config for every test shape; test_attention.py runs each attention config on its own.
-step tests-kernels "$B_TESTS_KERNELS" env LLMTRAIN_AUTOTUNE=0 "$PY" -m pytest -q -p no:cacheprovider "${TESTS_KERNELS[@]}" \
+step tests-kernels "$B_TESTS_KERNELS" env LLMTRAIN_AUTOTUNE=0 "$PY" -m pytest -v -rfEs -p no:cacheprovider "${TESTS_KERNELS[@]}" \
   --junitxml "$OUT/tests-kernels.xml"
-step tests-train "$B_TESTS_TRAIN" env LLMTRAIN_AUTOTUNE=0 "$PY" -m pytest -q -p no:cacheprovider "${TESTS_TRAIN[@]}" \
+step tests-train "$B_TESTS_TRAIN" env LLMTRAIN_AUTOTUNE=0 "$PY" -m pytest -v -rfEs -p no:cacheprovider "${TESTS_TRAIN[@]}" \
   --junitxml "$OUT/tests-train.xml"
 # Each Python step stops starting new cases 40 s before its budget, so it can still write its JSON.
 step kernels "$B_KERNELS" "$PY" "$HERE/bench_kernels_peers.py" --out "$OUT/kernels.json" \
