@@ -22,7 +22,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from llmtrain.planner.profile import _best_time, _ram_gb, run_local_workers
+from llmtrain.planner.profile import _best_time, _ram_gb, _run_times, run_local_workers
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send")
 """The operations timed per backend and group size (send: a ping-pong between the first two ranks)."""
@@ -135,9 +135,12 @@ cache or a GPU's L2, so each matmul finds its operands cold, as in a training st
 two uses of a weight or activation evict it (hot operands ran up to 30% faster for small shapes here)."""
 
 
-TABLE_RUNS = 3
-"""At least this many timed runs per table shape (the largest take longer than their share of the budget,
-and one disturbed run would set the rate of every larger matmul)."""
+TABLE_ROUNDS = 3
+"""Rounds per table shape, each the median of at least TABLE_ROUND_RUNS timed runs; the least disturbed round
+counts (least_disturbed), as for the links. The fastest single run of three, as before, moved a quick
+calibration's table by up to 14% between two runs on the idle machine, and the local step-time predictions
+with it (validate_planner.py --local compares against the fastest median step time of its repeats)."""
+TABLE_ROUND_RUNS = 5
 
 
 def table_shapes(kind: str) -> list[tuple[int, int, int]]:
@@ -190,8 +193,11 @@ def measure_gemm_table(
                     _sync(kind)
 
                 flops = 2.0 * m * n * k
-                best = min(_best_time(run, seconds / len(shapes) / TABLE_RUNS) for _ in range(TABLE_RUNS))
-                out[dtype].append([flops, 3 * flops / best / 1e12])
+                share = seconds / len(shapes) / TABLE_ROUNDS
+                rounds = [
+                    statistics.median(_run_times(run, share, TABLE_ROUND_RUNS)) for _ in range(TABLE_ROUNDS)
+                ]
+                out[dtype].append([flops, 3 * flops / least_disturbed(rounds) / 1e12])
     finally:
         torch.set_num_threads(before)
     return out
@@ -297,7 +303,10 @@ def _block_rate(kind: str, tokens: int, seconds: float) -> tuple[float, float]:
     forward and backward of `tokens` tokens through a stack of such blocks deep enough that its weights and
     saved activations exceed COLD_BYTES (at most MEMORY_MAX_LAYERS), as a training step runs them: each
     layer's backward finds its saved tensors evicted by the layers after it (one block run forward and
-    backward alone finds them hot, up to 1.5x faster here); the best of the runs `seconds` allow."""
+    backward alone finds them hot, up to 1.5x faster here); the median rate of the runs `seconds` allow, as
+    for the matmul table (the fastest run's rate moved between 9.5 and 18 GB/s from one calibration to the
+    next). Each run's rate is its own bytes over its own time: the first backward creates the .grad
+    tensors, later ones accumulate into them, so the bytes moved differ between runs."""
     import math
 
     import torch
@@ -328,17 +337,18 @@ def _block_rate(kind: str, tokens: int, seconds: float) -> tuple[float, float]:
     per_layer = step(*one).moved + sum(p.numel() * p.element_size() for p in one[0].layers.parameters())
     built = stack(min(max(math.ceil(COLD_BYTES / per_layer), 1), MEMORY_MAX_LAYERS))
     step(*built)
-    best, deadline, runs = step(*built), time.perf_counter() + seconds, 1
-    while runs < MEMORY_RUNS or time.perf_counter() < deadline:
-        best = min(best, step(*built), key=lambda c: c.seconds)
-        runs += 1
+    rates: list[float] = []
+    deadline = time.perf_counter() + seconds
+    while len(rates) < MEMORY_RUNS or time.perf_counter() < deadline:
+        clock = step(*built)
+        rates.append(clock.moved / clock.seconds)
     x = built[2]
-    return float(x.numel() * x.element_size()), best.moved / best.seconds / 1e9
+    return float(x.numel() * x.element_size()), statistics.median(rates) / 1e9
 
 
 def _softmax_rate(kind: str, elements: int, seconds: float) -> tuple[float, float]:
     """(bytes of the fp32 logits, achieved GB/s) of F.cross_entropy's forward and backward over `elements`
-    logits, counting host_ops.CE_PASSES' reference passes over them."""
+    logits, counting host_ops.CE_PASSES' reference passes over them; the median run, as the tables."""
     import torch
     import torch.nn.functional as F
 
@@ -352,7 +362,8 @@ def _softmax_rate(kind: str, elements: int, seconds: float) -> tuple[float, floa
         _sync(kind)
 
     nbytes = 4.0 * elements
-    return nbytes, sum(CE_PASSES["reference"]) * nbytes / _best_time(run, seconds, MEMORY_RUNS) / 1e9
+    seconds_per_run = statistics.median(_run_times(run, seconds, MEMORY_RUNS))
+    return nbytes, sum(CE_PASSES["reference"]) * nbytes / seconds_per_run / 1e9
 
 
 def measure_fresh_page_gbs(seconds: float) -> float:
@@ -553,13 +564,17 @@ def _collective_worker(
             for op, per_size in rounds.items()
         }
         fsdp = _fsdp_call_s(dist, world, device, backend, reps, gather, scatter)
-        after = _after_compute_s(dist, device, backend, 2 * reps)
+        after = _after_compute_s(dist, device, backend, max(2 * reps, AFTER_COMPUTE_REPS))
         if rank == 0:
             out.put((result, fsdp, after))
     finally:
         dist.destroy_process_group()
 
 
+AFTER_COMPUTE_REPS = 100
+"""At least this many iterations per loop of _after_compute_s. What it measures is a mean over many
+collectives (a step pays every one of them, the ranks drifting apart between them): with the quick
+calibration's 10 it read 61 us on this machine where loops of 200 gave 400-700 us per collective."""
 BURST_MATMULS = 8
 """256^3 matmuls each rank runs before each collective in _after_compute_s: about a millisecond on one CPU
 core, what a small layer computes between two tensor-parallel collectives."""

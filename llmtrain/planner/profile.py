@@ -20,16 +20,21 @@ from llmtrain.planner.cluster import Cluster, cluster_from_dict, load_cluster
 LOOPBACK_LINK = {"bandwidth_gbs": 2.0, "latency_us": 60.0, "efficiency": 1.0}
 
 
-def _best_time(fn, seconds: float, min_runs: int = 1) -> float:
-    """The fastest of the runs of `fn` that fit in `seconds` after a warm-up run, at least `min_runs`."""
+def _run_times(fn, seconds: float, min_runs: int = 1) -> list[float]:
+    """Seconds of each run of `fn` that fits in `seconds` after a warm-up run, at least `min_runs` runs."""
     fn()  # warm-up: allocation and kernel selection
-    best, deadline, runs = float("inf"), time.perf_counter() + seconds, 0
-    while runs < min_runs or time.perf_counter() < deadline:
+    times: list[float] = []
+    deadline = time.perf_counter() + seconds
+    while len(times) < min_runs or time.perf_counter() < deadline:
         start = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - start)
-        runs += 1
-    return best
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def _best_time(fn, seconds: float, min_runs: int = 1) -> float:
+    """The fastest of the runs of `fn` that fit in `seconds` after a warm-up run, at least `min_runs`."""
+    return min(_run_times(fn, seconds, min_runs))
 
 
 def measure_matmul_tflops(precision: str = "fp32", device: str = "cpu", seconds: float = 0.2) -> float:
