@@ -14,7 +14,7 @@ them alike); the table shows medians of the wall clock and of this process's CPU
 transformers times to ours (> 1: ours faster). On a loaded machine, `--threads 1` makes the CPU time the work
 done (no barrier spinning), the steadier comparison.
 
-  python benchmarks/bench_moe.py                        # CPU, both presets, fp32 and bf16
+  python benchmarks/bench_moe.py                        # CPU, every preset, fp32 and bf16
   python benchmarks/bench_moe.py --preset mixtral --reps 9 --threads 1
   python benchmarks/bench_moe.py --preset fine --dtype fp32 --ep 2 4   # with the expert-parallel section
   python benchmarks/bench_moe.py --smoke                # tiny shapes, one rep: checks the harness runs
@@ -62,6 +62,9 @@ PRESETS = {
     "mixtral": Shape(tokens=4096, hidden=512, ffn=1024, experts=8, top_k=2),
     # Fine-grained, as Qwen3-MoE / ERNIE-4.5-MoE / DeepSeek-V3 (many narrow experts, top-8, scaled down).
     "fine": Shape(tokens=4096, hidden=512, ffn=256, experts=32, top_k=8),
+    # Many experts, as Qwen3-30B-A3B (128 experts, top-8, expert ffn 0.375x hidden) or DeepSeek-V3 (256),
+    # scaled down: 256 routed rows per expert, where per-expert work is small and its overheads show.
+    "many": Shape(tokens=4096, hidden=512, ffn=192, experts=128, top_k=8),
 }
 SMOKE = Shape(tokens=64, hidden=32, ffn=48, experts=4, top_k=2)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
