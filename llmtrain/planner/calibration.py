@@ -22,7 +22,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from llmtrain.planner.profile import _best_time, _ram_gb, _run_times, run_local_workers
+from llmtrain.planner.profile import _best_time, _ram_gb, _repeat, _run_times, run_local_workers
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send")
 """The operations timed per backend and group size (send: a ping-pong between the first two ranks)."""
@@ -336,12 +336,12 @@ def _block_rate(kind: str, tokens: int, seconds: float) -> tuple[float, float]:
     step(*one)  # warm-up: allocation, rotary tables
     per_layer = step(*one).moved + sum(p.numel() * p.element_size() for p in one[0].layers.parameters())
     built = stack(min(max(math.ceil(COLD_BYTES / per_layer), 1), MEMORY_MAX_LAYERS))
-    step(*built)
-    rates: list[float] = []
-    deadline = time.perf_counter() + seconds
-    while len(rates) < MEMORY_RUNS or time.perf_counter() < deadline:
+
+    def rate() -> float:
         clock = step(*built)
-        rates.append(clock.moved / clock.seconds)
+        return clock.moved / clock.seconds
+
+    rates = _repeat(rate, seconds, MEMORY_RUNS)
     x = built[2]
     return float(x.numel() * x.element_size()), statistics.median(rates) / 1e9
 

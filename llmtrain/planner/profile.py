@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import os
 import time
+from collections.abc import Callable
 from queue import Empty
 from typing import Any
 
@@ -20,16 +21,26 @@ from llmtrain.planner.cluster import Cluster, cluster_from_dict, load_cluster
 LOOPBACK_LINK = {"bandwidth_gbs": 2.0, "latency_us": 60.0, "efficiency": 1.0}
 
 
+def _repeat(measure: Callable[[], float], seconds: float, min_runs: int = 1) -> list[float]:
+    """What each call of `measure` returns, called after a warm-up call (allocation, kernel selection)
+    until `seconds` have passed, at least `min_runs` times."""
+    measure()
+    values: list[float] = []
+    deadline = time.perf_counter() + seconds
+    while len(values) < min_runs or time.perf_counter() < deadline:
+        values.append(measure())
+    return values
+
+
 def _run_times(fn, seconds: float, min_runs: int = 1) -> list[float]:
     """Seconds of each run of `fn` that fits in `seconds` after a warm-up run, at least `min_runs` runs."""
-    fn()  # warm-up: allocation and kernel selection
-    times: list[float] = []
-    deadline = time.perf_counter() + seconds
-    while len(times) < min_runs or time.perf_counter() < deadline:
+
+    def timed() -> float:
         start = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - start)
-    return times
+        return time.perf_counter() - start
+
+    return _repeat(timed, seconds, min_runs)
 
 
 def _best_time(fn, seconds: float, min_runs: int = 1) -> float:
