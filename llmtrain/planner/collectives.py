@@ -318,6 +318,16 @@ def rank_parameters(model: ModelConfig, tp: int, layers: int, first: bool, last:
     return total, replicated
 
 
+def kv_replica_parameters(model: ModelConfig, tp: int) -> int:
+    """One layer's k/v projection parameters on a TP rank when tp exceeds the kv heads (each kv head is
+    then replicated on tp / kv ranks, their gradients summed over TP); 0 otherwise (and for latent
+    attention, which has no kv heads to split)."""
+    if tp <= model.kv_heads or model.arch == "deepseek_v3":
+        return 0
+    h, d = model.hidden_size, model.head_size
+    return 2 * h * d + (2 * d if model.bias else 0)
+
+
 def _dense_mlp_parameters(model: ModelConfig, tp: int) -> int:
     """A dense MLP's column- and row-parallel weights (and column biases) on one TP rank."""
     h, f, gated = model.hidden_size, model.ffn_size, model.arch != "gpt"

@@ -844,7 +844,7 @@ class CostModel:
         modes = layout.layer_modes(m.num_layers)
         starts = list(itertools.accumulate(stages, initial=0))
         heads, kv = m.num_attention_heads // tp, max(m.kv_heads // tp, 1)
-        numel = replicated = partial = 0
+        numel = replicated = partial = kv_replicated = 0
         ep = layout.ep
         moe_extra, routed, moe_partial = C.moe_layer_parameters(m, tp, ep)
         experts = 0
@@ -874,6 +874,7 @@ class CostModel:
                 out[C.Comm("send", "pp", 2, activation // (tp if sp else 1))] += sends
             n, r = C.rank_parameters(m, tp, stages[stage], first, last)
             partial += F.attention_whole_parameters(m) * stages[stage] if tp > 1 else 0
+            kv_replicated += C.kv_replica_parameters(m, tp) * stages[stage]
             numel, replicated = numel + n, replicated + r
         if pp > 1:
             out[C.Comm("broadcast", "pp", pp, 4)] += 1  # the mean loss, from the last stage
@@ -883,20 +884,26 @@ class CostModel:
         # One all-reduce over TP of the gradients that are partial sums there: the SP-replicated ones, and
         # (with SP or without) the MoE layers' and QK-norms' (reduce_tp_grads).
         summed = (replicated if sp else 0) + partial
+        # FSDP2 sums this rank's shards of them (dim 0 split over dp; exact when it divides).
+        shards = dp if layout.zero_stage >= 2 else 1
         if tp > 1 and summed:
-            # FSDP2 sums this rank's shards of them (dim 0 split over dp; exact when it divides).
-            shards = dp if layout.zero_stage >= 2 else 1
             out[C.Comm("all_reduce", "tp", tp, 4 * summed // shards)] += 1
+        if kv_replicated:
+            # tp > kv heads: each kv head's projections sit on tp / kv ranks, whose gradients are summed by
+            # one all-gather over TP (reduce_tp_grads; its record is the gathered bytes).
+            out[C.Comm("all_gather", "tp", tp, tp * 4 * kv_replicated // shards)] += 1
         # Under EP every rank's expert gradients differ: the norm is summed over the world.
         sharded_norm = (layout.zero_stage >= 1 and dp * cp > 1) or ep > 1
         norm_dims = ("tp", "cp", "pp", "dp") if sharded_norm else ("tp", "pp")
         norm_size = tp * pp * (dp * cp if sharded_norm else 1)
         if norm_size > 1:
             out[C.Comm("all_reduce", C.group_name(norm_dims, sizes), norm_size, 8)] += 1
-        if dp * cp > 1:
+        edp = expert_dp_size(layout)
+        # FSDP2's expert units reduce over the expert-DP ranks even without dense data parallelism (dp x cp
+        # = 1 with EP inside TP).
+        if dp * cp > 1 or (experts and edp > 1 and layout.zero_stage >= 2):
             for comm, times in self._dp_collectives(layout, numel, v, pp_rank).items():
                 out[comm] += times
-        edp = expert_dp_size(layout)
         if experts and edp > 1 and layout.zero_stage <= 1:
             # Their own fp32 buckets over the ranks holding the same experts: all-reduced (zero 0), or
             # reduce-scattered with the updated parameters gathered (zero 1), on gloo by exchanging shards

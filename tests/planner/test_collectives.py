@@ -138,6 +138,8 @@ MODEL_PARALLEL = {
     "pp-1f1b-tied": ("gpt", 2, dict(pp=2)),
     "pp-interleaved": ("llama", 2, dict(pp=2, schedule="interleaved_1f1b", virtual_stages=2, num_layers=4)),
     "zb_h1-tp-sp": ("llama", 4, dict(tp=2, pp=2, schedule="zb_h1", sequence_parallel=True)),
+    # tp=4 over 2 kv heads: each kv head on two ranks, their k/v gradients summed by one all-gather.
+    "tp4-kv-replicas-sp": ("llama", 4, dict(tp=4, sequence_parallel=True)),
     "per-layer-plan": (
         "gpt",
         4,
@@ -192,6 +194,8 @@ EXPERT_PARALLEL = {
     # ZeRO-1 on gloo: the experts' shards exchanged with the peer holding the same experts (dp ranks 2 apart).
     "ep2-dp4-zero1": ("mixtral", 4, dict(dp=4, ep=2, zero_stage=1)),
     "ep2-tp2-dp2-zero3": ("mixtral", 4, dict(tp=2, dp=2, ep=2, zero_stage=3, sequence_parallel=True)),
+    # No dense data parallelism (dp = 1) yet the experts' FSDP2 units shard over the TP pair holding them.
+    "ep2-tp4-zero3": ("mixtral", 4, dict(tp=4, ep=2, zero_stage=3)),
 }
 _GROUPS = {
     "model": MODEL_PARALLEL,
