@@ -105,8 +105,9 @@ ROWS = [
     Row("tp2-dp2-zero1", ("parallel.tp=2", "parallel.dp=2", "parallel.zero_stage=1")),
     Row("dp2-zero2", ("parallel.dp=2", "parallel.zero_stage=2")),
     Row("dp2-zero3", ("parallel.dp=2", "parallel.zero_stage=3")),
-    # One micro-batch per step: no unsharded gradients carried between micro-batches (the rows above
-    # accumulate over two).
+    # The rows above accumulate two micro-batches, each reduce-scattered into the gradient shards; this one
+    # keeps them unsharded in fp32 until the step's last (parallel.grad_reduce=step); the next has one.
+    Row("dp2-zero3-step", ("parallel.dp=2", "parallel.zero_stage=3", "parallel.grad_reduce=step")),
     Row("dp2-zero2-1micro", ("parallel.dp=2", "parallel.zero_stage=2", "train.micro_batch_size=8")),
     Row("dp4-zero3-hsdp2", ("parallel.dp=4", "parallel.zero_stage=3", "parallel.dp_shard=2")),
     Row("tp2-dp2-zero3", ("parallel.tp=2", "parallel.dp=2", "parallel.zero_stage=3")),

@@ -22,6 +22,7 @@ OffloadDevice = Literal["cpu", "nvme"]
 RopeScaling = Literal["none", "yarn"]
 Offload = Literal["none", "optimizer", "optimizer+params"]
 CpComm = Literal["ring", "all_to_all"]
+GradReduce = Literal["microbatch", "step"]
 
 MOE_ARCHS = ("mixtral", "qwen3_moe", "ernie_moe", "deepseek_v3")
 """The architectures whose MLPs are (partly) mixtures of experts (llmtrain.models.moe)."""
@@ -204,6 +205,8 @@ class ParallelConfig:
     """0: replicated; 1: optimizer state sharded over DP; 2: + gradients (FSDP2); 3: + parameters (FSDP2)."""
     dp_shard: int | None = None
     """zero_stage 2/3: DP ranks (and their CP ranks) sharing one sharded copy, dp / dp_shard copies (HSDP)."""
+    grad_reduce: GradReduce = "microbatch"
+    """zero_stage 2/3: reduce gradients after every micro-batch, or once a step (4 bytes/param more)."""
     schedule: Schedule = "1f1b"
     """Pipeline schedule: gpipe, 1f1b, interleaved_1f1b or zb_h1."""
     virtual_stages: int = 1

@@ -440,6 +440,11 @@ def engine_problem(job: JobConfig) -> str:
             f"parallel.dp_shard={p.dp_shard} (hybrid sharding) is FSDP2's, on parallel.engine=llmtrain; "
             "leave parallel.dp_shard null with parallel.engine=deepspeed, or use parallel.engine=llmtrain"
         )
+    if p.grad_reduce == "step":
+        return (
+            "parallel.grad_reduce=step is FSDP2's, on parallel.engine=llmtrain; DeepSpeed reduces its "
+            "gradients as it accumulates them: leave it at microbatch, or use parallel.engine=llmtrain"
+        )
     if p.offload == "optimizer+params" and p.zero_stage != 3:
         return (
             f"parallel.offload=optimizer+params needs parallel.zero_stage=3 (only ZeRO-3 partitions the "
@@ -739,6 +744,12 @@ def zero_problem(p: ParallelConfig) -> str:
         return (
             f"parallel.dp_shard={p.dp_shard} (hybrid sharding) needs parallel.zero_stage 2 or 3 (FSDP2); "
             f"zero_stage {p.zero_stage} shards over the whole DP group: set parallel.dp_shard=null"
+        )
+    if p.grad_reduce == "step" and p.zero_stage < 2:
+        return (
+            f"parallel.grad_reduce=step chooses how FSDP2 (parallel.zero_stage 2 or 3) accumulates; "
+            f"zero_stage {p.zero_stage} already reduces once a step into its flat gradient buffer: leave "
+            "it at microbatch"
         )
     return ""
 

@@ -13,6 +13,11 @@ zero_stage 2 keeps a block's gathered parameters from its forward to its backwar
 (``reshard_after_forward=False``): gradients (and optimizer state) sharded, parameters whole during the
 step. zero_stage 3 frees them after the forward and gathers them again for the backward.
 
+Gradient accumulation (``parallel.grad_reduce``): by default every micro-batch's backward reduce-scatters its
+gradients, which FSDP2 sums into the fp32 shards, so no rank ever holds a whole gradient; with ``step`` the
+trainer turns gradient sync off for all but the last micro-batch and FSDP2 accumulates unsharded fp32
+gradients (4 bytes a parameter of the rank's model) for one reduction per step.
+
 TP layers stay plain local tensors: FSDP shards each rank's TP slice over the DP mesh, which is why the
 attributes tensor_parallel.py puts on parameters (``duplicate``, ``sequence_parallel``, ``kv_replicas``,
 ``tp_layout``) and expert_parallel.py's ``expert_slice`` are copied onto the sharded parameters here.
@@ -227,6 +232,7 @@ def apply_fsdp(model: nn.Module, topo: Topology, job: JobConfig) -> nn.Module:
     # already overlap through FSDP2's prefetching on its own streams).
     model.fsdp_gather_after_step = gathered_after_step
     model.fsdp_gathers_in_flight = []
+    model.fsdp_reduce_every_microbatch = job.parallel.grad_reduce == "microbatch"
     return model
 
 
@@ -241,7 +247,13 @@ def is_fsdp(model: nn.Module) -> bool:
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
-    """Reduce-scatter (and, with HSDP, all-reduce) gradients in this backward, or only accumulate them."""
+    """Reduce-scatter (and, with HSDP, all-reduce) gradients in this backward, or only accumulate them:
+    only with parallel.grad_reduce=step, else every backward reduces (below)."""
+    # parallel.grad_reduce=microbatch (the default, as DeepSpeed's ZeRO-2/3 and torchtitan do): every
+    # micro-batch's gradients are reduce-scattered and summed into the fp32 shards, so accumulation holds
+    # no unsharded fp32 gradient of the whole model (4 bytes a parameter, more than the shards of
+    # everything else at scale); "step" trades that memory for one reduction per step.
+    enabled = enabled or getattr(model, "fsdp_reduce_every_microbatch", False)
     # The vocabulary-sharded edges are never gathered, so they hold no unsharded gradient to keep back (their
     # gradients land on the shards directly); FSDP2's post-backward without sync would look for one.
     always = {id(m) for root in _roots(model) if getattr(root, "vocab_sharded", None) for m in _edges(root)}
@@ -311,7 +323,7 @@ def shard_position(t: torch.Tensor) -> tuple[int | None, int]:
 class FSDPOptimizer(LossScaledOptimizer):
     """AdamW (or ``make_optimizer``'s rule) over this rank's FSDP2 shards of the fp32 parameters, with the
     trainer's prepare/apply/skip protocol of LossScaledOptimizer. The gradients are DTensor shards that
-    FSDP reduce-scattered (averaged over DP, summed over CP ranks) during the last micro-batch's backward."""
+    FSDP reduce-scattered (averaged over DP, summed over CP ranks) in the backward (parallel.grad_reduce)."""
 
     def __init__(
         self, model: nn.Module, topo: Topology, job: JobConfig, make_optimizer: MakeOptimizer | None = None

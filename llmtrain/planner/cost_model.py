@@ -109,6 +109,13 @@ class Layout:
     ep: int = 1
     """Expert-parallel degree: the routed experts split over ep ranks carved out of the tp x cp x dp ranks
     (ep dividing dp, dp times a divisor of cp, or dp x cp times a divisor of tp: collectives.ep_placement)."""
+    grad_reduce: str = "microbatch"
+    """zero 2/3 without offload: gradients reduce-scattered after every micro-batch, or once a step."""
+
+    def reductions(self, num_micro: int) -> int:
+        """How many times a step of `num_micro` micro-batches reduces its gradients over data parallelism."""
+        fsdp = self.zero_stage >= 2 and self.offload == "none"
+        return num_micro if fsdp and self.grad_reduce == "microbatch" else 1
 
     @property
     def gpus(self) -> int:
@@ -140,6 +147,7 @@ class Layout:
             + (f" offload={self.offload}" if self.offload != "none" else "")
             + (f" cp={self.cp}({self.cp_comm})" if self.cp > 1 else "")
             + (f" ep={self.ep}" if self.ep > 1 else "")
+            + (" reduce=step" if self.grad_reduce == "step" and self.zero_stage >= 2 else "")
             + (f" {self.per_layer_short()}" if self.layer_recompute or self.stage_layers else "")
         )
 
@@ -734,9 +742,10 @@ class CostModel:
         forward and backward on the first rank, the windows the collectives hide behind.
 
         zero 0 all-reduces the gradients once per step, zero 1 reduce-scatters them and all-gathers the
-        updated 16-bit parameters; zero 2/3 (FSDP2) reduce-scatter once per step, at the last micro-batch's
-        backward (gradient sync is off for the others, which accumulate unsharded gradients), and gather each
-        block's parameters in every micro-batch's forward, zero 3 again in its backward (traced:
+        updated 16-bit parameters; zero 2/3 (FSDP2) reduce-scatter in every micro-batch's backward (or, with
+        grad_reduce=step, once per step at the last micro-batch's, the others accumulating unsharded
+        gradients), and gather each block's parameters in every micro-batch's forward, zero 3 again in its
+        backward (traced:
         tests/planner/test_collectives.py). Hybrid sharding adds an all-reduce of the shard across the
         replicas. Offload copies the gradient shard to the host and the updated parameters back, and runs
         Adam on the host's cores; with the parameters offloaded the shards also cross the host link at every
@@ -750,6 +759,7 @@ class CostModel:
         xgroup, xshard = expert_dp_size(layout), expert_shard_group(layout)
         xstride = self._expert_strides(layout)[1] if experts else 1
         fsdp = z >= 2 and layout.offload == "none"
+        reductions = layout.reductions(num_micro)
         calls = 0
         if z == 0:
             reduce, gather = self.c.all_reduce(params * g, dp, tp), 0.0
@@ -765,7 +775,7 @@ class CostModel:
             # Per gather round (a micro-batch's forward, at zero 3 also its backward), as `gathers` counts.
             gather = sum(k * self.c.all_gather(n * e, *where) for n, k, where in units)
             gather /= 2 if z == 3 else 1
-            calls = sum((1 + num_micro * k) * (where[0] > 1) for _, k, where in units)
+            calls = sum((reductions + num_micro * k) * (where[0] > 1) for _, k, where in units)
         else:
             reduce = self.c.reduce_scatter(params * g, shard, tp)
             gather = self.c.all_gather(params * e, shard, tp)
@@ -779,7 +789,6 @@ class CostModel:
             else:
                 reduce += self.c.reduce_scatter(experts * g, xshard, xstride)
                 gather += self.c.all_gather(experts * e, xshard, xstride)
-        reductions = 1
         gathers = num_micro * (2 if z == 3 else 1) if z >= 2 else 1
         reduce, gather = reduce * reductions, gather * gathers if z else 0.0
         if self.sw.dp_overlap and dp > 1:
@@ -925,10 +934,11 @@ class CostModel:
         """The data-parallel reduction of one step over `numel` gradients of the rank (in `chunks` buffers):
         zero 0 all-reduces each fp32 bucket; zero 1 reduce-scatters it and all-gathers the updated
         parameters; zero 2/3 (FSDP2) gather each unit's parameters at every micro-batch's forward (zero 3
-        again in its backward) and reduce-scatter its gradients once per step (gradient sync is off for
-        every micro-batch but the last). On gloo both stages do it by point-to-point exchange of the shards
-        with each peer (Software.gloo_shard_exchange). The group is dp x cp (the CP ranks hold the same
-        parameters); the gloo exchange's sends are named by the dimensions in which each peer differs."""
+        again in its backward) and reduce-scatter its gradients in every micro-batch's backward (with
+        grad_reduce=step once per step: sync is off for every micro-batch but the last). On gloo both stages
+        do it by point-to-point exchange of the shards with each peer (Software.gloo_shard_exchange). The
+        group is dp x cp (the CP ranks hold the same parameters); the gloo exchange's sends are named by
+        the dimensions in which each peer differs."""
         g, e, cp = self.sw.grad_bytes, self.act_bytes, layout.cp
         dp = layout.dp * cp
         sizes = {"cp": cp, "dp": layout.dp}
@@ -943,7 +953,7 @@ class CostModel:
             pieces = [(bucket * e, bucket * g, count, count, False)]
         else:
             pieces = [
-                (unit * e, unit * 4, num_micro * (2 if reshard else 1), 1, expert)
+                (unit * e, unit * 4, num_micro * (2 if reshard else 1), layout.reductions(num_micro), expert)
                 for unit, reshard, expert in self._fsdp_units(layout, pp_rank)
             ]
         out: Counter[C.Comm] = Counter()
@@ -1208,6 +1218,8 @@ def with_layout(job: JobConfig, layout: Layout, global_batch: int | None = None)
         schedule=layout.schedule,
         sequence_parallel=layout.sequence_parallel,
         zero_stage=layout.zero_stage,
+        # Only FSDP2 (zero 2/3 on llmtrain's engine) has the choice; the others refuse "step".
+        grad_reduce="step" if layout.reductions(2) == 1 and layout.grad_reduce == "step" else "microbatch",
         auto=False,
     )
     train = replace(
@@ -1240,6 +1252,7 @@ def layout_of_job(job: JobConfig, gpus: int, fixed: dict[str, object] | None = N
         cp=p.cp,
         cp_comm=p.cp_comm,
         ep=p.ep,
+        grad_reduce=p.grad_reduce,
     )
     layout = replace(layout, **(fixed or {}))
     if "dp" not in (fixed or {}):

@@ -21,12 +21,14 @@ are); from zero 1 on the experts' state shards over the expert-data-parallel gro
 expert_shard_group); a MoE layer's activations keep per routed row (top-k per token) the dispatched input,
 the expert's output and the gated MLP's intermediates (moe_mlp_saved_per_token).
 
-The zero 2/3 gradient row at the step's peak, the backward's start, is not the shard (the reduce-scatters
-create the shards as the backward frees the activations, and zero_grad dropped the last step's): with
-gradient accumulation FSDP2 keeps the earlier micro-batches' gradients unsharded in fp32 (the trainer turns
-gradient sync off until the last micro-batch), 4*P; with one micro-batch per step, none. Measured: the
-dp2-zero3 row of benchmarks/bench_memory.py (two micro-batches) peaks 27.3 MiB, the model's 4P, above the
-dp4-zero3-hsdp2 row (one), with the same shards and activations.
+The zero 2/3 gradient row at the step's peak, the backward's start, is the shard only with gradient
+accumulation (parallel.grad_reduce=microbatch: the earlier micro-batches' gradients reduce-scattered into
+it); with one micro-batch per step it is none (the reduce-scatters create the shards as the backward frees
+the activations, and zero_grad dropped the last step's); with grad_reduce=step FSDP2 keeps the earlier
+micro-batches' gradients unsharded in fp32 (the trainer turns gradient sync off until the last
+micro-batch), 4*P, but for vocabulary-sharded edges (never gathered, so reduced at once). Measured
+(benchmarks/bench_memory.py, two micro-batches): dp2-zero3-step peaks 244.3 MiB, dp2-zero3 238.6, predicted
+247.6 and 242.0.
 
 Offload (zero 2/3, as DeepSpeed's ZeRO-Offload or FSDP2's CPUOffloadPolicy): "optimizer" moves the optimizer
 rows (master and Adam moments) and, at zero 2/3, the gradient shard to host memory; "optimizer+params"
@@ -531,10 +533,16 @@ def rank_memory(
         params = dense + expert
         if layout.zero_stage >= 2 and layout.offload == "none":
             # FSDP2 at the peak, the backward's start: zero_grad dropped the step's gradient shards; with
-            # accumulation the earlier micro-batches' gradients stay unsharded (gradient sync is off until
-            # the last micro-batch), a whole fp32 gradient of the rank's parameters.
+            # accumulation the earlier micro-batches' gradients are in the shards (grad_reduce=microbatch)
+            # or stay unsharded (grad_reduce=step: sync is off until the last micro-batch), a whole fp32
+            # gradient of the rank's parameters.
             shards = state["grads"]
-            state["grads"] = software.grad_bytes * params if num_micro > 1 else 0.0
+            if num_micro == 1:
+                state["grads"] = 0.0
+            elif layout.grad_reduce == "step":
+                # Vocabulary-sharded edges are never gathered: their gradients reach the shards at once.
+                edges = counts.embedding + counts.head if vocab_sharded else 0.0
+                state["grads"] = software.grad_bytes * (params - edges) + shards * edges / params
             if num_micro == 1 and pp == 1 and shards + first_block_end > activations:
                 # Or its end, in the first block's backward: every gradient shard is in by then (the first
                 # block's own just after) and of the activations only that block's are left, recomputed

@@ -53,6 +53,7 @@ FIXABLE = {
     "parallel.zero_stage": "zero_stage",
     "parallel.dp_shard": "dp_shard",
     "parallel.offload": "offload",
+    "parallel.grad_reduce": "grad_reduce",
     "train.micro_batch_size": "micro_batch",
     "model.recompute": "recompute",
 }
@@ -123,6 +124,8 @@ class Space:
     sequence_parallel: list[bool]
     sharding: dict[int, list[Sharding]]
     """Per dp, the allowed (zero stage, dp_shard, offload) combinations."""
+    grad_reduce: str
+    """FSDP2's gradient reduction under accumulation (per micro-batch unless fixed to once a step)."""
     gpus: int
     pruned: Counter = field(default_factory=Counter)
 
@@ -138,8 +141,9 @@ class Space:
                 self.sharding[dp],
             ):
                 layout = Layout(
-                    tp, pp, dp, mb, v, sched, rc, sp, zero, shard, offload, cp=cp, cp_comm=comm, ep=ep
-                )
+                    tp, pp, dp, mb, v, sched, rc, sp, zero, shard, offload, cp=cp, cp_comm=comm, ep=ep,
+                    grad_reduce=self.grad_reduce,
+                )  # fmt: skip
                 why = model.invalid_reason(layout)
                 if why:
                     self.pruned[why] += 1
@@ -258,6 +262,7 @@ def build_space(model: CostModel, fixed: dict[str, object] | None = None) -> Spa
         recompute=pick("recompute", ["none", "selective", "full"]),
         sequence_parallel=pick("sequence_parallel", [False, True]),
         sharding=sharding,
+        grad_reduce=str(fixed.get("grad_reduce", "microbatch")),
         gpus=gpus,
         pruned=pruned,
     )
@@ -380,6 +385,7 @@ class Searcher:
                 cp=cp,
                 cp_comm=comm,
                 ep=ep,
+                grad_reduce=s.grad_reduce,
             )
             # The most sharded state without offload first: the likeliest to fit.
             candidates = [
@@ -460,5 +466,7 @@ def plan_job(
     software: Software | None = None,
     top: int = 10,
 ) -> PlanResult:
-    """`plan` for a JobConfig (model, precision, bucket size; global batch from the job unless given)."""
+    """`plan` for a JobConfig (model, precision, bucket size, FSDP2's gradient reduction; global batch from
+    the job unless given)."""
+    fixed = {"grad_reduce": job.parallel.grad_reduce, **(fixed or {})}
     return plan(Workload.from_job(job, global_batch), cluster, gpus, fixed, software, top)

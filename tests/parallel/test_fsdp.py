@@ -44,7 +44,8 @@ WORST_RELATIVE_GAP = 1e-4
 ZERO_BUBBLE = dict(pp=2, dp=2, num_layers=4, schedule="zb_h1")
 ZERO_BUBBLE_TP = dict(zero_stage=3, tp=2, sequence_parallel=True, **ZERO_BUBBLE)
 # (arch, overrides) on 4 processes, AdamW with clipping. Global batch 16 with micro-batches of 2 gives each
-# DP rank 2 (dp=4) or 4 (dp=2) micro-batches: gradient accumulation without synchronisation everywhere.
+# DP rank 2 (dp=4) or 4 (dp=2) micro-batches: gradient accumulation, each micro-batch's gradients
+# reduce-scattered into the shards, or (grad_reduce=step) accumulated unsharded until the last one's backward.
 ADAMW_CASES = [
     ("gpt", dict(zero_stage=2, dp=4)),
     ("llama", dict(zero_stage=3, dp=4)),
@@ -52,11 +53,11 @@ ADAMW_CASES = [
     ("ernie", dict(zero_stage=3, tp=2, dp=2, recompute="full")),
     # Tied embeddings (gpt) on the first and last stage: PipelineStages.sync_tied_grads over FSDP shards.
     ("gpt", dict(zero_stage=3, pp=2, dp=2, num_layers=4, virtual_stages=2, schedule="interleaved_1f1b")),
-    ("gpt", dict(zero_stage=3, dp=4, dp_shard=2)),
+    ("gpt", dict(zero_stage=3, dp=4, dp_shard=2, grad_reduce="step")),
     # Zero-bubble: W computes the linear layers' weight gradients after FSDP2's backward of their block.
     ("llama", dict(zero_stage=2, **ZERO_BUBBLE)),
     # Tied embeddings on both end stages, biases, and I recomputing the forward.
-    ("gpt", dict(zero_stage=3, recompute="full", **ZERO_BUBBLE)),
+    ("gpt", dict(zero_stage=3, recompute="full", grad_reduce="step", **ZERO_BUBBLE)),
     ("llama", dict(zero_stage=3, dp_shard=1, **ZERO_BUBBLE)),  # hybrid: the all-reduce across replicas
 ]
 # bf16 against the bf16 one-process stack (flat buffers): both run the forward on the same bf16 roundings of
@@ -284,6 +285,7 @@ def test_zero_bubble_fsdp_under_tensor_parallelism() -> None:
         (dict(zero_stage=4), "parallel.zero_stage must be 0, 1, 2 or 3"),
         (dict(zero_stage=1, dp_shard=2), "needs parallel.zero_stage 2 or 3"),
         (dict(zero_stage=3, dp_shard=0), "parallel.dp_shard must be at least 1"),
+        (dict(zero_stage=1, grad_reduce="step"), "parallel.grad_reduce=step chooses how FSDP2"),
     ],
 )
 def test_unsupported_zero_layouts_are_rejected(overrides: dict, message: str) -> None:

@@ -29,7 +29,7 @@ from llmtrain.parallel import (
 from llmtrain.pipeline.executor import build_pipeline
 from llmtrain.planner import CostModel, Workload, load_cluster
 from llmtrain.planner.collectives import COUNT_BYTES, Comm
-from llmtrain.planner.cost_model import Layout, Software
+from llmtrain.planner.cost_model import Software, layout_of_job
 from tests.parallel._dist import SpawnedCases, batches, tiny_job
 from tests.planner._trace import Tracer
 
@@ -73,16 +73,9 @@ def _traced_step(rank: int, world: int, arch: str, overrides: dict) -> tuple[int
 
 def _predicted(arch: str, overrides: dict, world: int, pp_rank: int) -> Counter[Comm]:
     job = tiny_job(arch, **overrides)
-    p = job.parallel
-    layout = Layout(
-        tp=p.tp, pp=p.pp, dp=world // (p.tp * p.cp * p.pp), micro_batch=job.train.micro_batch_size,
-        virtual_stages=p.virtual_stages, schedule=p.schedule, recompute=job.model.recompute,
-        sequence_parallel=p.sequence_parallel, zero_stage=p.zero_stage, cp=p.cp, cp_comm=p.cp_comm, ep=p.ep,
-        layer_recompute=tuple(job.model.recompute_layers) or None, stage_layers=tuple(p.stage_layers) or None,
-    )  # fmt: skip
-    work = Workload(job.model, job.train.global_batch_size, job.train.precision, p.dp_bucket_mb)
+    work = Workload(job.model, job.train.global_batch_size, job.train.precision, job.parallel.dp_bucket_mb)
     cost = CostModel(work, load_cluster("a100-80gb").view(world), Software(gloo_shard_exchange=True))
-    return cost.collectives(layout, pp_rank)
+    return cost.collectives(layout_of_job(job, world), pp_rank)
 
 
 def _split(
@@ -151,10 +144,11 @@ MODEL_PARALLEL = {
 DATA_PARALLEL = {f"zero{zero}": ("llama", 2, dict(dp=2, zero_stage=zero)) for zero in (0, 1)}
 # The gradient bytes of a TP rank of latent attention (down-projections whole) and of MoE layers (whole).
 DATA_PARALLEL["mla-tp2-zero0"] = ("deepseek_v3", 4, dict(tp=2, dp=2))
-# FSDP2 units (blocks, embedding, output layer, root) are counted exactly: gathers per micro-batch, one
-# reduce-scatter per step, over the cp x dp ranks (named "cp" at dp=1).
+# FSDP2 units (blocks, embedding, output layer, root) are counted exactly: gathers per micro-batch,
+# reduce-scatters per micro-batch (grad_reduce=step: one per step), over the cp x dp ranks ("cp" at dp=1).
 FSDP = {
     "zero2": ("llama", 2, dict(dp=2, zero_stage=2)),
+    "zero2-step": ("llama", 2, dict(dp=2, zero_stage=2, grad_reduce="step")),
     "zero3": ("llama", 2, dict(dp=2, zero_stage=3)),
     "zero3-gpt-tied": ("gpt", 2, dict(dp=2, zero_stage=3)),
     "zero3-tp-sp": ("llama", 4, dict(dp=2, zero_stage=3, tp=2, sequence_parallel=True)),

@@ -340,10 +340,12 @@ def test_latent_attention_keeps_its_down_projections_whole_under_tp() -> None:
 
 
 def test_search_places_ep_across_context_parallel_ranks_where_dp_cannot_hold_it() -> None:
-    # DeepSeek-V3 on 256 H100s with pp=32, cp=2 fixed leaves dp=4: no ep inside dp fits (fewer experts' state
-    # per rank needs ep >= 8); ep=8 over the 4 DP ranks and both CP ranks does, and the note says so.
+    # DeepSeek-V3 on 256 H100s with pp=32, cp=2 fixed leaves dp=4: with the gradients accumulated unsharded
+    # (grad_reduce=step) no ep inside dp fits (fewer experts' state per rank needs ep >= 8); ep=8 over the
+    # 4 DP ranks and both CP ranks does, and the note says so.
     job = load("configs/deepseek-v3.yaml")
-    result = plan_job(job, load_cluster("h100-80gb"), 256, fixed=dict(pp=32, cp=2, tp=1), top=3)
+    fixed = dict(pp=32, cp=2, tp=1, grad_reduce="step")
+    result = plan_job(job, load_cluster("h100-80gb"), 256, fixed=fixed, top=3)
     best = result.best
     assert best.fits and best.layout.dp == 4 and best.layout.ep == 8, best.layout.short()
     inside = [e for e in result.ranked if e.layout.dp % e.layout.ep == 0]

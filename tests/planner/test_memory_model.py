@@ -67,9 +67,10 @@ def test_zero3_components_by_hand():
     """tp=2, pp=1, dp=4, zero 3, bf16, micro-batch 1 of 32 tokens, full recompute, no SP.
 
     State (N = dp = 4, P = 197184 / 2 = 98592 parameters per TP rank): the fp32 shard 4P/4 = P bytes, Adam's
-    two fp32 moments 8P/4 = 2P; gradients at the peak (the backward's start): over 4 micro-batches FSDP2
-    keeps the earlier ones' gradients unsharded in fp32 (4P), over one there are none yet (zero_grad dropped
-    the shards; measured: benchmarks/bench_memory.py's dp2-zero3 and dp4-zero3-hsdp2 rows differ by them).
+    two fp32 moments 8P/4 = 2P; gradients at the peak (the backward's start): over 4 micro-batches the
+    earlier ones' gradients reduce-scattered into the fp32 shards (4P/4 = P), or with grad_reduce=step kept
+    unsharded in fp32 (4P; benchmarks/bench_memory.py's dp2-zero3 and dp2-zero3-step rows differ by them but
+    for the vocabulary-sharded edges), over one there are none yet (zero_grad dropped the shards).
     Over one micro-batch with full recompute the later moment is the peak, the first block's backward: all
     the fp32 gradient shards (4P/4 = P) and only that block's recomputed activations, fewer than the
     start's (measured on llama-0.5b, README: 1.155 GiB against 1.138 predicted).
@@ -86,7 +87,8 @@ def test_zero3_components_by_hand():
     """
     layout = Layout(tp=2, pp=1, dp=4, micro_batch=1, recompute="full", zero_stage=3)
     mem = tiny(layout)
-    assert mem.params == P and mem.grads == 4 * P and mem.optimizer == 2 * P
+    assert mem.params == P and mem.grads == P and mem.optimizer == 2 * P
+    assert tiny(replace(layout, grad_reduce="step")).grads == 4 * P
     one = tiny(layout, num_micro=1)
     assert one.grads == P and one.activations < mem.activations
     assert mem.gathered == 2 * 2 * LARGEST + 4 * LARGEST
@@ -95,16 +97,16 @@ def test_zero3_components_by_hand():
     assert mem.startup == P + 4 * LARGEST
     whole = tiny(layout, Software.whole_model_init())
     assert whole.startup == 4 * TOTAL + 4 * P
-    assert mem.steady == pytest.approx(7 * P + 8 * LARGEST + 45056)
+    assert mem.steady == pytest.approx(4 * P + 8 * LARGEST + 45056)
     assert whole.peak == whole.startup  # whole-model construction dominates this tiny case
 
 
 def test_zero_stages_hybrid_sharding_and_offload_by_hand():
     """Same shape. zero 0: 2P (bf16) + 4P (fp32 grads) + 12P (master + moments). zero 1: the 12P over dp=4.
-    zero 2 with hybrid sharding over groups of 2: 2P + 12P/2, the unsharded fp32 gradients of the 4
-    accumulated micro-batches (4P) and one block's unsharded fp32 gradient. Offload at zero 3: the optimizer
-    rows and the gradient shard (and with params the fp32 shard) leave the device for the host: P + 2P
-    (+ P)."""
+    zero 2 with hybrid sharding over groups of 2: 2P + 12P/2, the fp32 gradient shards the 4 micro-batches
+    accumulate into (4P/2; with grad_reduce=step unsharded, 4P) and one block's unsharded fp32 gradient.
+    Offload at zero 3: the optimizer rows and the gradient shard (and with params the fp32 shard) leave the
+    device for the host: P + 2P (+ P)."""
     base = Layout(tp=2, pp=1, dp=4, micro_batch=1, recompute="full")
     z0, z1 = tiny(base), tiny(Layout(**{**base.__dict__, "zero_stage": 1}), Software.whole_model_init())
     assert (z0.params, z0.grads, z0.optimizer) == (2 * P, 4 * P, 12 * P)
@@ -118,12 +120,13 @@ def test_zero_stages_hybrid_sharding_and_offload_by_hand():
     gloo = tiny(Layout(**{**base.__dict__, "zero_stage": 1}), Software(gloo_shard_exchange=True))
     # 3 peers' fp32 copies of this rank's quarter of the gradients, alive once the activations are freed
     assert gloo.buffers == 4 * P * 3 / 4 - gloo.activations
-    hsdp = tiny(Layout(**{**base.__dict__, "zero_stage": 2, "dp_shard": 2}))
-    assert (hsdp.params, hsdp.grads, hsdp.optimizer, hsdp.gathered) == (2 * P, 4 * P, 6 * P, 4 * LARGEST)
-    # A replica's CP ranks share its shards (llmtrain.parallel.fsdp): N = dp_shard x cp = 4; the gradients
-    # accumulate unsharded, so they do not shrink.
+    hsdp_layout = Layout(**{**base.__dict__, "zero_stage": 2, "dp_shard": 2})
+    hsdp = tiny(hsdp_layout)
+    assert (hsdp.params, hsdp.grads, hsdp.optimizer, hsdp.gathered) == (2 * P, 2 * P, 6 * P, 4 * LARGEST)
+    assert tiny(replace(hsdp_layout, grad_reduce="step")).grads == 4 * P
+    # A replica's CP ranks share its shards (llmtrain.parallel.fsdp): N = dp_shard x cp = 4.
     hsdp_cp = tiny(Layout(**{**base.__dict__, "zero_stage": 2, "dp_shard": 2, "cp": 2}))
-    assert (hsdp_cp.params, hsdp_cp.grads, hsdp_cp.optimizer) == (2 * P, 4 * P, 3 * P)
+    assert (hsdp_cp.params, hsdp_cp.grads, hsdp_cp.optimizer) == (2 * P, P, 3 * P)
     # Offload runs through the DeepSpeed engine (tp=1): the whole model per rank, 2P parameters.
     flat = Layout(**{**base.__dict__, "tp": 1, "zero_stage": 3, "offload": "optimizer"})
     off = tiny(flat)
@@ -181,8 +184,9 @@ def test_70b_on_64_h100_needs_sharded_construction():
 
 def test_70b_on_64_h100_fits_with_zero3_and_sharded_construction():
     """With sharded construction and ZeRO-3 the parameters and Adam's state are 12 bytes per parameter over
-    the shard group (dp x cp ranks); the gradients, under gradient accumulation, stay unsharded in fp32 (FSDP2
-    with gradient sync off until the last micro-batch): 4 bytes per TP/PP-local parameter."""
+    the shard group (dp x cp ranks); the gradients, under gradient accumulation, 4 more over it (each
+    micro-batch's reduce-scattered into the fp32 shards), where grad_reduce=step would keep them unsharded
+    in fp32: 4 bytes per TP/PP-local parameter, shard group / 3 times all the rest of the state."""
     result = plan_job(seventy_b(), load_cluster("h100-80gb"), 64, top=5)
     best = result.best
     assert best.fits and best.layout.zero_stage == 3
@@ -197,7 +201,10 @@ def test_70b_on_64_h100_fits_with_zero3_and_sharded_construction():
     state = best.memory["params"] + best.memory["optimizer"] + best.memory["host"]
     assert state == pytest.approx(12 * per_rank, rel=0.05)
     accumulating = seventy_b().train.global_batch_size // (best.layout.dp * best.layout.micro_batch) > 1
-    assert best.memory["grads"] == pytest.approx(tp_local if accumulating else 0, rel=0.05)
+    assert best.memory["grads"] == pytest.approx(4 * per_rank if accumulating else 0, rel=0.05)
+    step = CostModel(Workload.from_job(seventy_b()), load_cluster("h100-80gb").view(64), Software())
+    unsharded = step.evaluate(replace(best.layout, grad_reduce="step")).memory
+    assert unsharded["grads"] == pytest.approx(tp_local if accumulating else 0, rel=0.05)
 
 
 @pytest.mark.parametrize(
