@@ -1182,11 +1182,13 @@ class CostModel:
 
 
 def sharding_overrides(layout: Layout) -> dict[str, object]:
-    """The config overrides of a layout's hybrid sharding and offload, only when it uses them (offload runs
-    through the DeepSpeed engine)."""
+    """The config overrides of a layout's hybrid sharding, once-a-step gradient reduction and offload, only
+    when it uses them (offload runs through the DeepSpeed engine)."""
     out: dict[str, object] = {}
     if layout.dp_shard is not None:
         out["parallel.dp_shard"] = layout.dp_shard
+    if layout.reductions(2) == 1 and layout.grad_reduce == "step":
+        out["parallel.grad_reduce"] = "step"
     if layout.offload != "none":
         out["parallel.engine"] = "deepspeed"
         out["parallel.offload"] = layout.offload
@@ -1219,7 +1221,7 @@ def with_layout(job: JobConfig, layout: Layout, global_batch: int | None = None)
         sequence_parallel=layout.sequence_parallel,
         zero_stage=layout.zero_stage,
         # Only FSDP2 (zero 2/3 on llmtrain's engine) has the choice; the others refuse "step".
-        grad_reduce="step" if layout.reductions(2) == 1 and layout.grad_reduce == "step" else "microbatch",
+        grad_reduce=sharding_overrides(layout).get("parallel.grad_reduce", "microbatch"),
         auto=False,
     )
     train = replace(

@@ -4,7 +4,8 @@ Dimensions: tp, pp, context parallelism (cp with ring or all-to-all attention; d
 expert parallelism (ep, MoE models: ep dividing the experts, carved out of tp x cp x dp as the trainer
 allows: inside dp, spanning cp or tp), micro-batch size, schedule with its
 virtual stages, recompute mode, sequence parallelism and the sharding of the model state: ZeRO stage 0-3,
-hybrid sharding (zero 2/3 sharded inside a node, replicated across) and CPU offload (zero 2/3). A layout fits
+hybrid sharding (zero 2/3 sharded inside a node, replicated across), the zero 2/3 gradients reduced every
+micro-batch or once a step (parallel.grad_reduce) and CPU offload (zero 2/3). A layout fits
 only when both its steady state and its startup peak fit (llmtrain.planner.memory). Impossible values are
 pruned up front with a reason each: the model's tensor-, pipeline- and context-parallel and mixture-of-experts
 rules as config validation states them (llmtrain.config.validate), tp staying inside a node unless the
@@ -73,32 +74,41 @@ def parse_fixed(text: str | Iterable[str] | None) -> dict[str, object]:
     return fixed
 
 
-Sharding = tuple[int, "int | None", str]
-"""(zero stage, dp_shard or None for all of dp, offload)."""
+Sharding = tuple[int, "int | None", str, str]
+"""(zero stage, dp_shard or None for all of dp, offload, FSDP2's gradient reduction)."""
+SHARDING_FIELDS = ("zero_stage", "dp_shard", "offload", "grad_reduce")
 
 
 def _sharding_choices(
     dp: int, dp_per_node: int, software: Software, fixed: dict[str, object]
 ) -> list[Sharding]:
-    """The (zero stage, dp_shard, offload) combinations searched for `dp` replicas: every stage the software
-    offers; at zero 2/3 hybrid sharding inside a node (the DP ranks of one node shard, nodes replicate: the
-    gathers stay on NVLink) and CPU offload; settings fixed by --evaluate filter them."""
+    """The (zero stage, dp_shard, offload, grad_reduce) combinations searched for `dp` replicas: every stage
+    the software offers; at zero 2/3 hybrid sharding inside a node (the DP ranks of one node shard, nodes
+    replicate: the gathers stay on NVLink), gradients reduced once a step instead of every micro-batch (less
+    traffic, an unsharded gradient held) and CPU offload; settings fixed by --evaluate filter them."""
     choices: list[Sharding] = []
     for zero in software.zero_stages:
-        choices.append((zero, None, "none"))
+        choices.append((zero, None, "none", "microbatch"))
         if zero < 2:
             continue
+        choices.append((zero, None, "none", "step"))
         if software.hybrid_sharding and 1 < dp_per_node < dp and dp % dp_per_node == 0:
-            choices.append((zero, dp_per_node, "none"))
+            choices += [(zero, dp_per_node, "none", reduce) for reduce in ("microbatch", "step")]
         if software.offload:
-            choices += [(zero, None, "optimizer")] + ([(zero, None, "optimizer+params")] if zero == 3 else [])
-    wanted = {key: fixed[key] for key in ("zero_stage", "dp_shard", "offload") if key in fixed}
+            offloads = ["optimizer"] + (["optimizer+params"] if zero == 3 else [])
+            choices += [(zero, None, offload, "microbatch") for offload in offloads]
+    wanted = {key: fixed[key] for key in SHARDING_FIELDS if key in fixed}
     if wanted:
         choices = [
-            c
-            for c in choices
-            if all(c[("zero_stage", "dp_shard", "offload").index(k)] == v for k, v in wanted.items())
-        ] or [(int(wanted.get("zero_stage", 0)), wanted.get("dp_shard"), str(wanted.get("offload", "none")))]
+            c for c in choices if all(c[SHARDING_FIELDS.index(k)] == v for k, v in wanted.items())
+        ] or [
+            (
+                int(wanted.get("zero_stage", 0)),
+                wanted.get("dp_shard"),
+                str(wanted.get("offload", "none")),
+                str(wanted.get("grad_reduce", "microbatch")),
+            )
+        ]
     if dp == 1:
         choices = [c for c in choices if c[0] == 0] or choices
     return choices
@@ -123,9 +133,7 @@ class Space:
     recompute: list[str]
     sequence_parallel: list[bool]
     sharding: dict[int, list[Sharding]]
-    """Per dp, the allowed (zero stage, dp_shard, offload) combinations."""
-    grad_reduce: str
-    """FSDP2's gradient reduction under accumulation (per micro-batch unless fixed to once a step)."""
+    """Per dp, the allowed (zero stage, dp_shard, offload, grad_reduce) combinations."""
     gpus: int
     pruned: Counter = field(default_factory=Counter)
 
@@ -133,7 +141,7 @@ class Space:
         """Every combination, skipping invalid ones (counted in `pruned`)."""
         for tp, pp, cp, comm, ep in self.grid():
             dp = model.c.devices // (tp * pp * cp)
-            for mb, (sched, v), rc, sp, (zero, shard, offload) in itertools.product(
+            for mb, (sched, v), rc, sp, (zero, shard, offload, reduce) in itertools.product(
                 self.micro_batches[dp],
                 self.schedules,
                 self.recompute,
@@ -142,7 +150,7 @@ class Space:
             ):
                 layout = Layout(
                     tp, pp, dp, mb, v, sched, rc, sp, zero, shard, offload, cp=cp, cp_comm=comm, ep=ep,
-                    grad_reduce=self.grad_reduce,
+                    grad_reduce=reduce,
                 )  # fmt: skip
                 why = model.invalid_reason(layout)
                 if why:
@@ -262,7 +270,6 @@ def build_space(model: CostModel, fixed: dict[str, object] | None = None) -> Spa
         recompute=pick("recompute", ["none", "selective", "full"]),
         sequence_parallel=pick("sequence_parallel", [False, True]),
         sharding=sharding,
-        grad_reduce=str(fixed.get("grad_reduce", "microbatch")),
         gpus=gpus,
         pruned=pruned,
     )
@@ -313,7 +320,15 @@ class Searcher:
         self.rejected: Counter = Counter()
         """Why layouts that descent proposed could not run (the enumeration counts them in space.pruned)."""
 
+    def canonical(self, layout: Layout) -> Layout:
+        """`layout`, reducing every micro-batch where it reduces once a step over a step of one micro-batch
+        (the same run: evaluated and ranked once)."""
+        if layout.grad_reduce == "step" and self.model.w.global_batch == layout.dp * layout.micro_batch:
+            return replace(layout, grad_reduce="microbatch")
+        return layout
+
     def eval(self, layout: Layout) -> Estimate | None:
+        layout = self.canonical(layout)
         if layout in self.cache:
             return self.cache[layout]
         if why := self.model.invalid_reason(layout):
@@ -354,11 +369,14 @@ class Searcher:
             return [replace(cur, recompute=r) for r in s.recompute]
         if dim == "sequence_parallel":
             return [replace(cur, sequence_parallel=x) for x in s.sequence_parallel]
-        return [replace(cur, zero_stage=z, dp_shard=d, offload=o) for z, d, o in s.sharding[cur.dp]]
+        return [
+            replace(cur, zero_stage=z, dp_shard=d, offload=o, grad_reduce=r)
+            for z, d, o, r in s.sharding[cur.dp]
+        ]
 
     def _best_of(self, layouts: Iterable[Layout]) -> Layout | None:
         best, best_score = None, float("inf")
-        for layout in layouts:
+        for layout in map(self.canonical, layouts):
             est = self.eval(layout)
             if est is not None and score(est) < best_score:
                 best, best_score = layout, score(est)
@@ -385,12 +403,11 @@ class Searcher:
                 cp=cp,
                 cp_comm=comm,
                 ep=ep,
-                grad_reduce=s.grad_reduce,
             )
             # The most sharded state without offload first: the likeliest to fit.
             candidates = [
-                replace(base, zero_stage=z, dp_shard=d, offload=o, recompute=rc)
-                for z, d, o in s.sharding[dp]
+                replace(base, zero_stage=z, dp_shard=d, offload=o, grad_reduce=r, recompute=rc)
+                for z, d, o, r in s.sharding[dp]
                 for rc in dict.fromkeys((base.recompute, s.recompute[0]))
             ]
             best = self._best_of(candidates)
@@ -466,7 +483,5 @@ def plan_job(
     software: Software | None = None,
     top: int = 10,
 ) -> PlanResult:
-    """`plan` for a JobConfig (model, precision, bucket size, FSDP2's gradient reduction; global batch from
-    the job unless given)."""
-    fixed = {"grad_reduce": job.parallel.grad_reduce, **(fixed or {})}
+    """`plan` for a JobConfig (model, precision, bucket size; global batch from the job unless given)."""
     return plan(Workload.from_job(job, global_batch), cluster, gpus, fixed, software, top)

@@ -1,16 +1,31 @@
 """Search: pruning with reasons, coordinate descent against exhaustive enumeration, speed, parallel.auto."""
 
 import time
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
+import yaml
 
 from llmtrain.config import ConfigError, load, validate_world
 from llmtrain.config.schema import JobConfig, ModelConfig, TrainConfig
 from llmtrain.config.validate import pipeline_problem, tensor_parallel_problem
-from llmtrain.planner import Software, Workload, load_cluster, parse_fixed, plan, plan_for_world
+from llmtrain.planner import (
+    Software,
+    Workload,
+    cluster_from_dict,
+    load_cluster,
+    parse_fixed,
+    plan,
+    plan_for_world,
+    plan_job,
+)
+from llmtrain.planner.auto import layout_overrides
 from llmtrain.planner.cost_model import CostModel, Layout
 from llmtrain.planner.report import format_table, to_records, write_config
 from llmtrain.planner.search import build_space
+
+ROOT = Path(__file__).resolve().parents[2]
 
 A100 = load_cluster("a100-80gb")
 
@@ -171,3 +186,36 @@ def test_nothing_fits_is_explained():
     )
     with pytest.raises(ConfigError, match="fits"):
         plan_for_world(job, 8, A100)
+
+
+def test_gradient_reduction_is_searched_and_chosen_by_time_where_it_fits():
+    """FSDP2's gradient reduction (parallel.grad_reduce) is part of the sharding choice at zero 2/3. Behind a
+    1 GB/s inter-node link (a100-40gb otherwise), LLaMA 3B at zero 2, tp=pp=1, one sample per micro-batch
+    over 32 GPUs (16 micro-batches per step): reducing once a step instead of 16 times wins by ~4x and its
+    unsharded fp32 gradient fits, so the planner takes it; LLaMA-3 70B on 64 H100s keeps reducing every
+    micro-batch, where the unsharded gradient would not fit. A step of one micro-batch is the same run either
+    way: it is evaluated once, as the per-micro-batch layout."""
+    slow = yaml.safe_load((ROOT / "llmtrain/planner/clusters/a100-40gb.yaml").read_text())
+    slow["links"]["inter_node"]["bandwidth_gbs"] = 1.0
+    fixed = dict(zero_stage=2, tp=1, pp=1, micro_batch=1)
+    result = plan_job(load(ROOT / "configs/llama-3b.yaml"), cluster_from_dict(slow), 32, 512, fixed, top=5)
+    best = result.best
+    assert best.fits and best.layout.grad_reduce == "step", best.layout.short()
+    [other] = [e for e in result.ranked if e.layout == replace(best.layout, grad_reduce="microbatch")]
+    assert other.fits and other.step_time > 2 * best.step_time
+    assert "parallel.grad_reduce=step" in " ".join(
+        f"{k}={v}" for k, v in layout_overrides(best.layout).items()
+    )
+
+    seventy = plan_job(load(ROOT / "configs/llama3-70b.yaml"), load_cluster("h100-80gb"), 64, top=5)
+    assert seventy.best.fits and seventy.best.layout.grad_reduce == "microbatch"
+    assert not any(
+        e.fits for e in seventy.ranked if e.layout == replace(seventy.best.layout, grad_reduce="step")
+    )
+
+    one_micro = plan_job(
+        load(ROOT / "configs/llama-1b.yaml"), load_cluster("h100-80gb"), 64, 64, {"zero_stage": 3}
+    )
+    single = [e.layout for e in one_micro.ranked if e.layout.dp * e.layout.micro_batch == 64]
+    assert single and all(layout.grad_reduce == "microbatch" for layout in single)
+    assert len(set(single)) == len(single)
