@@ -136,6 +136,7 @@ def _family(layout: Layout) -> tuple:
         layout.cp,
         layout.ep,
         layout.zero_stage,
+        layout.grad_reduce,
         layout.recompute,
         layout.layer_recompute,
     )
@@ -143,8 +144,8 @@ def _family(layout: Layout) -> tuple:
 
 def explain(result: PlanResult, view: ClusterView, runners_up: int = 5, misfits: int = 2) -> Explanation:
     """Explain `result.best`: its parts, and the best layout of up to `runners_up` other (tp, pp, cp, ep,
-    zero, recompute) families with what ruled each out; the first up to `misfits` of them are the fastest
-    families that would beat the choice but do not fit."""
+    zero, grad_reduce, recompute) families with what ruled each out; the first up to `misfits` of them are
+    the fastest families that would beat the choice but do not fit."""
     chosen = result.best
     faster = sorted(
         (e for e in result.ranked if not e.fits and e.step_time < chosen.step_time), key=lambda e: e.step_time
@@ -174,7 +175,8 @@ def format_explanation(expl: Explanation, precision: str, device: str) -> str:
     lines.append(format_memory(c, precision, device))
     if expl.runners_up:
         lines.append(
-            "runners-up (best of each other tp/pp/cp/ep/zero/recompute family), and what ruled them out:"
+            "runners-up (best of each other tp/pp/cp/ep/zero/grad-reduce/recompute family), "
+            "and what ruled them out:"
         )
         lines += [f"  {e.layout.short()}: {why}" for e, why in expl.runners_up]
     return "\n".join(lines)
