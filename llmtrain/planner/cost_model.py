@@ -112,10 +112,19 @@ class Layout:
     grad_reduce: str = "microbatch"
     """zero 2/3 without offload: gradients reduce-scattered after every micro-batch, or once a step."""
 
+    @property
+    def fsdp(self) -> bool:
+        """Whether FSDP2 (llmtrain's engine) shards the model state: zero 2/3 without offload."""
+        return self.zero_stage >= 2 and self.offload == "none"
+
+    @property
+    def reduces_once_a_step(self) -> bool:
+        """FSDP2 accumulating unsharded gradients for one reduction a step (grad_reduce=step)."""
+        return self.fsdp and self.grad_reduce == "step"
+
     def reductions(self, num_micro: int) -> int:
         """How many times a step of `num_micro` micro-batches reduces its gradients over data parallelism."""
-        fsdp = self.zero_stage >= 2 and self.offload == "none"
-        return num_micro if fsdp and self.grad_reduce == "microbatch" else 1
+        return num_micro if self.fsdp and not self.reduces_once_a_step else 1
 
     @property
     def gpus(self) -> int:
@@ -147,7 +156,7 @@ class Layout:
             + (f" offload={self.offload}" if self.offload != "none" else "")
             + (f" cp={self.cp}({self.cp_comm})" if self.cp > 1 else "")
             + (f" ep={self.ep}" if self.ep > 1 else "")
-            + (" reduce=step" if self.grad_reduce == "step" and self.zero_stage >= 2 else "")
+            + (" reduce=step" if self.reduces_once_a_step else "")
             + (f" {self.per_layer_short()}" if self.layer_recompute or self.stage_layers else "")
         )
 
@@ -758,7 +767,7 @@ class CostModel:
         shard = shard_group(layout)
         xgroup, xshard = expert_dp_size(layout), expert_shard_group(layout)
         xstride = self._expert_strides(layout)[1] if experts else 1
-        fsdp = z >= 2 and layout.offload == "none"
+        fsdp = layout.fsdp
         reductions = layout.reductions(num_micro)
         calls = 0
         if z == 0:
@@ -1187,7 +1196,7 @@ def sharding_overrides(layout: Layout) -> dict[str, object]:
     out: dict[str, object] = {}
     if layout.dp_shard is not None:
         out["parallel.dp_shard"] = layout.dp_shard
-    if layout.reductions(2) == 1 and layout.grad_reduce == "step":
+    if layout.reduces_once_a_step:
         out["parallel.grad_reduce"] = "step"
     if layout.offload != "none":
         out["parallel.engine"] = "deepspeed"
@@ -1221,7 +1230,7 @@ def with_layout(job: JobConfig, layout: Layout, global_batch: int | None = None)
         sequence_parallel=layout.sequence_parallel,
         zero_stage=layout.zero_stage,
         # Only FSDP2 (zero 2/3 on llmtrain's engine) has the choice; the others refuse "step".
-        grad_reduce=sharding_overrides(layout).get("parallel.grad_reduce", "microbatch"),
+        grad_reduce="step" if layout.reduces_once_a_step else "microbatch",
         auto=False,
     )
     train = replace(

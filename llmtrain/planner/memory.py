@@ -78,9 +78,9 @@ from __future__ import annotations
 import functools
 import itertools
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, get_args
 
-from llmtrain.config.schema import ModelConfig
+from llmtrain.config.schema import GradReduce, ModelConfig
 from llmtrain.config.vocab_sharding import vocab_sharded_edges
 from llmtrain.pipeline.partition import partition_layers
 from llmtrain.planner import flops as F
@@ -350,6 +350,10 @@ def sharding_problem(layout: Layout) -> str:
             return "hybrid sharding (dp_shard) shards parameters or gradients: needs zero_stage 2 or 3"
         if shard < 2 or layout.dp % shard or shard == layout.dp:
             return f"dp_shard={shard} must divide dp={layout.dp} and lie strictly between 1 and dp"
+    if layout.grad_reduce not in get_args(GradReduce):
+        return f"grad_reduce must be one of {', '.join(get_args(GradReduce))}; got {layout.grad_reduce!r}"
+    if layout.grad_reduce == "step" and not layout.fsdp:
+        return "grad_reduce=step chooses how FSDP2 accumulates: needs zero_stage 2 or 3 without offload"
     if offload != "none" and z < 2:
         return f"offload={offload} runs through a ZeRO-2/3 engine: needs zero_stage 2 or 3"
     if offload == "optimizer+params" and z != 3:
@@ -531,7 +535,7 @@ def rank_memory(
             more = state_bytes(expert, layout, precision, software.grad_bytes, expert_shard_group(layout))
             state = {key: value + more[key] for key, value in state.items()}
         params = dense + expert
-        if layout.zero_stage >= 2 and layout.offload == "none":
+        if layout.fsdp:
             # FSDP2 at the peak, the backward's start: zero_grad dropped the step's gradient shards; with
             # accumulation the earlier micro-batches' gradients are in the shards (grad_reduce=microbatch)
             # or stay unsharded (grad_reduce=step: sync is off until the last micro-batch), a whole fp32
@@ -539,7 +543,7 @@ def rank_memory(
             shards = state["grads"]
             if num_micro == 1:
                 state["grads"] = 0.0
-            elif layout.grad_reduce == "step":
+            elif layout.reduces_once_a_step:
                 # Vocabulary-sharded edges are never gathered: their gradients reach the shards at once.
                 edges = counts.embedding + counts.head if vocab_sharded else 0.0
                 state["grads"] = software.grad_bytes * (params - edges) + shards * edges / params

@@ -213,6 +213,15 @@ def test_gradient_reduction_is_searched_and_chosen_by_time_where_it_fits():
         e.fits for e in seventy.ranked if e.layout == replace(seventy.best.layout, grad_reduce="step")
     )
 
+    # As the config refuses it (llmtrain.config.validate), once a step is FSDP2's choice alone.
+    model = CostModel(
+        Workload.from_job(load(ROOT / "configs/llama-3b.yaml"), 512), cluster_from_dict(slow).view(32)
+    )
+    for other in (Layout(dp=32, zero_stage=1), replace(best.layout, offload="optimizer")):
+        why = model.invalid_reason(replace(other, grad_reduce="step"))
+        assert "grad_reduce=step chooses how FSDP2 accumulates" in why, why
+    assert "grad_reduce must be one of" in model.invalid_reason(replace(best.layout, grad_reduce="sometimes"))
+
     one_micro = plan_job(
         load(ROOT / "configs/llama-1b.yaml"), load_cluster("h100-80gb"), 64, 64, {"zero_stage": 3}
     )
