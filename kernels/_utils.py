@@ -31,14 +31,35 @@ def num_programs(device: torch.device, work_items: int) -> int:
 
 
 def launch_layout(t: torch.Tensor) -> torch.Tensor:
-    """`t` as a kernel launch takes it: unit stride along the last dim (copied only where it must be), and
-    wholly contiguous while torch.compile traces the launch. There the strides handed to the kernel are
-    fixed at trace time, yet Inductor may lay a view argument out afresh keeping only its stride order
-    (pytorch#130243), and an autograd.Function's backward is traced with guessed gradient strides
-    (pytorch#136394); the first compiled H100 run got wrong gradients from Triton RMSNorm + attention."""
-    if torch.compiler.is_compiling():
-        return t.contiguous()
+    """`t` with unit stride along the last dim, as every kernel indexes it (copied only where it must be).
+    Launches call it at run time, inside their `compiled_as_op` body, so the strides they hand a kernel are
+    always the tensor's own."""
     return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def compiled_as_op(name: str, fake: Callable) -> Callable[[Callable], Callable]:
+    """Decorator for a kernel launch (tensors in, freshly allocated tensors out, nothing mutated): eagerly
+    the launch runs as itself; while torch.compile traces, as the custom op `llmtrain_kernels::<name>`,
+    whose output shapes, dtypes and strides `fake` gives (same arguments, meta tensors out).
+
+    Traced directly, a user-defined Triton launch is inlined into Inductor's graph as a kernel call whose
+    stride arguments were read from fake tensors at trace time and whose pointer arguments are analysed and
+    functionalised one by one; when one tensor feeds two of them (k is v, a gradient passed as two
+    arguments) or Inductor lays a buffer out other than traced, the compiled graph hands the kernel memory
+    that does not match the strides it was given. As a custom op the launch is one opaque call: Inductor
+    passes it real tensors, and the launch reads their strides, aliasing included, when it runs."""
+
+    def wrap(launch: Callable) -> Callable:
+        op = torch.library.custom_op(f"llmtrain_kernels::{name}", launch, mutates_args=())
+        op.register_fake(fake)
+
+        @functools.wraps(launch)
+        def dispatch(*args, **kwargs):
+            return (op if torch.compiler.is_compiling() else launch)(*args, **kwargs)
+
+        return dispatch
+
+    return wrap
 
 
 def autotuning() -> bool:

@@ -31,7 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._utils import check_same_device, interpreting, launch_layout, tuned
+from kernels._utils import check_same_device, compiled_as_op, interpreting, launch_layout, tuned
+from kernels.autograd_inputs import apply_distinct
 from kernels.checks import check_attention_args
 
 LOG2E = 1.4426950408889634
@@ -548,6 +549,12 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def _forward_shapes(q, k, v, causal, scale, shift, out_dtype):
+    bsz, hq, sq, dim = q.shape
+    return q.new_empty((bsz, hq, sq, dim), dtype=out_dtype), q.new_empty((bsz, hq, sq), dtype=torch.float32)
+
+
+@compiled_as_op("attention_forward", _forward_shapes)
 def _forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -558,6 +565,7 @@ def _forward(
     out_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward kernel: output (b, hq, sq, d) in `out_dtype` and log-sum-exp (b, hq, sq) fp32."""
+    q, k, v = (launch_layout(t) for t in (q, k, v))
     bsz, hq, sq, dim = q.shape
     hk, sk = k.shape[1], k.shape[2]
     o = torch.empty((bsz, hq, sq, dim), dtype=out_dtype, device=q.device)
@@ -590,8 +598,10 @@ def _forward(
     return o, lse
 
 
+@compiled_as_op("attention_delta", lambda o, do: o.new_empty(o.shape[:3], dtype=torch.float32))
 def _delta(o: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
     """rowsum(dO * O) (b, h, s) in fp32 by the delta kernel."""
+    o, do = launch_layout(o), launch_layout(do)
     bsz, hq, sq, dim = o.shape
     delta = torch.empty((bsz, hq, sq), dtype=torch.float32, device=o.device)
     rows = 16 if interpreting() else 64
@@ -602,6 +612,11 @@ def _delta(o: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
     return delta
 
 
+def _backward_shapes(do, q, k, v, lse, delta, causal, scale, shift, grad_dtype):
+    return tuple(t.new_empty(t.shape, dtype=grad_dtype or t.dtype) for t in (q, k, v))
+
+
+@compiled_as_op("attention_backward", _backward_shapes)
 def _backward(
     do: torch.Tensor,
     q: torch.Tensor,
@@ -616,6 +631,8 @@ def _backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The dK/dV and dQ kernels from the rows' log-sum-exp and delta (contiguous (b, hq, sq) fp32);
     gradients in `grad_dtype` (None: each input's own)."""
+    do, q, k, v = (launch_layout(t) for t in (do, q, k, v))
+    lse, delta = lse.contiguous(), delta.contiguous()
     bsz, hq, sq, dim = q.shape
     hk, sk = k.shape[1], k.shape[2]
     block_d = max(16, triton.next_power_of_2(dim))
@@ -644,7 +661,6 @@ def _backward(
 class _FlashAttentionFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal, scale):
-        q, k, v = (launch_layout(t) for t in (q, k, v))
         o, lse = _forward(q, k, v, causal, scale, 0, q.dtype)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.causal = causal
@@ -654,7 +670,6 @@ class _FlashAttentionFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
-        do = launch_layout(do)
         dq, dk, dv = _backward(do, q, k, v, lse, _delta(o, do), ctx.causal, ctx.scale, 0, None)
         return dq, dk, dv, None, None
 
@@ -675,7 +690,7 @@ def flash_attention(
 ) -> torch.Tensor:
     """Triton flash attention over (batch, heads, seq, head_dim); k/v may have fewer heads."""
     scale = _checked_scale(q, k, v, softmax_scale)
-    return _FlashAttentionFn.apply(q, k, v, bool(causal), scale)
+    return apply_distinct(_FlashAttentionFn, q, k, v, bool(causal), scale)
 
 
 def attention_block(
@@ -691,7 +706,6 @@ def attention_block(
     (b, hk, m, d) at k_offset.. -> output (b, hq, n, d) and log-sum-exp (b, hq, n), both fp32 so blocks
     merge without rounding. Causal: key j visible to query i when k_offset + j <= q_offset + i."""
     scale = _checked_scale(q, k, v, softmax_scale)
-    q, k, v = (launch_layout(t) for t in (q, k, v))
     return _forward(q, k, v, bool(causal), scale, q_offset - k_offset, torch.float32)
 
 
@@ -711,8 +725,5 @@ def attention_block_grads(
     n), the log-sum-exp of the rows' final (merged) output `out` (b, hq, n, d), with delta = rowsum(dO * O)
     of that final output: a block's share of the gradient of the whole attention."""
     scale = _checked_scale(q, k, v, softmax_scale)
-    q, k, v, do, out = (launch_layout(t) for t in (q, k, v, do, out))
     delta = _delta(out, do)
-    return _backward(
-        do, q, k, v, lse.float().contiguous(), delta, bool(causal), scale, q_offset - k_offset, torch.float32
-    )
+    return _backward(do, q, k, v, lse.float(), delta, bool(causal), scale, q_offset - k_offset, torch.float32)

@@ -27,6 +27,8 @@ from collections.abc import Callable
 
 import torch
 
+from kernels.autograd_inputs import apply_distinct
+
 # step(logits_chunk, target_chunk, ignore_index, inv_count, loss_out, lse_out, write_grad): writes each
 # row's loss (0 for ignored rows) into loss_out and its log-sum-exp into lse_out (fp32); with write_grad
 # overwrites logits_chunk with d(mean loss)/d(logits). inv_count is a 0-dim fp32 tensor (1 / valid rows).
@@ -188,7 +190,8 @@ def fused_linear_cross_entropy(
         raise ValueError(f"chunk_tokens and chunk_vocab must be >= 1; got {chunk_tokens}, {chunk_vocab}")
     # Gradients are computed during the forward, so skip them when no backward can follow (eval).
     with_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    return _FusedLinearCrossEntropyFn.apply(
+    return apply_distinct(
+        _FusedLinearCrossEntropyFn,
         hidden,
         weight,
         target,

@@ -13,7 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._utils import check_same_device, launch_layout, tuned
+from kernels._utils import check_same_device, compiled_as_op, launch_layout, tuned
+from kernels.autograd_inputs import apply_distinct
 
 
 @triton.jit
@@ -95,10 +96,6 @@ def _glu_bwd_kernel(
     tl.store(DU + rows[:, None] * s_du + cols[None, :], (do * act).to(DU.dtype.element_ty), mask=mask)
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    return launch_layout(t.reshape(-1, t.shape[-1]) if t.dim() != 2 else t)
-
-
 def _block_n(n: int) -> int:
     return min(1024, triton.next_power_of_2(n))
 
@@ -123,57 +120,83 @@ _FWD = _tuned_by_block_n(_glu_fwd_kernel)
 _BWD = _tuned_by_block_n(_glu_bwd_kernel)
 
 
+def _out_shape(gate, up, is_gelu):
+    m, n = gate.shape
+    return gate.new_empty((m, n), dtype=torch.promote_types(gate.dtype, up.dtype))
+
+
+@compiled_as_op("glu_forward", _out_shape)
+def _forward(gate: torch.Tensor, up: torch.Tensor, is_gelu: bool) -> torch.Tensor:
+    """act(gate) * up over (rows, n)."""
+    g2, u2 = launch_layout(gate), launch_layout(up)
+    out = _out_shape(g2, u2, is_gelu)
+    m, n = g2.shape
+    bn = _block_n(n)
+    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, bn))
+    _FWD[bn](g2.device)[grid](
+        g2,
+        u2,
+        out,
+        m,
+        n,
+        g2.stride(0),
+        u2.stride(0),
+        out.stride(0),
+        IS_GELU=is_gelu,
+        BLOCK_N=bn,
+        EVEN_N=n % bn == 0,
+    )
+    return out
+
+
+@compiled_as_op(
+    "glu_backward", lambda gate, up, dout, is_gelu: (gate.new_empty(gate.shape), up.new_empty(up.shape))
+)
+def _backward(
+    gate: torch.Tensor, up: torch.Tensor, dout: torch.Tensor, is_gelu: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d gate, d up) over (rows, n), each in its input's dtype."""
+    g2, u2, d2 = launch_layout(gate), launch_layout(up), launch_layout(dout)
+    m, n = g2.shape
+    dg = torch.empty((m, n), dtype=gate.dtype, device=gate.device)
+    du = torch.empty((m, n), dtype=up.dtype, device=up.device)
+    bn = _block_n(n)
+    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, bn))
+    _BWD[bn](g2.device)[grid](
+        g2,
+        u2,
+        d2,
+        dg,
+        du,
+        m,
+        n,
+        g2.stride(0),
+        u2.stride(0),
+        d2.stride(0),
+        dg.stride(0),
+        du.stride(0),
+        IS_GELU=is_gelu,
+        BLOCK_N=bn,
+        EVEN_N=n % bn == 0,
+    )
+    return dg, du
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1])
+
+
 class _GluFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up, is_gelu):
-        g2, u2 = _rows(gate), _rows(up)
-        m, n = g2.shape
-        out = torch.empty((m, n), dtype=torch.promote_types(gate.dtype, up.dtype), device=gate.device)
-        bn = _block_n(n)
-        grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, bn))
-        _FWD[bn](g2.device)[grid](
-            g2,
-            u2,
-            out,
-            m,
-            n,
-            g2.stride(0),
-            u2.stride(0),
-            out.stride(0),
-            IS_GELU=is_gelu,
-            BLOCK_N=bn,
-            EVEN_N=n % bn == 0,
-        )
         ctx.save_for_backward(gate, up)
         ctx.is_gelu = is_gelu
-        return out.view(gate.shape)
+        return _forward(_rows(gate), _rows(up), is_gelu).view(gate.shape)
 
     @staticmethod
     def backward(ctx, dout):
         gate, up = ctx.saved_tensors
-        g2, u2, d2 = _rows(gate), _rows(up), _rows(dout)
-        m, n = g2.shape
-        dg = torch.empty((m, n), dtype=gate.dtype, device=gate.device)
-        du = torch.empty((m, n), dtype=up.dtype, device=up.device)
-        bn = _block_n(n)
-        grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, bn))
-        _BWD[bn](g2.device)[grid](
-            g2,
-            u2,
-            d2,
-            dg,
-            du,
-            m,
-            n,
-            g2.stride(0),
-            u2.stride(0),
-            d2.stride(0),
-            dg.stride(0),
-            du.stride(0),
-            IS_GELU=ctx.is_gelu,
-            BLOCK_N=bn,
-            EVEN_N=n % bn == 0,
-        )
+        dg, du = _backward(_rows(gate), _rows(up), _rows(dout), ctx.is_gelu)
         return dg.view(gate.shape), du.view(up.shape), None
 
 
@@ -188,10 +211,10 @@ def _check(gate: torch.Tensor, up: torch.Tensor) -> None:
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """Triton silu(gate) * up."""
     _check(gate, up)
-    return _GluFn.apply(gate, up, False)
+    return apply_distinct(_GluFn, gate, up, False)
 
 
 def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """Triton gelu_tanh(gate) * up."""
     _check(gate, up)
-    return _GluFn.apply(gate, up, True)
+    return apply_distinct(_GluFn, gate, up, True)

@@ -15,7 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._utils import check_same_device, interpreting, launch_layout, tuned
+from kernels._utils import check_same_device, compiled_as_op, interpreting, launch_layout, tuned
+from kernels.autograd_inputs import apply_distinct
 
 
 @triton.jit
@@ -156,8 +157,14 @@ def _bounds(offsets: torch.Tensor) -> torch.Tensor:
     return torch.cat((offsets.new_zeros(1), offsets)).to(torch.int32)
 
 
+def _mm_shape(x, weight, bounds, transpose_weight):
+    return x.new_empty((x.shape[0], weight.shape[2] if transpose_weight else weight.shape[1]))
+
+
+@compiled_as_op("grouped_mm", _mm_shape)
 def _mm(x: torch.Tensor, weight: torch.Tensor, bounds: torch.Tensor, transpose_weight: bool) -> torch.Tensor:
     """x (M, K) grouped times weight[e]^T (weight (E, N, K)), or times weight[e] (weight (E, K, N))."""
+    x = launch_layout(x)
     e, m = weight.shape[0], x.shape[0]
     s_we, s_a, s_b = weight.stride()
     n, k = (weight.shape[2], weight.shape[1]) if transpose_weight else (weight.shape[1], weight.shape[2])
@@ -183,8 +190,13 @@ def _mm(x: torch.Tensor, weight: torch.Tensor, bounds: torch.Tensor, transpose_w
     return y
 
 
+@compiled_as_op(
+    "grouped_mm_weight_grad",
+    lambda dy, x, bounds, groups: x.new_empty((groups, dy.shape[1], x.shape[1])),
+)
 def _mm_dw(dy: torch.Tensor, x: torch.Tensor, bounds: torch.Tensor, groups: int) -> torch.Tensor:
     """(E, N, K) per-group dY_e^T @ X_e."""
+    dy, x = launch_layout(dy), launch_layout(x)
     n, k = dy.shape[1], x.shape[1]
     dw = torch.empty((groups, n, k), dtype=x.dtype, device=x.device)
     grid = lambda meta: (groups, triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(k, meta["BLOCK_K"]))
@@ -208,14 +220,13 @@ def _mm_dw(dy: torch.Tensor, x: torch.Tensor, bounds: torch.Tensor, groups: int)
 class _GroupedMMFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, offsets):
-        x, bounds = launch_layout(x), _bounds(offsets)
+        bounds = _bounds(offsets)
         ctx.save_for_backward(x, weight, bounds)
         return _mm(x, weight, bounds, transpose_weight=False)
 
     @staticmethod
     def backward(ctx, dy):
         x, weight, bounds = ctx.saved_tensors
-        dy = launch_layout(dy)
         dx = _mm(dy, weight, bounds, transpose_weight=True) if ctx.needs_input_grad[0] else None
         dw = _mm_dw(dy, x, bounds, weight.shape[0]) if ctx.needs_input_grad[1] else None
         return dx, dw, None
@@ -224,4 +235,4 @@ class _GroupedMMFn(torch.autograd.Function):
 def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """Triton grouped x @ weight[e]^T (see kernels.grouped_mm)."""
     check_same_device(x=x, weight=weight, offsets=offsets)
-    return _GroupedMMFn.apply(x, weight, offsets)
+    return apply_distinct(_GroupedMMFn, x, weight, offsets)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.autograd_inputs import apply_distinct
+
 _GMM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -68,7 +70,7 @@ class _GroupedMMFn(torch.autograd.Function):
 
 def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """PyTorch grouped x @ weight[e]^T (see kernels.grouped_mm)."""
-    return _GroupedMMFn.apply(x, weight, offsets)
+    return apply_distinct(_GroupedMMFn, x, weight, offsets)
 
 
 class _PackedSwiGLUFn(torch.autograd.Function):
@@ -164,4 +166,4 @@ def moe_experts(
     rows: torch.Tensor, offsets: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
 ) -> torch.Tensor:
     """PyTorch SwiGLU experts (see kernels.moe_experts)."""
-    return _ExpertsFn.apply(rows, gate_up, down, offsets)
+    return apply_distinct(_ExpertsFn, rows, gate_up, down, offsets)

@@ -22,7 +22,8 @@ import triton
 import triton.language as tl
 
 from kernels import chunked_ce
-from kernels._utils import check_same_device, launch_layout, tuned
+from kernels._utils import check_same_device, compiled_as_op, launch_layout, tuned
+from kernels.autograd_inputs import apply_distinct
 from kernels.checks import check_ce_args
 
 
@@ -124,8 +125,16 @@ _FWD = _tuned_warps(_ce_fwd_kernel)
 _BWD = _tuned_warps(_ce_bwd_kernel)
 
 
-def _row_stats(logits: torch.Tensor, target: torch.Tensor, vocab_start: int) -> tuple[torch.Tensor, ...]:
+def _stats_shapes(logits, target, vocab_start):
+    return tuple(logits.new_empty(logits.shape[0], dtype=torch.float32) for _ in range(3))
+
+
+@compiled_as_op("cross_entropy_row_stats", _stats_shapes)
+def _row_stats(
+    logits: torch.Tensor, target: torch.Tensor, vocab_start: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-row (max, sum of exp(logit - max), target logit or 0 when outside this vocab slice), fp32."""
+    logits = launch_layout(logits)
     rows, vocab = logits.shape
     mx = torch.empty(rows, dtype=torch.float32, device=logits.device)
     se = torch.empty_like(mx)
@@ -163,6 +172,20 @@ def _logit_grad(
         _BWD[_warps(vocab)](logits.device)[(rows,)](*args, BLOCK_V=_block_v(vocab))
 
 
+@compiled_as_op(
+    "cross_entropy_logit_grad",
+    lambda logits, target, lse, scale, vocab_start: logits.new_empty(logits.shape),
+)
+def _logit_grad_of(
+    logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, scale: torch.Tensor, vocab_start: int
+) -> torch.Tensor:
+    """d(loss)/d(logits) into a new tensor."""
+    logits = launch_layout(logits)
+    grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    _logit_grad(logits, grad, target, lse, scale, vocab_start)
+    return grad
+
+
 def _combine(
     mx: torch.Tensor, se: torch.Tensor, tg: torch.Tensor, group: dist.ProcessGroup | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -198,9 +221,7 @@ class _CrossEntropyFn(torch.autograd.Function):
     def backward(ctx, grad_loss):
         logits, target, lse, valid, count = ctx.saved_tensors
         scale = valid.to(torch.float32) * (grad_loss.to(torch.float32) / count)
-        grad = torch.empty_like(logits)
-        _logit_grad(logits, grad, target, lse, scale, ctx.vocab_start)
-        return grad, None, None, None
+        return _logit_grad_of(logits, target, lse, scale, ctx.vocab_start), None, None, None
 
 
 def cross_entropy(
@@ -213,7 +234,9 @@ def cross_entropy(
     check_ce_args(logits, target)
     check_same_device(logits=logits, target=target)
     logits2 = launch_layout(logits.reshape(-1, logits.shape[-1]))
-    return _CrossEntropyFn.apply(logits2, target.reshape(-1).contiguous().long(), int(ignore_index), tp_group)
+    return apply_distinct(
+        _CrossEntropyFn, logits2, target.reshape(-1).contiguous().long(), int(ignore_index), tp_group
+    )
 
 
 @triton.jit

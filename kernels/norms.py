@@ -15,7 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._utils import check_same_device, launch_layout, num_programs, tuned
+from kernels._utils import check_same_device, compiled_as_op, launch_layout, num_programs, tuned
+from kernels.autograd_inputs import apply_distinct
 
 MAX_HIDDEN = 65536
 
@@ -147,11 +148,6 @@ def _norm_bwd_kernel(
         tl.store(DB_PART + pid * N + cols, db_acc, mask=col_ok)
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """(rows, hidden) view with unit stride along hidden; copies only when it must."""
-    return launch_layout(t.reshape(-1, t.shape[-1]))
-
-
 def _block_sizes(n: int) -> tuple[int, int, int]:
     block_n = triton.next_power_of_2(n)
     # Keep a tile at about 4k-16k elements: several rows per program for narrow hidden sizes.
@@ -185,45 +181,124 @@ _FWD = _tuned_by_block_n(_norm_fwd_kernel, ["N", "IS_RMS", "HAS_RES", "HAS_BIAS"
 _BWD = _tuned_by_block_n(_norm_bwd_kernel, ["N", "IS_RMS", "HAS_DH", "HAS_BIAS"])
 
 
+def _forward_shapes(x2, residual2, weight, bias, eps, is_rms):
+    m, n = x2.shape
+    y = x2.new_empty((m, n), dtype=torch.promote_types(x2.dtype, weight.dtype) if is_rms else x2.dtype)
+    h = x2.new_empty((m, n) if residual2 is not None else (0, n))
+    stats = x2.new_empty(m if not is_rms else 1, dtype=torch.float32), x2.new_empty(m, dtype=torch.float32)
+    return y, h, *stats
+
+
+@compiled_as_op("norm_forward", _forward_shapes)
+def _forward(
+    x2: torch.Tensor,
+    residual2: torch.Tensor | None,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    eps: float,
+    is_rms: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The forward kernel over (rows, hidden): (y, h, mean, rstd); h = x + residual when a residual is
+    given, else an empty (0, hidden) tensor (x itself is h, and an op's outputs never alias its inputs)."""
+    x2 = launch_layout(x2)
+    y, h, mean, rstd = _forward_shapes(x2, residual2, weight, bias, eps, is_rms)
+    r2 = launch_layout(residual2) if residual2 is not None else x2
+    m, n = x2.shape
+    block_n = triton.next_power_of_2(n)
+    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]),)
+    _FWD[block_n](x2.device)[grid](
+        x2,
+        r2,
+        weight,
+        bias if bias is not None else weight,
+        y,
+        h if residual2 is not None else x2,
+        mean,
+        rstd,
+        m,
+        n,
+        x2.stride(0),
+        r2.stride(0),
+        y.stride(0),
+        h.stride(0) if residual2 is not None else x2.stride(0),
+        eps,
+        IS_RMS=is_rms,
+        HAS_RES=residual2 is not None,
+        HAS_BIAS=bias is not None,
+        BLOCK_N=block_n,
+        EVEN_N=n == block_n,
+    )
+    return y, h, mean, rstd
+
+
+def _backward_grid(m: int, n: int, device: torch.device) -> tuple[int, int]:
+    """(programs, rows per program) of the persistent backward kernel."""
+    block_m = _block_sizes(n)[0]
+    progs = num_programs(device, triton.cdiv(m, block_m))
+    rows_per_program = triton.cdiv(triton.cdiv(m, progs), block_m) * block_m
+    return triton.cdiv(m, rows_per_program), rows_per_program
+
+
+def _backward_shapes(h, weight, bias, dy2, dh2, mean, rstd, is_rms):
+    m, n = h.shape
+    progs = _backward_grid(m, n, h.device)[0]
+    dw_part = h.new_empty((progs, n), dtype=torch.float32)
+    db_part = h.new_empty((progs if bias is not None else 0, n), dtype=torch.float32)
+    return h.new_empty((m, n)), dw_part, db_part
+
+
+@compiled_as_op("norm_backward", _backward_shapes)
+def _backward(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    dy2: torch.Tensor,
+    dh2: torch.Tensor | None,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    is_rms: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward kernel: dx (rows, hidden) and per-program partial sums of dweight and dbias (fp32;
+    dbias's (0, hidden) without a bias)."""
+    h, dy2 = launch_layout(h), launch_layout(dy2)
+    dh2 = launch_layout(dh2) if dh2 is not None else None
+    dx, dw_part, db_part = _backward_shapes(h, weight, bias, dy2, dh2, mean, rstd, is_rms)
+    m, n = h.shape
+    progs, rows_per_program = _backward_grid(m, n, h.device)
+    block_n = triton.next_power_of_2(n)
+    _BWD[block_n](h.device)[(progs,)](
+        h,
+        weight,
+        dy2,
+        dh2 if dh2 is not None else dy2,
+        dx,
+        mean,
+        rstd,
+        dw_part,
+        db_part if bias is not None else dw_part,
+        m,
+        n,
+        h.stride(0),
+        dy2.stride(0),
+        dh2.stride(0) if dh2 is not None else 0,
+        dx.stride(0),
+        rows_per_program,
+        IS_RMS=is_rms,
+        HAS_DH=dh2 is not None,
+        HAS_BIAS=bias is not None,
+        BLOCK_N=block_n,
+        EVEN_N=n == block_n,
+    )
+    return dx, dw_part, db_part
+
+
 class _NormFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, residual, eps, is_rms):
-        n = x.shape[-1]
-        x2 = _rows(x)
-        m = x2.shape[0]
-        out_dtype = torch.promote_types(x.dtype, weight.dtype) if is_rms else x.dtype
-        y = torch.empty((m, n), dtype=out_dtype, device=x.device)
-        rstd = torch.empty(m, dtype=torch.float32, device=x.device)
-        mean = torch.empty(m if not is_rms else 1, dtype=torch.float32, device=x.device)
-        if residual is not None:
-            r2 = _rows(residual)
-            h = torch.empty((m, n), dtype=x.dtype, device=x.device)
-        else:
-            r2, h = x2, x2
-        block_n = triton.next_power_of_2(n)
-        grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]),)
-        _FWD[block_n](x.device)[grid](
-            x2,
-            r2,
-            weight,
-            bias if bias is not None else weight,
-            y,
-            h,
-            mean,
-            rstd,
-            m,
-            n,
-            x2.stride(0),
-            r2.stride(0),
-            y.stride(0),
-            h.stride(0),
-            eps,
-            IS_RMS=is_rms,
-            HAS_RES=residual is not None,
-            HAS_BIAS=bias is not None,
-            BLOCK_N=block_n,
-            EVEN_N=n == block_n,
-        )
+        x2 = x.reshape(-1, x.shape[-1])
+        r2 = residual.reshape(-1, x.shape[-1]) if residual is not None else None
+        y, h, mean, rstd = _forward(x2, r2, weight, bias, eps, is_rms)
+        h = h if residual is not None else x2
         ctx.save_for_backward(h, weight, bias, mean, rstd)
         ctx.is_rms = is_rms
         ctx.has_res = residual is not None
@@ -236,41 +311,9 @@ class _NormFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, dh=None):
         h, weight, bias, mean, rstd = ctx.saved_tensors
-        m, n = h.shape
-        dy2 = _rows(dy)
-        dh2 = _rows(dh) if (ctx.has_res and dh is not None) else None
-        dx = torch.empty((m, n), dtype=h.dtype, device=h.device)
-        block_m, block_n, _ = _block_sizes(n)
-        progs = num_programs(h.device, triton.cdiv(m, block_m))
-        rows_per_program = triton.cdiv(triton.cdiv(m, progs), block_m) * block_m
-        progs = triton.cdiv(m, rows_per_program)
-        dw_part = torch.empty((progs, n), dtype=torch.float32, device=h.device)
-        db_part = (
-            torch.empty((progs, n), dtype=torch.float32, device=h.device) if bias is not None else dw_part
-        )
-        _BWD[block_n](h.device)[(progs,)](
-            h,
-            weight,
-            dy2,
-            dh2 if dh2 is not None else dy2,
-            dx,
-            mean,
-            rstd,
-            dw_part,
-            db_part,
-            m,
-            n,
-            h.stride(0),
-            dy2.stride(0),
-            dh2.stride(0) if dh2 is not None else 0,
-            dx.stride(0),
-            rows_per_program,
-            IS_RMS=ctx.is_rms,
-            HAS_DH=dh2 is not None,
-            HAS_BIAS=bias is not None,
-            BLOCK_N=block_n,
-            EVEN_N=n == block_n,
-        )
+        dy2 = dy.reshape(-1, h.shape[1])
+        dh2 = dh.reshape(-1, h.shape[1]) if (ctx.has_res and dh is not None) else None
+        dx, dw_part, db_part = _backward(h, weight, bias, dy2, dh2, mean, rstd, ctx.is_rms)
         dweight = dw_part.sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None
         dbias = db_part.sum(0).to(bias.dtype) if bias is not None and ctx.needs_input_grad[2] else None
         dx = dx.view(ctx.x_shape)
@@ -298,7 +341,7 @@ def rms_norm(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Triton RMSNorm; with `residual` returns (norm(x + residual), x + residual)."""
     _check(x, weight, None, residual)
-    return _NormFn.apply(x, weight, None, residual, float(eps), True)
+    return apply_distinct(_NormFn, x, weight, None, residual, float(eps), True)
 
 
 def layer_norm(
@@ -310,4 +353,4 @@ def layer_norm(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Triton LayerNorm; with `residual` returns (norm(x + residual), x + residual)."""
     _check(x, weight, bias, residual)
-    return _NormFn.apply(x, weight, bias, residual, float(eps), False)
+    return apply_distinct(_NormFn, x, weight, bias, residual, float(eps), False)

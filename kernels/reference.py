@@ -8,6 +8,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from kernels.autograd_inputs import apply_distinct
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm with statistics in fp32, as Hugging Face LLaMA/ERNIE compute it."""
@@ -193,8 +195,12 @@ def vocab_parallel_cross_entropy(
     logits: torch.Tensor, target: torch.Tensor, ignore_index: int, group: dist.ProcessGroup
 ) -> torch.Tensor:
     """Mean cross-entropy where each rank of `group` holds vocab ids [rank*V, (rank+1)*V) of the logits."""
-    return _VocabParallelCrossEntropy.apply(
-        logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index, group
+    return apply_distinct(
+        _VocabParallelCrossEntropy,
+        logits.reshape(-1, logits.shape[-1]),
+        target.reshape(-1),
+        ignore_index,
+        group,
     )
 
 

@@ -16,7 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._utils import check_same_device, launch_layout, tuned
+from kernels._utils import check_same_device, compiled_as_op, launch_layout, tuned
+from kernels.autograd_inputs import apply_distinct
 from kernels.checks import check_rotary_args
 
 
@@ -85,9 +86,15 @@ def _tuned(first_warps: int) -> Callable:
 _KERNELS = {w: _tuned(w) for w in (2, 4)}
 
 
+@compiled_as_op(
+    "rotary",
+    lambda x, cos, sin, interleaved, offset, backward: torch.empty_like(
+        x, memory_format=torch.contiguous_format
+    ),
+)
 def _launch(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, offset: int, backward: bool
-):
+) -> torch.Tensor:
     x, cos, sin = launch_layout(x), launch_layout(cos), launch_layout(sin)
     bsz, seq, heads, dim = x.shape
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
@@ -126,12 +133,12 @@ class _RotaryFn(torch.autograd.Function):
         ctx.save_for_backward(cos, sin)
         ctx.interleaved = interleaved
         ctx.offset = offset
-        return _launch(x, cos, sin, interleaved, offset, backward=False)
+        return _launch(x, cos, sin, interleaved, offset, False)
 
     @staticmethod
     def backward(ctx, dy):
         cos, sin = ctx.saved_tensors
-        return _launch(dy, cos, sin, ctx.interleaved, ctx.offset, backward=True), None, None, None, None
+        return _launch(dy, cos, sin, ctx.interleaved, ctx.offset, True), None, None, None, None
 
 
 def apply_rotary(
@@ -140,4 +147,4 @@ def apply_rotary(
     """Triton rotary embedding of x (batch, seq, heads, head_dim); cos/sin rows offset by position_offset."""
     check_rotary_args(x, cos, sin, position_offset)
     check_same_device(x=x, cos=cos, sin=sin)
-    return _RotaryFn.apply(x, cos, sin, bool(interleaved), int(position_offset))
+    return apply_distinct(_RotaryFn, x, cos, sin, bool(interleaved), int(position_offset))

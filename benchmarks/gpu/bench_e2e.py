@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import ROOT, Budget, device_name, peer_version, sync, write_json  # noqa: E402
+from common import ROOT, Budget, device_name, peer_version, profile_step, sync, write_json  # noqa: E402
 from report import vs_torchtitan  # noqa: E402
 
 from llmtrain import models  # noqa: E402
@@ -88,28 +89,45 @@ def build_training(
     return job, model, build_optimizer(model, Topology.single(), job)
 
 
+def timed_steps(step: Callable[[], torch.Tensor], steps: int, warmup: int, device: str, profile: bool):
+    """Run `step` (one optimizer step, returning its loss) `steps` times; (losses, median seconds of the
+    steps after `warmup`, the profiler's breakdown of one more step or None)."""
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    losses, times = [], []
+    for i in range(steps):
+        sync(device)
+        start = time.perf_counter()
+        loss = step()
+        sync(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+        losses.append(loss.item())
+    return losses, sorted(times)[len(times) // 2], profile_step(step, device) if profile else None
+
+
 def run_variant(
-    config: Path, overrides: list[str], compile_mode: str, steps: int, warmup: int, device: str
+    config: Path,
+    overrides: list[str],
+    compile_mode: str,
+    steps: int,
+    warmup: int,
+    device: str,
+    profile: bool = False,
 ) -> dict[str, Any]:
     """Train `steps` optimizer steps of one micro-batch each; time the ones after `warmup`."""
     job, model, optimizer = build_training(config, overrides, compile_mode, device)
     batch, seq = job.train.micro_batch_size, job.model.seq_length
     tokens = torch.randint(0, job.model.vocab_size, (batch, seq + 1), device=device)
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    losses, times = [], []
-    for step in range(steps):
-        sync(device)
-        start = time.perf_counter()
+
+    def step() -> torch.Tensor:
         optimizer.zero_grad()
         loss = model(tokens[:, :-1], labels=tokens[:, 1:])
         optimizer.backward(loss)
         optimizer.step(job.train.lr)
-        sync(device)
-        if step >= warmup:
-            times.append(time.perf_counter() - start)
-        losses.append(loss.item())
-    step_s = sorted(times)[len(times) // 2]
+        return loss
+
+    losses, step_s, breakdown = timed_steps(step, steps, warmup, device, profile)
     tokens_per_s = batch * seq / step_s
     flops = model_flops_per_token(job.model, seq) * tokens_per_s
     peak = device_peak("bf16", device)
@@ -123,6 +141,7 @@ def run_variant(
         "peak_source": peak.source if peak else "none on CPU",
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
         "losses": losses,
+        "profile": breakdown,
     }
 
 
@@ -138,6 +157,7 @@ def run_titan_variant(
     steps: int,
     warmup: int,
     device: str,
+    profile: bool = False,
 ) -> dict[str, Any]:
     """torchtitan's LLaMA-3 at the job's dimensions in this loop (titan_peer.run), as run_variant's row."""
     import titan_peer
@@ -149,12 +169,11 @@ def run_titan_variant(
         titan_peer.dims_of(job.model),
         seq,
         batch,
-        steps,
-        warmup,
         device,
         lr=job.train.lr,
         compile_model=compile_mode == "blocks",
         ac=TITAN_AC[job.model.recompute],
+        timed=lambda step: timed_steps(step, steps, warmup, device, profile),
     )
     tokens_per_s = batch * seq / result["median_step_s"]
     flops = model_flops_per_token(job.model, seq) * tokens_per_s  # our formula, as for our rows
@@ -266,6 +285,16 @@ def main(argv: list[str] | None = None) -> int:
         default="blocks",
         help="torchtitan's per-block torch.compile (its recommended setting) or none",
     )
+    parser.add_argument(
+        "--set",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config overrides for every variant (e.g. an 8B-shaped stack: model.num_layers=16 ...)",
+    )
+    parser.add_argument(
+        "--profile", action="store_true", help="each row: one more step under torch.profiler, by category"
+    )
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1")
     parser.add_argument("--variant", help=argparse.SUPPRESS)  # internal: one variant (see run_isolated)
     args = parser.parse_args(argv)
@@ -291,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         args.compile, kernel_choices, args.precision, args.configs, args.recompute, args.micro_batch
     )
     for compile_mode, kernel_impl, precision, config, recompute, micro in grid:
-        overrides = [*base, f"train.precision={precision}"]
+        overrides = [*base, *args.set, f"train.precision={precision}"]
         overrides += [] if kernel_impl is None else [f"model.kernels={kernel_impl}"]
         overrides += [] if recompute == "config" else [f"model.recompute={recompute}"]
         overrides += [] if micro == "config" else [f"train.micro_batch_size={micro}"]
@@ -302,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
             steps=steps,
             warmup=warmup,
             device=device,
+            profile=args.profile,
         )
         rows.append(run_row(spec, {"impl": "llmtrain"}, budget))
         first_of_config = compile_mode == args.compile[0] and kernel_impl == kernel_choices[0]

@@ -142,3 +142,84 @@ def copy_bandwidth_gbps(device: str, nbytes: int, reps: int = 10) -> float:
             dst.copy_(src)
             best = min(best, time.perf_counter() - start)
     return 2 * src.numel() * src.element_size() / best / 1e9
+
+
+# Kernel-name patterns of the profile's categories, checked in this order (first match wins). GEMMs: cuBLAS
+# / cuBLASLt / CUTLASS kernels and Triton matmuls; attention: FlashAttention, cuDNN and efficient-attention
+# SDPA kernels and ours; optimizer: torch's fused/foreach AdamW and our flat-buffer updates.
+KERNEL_CATEGORIES = (
+    ("attention", ("flash", "fmha", "attn", "sdpa", "cudnn")),
+    (
+        "gemm",
+        (
+            "gemm",
+            "xmma",
+            "cutlass",
+            "nvjet",
+            "matmul",
+            "scaled_mm",
+            "wgmma",
+            "splitk",
+            "gmm",
+            "aten::mm",
+            "addmm",
+            "bmm",
+        ),
+    ),
+    ("optimizer", ("adam", "multi_tensor", "foreach", "optimizer", "lerp")),
+    ("communication", ("nccl",)),
+)
+
+
+def kernel_category(name: str) -> str:
+    lowered = name.lower()
+    for category, patterns in KERNEL_CATEGORIES:
+        if any(p in lowered for p in patterns):
+            return category
+    return "memory-bound and other"
+
+
+def profile_step(step: Any, device: str, top: int = 15) -> dict[str, Any]:
+    """One call of `step()` under torch.profiler: device time per kernel category (ms), the host gaps (step
+    wall time the device was idle: launch overhead, Python, synchronisation) and the `top` kernels by time.
+    Where the time goes, measured rather than guessed; CPU runs record the operators' self time instead."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    sync(device)
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        step()
+        sync(device)
+        wall_ms = (time.perf_counter() - start) * 1e3
+    if device == "cuda":
+        # Device events are kernels, memcpy/memset and the user annotations' ranges (record_function,
+        # e.g. "Optimizer.step#AdamW.step"), which span kernels already counted: left out.
+        kernels = [
+            e
+            for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+        ]
+        intervals = sorted((e.time_range.start, e.time_range.end) for e in kernels)
+        busy_us, end = 0.0, float("-inf")
+        for s, e in intervals:  # the union of kernel intervals: overlapping streams count once
+            if e > end:
+                busy_us += e - max(s, end)
+                end = e
+        times = [(e.name, e.time_range.elapsed_us()) for e in kernels]
+    else:
+        busy_us = 0.0
+        times = [(e.key, e.self_cpu_time_total) for e in prof.key_averages()]
+    by_category: dict[str, float] = {}
+    by_kernel: dict[str, float] = {}
+    for name, us in times:
+        by_category[kernel_category(name)] = by_category.get(kernel_category(name), 0.0) + us / 1e3
+        by_kernel[name] = by_kernel.get(name, 0.0) + us / 1e3
+    biggest = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:top]
+    return {
+        "wall_ms": wall_ms,
+        "device_busy_ms": busy_us / 1e3,
+        "host_gaps_ms": max(0.0, wall_ms - busy_us / 1e3) if device == "cuda" else None,
+        "by_category_ms": dict(sorted(by_category.items(), key=lambda kv: -kv[1])),
+        "top_kernels_ms": [{"name": n[:120], "ms": ms, "category": kernel_category(n)} for n, ms in biggest],
+    }

@@ -31,8 +31,8 @@ from __future__ import annotations
 import importlib.util
 import sys
 import tempfile
-import time
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -135,28 +135,23 @@ def run(
     dims: TitanDims,
     seq: int,
     batch: int,
-    steps: int,
-    warmup: int,
     device: str,
     *,
     lr: float,
     compile_model: bool,
     ac: str,
+    timed: Callable[[Callable[[], torch.Tensor]], tuple[list[float], float, Any]],
 ) -> dict[str, Any]:
-    """Train `steps` steps of one micro-batch of random tokens; the timed steps' figures (as run_variant)."""
+    """Build torchtitan's model and hand one training step on a micro-batch of random tokens to `timed`
+    (bench_e2e's loop: losses, median step seconds, profile); the row's figures."""
     model, loss_fn, amp, label = build(dims, seq, batch, device, compile_model=compile_model, ac=ac)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=device == "cuda"
     )
     tokens = torch.randint(0, dims.vocab, (batch, seq + 1), device=device)
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    losses, times = [], []
-    for step in range(steps):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
+
+    def step() -> torch.Tensor:
         optimizer.zero_grad()
         with amp:  # as torchtitan's train step: forward and loss under its AMP context, backward outside
             pred = model(inputs)
@@ -164,15 +159,14 @@ def run(
         del pred
         loss.backward()
         optimizer.step()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        if step >= warmup:
-            times.append(time.perf_counter() - start)
-        losses.append(loss.item())
+        return loss
+
+    losses, step_s, breakdown = timed(step)
     return {
         "peer": label,
         "params_b": sum(p.numel() for p in model.parameters()) / 1e9,
-        "median_step_s": sorted(times)[len(times) // 2],
+        "median_step_s": step_s,
         "losses": losses,
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
+        "profile": breakdown,
     }
