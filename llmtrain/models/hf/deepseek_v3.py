@@ -13,7 +13,7 @@ import torch
 from llmtrain.config import ModelConfig
 from llmtrain.models.hf.adapter import HFAdapter, ModelFormatError, Rule, Tensors, rename
 from llmtrain.models.hf.decoder import decoder_rules
-from llmtrain.models.hf.moe import MLP_EXPERTS, expert_rules, split_stacked_experts
+from llmtrain.models.hf.moe import MLP_EXPERTS
 from llmtrain.models.rope import YARN_BETA_FAST, YARN_BETA_SLOW
 
 # The router's score bias, shaped (experts,), under one name in the checkpoint and in transformers' memory.
@@ -179,7 +179,7 @@ def moe_layer_rules(cfg: ModelConfig, h: str, o: str) -> list[Rule]:
     rules = [rename(f"{h}{SCORE_BIAS}", f"{o}mlp.router.score_bias")]
     if not cfg.num_shared_experts:
         rules.append(_empty_shared_experts(cfg, f"{h}mlp.shared_experts."))
-    return rules + expert_rules(cfg, MLP_EXPERTS, h, o)
+    return rules + MLP_EXPERTS.layer_rules(cfg, h, o)
 
 
 def checkpoint_names(cfg: ModelConfig, hf_state: Tensors) -> Tensors:
@@ -187,7 +187,7 @@ def checkpoint_names(cfg: ModelConfig, hf_state: Tensors) -> Tensors:
     nor transformers' DeepseekV3ForCausalLM runs them), and with transformers >= 5's in-memory stacked
     experts under their checkpoint names."""
     decoder = {k: v for k, v in hf_state.items() if _layer_index(k) < cfg.num_layers}
-    return split_stacked_experts(decoder, MLP_EXPERTS)
+    return MLP_EXPERTS.checkpoint_names(cfg, decoder)
 
 
 def _layer_index(key: str) -> int:

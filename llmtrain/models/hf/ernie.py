@@ -11,7 +11,7 @@ import torch
 from llmtrain.config import ModelConfig
 from llmtrain.models.hf.adapter import HFAdapter, ModelFormatError, Rule, Tensors
 from llmtrain.models.hf.decoder import decoder_fields, decoder_hf_fields, decoder_rules
-from llmtrain.models.hf.moe import MLP_EXPERTS, expert_rules, moe_fields, split_stacked_experts
+from llmtrain.models.hf.moe import MLP_EXPERTS, moe_fields
 from llmtrain.models.moe import NORM_MIN
 
 # The router's score bias, shaped (1, experts), in the checkpoint and in transformers' memory.
@@ -103,13 +103,13 @@ def _flat(ts: list[torch.Tensor]) -> list[torch.Tensor]:
 def moe_layer_rules(cfg: ModelConfig, h: str, o: str) -> list[Rule]:
     """The router's score bias (a (1, experts) row in HF, flat in llmtrain), then the experts."""
     score_bias = Rule((f"{h}{SCORE_BIAS}",), (f"{o}mlp.router.score_bias",), _flat, _row)
-    return [score_bias, *expert_rules(cfg, MLP_EXPERTS, h, o)]
+    return [score_bias, *MLP_EXPERTS.layer_rules(cfg, h, o)]
 
 
 def moe_checkpoint_names(cfg: ModelConfig, hf_state: Tensors) -> Tensors:
     """Checkpoint names for transformers >= 5's in-memory stacked experts and score bias."""
     hf_state = {k.replace(SCORE_BIAS_IN_MEMORY, SCORE_BIAS): v for k, v in hf_state.items()}
-    return split_stacked_experts(hf_state, MLP_EXPERTS)
+    return MLP_EXPERTS.checkpoint_names(cfg, hf_state)
 
 
 ADAPTER = HFAdapter(

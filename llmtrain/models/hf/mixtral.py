@@ -9,11 +9,11 @@ from functools import partial
 from typing import Any
 
 from llmtrain.config import ModelConfig
-from llmtrain.models.hf.adapter import HFAdapter, ModelFormatError, Rule, Tensors
+from llmtrain.models.hf.adapter import HFAdapter, ModelFormatError
 from llmtrain.models.hf.decoder import decoder_fields, decoder_hf_fields, decoder_rules
-from llmtrain.models.hf.moe import ExpertNames, expert_rules, moe_fields, moe_hf_fields, split_stacked_experts
+from llmtrain.models.hf.moe import ExpertLayout, moe_fields, moe_hf_fields
 
-EXPERTS = ExpertNames(
+EXPERTS = ExpertLayout(
     "block_sparse_moe.gate.weight",
     "block_sparse_moe.experts.{e}.w1.weight",
     "block_sparse_moe.experts.{e}.w3.weight",
@@ -59,21 +59,12 @@ def hf_config_fields(cfg: ModelConfig) -> dict[str, Any]:
     )
 
 
-def moe_layer_rules(cfg: ModelConfig, h: str, o: str) -> list[Rule]:
-    return expert_rules(cfg, EXPERTS, h, o)
-
-
-def checkpoint_names(cfg: ModelConfig, hf_state: Tensors) -> Tensors:
-    """Checkpoint names for transformers >= 5's in-memory stacked experts."""
-    return split_stacked_experts(hf_state, EXPERTS)
-
-
 ADAPTER = HFAdapter(
     arch="mixtral",
     model_type="mixtral",
     hf_class="MixtralForCausalLM",
     config_fields=config_fields,
     hf_config_fields=hf_config_fields,
-    rules=partial(decoder_rules, moe_layer=moe_layer_rules),
-    checkpoint_names=checkpoint_names,
+    rules=partial(decoder_rules, moe_layer=EXPERTS.layer_rules),
+    checkpoint_names=EXPERTS.checkpoint_names,
 )

@@ -22,19 +22,77 @@ from llmtrain.models.hf.adapter import (
 )
 
 
+def _stack_gate_up(ts: list[torch.Tensor]) -> list[torch.Tensor]:
+    # ts: gate_0, up_0, gate_1, up_1, ...: expert e's rows are [gate_e; up_e].
+    return [torch.stack([torch.cat(ts[i : i + 2], dim=0) for i in range(0, len(ts), 2)])]
+
+
+def _unstack_gate_up(ts: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [t.contiguous() for expert in ts[0] for t in expert.chunk(2, dim=0)]
+
+
+_STACKED_MOE_KEY = re.compile(
+    r"(model\.layers\.\d+\.)mlp\.(gate\.weight|experts\.gate_up_proj|experts\.down_proj)"
+)
+
+
 @dataclasses.dataclass(frozen=True)
-class ExpertNames:
-    """Checkpoint names, under a decoder layer's prefix, of an MoE layer's router and of expert `{e}`'s
-    gate, up and down projections."""
+class ExpertLayout:
+    """Where a family's checkpoint keeps an MoE layer's tensors: names, under a decoder layer's prefix, of the
+    router and of expert `{e}`'s gate, up and down projections; and the rules and renames that follow."""
 
     router: str
     gate: str
     up: str
     down: str
 
+    def layer_rules(self, cfg: ModelConfig, h: str, o: str) -> list[Rule]:
+        """One MoE layer under prefixes `h` / `o`: its shared experts (if any), router and stacked experts."""
+        rules = []
+        if cfg.num_shared_experts:
+            rules += gated_mlp_rules(f"{h}mlp.shared_experts.", f"{o}mlp.shared_experts.", ("weight",))
+        experts = range(cfg.num_experts)
+        return rules + [
+            rename(f"{h}{self.router}", f"{o}mlp.router.weight"),
+            Rule(
+                tuple(f"{h}{name.format(e=e)}" for e in experts for name in (self.gate, self.up)),
+                (f"{o}mlp.experts.gate_up_proj",),
+                _stack_gate_up,
+                _unstack_gate_up,
+            ),
+            Rule(
+                tuple(f"{h}{self.down.format(e=e)}" for e in experts),
+                (f"{o}mlp.experts.down_proj",),
+                stack,
+                unstack,
+            ),
+        ]
+
+    def checkpoint_names(self, cfg: ModelConfig, hf_state: Tensors) -> Tensors:
+        """`hf_state` with transformers >= 5's in-memory MoE tensors (`mlp.gate.weight`,
+        `mlp.experts.gate_up_proj` (experts, 2 * ffn, hidden), `mlp.experts.down_proj`) under their
+        checkpoint names, one tensor per expert and projection; other tensors unchanged."""
+        out: Tensors = {}
+        for key, value in hf_state.items():
+            match = _STACKED_MOE_KEY.fullmatch(key)
+            if match is None:
+                out[key] = value
+                continue
+            h, what = match.groups()
+            if what == "gate.weight":
+                out[f"{h}{self.router}"] = value
+            elif what == "experts.gate_up_proj":
+                halves = iter(_unstack_gate_up([value]))
+                for e in range(value.shape[0]):
+                    out[f"{h}{self.gate.format(e=e)}"] = next(halves)
+                    out[f"{h}{self.up.format(e=e)}"] = next(halves)
+            else:
+                out.update((f"{h}{self.down.format(e=e)}", t) for e, t in enumerate(unstack([value])))
+        return out
+
 
 # The names transformers' Qwen3-MoE, ERNIE-4.5-MoE and DeepSeek-V3 checkpoints share.
-MLP_EXPERTS = ExpertNames(
+MLP_EXPERTS = ExpertLayout(
     "mlp.gate.weight",
     "mlp.experts.{e}.gate_proj.weight",
     "mlp.experts.{e}.up_proj.weight",
@@ -71,63 +129,3 @@ def moe_hf_fields(cfg: ModelConfig) -> dict[str, Any]:
         "output_router_logits": False,
         "attention_dropout": cfg.attention_dropout,
     }
-
-
-def _stack_gate_up(ts: list[torch.Tensor]) -> list[torch.Tensor]:
-    # ts: gate_0, up_0, gate_1, up_1, ...: expert e's rows are [gate_e; up_e].
-    return [torch.stack([torch.cat(ts[i : i + 2], dim=0) for i in range(0, len(ts), 2)])]
-
-
-def _unstack_gate_up(ts: list[torch.Tensor]) -> list[torch.Tensor]:
-    return [t.contiguous() for expert in ts[0] for t in expert.chunk(2, dim=0)]
-
-
-def expert_rules(cfg: ModelConfig, names: ExpertNames, h: str, o: str) -> list[Rule]:
-    """One MoE layer under prefixes `h` / `o`: its shared experts (if any), router and stacked experts."""
-    rules = []
-    if cfg.num_shared_experts:
-        rules += gated_mlp_rules(f"{h}mlp.shared_experts.", f"{o}mlp.shared_experts.", ("weight",))
-    experts = range(cfg.num_experts)
-    return rules + [
-        rename(f"{h}{names.router}", f"{o}mlp.router.weight"),
-        Rule(
-            tuple(f"{h}{name.format(e=e)}" for e in experts for name in (names.gate, names.up)),
-            (f"{o}mlp.experts.gate_up_proj",),
-            _stack_gate_up,
-            _unstack_gate_up,
-        ),
-        Rule(
-            tuple(f"{h}{names.down.format(e=e)}" for e in experts),
-            (f"{o}mlp.experts.down_proj",),
-            stack,
-            unstack,
-        ),
-    ]
-
-
-_STACKED_MOE_KEY = re.compile(
-    r"(model\.layers\.\d+\.)mlp\.(gate\.weight|experts\.gate_up_proj|experts\.down_proj)"
-)
-
-
-def split_stacked_experts(hf_state: Tensors, names: ExpertNames) -> Tensors:
-    """`hf_state` with transformers >= 5's in-memory MoE tensors (`mlp.gate.weight`,
-    `mlp.experts.gate_up_proj` (experts, 2 * ffn, hidden), `mlp.experts.down_proj`) under their checkpoint
-    `names`, one tensor per expert and projection; other tensors unchanged."""
-    out: Tensors = {}
-    for key, value in hf_state.items():
-        match = _STACKED_MOE_KEY.fullmatch(key)
-        if match is None:
-            out[key] = value
-            continue
-        h, what = match.groups()
-        if what == "gate.weight":
-            out[f"{h}{names.router}"] = value
-        elif what == "experts.gate_up_proj":
-            halves = iter(_unstack_gate_up([value]))
-            for e in range(value.shape[0]):
-                out[f"{h}{names.gate.format(e=e)}"] = next(halves)
-                out[f"{h}{names.up.format(e=e)}"] = next(halves)
-        else:
-            out.update((f"{h}{names.down.format(e=e)}", t) for e, t in enumerate(unstack([value])))
-    return out

@@ -7,15 +7,9 @@ from functools import partial
 from typing import Any
 
 from llmtrain.config import ModelConfig
-from llmtrain.models.hf.adapter import HFAdapter, ModelFormatError, Rule, Tensors, rename
+from llmtrain.models.hf.adapter import HFAdapter, ModelFormatError, Rule, rename
 from llmtrain.models.hf.decoder import attention_rules, decoder_fields, decoder_hf_fields, decoder_rules
-from llmtrain.models.hf.moe import (
-    MLP_EXPERTS,
-    expert_rules,
-    moe_fields,
-    moe_hf_fields,
-    split_stacked_experts,
-)
+from llmtrain.models.hf.moe import MLP_EXPERTS, moe_fields, moe_hf_fields
 
 
 def config_fields(hf: dict[str, Any]) -> dict[str, Any]:
@@ -63,21 +57,12 @@ def qk_norm_attention_rules(cfg: ModelConfig, hf: str, ours: str) -> list[Rule]:
     return attention_rules(cfg, hf, ours) + norms
 
 
-def moe_layer_rules(cfg: ModelConfig, h: str, o: str) -> list[Rule]:
-    return expert_rules(cfg, MLP_EXPERTS, h, o)
-
-
-def checkpoint_names(cfg: ModelConfig, hf_state: Tensors) -> Tensors:
-    """Checkpoint names for transformers >= 5's in-memory stacked experts."""
-    return split_stacked_experts(hf_state, MLP_EXPERTS)
-
-
 ADAPTER = HFAdapter(
     arch="qwen3_moe",
     model_type="qwen3_moe",
     hf_class="Qwen3MoeForCausalLM",
     config_fields=config_fields,
     hf_config_fields=hf_config_fields,
-    rules=partial(decoder_rules, attention=qk_norm_attention_rules, moe_layer=moe_layer_rules),
-    checkpoint_names=checkpoint_names,
+    rules=partial(decoder_rules, attention=qk_norm_attention_rules, moe_layer=MLP_EXPERTS.layer_rules),
+    checkpoint_names=MLP_EXPERTS.checkpoint_names,
 )
