@@ -27,9 +27,9 @@ from llmtrain.checkpoint.convert import from_hf, info
 from llmtrain.config import ModelConfig
 from llmtrain.data import SentencePieceTokenizer
 from llmtrain.models import build, from_hf_config, from_pretrained, save_hf, save_pretrained, to_hf_config
-from llmtrain.models import hf as hf_io
 from llmtrain.models.generate import greedy_generate
 from llmtrain.models.hf import ModelFormatError
+from llmtrain.models.hf import directories as hf_directories
 from llmtrain.parallel import Topology
 from tests.checkpoint._util import build as build_for_training
 from tests.checkpoint._util import tiny_job, train_tokenizer
@@ -322,7 +322,7 @@ def test_writes_are_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
     def boom(*args: object, **kwargs: object) -> None:
         raise OSError("disk full")
 
-    monkeypatch.setattr(hf_io, "save_file", boom)
+    monkeypatch.setattr(hf_directories, "save_file", boom)
     with torch.no_grad():
         model.embed_tokens.weight.add_(1.0)
     with pytest.raises(OSError, match="disk full"):
