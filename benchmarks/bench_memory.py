@@ -28,7 +28,7 @@ from pathlib import Path
 
 from llmtrain.config import load
 from llmtrain.planner import CostModel, Software, Workload, cluster_from_dict
-from llmtrain.planner.cost_model import layout_of_job
+from llmtrain.planner.cost.layout import layout_of_job
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "llama-small.yaml"

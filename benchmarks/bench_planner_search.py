@@ -16,10 +16,10 @@ import time
 
 from llmtrain.config import load
 from llmtrain.planner import CostModel, Workload, load_cluster, plan
-from llmtrain.planner.flops import num_parameters
-from llmtrain.planner.per_layer import search_per_layer
-from llmtrain.planner.per_layer_validation import gap_statistics
-from llmtrain.planner.search import build_space
+from llmtrain.planner.cost.flops import num_parameters
+from llmtrain.planner.search.per_layer import search_per_layer
+from llmtrain.planner.search.uniform import build_space
+from llmtrain.planner.validation.per_layer import gap_statistics
 
 ONE_T = ["model.num_layers=128", "model.hidden_size=25600", "model.num_attention_heads=160"]
 

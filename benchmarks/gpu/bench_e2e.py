@@ -48,7 +48,7 @@ from report import vs_torchtitan  # noqa: E402
 from llmtrain import models  # noqa: E402
 from llmtrain.config import JobConfig, load  # noqa: E402
 from llmtrain.parallel import ModelOptimizer, Topology, build_optimizer, parallelize  # noqa: E402
-from llmtrain.planner.flops import model_flops_per_token  # noqa: E402
+from llmtrain.planner.cost.flops import model_flops_per_token  # noqa: E402
 from llmtrain.training.peak import device_peak  # noqa: E402
 
 # A dry run keeps every code path (config, parallelize, fp8 swap, compile option, optimizer, metrics) at

@@ -20,8 +20,9 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 from llmtrain.config.validate import pipeline_problem
-from llmtrain.planner.cost_model import CostModel, Estimate, Layout
-from llmtrain.planner.search import Space, score
+from llmtrain.planner.cost.layout import Layout
+from llmtrain.planner.cost.model import CostModel, Estimate
+from llmtrain.planner.search.uniform import Space, score
 
 MODES = ("full", "selective", "none")
 """Recompute modes, in the order a chunk's layers are kept in (canonical form)."""

@@ -28,8 +28,9 @@ from llmtrain.config.errors import ConfigError
 from llmtrain.config.loader import parse_override
 from llmtrain.config.schema import JobConfig
 from llmtrain.config.validate import pipeline_problem, tensor_parallel_problem
-from llmtrain.planner.cluster import Cluster, ClusterView
-from llmtrain.planner.cost_model import CostModel, Estimate, Layout, Software, Workload
+from llmtrain.planner.cluster.hardware import Cluster, ClusterView
+from llmtrain.planner.cost.layout import Layout, Software, Workload
+from llmtrain.planner.cost.model import CostModel, Estimate
 
 EXHAUSTIVE_LIMIT = 4000
 """Spaces up to this many layouts are enumerated; larger ones use coordinate descent."""
