@@ -4,7 +4,7 @@
 
 Prints the mean and max relative step-time gap of the per-layer coordinate descent (llmtrain.planner.
 per_layer) to the best plan found by enumerating every distinct plan, and the share of exact matches, over
-random small problems (llmtrain.planner.per_layer_validation), then the time of the uniform search and of
+random small problems (llmtrain.planner.validation.per_layer), then the time of the uniform search and of
 the per-layer search for a 1T-parameter GPT (gpt3-175b's config with 128 layers of width 25600) on
 --gpus H100s, the fastest of --repeats runs, at 2k and 8k tokens (where recomputation matters).
 """

@@ -16,7 +16,7 @@ With --local it also trains a small LLaMA for a few steps with torchrun on gloo 
 1-2 processes (one core each; ZeRO 0-3, recompute none/selective/full, SP) and prints, per layout, the
 predicted and measured step time and |predicted - measured| / measured, then the median and max error
 against issue 19's target (median <= 15%) and the Spearman rank correlation
-(llmtrain.planner.local_validation, whose docstring says why not 3-4 processes on 2 cores; about 4 minutes
+(llmtrain.planner.validation.local, whose docstring says why not 3-4 processes on 2 cores; about 4 minutes
 on 2 cores, twice that with --local-repeats 2). The cluster is the one tools/calibrate.py measured:
 
     python tools/calibrate.py --output local.yaml && \

@@ -6,7 +6,7 @@ built the way tools/pretrain.py builds a run (models.build -> parallelize -> bui
 buffers with fp32 master weights) and trained for a few optimizer steps on random tokens; the first
 `--warmup` steps (compilation, autotuning, allocator) are not timed. MFU is against the device's bf16
 dense peak (llmtrain.training.peak: datasheet by device name, else measured), FLOPs from
-llmtrain.planner.flops (attention included, recomputation not counted), as the trainer's progress line
+llmtrain.planner.cost.flops (attention included, recomputation not counted), as the trainer's progress line
 computes them.
 
 Each variant runs in its own Python process: a variant that fails (out of memory, a compile error) leaves

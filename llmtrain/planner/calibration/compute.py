@@ -334,7 +334,7 @@ ATTENTION_DTYPE = {"cuda": "bf16", "cpu": "fp32"}
 
 def measure_attention_tflops(kind: str, dtype: str, seconds: float, threads: int) -> float:
     """Forward plus backward TFLOP/s of torch's fused attention (causal; FLOPs counted over the full square,
-    as llmtrain.planner.flops does) on `threads` CPU threads (one process's share; ignored on a GPU)."""
+    as llmtrain.planner.cost.flops does) on `threads` CPU threads (one process's share; ignored on a GPU)."""
     import torch
     import torch.nn.functional as F
 

@@ -1,7 +1,7 @@
-"""What one calibration run measured (Measurements: the device's figures, and calibration.links' LinkFits) and
-`profile_of`, which turns it into a cluster YAML structure whose every constant names this run as its source
-(the tables as Device.gemm_table, Device.memory_table and Link.measured, which the cost model interpolates),
-with the raw tables kept under `calibration`. Pure Python.
+"""What one calibration run measured (Measurements: the device's figures, and a LinkFit per collective,
+backend and group size) and `profile_of`, which turns it into a cluster YAML structure whose every constant
+names this run as its source (the tables as Device.gemm_table, Device.memory_table and Link.measured, which
+the cost model interpolates), with the raw tables kept under `calibration`. Pure Python.
 """
 
 from __future__ import annotations

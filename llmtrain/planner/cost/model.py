@@ -11,8 +11,8 @@ Per transformer layer and micro-batch (b samples of s tokens, on one tensor-para
   full recomputation repeats the forward's collectives in the backward.
 - recomputation: full re-runs the layer's forward in the backward; selective re-runs the attention core.
 - pipeline: per-chunk forward/backward costs (first stage adds the embedding, last the logits and loss) go
-  through llmtrain.planner.pipeline_time (the pipeline simulator or its closed forms), with the activation
-  send as the point-to-point cost.
+  through llmtrain.planner.cost.pipeline_time (the pipeline simulator or its closed forms), with the
+  activation send as the point-to-point cost.
 - context parallelism (cp): each rank holds b*s/cp tokens, so projections, MLP and memory-bound kernels run on
   a cp-th of the tokens and the attention core on a cp-th of the score square (the two mirrored chunks
   balance the causal mask). ring: the attention runs as PyTorch block matmuls in fp32 (2cp+1 visible chunk
@@ -37,9 +37,15 @@ Per transformer layer and micro-batch (b samples of s tokens, on one tensor-para
 Memory per rank: weights, gradients and optimizer state per precision and ZeRO stage; activations per layer
 after Korthikanti et al. 2022 (generalised to GQA, gated MLPs and flash attention) times the layers of the
 rank times the in-flight micro-batches of the schedule; communication buffers; the device's reserve.
-Per-layer plans (Layout.layer_recompute, Layout.stage_layers: what llmtrain.planner.per_layer searches) sum
-each rank's layers under their own recompute modes, so the busiest rank sets the pipeline's pace, and size
-every rank's memory from its own chunks' activations under its schedule's in-flight micro-batches.
+Per-layer plans (Layout.layer_recompute, Layout.stage_layers: what llmtrain.planner.search.per_layer
+searches) sum each rank's layers under their own recompute modes, so the busiest rank sets the pipeline's
+pace, and size every rank's memory from its own chunks' activations under its schedule's in-flight
+micro-batches.
+
+This module holds Estimate and CostModel's evaluation (validity, per-rank costs, pipeline, memory, the step);
+the terms above live in CostModel's parts: layer_time (compute, TP, CP, EP, recomputation), data_parallel
+(data parallelism and the optimizer), step_collectives (the collectives a step issues), base (per-rank
+shapes), memory (bytes per rank) and pipeline_time.
 """
 
 from __future__ import annotations
@@ -160,14 +166,14 @@ class CostModel(LayerTime, DataParallelTime, StepCollectives):
     # ------------------------------------------------------------------------------------ memory
 
     def activation_bytes_per_layer(self, tp: int, b: int, sp: bool, recompute: str) -> float:
-        """Saved activations of one layer for one micro-batch (llmtrain.planner.memory)."""
+        """Saved activations of one layer for one micro-batch (llmtrain.planner.cost.memory)."""
         return activation_bytes_per_layer(
             self.w.model, self.w.seq, self.act_bytes, self.sw.flash_attention, tp, b, sp, recompute,
             self.sw.fused_kernels,
         )  # fmt: skip
 
     def memory(self, layout: Layout, inflight: int, num_micro: int) -> dict[str, float]:
-        """Bytes on the fullest rank (llmtrain.planner.memory.rank_memory), as MemoryBreakdown.as_dict."""
+        """Bytes on the fullest rank (memory.rank_memory), as MemoryBreakdown.as_dict."""
         return self.breakdown(layout, inflight, num_micro).as_dict()
 
     def breakdown(self, layout: Layout, inflight: int, num_micro: int) -> MemoryBreakdown:

@@ -165,7 +165,7 @@ def explain(result: PlanResult, view: ClusterView, runners_up: int = 5, misfits:
 
 
 def format_explanation(expl: Explanation, precision: str, device: str) -> str:
-    """The explanation as text: time split, memory split (report.format_memory), runners-up."""
+    """The explanation as text: time split, memory split (report.tables.format_memory), runners-up."""
     c = expl.chosen
     lines = [f"why {c.layout.short()}:", f"  step time {c.step_time:.3f} s:"]
     for key, label in PART_LABELS.items():

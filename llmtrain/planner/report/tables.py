@@ -107,7 +107,7 @@ _MEMORY_ROWS = (
 
 
 def _state_notes(lay: Layout, precision: str) -> dict[str, str]:
-    """What each model-state row holds for this layout (llmtrain.planner.memory's table)."""
+    """What each model-state row holds for this layout (llmtrain.planner.cost.memory's table)."""
     shard = shard_group(lay)
     over = f" / {shard}" if lay.zero_stage else ""
     if lay.zero_stage and lay.ep > 1:

@@ -278,9 +278,9 @@ def seeds(ranked: Sequence[Estimate], count: int = SEEDS) -> list[Estimate]:
 def search_per_layer(
     model: CostModel, space: Space, ranked: Sequence[Estimate], count: int = SEEDS
 ) -> PerLayerResult:
-    """Per-layer coordinate descent from the best uniform layouts of `ranked` (search.plan's ranking, best
-    first): one descent from each of `seeds`, since a change of tp, pp or micro-batch together with the
-    recomputation re-chosen can beat each alone (the restarts of AutoDDL)."""
+    """Per-layer coordinate descent from the best uniform layouts of `ranked` (search.uniform.plan's
+    ranking, best first): one descent from each of `seeds`, since a change of tp, pp or micro-batch together
+    with the recomputation re-chosen can beat each alone (the restarts of AutoDDL)."""
     t0 = time.perf_counter()
     search = PerLayerSearch(model, space)
     best = ranked[0]
