@@ -69,7 +69,7 @@ from llmtrain.config import JobConfig, ModelConfig, ParallelConfig, load
 from llmtrain.parallel import Topology
 from llmtrain.parallel import context_parallel as cpmod
 from llmtrain.parallel.context_parallel import apply_cp
-from llmtrain.planner.profile import run_local_workers
+from llmtrain.planner.calibration.profile import run_local_workers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_memory import CONFIG, measure  # noqa: E402

@@ -3,7 +3,7 @@
 Each row trains a small LLaMA (tools/pretrain.py under torchrun, gloo, logging.memory=true) for a few steps
 and reads every rank's measured peaks from metrics.jsonl: the bytes of live tensors tracked by PyTorch's
 MemTracker at startup (building and sharding the model) and during the steps (llmtrain.training.
-memory_tracking). The planner's memory model (llmtrain.planner.memory, through CostModel) predicts the
+memory_tracking). The planner's memory model (llmtrain.planner.cost.memory, through CostModel) predicts the
 fullest rank's peaks for the same config and layout on a device with no reserved memory (a CPU holds no
 runtime context among its tensors). The table shows both and their ratio; the target is within 10%.
 
@@ -28,7 +28,7 @@ from pathlib import Path
 
 from llmtrain.config import load
 from llmtrain.planner import CostModel, Software, Workload, cluster_from_dict
-from llmtrain.planner.cost_model import layout_of_job
+from llmtrain.planner.cost.layout import layout_of_job
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "llama-small.yaml"

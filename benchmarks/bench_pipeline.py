@@ -34,7 +34,7 @@ from llmtrain.pipeline.schedules import build_schedule
 from llmtrain.pipeline.simulator import SimulationResult, simulate
 from llmtrain.pipeline.stages import activation_shape, build_stages
 from llmtrain.pipeline.timeline import Span, bubble_fraction, render_png, save_trace
-from llmtrain.planner.flops import head_cost_in_layers
+from llmtrain.planner.cost.flops import head_cost_in_layers
 
 
 def _loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

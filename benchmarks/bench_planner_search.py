@@ -4,7 +4,7 @@
 
 Prints the mean and max relative step-time gap of the per-layer coordinate descent (llmtrain.planner.
 per_layer) to the best plan found by enumerating every distinct plan, and the share of exact matches, over
-random small problems (llmtrain.planner.per_layer_validation), then the time of the uniform search and of
+random small problems (llmtrain.planner.validation.per_layer), then the time of the uniform search and of
 the per-layer search for a 1T-parameter GPT (gpt3-175b's config with 128 layers of width 25600) on
 --gpus H100s, the fastest of --repeats runs, at 2k and 8k tokens (where recomputation matters).
 """
@@ -16,10 +16,10 @@ import time
 
 from llmtrain.config import load
 from llmtrain.planner import CostModel, Workload, load_cluster, plan
-from llmtrain.planner.flops import num_parameters
-from llmtrain.planner.per_layer import search_per_layer
-from llmtrain.planner.per_layer_validation import gap_statistics
-from llmtrain.planner.search import build_space
+from llmtrain.planner.cost.flops import num_parameters
+from llmtrain.planner.search.per_layer import search_per_layer
+from llmtrain.planner.search.uniform import build_space
+from llmtrain.planner.validation.per_layer import gap_statistics
 
 ONE_T = ["model.num_layers=128", "model.hidden_size=25600", "model.num_attention_heads=160"]
 

@@ -16,7 +16,7 @@ With --local it also trains a small LLaMA for a few steps with torchrun on gloo 
 1-2 processes (one core each; ZeRO 0-3, recompute none/selective/full, SP) and prints, per layout, the
 predicted and measured step time and |predicted - measured| / measured, then the median and max error
 against issue 19's target (median <= 15%) and the Spearman rank correlation
-(llmtrain.planner.local_validation, whose docstring says why not 3-4 processes on 2 cores; about 4 minutes
+(llmtrain.planner.validation.local, whose docstring says why not 3-4 processes on 2 cores; about 4 minutes
 on 2 cores, twice that with --local-repeats 2). The cluster is the one tools/calibrate.py measured:
 
     python tools/calibrate.py --output local.yaml && \
@@ -39,9 +39,9 @@ import time
 from pathlib import Path
 
 from llmtrain.config import ConfigError
-from llmtrain.planner.cluster import Cluster
-from llmtrain.planner.cost_model import Layout
-from llmtrain.planner.local_validation import (
+from llmtrain.planner.cluster.hardware import Cluster
+from llmtrain.planner.cost.layout import Layout
+from llmtrain.planner.validation.local import (
     LOCAL_CONFIG,
     LOCAL_LAYOUTS,
     LOCAL_MODEL_OVERRIDES,
@@ -52,7 +52,7 @@ from llmtrain.planner.local_validation import (
     predict,
     run_overrides,
 )
-from llmtrain.planner.validation import format_results, provenance, summary, validate_megatron
+from llmtrain.planner.validation.published import format_results, provenance, summary, validate_megatron
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -106,7 +106,7 @@ def local_cluster(cluster_file: str | None) -> Cluster:
 
     if cluster_file:
         return load_cluster(cluster_file)
-    from llmtrain.planner.profile import describe_local
+    from llmtrain.planner.calibration.profile import describe_local
 
     start = time.perf_counter()
     # 2 processes sharing the machine, as the 2-process layouts run. Links: profile.py's loopback

@@ -80,9 +80,10 @@ def main(argv: list[str]) -> int:
     """Measure, write the profile, print a summary."""
     args = build_parser().parse_args(argv)
     from llmtrain.config import ConfigError
-    from llmtrain.planner.calibration import measure, profile_of
-    from llmtrain.planner.cluster import cluster_from_dict
-    from llmtrain.planner.report import check_new_file, write_yaml
+    from llmtrain.planner.calibration.measure import measure
+    from llmtrain.planner.calibration.measurements import profile_of
+    from llmtrain.planner.cluster.files import cluster_from_dict
+    from llmtrain.planner.report.files import check_new_file, write_yaml
 
     if args.devices < 1 or min(args.group_sizes) < 2:
         raise ConfigError("--devices must be at least 1 and every --group-sizes entry at least 2")

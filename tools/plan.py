@@ -97,8 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
 def profile_local(args: argparse.Namespace) -> int:
     """--profile-local: measure this machine and write it as a cluster file."""
     from llmtrain.config.loader import dump_yaml
-    from llmtrain.planner.profile import describe_local
-    from llmtrain.planner.report import check_new_file, write_yaml
+    from llmtrain.planner.calibration.profile import describe_local
+    from llmtrain.planner.report.files import check_new_file, write_yaml
 
     check_new_file(args.output, args.overwrite)  # before minutes of measuring, not after
     desc = describe_local(args.devices)
@@ -113,8 +113,8 @@ def print_memory(job, args: argparse.Namespace, software) -> int:  # noqa: ANN00
 
     from llmtrain.config import ConfigError
     from llmtrain.planner import CostModel, Workload, load_cluster, parse_fixed
-    from llmtrain.planner.cost_model import layout_of_job
-    from llmtrain.planner.report import format_memory
+    from llmtrain.planner.cost.layout import layout_of_job
+    from llmtrain.planner.report.tables import format_memory
 
     view = load_cluster(args.cluster).view(args.gpus)
     model = CostModel(Workload.from_job(job, args.global_batch), view, software)
@@ -144,11 +144,13 @@ def main(argv: list[str]) -> int:
 
     from llmtrain.config import ConfigError, load
     from llmtrain.planner import CostModel, Software, load_cluster, parse_fixed, plan_job
-    from llmtrain.planner.explain import explain, format_explanation
-    from llmtrain.planner.hetero import HeteroPlanner
-    from llmtrain.planner.per_layer import search_per_layer
-    from llmtrain.planner.report import check_new_file, format_table, plot, to_records, write_config
-    from llmtrain.planner.search import build_space
+    from llmtrain.planner.report.explain import explain, format_explanation
+    from llmtrain.planner.report.files import check_new_file, write_config
+    from llmtrain.planner.report.plot import plot
+    from llmtrain.planner.report.tables import format_table, to_records
+    from llmtrain.planner.search.hetero import HeteroPlanner
+    from llmtrain.planner.search.per_layer import search_per_layer
+    from llmtrain.planner.search.uniform import build_space
 
     for path in (args.write, args.plot):
         if path:

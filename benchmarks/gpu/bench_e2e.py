@@ -6,7 +6,7 @@ built the way tools/pretrain.py builds a run (models.build -> parallelize -> bui
 buffers with fp32 master weights) and trained for a few optimizer steps on random tokens; the first
 `--warmup` steps (compilation, autotuning, allocator) are not timed. MFU is against the device's bf16
 dense peak (llmtrain.training.peak: datasheet by device name, else measured), FLOPs from
-llmtrain.planner.flops (attention included, recomputation not counted), as the trainer's progress line
+llmtrain.planner.cost.flops (attention included, recomputation not counted), as the trainer's progress line
 computes them.
 
 Each variant runs in its own Python process: a variant that fails (out of memory, a compile error) leaves
@@ -49,7 +49,7 @@ from report import vs_torchtitan  # noqa: E402
 from llmtrain import models  # noqa: E402
 from llmtrain.config import JobConfig, load  # noqa: E402
 from llmtrain.parallel import ModelOptimizer, Topology, build_optimizer, parallelize  # noqa: E402
-from llmtrain.planner.flops import model_flops_per_token  # noqa: E402
+from llmtrain.planner.cost.flops import model_flops_per_token  # noqa: E402
 from llmtrain.training.peak import device_peak  # noqa: E402
 
 # A dry run keeps every code path (config, parallelize, fp8 swap, compile option, optimizer, metrics) at

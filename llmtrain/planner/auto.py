@@ -7,15 +7,12 @@ from typing import Any
 
 from llmtrain.config.errors import ConfigError
 from llmtrain.config.schema import JobConfig
-from llmtrain.planner.choices import parallelism_notes
-from llmtrain.planner.cluster import Cluster, load_cluster
-from llmtrain.planner.cost_model import (
-    Estimate,
-    Layout,
-    parallel_overrides,
-    sharding_overrides,
-)
-from llmtrain.planner.search import plan_job
+from llmtrain.planner.cluster.files import load_cluster
+from llmtrain.planner.cluster.hardware import Cluster
+from llmtrain.planner.cost.layout import Layout, parallel_overrides, sharding_overrides
+from llmtrain.planner.cost.model import Estimate
+from llmtrain.planner.report.choices import parallelism_notes
+from llmtrain.planner.search.uniform import plan_job
 
 
 def layout_overrides(layout: Layout) -> dict[str, Any]:
@@ -54,7 +51,9 @@ def plan_for_world(
         except ConfigError as err:
             raise ConfigError(f"parallel.cluster: {err}") from None
     if cluster is None:
-        from llmtrain.planner.profile import local_cluster  # torch only when describing this machine
+        from llmtrain.planner.calibration.profile import (
+            local_cluster,  # torch only when describing this machine
+        )
 
         cluster = local_cluster(world_size)
     elif not isinstance(cluster, Cluster):

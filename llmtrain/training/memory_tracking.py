@@ -8,7 +8,7 @@
   small operators noticeably, hence the switch.
 - CPU without it: the process's peak resident set size, which also counts the interpreter, libraries and
   allocator caches (no separate startup figure).
-These are what the planner's memory model (llmtrain.planner.memory) predicts; benchmarks/bench_memory.py
+These are what the planner's memory model (llmtrain.planner.cost.memory) predicts; benchmarks/bench_memory.py
 compares the two.
 """
 

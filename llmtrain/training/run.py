@@ -58,7 +58,7 @@ def _llmtrain_parts(job: JobConfig, topo: Topology) -> tuple[torch.nn.Module, An
     from llmtrain.models import empty_model
     from llmtrain.parallel import build_optimizer, grad_sync, parallelize
     from llmtrain.pipeline.executor import PipelineStepRunner, build_pipeline
-    from llmtrain.planner.flops import head_cost_in_layers
+    from llmtrain.planner.cost.flops import head_cost_in_layers
 
     # Built on meta, then each rank allocates and initialises only its own TP slice of its own stages
     # (parallelize, or build_pipeline with pp > 1). In fp32: parallelize casts to bf16/fp16 through its
@@ -94,7 +94,7 @@ def build_trainer(
     """
     from llmtrain.checkpoint import Checkpointer
     from llmtrain.data import build_data
-    from llmtrain.planner.flops import model_flops_per_token
+    from llmtrain.planner.cost.flops import model_flops_per_token
     from llmtrain.training.metrics import MetricsLogger
 
     seed_everything(job.train.seed)
@@ -166,7 +166,7 @@ def _commit(launch: Launch, job: JobConfig, world_size: int) -> None:
 def startup_block(job: JobConfig, topo: Topology, launch: Launch) -> str:
     """What rank 0 prints before the first step: the model, layout, batch, precision, output and start."""
     import kernels
-    from llmtrain.planner.flops import num_parameters
+    from llmtrain.planner.cost.flops import num_parameters
 
     m, p, t, c = job.model, job.parallel, job.train, job.checkpoint
     accumulation = (

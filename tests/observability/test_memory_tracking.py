@@ -8,7 +8,7 @@ import torch
 
 from llmtrain.config import load
 from llmtrain.planner import CostModel, Software, Workload, cluster_from_dict
-from llmtrain.planner.cost_model import layout_of_job
+from llmtrain.planner.cost.layout import layout_of_job
 from llmtrain.training.memory_tracking import PeakMemory
 from llmtrain.training.metrics import memory_entry
 from tests.training._runs import CONFIG, TINY, run_cli, torchrun_command

@@ -12,7 +12,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from llmtrain.config import JobConfig, ModelConfig
-from llmtrain.planner.flops import model_flops_per_token
+from llmtrain.planner.cost.flops import model_flops_per_token
 from llmtrain.training.metrics import MetricsLogger
 from llmtrain.training.metrics_file import latest_per_step, read_rows
 from llmtrain.training.peak import Peak, device_peak, gpu_peak_tflops, measured_matmul_tflops

@@ -24,7 +24,7 @@ from llmtrain.parallel.tensor_parallel import ColumnParallelLinear, RowParallelL
 from llmtrain.pipeline.schedules import build_schedule
 from llmtrain.pipeline.simulator import simulate
 from llmtrain.pipeline.stages import partition_layers
-from llmtrain.planner.flops import head_cost_in_layers
+from llmtrain.planner.cost.flops import head_cost_in_layers
 from tests.parallel._dist import parallel_run
 from tests.parallel._reference import Reference, torch_reference
 

@@ -14,7 +14,7 @@ import torch.distributed.distributed_c10d as c10d
 
 from llmtrain.parallel import comm
 from llmtrain.parallel.topology import Topology
-from llmtrain.planner.collectives import DIMS, Comm
+from llmtrain.planner.cost.collectives import DIMS, Comm
 
 _DIMS = DIMS
 _TORCH_OPS = {

@@ -11,16 +11,11 @@ from pathlib import Path
 import pytest
 
 from llmtrain.config.errors import ConfigError
-from llmtrain.planner.calibration import (
-    LinkFit,
-    Measurements,
-    fit_alpha_beta,
-    least_disturbed,
-    monotone_times,
-    profile_of,
-)
-from llmtrain.planner.cluster import cluster_from_dict, load_cluster
-from llmtrain.planner.interpolate import rate_at, time_at
+from llmtrain.planner.calibration.links import LinkFit
+from llmtrain.planner.calibration.measurements import Measurements, profile_of
+from llmtrain.planner.calibration.timing import fit_alpha_beta, least_disturbed, monotone_times
+from llmtrain.planner.cluster.files import cluster_from_dict, load_cluster
+from llmtrain.planner.cluster.interpolate import rate_at, time_at
 
 REPO = Path(__file__).resolve().parents[2]
 

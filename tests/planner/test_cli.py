@@ -14,7 +14,7 @@ import yaml
 
 import llmtrain.planner
 from llmtrain.config import ConfigError, load, validate_world
-from llmtrain.planner.cluster import PRESETS, load_cluster, preset_names
+from llmtrain.planner.cluster.files import PRESETS, load_cluster, preset_names
 
 ROOT = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("plan_tool", ROOT / "tools" / "plan.py")
@@ -180,7 +180,7 @@ def test_profile_local_writes_a_loadable_cluster(tmp_path, capsys):
 
 @pytest.mark.slow  # two gloo processes
 def test_link_measurement_reports_a_dead_worker_instead_of_waiting():
-    from llmtrain.planner.profile import measure_gloo
+    from llmtrain.planner.calibration.profile import measure_gloo
 
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="ended without a result"):

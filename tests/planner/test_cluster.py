@@ -3,7 +3,8 @@
 import pytest
 
 from llmtrain.config.errors import ConfigError
-from llmtrain.planner.cluster import FRESH_PAGE_BYTES, cluster_from_dict, cluster_to_dict, load_cluster
+from llmtrain.planner.cluster.files import cluster_from_dict, cluster_to_dict, load_cluster
+from llmtrain.planner.cluster.hardware import FRESH_PAGE_BYTES
 
 
 def tiny(**links):
@@ -150,7 +151,7 @@ def test_sources_must_name_constants_of_the_cluster_and_be_text():
     ],
 )
 def test_local_gpus_map_to_their_preset_by_name_and_memory(name, gib, preset):
-    from llmtrain.planner.profile import preset_for
+    from llmtrain.planner.calibration.profile import preset_for
 
     assert preset_for(name, gib) == preset
     if preset:
@@ -160,7 +161,7 @@ def test_local_gpus_map_to_their_preset_by_name_and_memory(name, gib, preset):
 def test_an_unknown_device_is_described_per_node_across_nodes(monkeypatch):
     # CPU here: no preset. Under torchrun on 2 nodes of 2 processes each, one node is described and the
     # 4-process job spans two of them.
-    from llmtrain.planner.profile import local_cluster
+    from llmtrain.planner.calibration.profile import local_cluster
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     local_cluster.cache_clear()

@@ -28,8 +28,8 @@ from llmtrain.parallel import (
 )
 from llmtrain.pipeline.executor import build_pipeline
 from llmtrain.planner import CostModel, Workload, load_cluster
-from llmtrain.planner.collectives import COUNT_BYTES, Comm
-from llmtrain.planner.cost_model import Software, layout_of_job
+from llmtrain.planner.cost.collectives import COUNT_BYTES, Comm
+from llmtrain.planner.cost.layout import Software, layout_of_job
 from tests.parallel._dist import SpawnedCases, batches, tiny_job
 from tests.planner._trace import Tracer
 

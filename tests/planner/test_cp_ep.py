@@ -13,11 +13,11 @@ import pytest
 from llmtrain.config import ConfigError, ModelConfig, load
 from llmtrain.config.loader import with_overrides
 from llmtrain.planner import CostModel, Workload, load_cluster, parse_fixed, plan, plan_for_world, plan_job
-from llmtrain.planner import collectives as C
-from llmtrain.planner import flops as F
 from llmtrain.planner.auto import layout_overrides
-from llmtrain.planner.choices import parallelism_notes
-from llmtrain.planner.cost_model import Layout, Software, with_layout
+from llmtrain.planner.cost import collectives as C
+from llmtrain.planner.cost import flops as F
+from llmtrain.planner.cost.layout import Layout, Software, with_layout
+from llmtrain.planner.report.choices import parallelism_notes
 
 ROOT = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("plan_tool", ROOT / "tools" / "plan.py")

@@ -7,8 +7,8 @@ import pytest
 from llmtrain.config import load
 from llmtrain.config.schema import ModelConfig
 from llmtrain.planner import CostModel, Layout, Workload, load_cluster, plan, plan_job
-from llmtrain.planner.cost_model import GIB
-from llmtrain.planner.explain import PART_LABELS, explain, format_explanation, time_parts, why_not
+from llmtrain.planner.cost.layout import GIB
+from llmtrain.planner.report.explain import PART_LABELS, explain, format_explanation, time_parts, why_not
 
 H100 = load_cluster("h100-80gb")
 LLAMA = ModelConfig(

@@ -3,7 +3,7 @@
 import pytest
 
 from llmtrain.config.schema import ModelConfig
-from llmtrain.planner.flops import (
+from llmtrain.planner.cost.flops import (
     megatron_flops_per_iteration,
     model_flops_per_token,
     num_parameters,

@@ -12,8 +12,8 @@ from llmtrain.config import load, validate_world
 from llmtrain.pipeline.schedules import build_schedule
 from llmtrain.pipeline.simulator import simulate
 from llmtrain.planner import load_cluster
-from llmtrain.planner.cost_model import Layout, Workload
-from llmtrain.planner.hetero import HeteroPlanner, rank_devices
+from llmtrain.planner.cost.layout import Layout, Workload
+from llmtrain.planner.search.hetero import HeteroPlanner, rank_devices
 
 ROOT = Path(__file__).resolve().parents[2]
 GPUS = 32

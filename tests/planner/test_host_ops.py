@@ -11,10 +11,11 @@ from torch.utils._pytree import tree_flatten
 from llmtrain.config import load
 from llmtrain.models.causal_lm import build
 from llmtrain.planner import Workload, load_cluster
-from llmtrain.planner import collectives as C
-from llmtrain.planner.cost_model import CostModel, Layout, Software
-from llmtrain.planner.host_ops import BLOCK_OPS, ce_passes, extra_ops, layer_ops, reference_bytes
-from llmtrain.planner.memory import edges_vocab_sharded
+from llmtrain.planner.cost import collectives as C
+from llmtrain.planner.cost.host_ops import BLOCK_OPS, ce_passes, extra_ops, layer_ops, reference_bytes
+from llmtrain.planner.cost.layout import Layout, Software
+from llmtrain.planner.cost.memory import edges_vocab_sharded
+from llmtrain.planner.cost.model import CostModel
 
 SMALL = ["model.num_layers=2", "model.hidden_size=64", "model.seq_length=16", "model.vocab_size=256"]
 
@@ -191,7 +192,7 @@ def test_the_calibrated_block_moves_the_bytes_the_cost_model_charges():
     # The memory table's rate is the bytes _OperatorClock counts over their time; the cost model divides
     # reference_bytes by it: the two counts must agree.
     from llmtrain.config.schema import ModelConfig
-    from llmtrain.planner.calibration import MEMORY_BLOCK, _OperatorClock
+    from llmtrain.planner.calibration.compute import MEMORY_BLOCK, _OperatorClock
 
     tokens, seq = 256, 128
     cfg = ModelConfig(**MEMORY_BLOCK, num_layers=1, vocab_size=256, seq_length=seq, kernels="torch")

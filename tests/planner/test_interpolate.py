@@ -4,8 +4,8 @@ measured matmul rates and collective times replace the formulas where given, and
 import pytest
 
 from llmtrain.config.errors import ConfigError
-from llmtrain.planner.cluster import cluster_from_dict, load_cluster
-from llmtrain.planner.interpolate import rate_at, time_at
+from llmtrain.planner.cluster.files import cluster_from_dict, load_cluster
+from llmtrain.planner.cluster.interpolate import rate_at, time_at
 
 RATES = [[1e6, 0.05], [1e8, 0.15], [1e10, 0.2]]
 

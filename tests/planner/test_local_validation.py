@@ -17,10 +17,11 @@ import pytest
 from llmtrain.config import load
 from llmtrain.config.validate import validate_world
 from llmtrain.planner import CostModel, Workload, cluster_from_dict
-from llmtrain.planner.calibration import profile_of
-from llmtrain.planner.cluster import load_cluster
-from llmtrain.planner.cost_model import Layout, Software
-from llmtrain.planner.local_validation import (
+from llmtrain.planner.calibration.measurements import profile_of
+from llmtrain.planner.cluster.files import load_cluster
+from llmtrain.planner.cost.layout import Layout, Software
+from llmtrain.planner.report.files import write_yaml
+from llmtrain.planner.validation.local import (
     ERROR_TARGET,
     LOCAL_CONFIG,
     LOCAL_LAYOUTS,
@@ -33,7 +34,6 @@ from llmtrain.planner.local_validation import (
     run_overrides,
     spearman,
 )
-from llmtrain.planner.report import write_yaml
 from tests.planner.test_calibration import _measurements
 
 REPO = Path(__file__).resolve().parents[2]

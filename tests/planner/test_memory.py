@@ -3,8 +3,9 @@
 import pytest
 
 from llmtrain.config.schema import ModelConfig
-from llmtrain.planner.cluster import load_cluster
-from llmtrain.planner.cost_model import CostModel, Layout, Software, Workload
+from llmtrain.planner.cluster.files import load_cluster
+from llmtrain.planner.cost.layout import Layout, Software, Workload
+from llmtrain.planner.cost.model import CostModel
 
 GPT = ModelConfig(
     arch="gpt",

@@ -12,16 +12,17 @@ from llmtrain.pipeline.partition import partition_layers
 from llmtrain.pipeline.schedules import build_schedule
 from llmtrain.planner import Software, Workload, load_cluster, plan, plan_job
 from llmtrain.planner.auto import layout_overrides
-from llmtrain.planner.cost_model import CostModel, Layout, with_layout
-from llmtrain.planner.flops import head_cost_in_layers, parameter_counts
-from llmtrain.planner.memory import (
+from llmtrain.planner.cost.flops import head_cost_in_layers, parameter_counts
+from llmtrain.planner.cost.layout import Layout, with_layout
+from llmtrain.planner.cost.memory import (
     p2p_transfers_held,
     pending_weight_grads,
     rank_memory,
     shard_group,
     sharding_problem,
 )
-from llmtrain.planner.pipeline_time import peak_inflight_closed
+from llmtrain.planner.cost.model import CostModel
+from llmtrain.planner.cost.pipeline_time import peak_inflight_closed
 
 GIB = 2**30
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -325,7 +326,7 @@ def test_layouts_become_the_config_fields_the_trainer_reads():
 
 def test_init_block_matches_the_initialisation():
     from llmtrain.models.init import BLOCK_NUMEL
-    from llmtrain.planner.memory import INIT_BLOCK_NUMEL
+    from llmtrain.planner.cost.memory import INIT_BLOCK_NUMEL
 
     assert INIT_BLOCK_NUMEL == BLOCK_NUMEL
 

@@ -9,7 +9,7 @@ import pytest
 
 from llmtrain.config.schema import ModelConfig
 from llmtrain.planner import CostModel, Layout, Workload, load_cluster, plan
-from llmtrain.planner.per_layer import (
+from llmtrain.planner.search.per_layer import (
     MODES,
     PerLayerSearch,
     Plan,
@@ -17,8 +17,8 @@ from llmtrain.planner.per_layer import (
     plan_of,
     search_per_layer,
 )
-from llmtrain.planner.per_layer_validation import compare, gap_statistics, random_problem
-from llmtrain.planner.search import build_space
+from llmtrain.planner.search.uniform import build_space
+from llmtrain.planner.validation.per_layer import compare, gap_statistics, random_problem
 
 H100 = load_cluster("h100-80gb")
 LLAMA = ModelConfig(

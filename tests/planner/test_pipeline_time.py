@@ -4,7 +4,7 @@ import pytest
 
 from llmtrain.pipeline.schedules import build_schedule
 from llmtrain.pipeline.simulator import simulate
-from llmtrain.planner.pipeline_time import closed_form, peak_inflight_closed, pipeline_time
+from llmtrain.planner.cost.pipeline_time import closed_form, peak_inflight_closed, pipeline_time
 
 COSTS = [
     (1.0, 2.0, 0.8, 0.0),

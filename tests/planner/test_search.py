@@ -21,9 +21,11 @@ from llmtrain.planner import (
     plan_job,
 )
 from llmtrain.planner.auto import layout_overrides
-from llmtrain.planner.cost_model import CostModel, Layout
-from llmtrain.planner.report import format_table, to_records, write_config
-from llmtrain.planner.search import build_space
+from llmtrain.planner.cost.layout import Layout
+from llmtrain.planner.cost.model import CostModel
+from llmtrain.planner.report.files import write_config
+from llmtrain.planner.report.tables import format_table, to_records
+from llmtrain.planner.search.uniform import build_space
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -20,8 +20,8 @@ from llmtrain.config.validate import pipeline_problem, tensor_parallel_problem
 from llmtrain.parallel.tensor_parallel import check_tp
 from llmtrain.pipeline.stages import partition_layers
 from llmtrain.planner import CostModel, Workload, load_cluster
-from llmtrain.planner.cost_model import SCHEDULES, Layout
-from llmtrain.planner.search import build_space
+from llmtrain.planner.cost.layout import SCHEDULES, Layout
+from llmtrain.planner.search.uniform import build_space
 
 A100 = load_cluster("a100-80gb")
 TPS = (1, 2, 3, 4, 6, 8)

@@ -6,9 +6,9 @@ The table ships inside the package (llmtrain/planner/data/), so these tests need
 import pytest
 
 from llmtrain.config.errors import ConfigError
-from llmtrain.planner.cluster import load_cluster, preset_names
-from llmtrain.planner.flops import num_parameters
-from llmtrain.planner.validation import (
+from llmtrain.planner.cluster.files import load_cluster, preset_names
+from llmtrain.planner.cost.flops import num_parameters
+from llmtrain.planner.validation.published import (
     CITES_TABLE,
     REFERENCE,
     format_results,

@@ -248,7 +248,7 @@ def test_wall_clock_interval_saves_between_step_intervals(
 def test_model_parameter_count_matches_the_module() -> None:
     """The startup block's count (planner.flops.num_parameters) against the built module's trainable
     parameters (ERNIE-MoE's router score bias is frozen), for each arch, MoE layouts with dense layers too."""
-    from llmtrain.planner.flops import num_parameters
+    from llmtrain.planner.cost.flops import num_parameters
 
     moe = ["model.num_layers=3", "model.num_experts=5", "model.moe_ffn_hidden_size=24"]
     latent = ["kv_lora_rank=10", "qk_nope_head_dim=6", "qk_rope_head_dim=4", "v_head_dim=7"]

@@ -20,8 +20,9 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 from llmtrain.config.validate import pipeline_problem
-from llmtrain.planner.cost_model import CostModel, Estimate, Layout
-from llmtrain.planner.search import Space, score
+from llmtrain.planner.cost.layout import Layout
+from llmtrain.planner.cost.model import CostModel, Estimate
+from llmtrain.planner.search.uniform import Space, score
 
 MODES = ("full", "selective", "none")
 """Recompute modes, in the order a chunk's layers are kept in (canonical form)."""
@@ -277,9 +278,9 @@ def seeds(ranked: Sequence[Estimate], count: int = SEEDS) -> list[Estimate]:
 def search_per_layer(
     model: CostModel, space: Space, ranked: Sequence[Estimate], count: int = SEEDS
 ) -> PerLayerResult:
-    """Per-layer coordinate descent from the best uniform layouts of `ranked` (search.plan's ranking, best
-    first): one descent from each of `seeds`, since a change of tp, pp or micro-batch together with the
-    recomputation re-chosen can beat each alone (the restarts of AutoDDL)."""
+    """Per-layer coordinate descent from the best uniform layouts of `ranked` (search.uniform.plan's
+    ranking, best first): one descent from each of `seeds`, since a change of tp, pp or micro-batch together
+    with the recomputation re-chosen can beat each alone (the restarts of AutoDDL)."""
     t0 = time.perf_counter()
     search = PerLayerSearch(model, space)
     best = ranked[0]

@@ -1,24 +1,12 @@
-"""Presenting plans: the ranked table, JSON records, the breakdown plot and the winning config as YAML.
-
-Files are written whole or not at all (a temporary file beside the target, then one rename), and an existing
-file is replaced only when the caller says so: a config the user edited is never silently overwritten.
-"""
+"""Plans as text and records: the ranked table, the memory rows of one layout, JSON-ready records."""
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Sequence
-from dataclasses import replace
-from pathlib import Path
-from typing import Any
-
-from llmtrain.config import ConfigError, to_dict, validate
-from llmtrain.config.loader import dump_yaml
-from llmtrain.config.schema import JobConfig
-from llmtrain.planner.choices import parallelism_notes
-from llmtrain.planner.cost_model import GIB, Estimate, Layout, with_layout
-from llmtrain.planner.memory import shard_group
-from llmtrain.planner.search import PlanResult
+from llmtrain.planner.cost.layout import GIB, Layout
+from llmtrain.planner.cost.memory import shard_group
+from llmtrain.planner.cost.model import Estimate
+from llmtrain.planner.report.choices import parallelism_notes
+from llmtrain.planner.search.uniform import PlanResult
 
 COLUMNS = (
     "#",
@@ -49,7 +37,7 @@ COLUMNS = (
 )
 
 
-def _cp(lay: Layout) -> str:
+def cp_label(lay: Layout) -> str:
     """The context-parallel degree with its attention: 16r (ring), 16a (all-to-all), or 1."""
     return f"{lay.cp}{'r' if lay.cp_comm == 'ring' else 'a'}" if lay.cp > 1 else "1"
 
@@ -62,7 +50,7 @@ def _row(i: int, e: Estimate) -> list[str]:
         str(lay.tp),
         str(lay.pp),
         str(lay.dp),
-        _cp(lay),
+        cp_label(lay),
         str(lay.ep),
         str(lay.micro_batch),
         sched,
@@ -119,7 +107,7 @@ _MEMORY_ROWS = (
 
 
 def _state_notes(lay: Layout, precision: str) -> dict[str, str]:
-    """What each model-state row holds for this layout (llmtrain.planner.memory's table)."""
+    """What each model-state row holds for this layout (llmtrain.planner.cost.memory's table)."""
     shard = shard_group(lay)
     over = f" / {shard}" if lay.zero_stage else ""
     if lay.zero_stage and lay.ep > 1:
@@ -176,107 +164,3 @@ def format_memory(e: Estimate, precision: str, device: str) -> str:
 def to_records(result: PlanResult, top: int = 10) -> list[dict]:
     """The top estimates as JSON-ready dicts (fields of Layout plus step_time_s, tflops_per_gpu, mfu, ...)."""
     return [e.as_dict() for e in result.ranked[:top]]
-
-
-def check_new_file(path: str | Path, overwrite: bool = False) -> Path:
-    """`path` as a Path, after checking that writing it replaces nothing unless `overwrite`."""
-    path = Path(path)
-    if path.exists() and not overwrite:
-        raise ConfigError(f"{path} already exists; choose another path, or pass --overwrite to replace it")
-    return path
-
-
-def write_file(path: str | Path, write: Callable[[Path], Any], overwrite: bool = False) -> None:
-    """Create `path` by `write(temporary path)` and one rename (missing folders are made), so readers never
-    see half a file; an existing file is replaced only with `overwrite`."""
-    path = check_new_file(path, overwrite)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Same folder (the rename stays on one file system) and same suffix (matplotlib picks the format by it).
-    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def write_yaml(data: Any, path: str | Path, overwrite: bool = False) -> None:
-    """Write `data` as YAML that llmtrain's loaders read back unchanged (see write_file)."""
-    text = dump_yaml(data)
-    write_file(path, lambda tmp: tmp.write_text(text), overwrite)
-
-
-def write_config(
-    job: JobConfig,
-    estimate: Estimate,
-    path: str | Path,
-    global_batch: int | None = None,
-    overwrite: bool = False,
-    dp_micro_batches: Sequence[int] = (),
-) -> JobConfig:
-    """Write `job` running the estimate's layout (and `dp_micro_batches`, a heterogeneous plan's
-    micro-batches per replica) as a YAML that llmtrain.config.load accepts."""
-    best = with_layout(job, estimate.layout, global_batch)
-    best = replace(best, train=replace(best.train, dp_micro_batches=list(dp_micro_batches)))
-    validate(best)
-    write_yaml(to_dict(best), path, overwrite)
-    return best
-
-
-def _label(lay: Layout) -> str:
-    """Three short lines naming a layout under its bar."""
-    sched = {"interleaved_1f1b": f"int/v{lay.virtual_stages}", "zb_h1": "zb-h1"}.get(
-        lay.schedule, lay.schedule
-    )
-    return (
-        f"{lay.tp}/{lay.pp}/{lay.dp} mb{lay.micro_batch}"
-        + (f" cp{_cp(lay)}" if lay.cp > 1 else "")
-        + (f" ep{lay.ep}" if lay.ep > 1 else "")
-        + f"\n{sched}\n"
-        f"rc={lay.recompute[:4]}{' sp' if lay.sequence_parallel else ''} z{lay.zero_stage}"
-    )
-
-
-def plot(result: PlanResult, path: str | Path, top: int = 10, overwrite: bool = False) -> None:
-    """Bar charts of the top layouts' step-time and memory breakdowns, written to `path` (png/pdf/svg)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ests = result.ranked[:top]
-    labels = [f"#{i + 1}\n{_label(e.layout)}" for i, e in enumerate(ests)]
-    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(ests) + 4), 5.5))
-    parts = {
-        "compute": [e.compute for e in ests],
-        "TP comm": [e.tp_comm for e in ests],
-        "CP comm": [e.cp_comm for e in ests],
-        "EP comm": [e.ep_comm for e in ests],
-        "pipeline bubble": [e.pp_bubble for e in ests],
-        "DP exposed": [e.dp_exposed for e in ests],
-        "optimizer": [e.optimizer for e in ests],
-    }
-    bottom = [0.0] * len(ests)
-    for name, vals in parts.items():
-        ax_t.bar(labels, vals, bottom=bottom, label=name)
-        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
-    ax_t.set_ylabel("seconds per step")
-    ax_t.set_title("step time (tp/pp/dp)")
-    ax_t.legend(fontsize=8)
-    bottom = [0.0] * len(ests)
-    for name in ("params", "grads", "optimizer", "activations", "buffers", "reserved"):
-        vals = [e.memory[name] / GIB for e in ests]
-        ax_m.bar(labels, vals, bottom=bottom, label=name)
-        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
-    if ests:
-        ax_m.axhline(ests[0].capacity / GIB, color="k", linestyle="--", label="device memory")
-    ax_m.set_ylabel("GiB per GPU")
-    ax_m.set_title("memory on the fullest rank")
-    ax_m.legend(fontsize=8)
-    for ax in (ax_t, ax_m):
-        ax.tick_params(axis="x", labelsize=7)
-    fig.tight_layout()
-    try:
-        write_file(path, fig.savefig, overwrite)
-    finally:
-        plt.close(fig)

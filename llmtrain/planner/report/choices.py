@@ -8,9 +8,10 @@ and what its own communication costs per step.
 
 from __future__ import annotations
 
-from llmtrain.planner import collectives as C
-from llmtrain.planner.cost_model import GIB, Estimate, Layout
-from llmtrain.planner.search import PlanResult
+from llmtrain.planner.cost import collectives as C
+from llmtrain.planner.cost.layout import GIB, Layout
+from llmtrain.planner.cost.model import Estimate
+from llmtrain.planner.search.uniform import PlanResult
 
 STATE = ("params", "grads", "optimizer")
 

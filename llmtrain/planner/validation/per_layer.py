@@ -16,10 +16,12 @@ from dataclasses import dataclass, replace
 
 from llmtrain.config.errors import ConfigError
 from llmtrain.config.schema import ModelConfig
-from llmtrain.planner.cluster import ClusterView, load_cluster
-from llmtrain.planner.cost_model import GIB, CostModel, Workload
-from llmtrain.planner.per_layer import PerLayerSearch, enumerate_plans, search_per_layer, seeds
-from llmtrain.planner.search import build_space, plan, score
+from llmtrain.planner.cluster.files import load_cluster
+from llmtrain.planner.cluster.hardware import ClusterView
+from llmtrain.planner.cost.layout import GIB, Workload
+from llmtrain.planner.cost.model import CostModel
+from llmtrain.planner.search.per_layer import PerLayerSearch, enumerate_plans, search_per_layer, seeds
+from llmtrain.planner.search.uniform import build_space, plan, score
 
 
 @dataclass

@@ -25,9 +25,10 @@ from dataclasses import dataclass, replace
 
 from llmtrain.config import JobConfig
 from llmtrain.config.validate import rank_order, uneven_batch_problem
-from llmtrain.planner.cluster import Cluster, Device
-from llmtrain.planner.cost_model import CostModel, Estimate, Layout, Software, Workload, with_layout
-from llmtrain.planner.pipeline_time import pipeline_time
+from llmtrain.planner.cluster.hardware import Cluster, Device
+from llmtrain.planner.cost.layout import Layout, Software, Workload, with_layout
+from llmtrain.planner.cost.model import CostModel, Estimate
+from llmtrain.planner.cost.pipeline_time import pipeline_time
 
 
 @dataclass(frozen=True)

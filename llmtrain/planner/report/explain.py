@@ -12,11 +12,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llmtrain.planner import collectives as C
-from llmtrain.planner.cluster import ClusterView
-from llmtrain.planner.cost_model import GIB, Estimate, Layout
-from llmtrain.planner.report import format_memory
-from llmtrain.planner.search import PlanResult
+from llmtrain.planner.cluster.hardware import ClusterView
+from llmtrain.planner.cost import collectives as C
+from llmtrain.planner.cost.layout import GIB, Layout
+from llmtrain.planner.cost.model import Estimate
+from llmtrain.planner.report.tables import format_memory
+from llmtrain.planner.search.uniform import PlanResult
 
 PART_LABELS = {
     "compute": "compute",
@@ -164,7 +165,7 @@ def explain(result: PlanResult, view: ClusterView, runners_up: int = 5, misfits:
 
 
 def format_explanation(expl: Explanation, precision: str, device: str) -> str:
-    """The explanation as text: time split, memory split (report.format_memory), runners-up."""
+    """The explanation as text: time split, memory split (report.tables.format_memory), runners-up."""
     c = expl.chosen
     lines = [f"why {c.layout.short()}:", f"  step time {c.step_time:.3f} s:"]
     for key, label in PART_LABELS.items():

@@ -21,10 +21,12 @@ from pathlib import Path
 
 from llmtrain.config.errors import ConfigError
 from llmtrain.config.schema import ModelConfig
-from llmtrain.planner.cluster import Cluster, load_cluster
-from llmtrain.planner.cost_model import Estimate, Software, Workload
-from llmtrain.planner.flops import megatron_flops_per_iteration
-from llmtrain.planner.search import plan
+from llmtrain.planner.cluster.files import load_cluster
+from llmtrain.planner.cluster.hardware import Cluster
+from llmtrain.planner.cost.flops import megatron_flops_per_iteration
+from llmtrain.planner.cost.layout import Software, Workload
+from llmtrain.planner.cost.model import Estimate
+from llmtrain.planner.search.uniform import plan
 
 REFERENCE = resources.files("llmtrain.planner") / "data" / "megatron_a100_2021.csv"
 """The published table, shipped as package data (its header names the source)."""

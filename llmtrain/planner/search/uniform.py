@@ -6,7 +6,7 @@ allows: inside dp, spanning cp or tp), micro-batch size, schedule with its
 virtual stages, recompute mode, sequence parallelism and the sharding of the model state: ZeRO stage 0-3,
 hybrid sharding (zero 2/3 sharded inside a node, replicated across), the zero 2/3 gradients reduced every
 micro-batch or once a step (parallel.grad_reduce) and CPU offload (zero 2/3). A layout fits
-only when both its steady state and its startup peak fit (llmtrain.planner.memory). Impossible values are
+only when both its steady state and its startup peak fit (llmtrain.planner.cost.memory). Impossible values are
 pruned up front with a reason each: the model's tensor-, pipeline- and context-parallel and mixture-of-experts
 rules as config validation states them (llmtrain.config.validate), tp staying inside a node unless the
 cluster allows otherwise, dp dividing the global batch, ... The remaining space is enumerated exhaustively
@@ -28,8 +28,9 @@ from llmtrain.config.errors import ConfigError
 from llmtrain.config.loader import parse_override
 from llmtrain.config.schema import JobConfig
 from llmtrain.config.validate import pipeline_problem, tensor_parallel_problem
-from llmtrain.planner.cluster import Cluster, ClusterView
-from llmtrain.planner.cost_model import CostModel, Estimate, Layout, Software, Workload
+from llmtrain.planner.cluster.hardware import Cluster, ClusterView
+from llmtrain.planner.cost.layout import Layout, Software, Workload
+from llmtrain.planner.cost.model import CostModel, Estimate
 
 EXHAUSTIVE_LIMIT = 4000
 """Spaces up to this many layouts are enumerated; larger ones use coordinate descent."""

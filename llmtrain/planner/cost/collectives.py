@@ -16,7 +16,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from llmtrain.config.schema import ModelConfig
-from llmtrain.planner import flops as F
+from llmtrain.planner.cost import flops as F
 
 
 @dataclass(frozen=True)

@@ -78,20 +78,18 @@ from __future__ import annotations
 import functools
 import itertools
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, get_args
+from typing import get_args
 
 from llmtrain.config.schema import GradReduce, ModelConfig
 from llmtrain.config.vocab_sharding import vocab_sharded_edges
 from llmtrain.pipeline.partition import partition_layers
-from llmtrain.planner import flops as F
-from llmtrain.planner.pipeline_time import peak_inflight_closed
+from llmtrain.planner.cost import flops as F
+from llmtrain.planner.cost.layout import Layout, Software
+from llmtrain.planner.cost.pipeline_time import peak_inflight_closed
 
 # llmtrain.models.init.BLOCK_NUMEL, the elements drawn at once by the initialisation; repeated here so the
 # planner needs no torch (tests/planner/test_memory_model.py checks the two agree).
 INIT_BLOCK_NUMEL = 1 << 16
-
-if TYPE_CHECKING:
-    from llmtrain.planner.cost_model import Layout, Software
 
 OFFLOADS = ("none", "optimizer", "optimizer+params")
 """CPU offload choices: nothing, the optimizer state (and gradient shard), or that plus the parameters."""

@@ -11,41 +11,15 @@ from __future__ import annotations
 import functools
 import os
 import time
-from collections.abc import Callable
 from queue import Empty
 from typing import Any
 
-from llmtrain.planner.cluster import Cluster, cluster_from_dict, load_cluster
+from llmtrain.planner.calibration.timing import best_time
+from llmtrain.planner.cluster.files import cluster_from_dict, load_cluster
+from llmtrain.planner.cluster.hardware import Cluster
 
 # Loopback TCP (gloo) figures used when the link is not measured.
 LOOPBACK_LINK = {"bandwidth_gbs": 2.0, "latency_us": 60.0, "efficiency": 1.0}
-
-
-def _repeat(measure: Callable[[], float], seconds: float, min_runs: int = 1) -> list[float]:
-    """What each call of `measure` returns, called after a warm-up call (allocation, kernel selection)
-    until `seconds` have passed, at least `min_runs` times."""
-    measure()
-    values: list[float] = []
-    deadline = time.perf_counter() + seconds
-    while len(values) < min_runs or time.perf_counter() < deadline:
-        values.append(measure())
-    return values
-
-
-def _run_times(fn, seconds: float, min_runs: int = 1) -> list[float]:
-    """Seconds of each run of `fn` that fits in `seconds` after a warm-up run, at least `min_runs` runs."""
-
-    def timed() -> float:
-        start = time.perf_counter()
-        fn()
-        return time.perf_counter() - start
-
-    return _repeat(timed, seconds, min_runs)
-
-
-def _best_time(fn, seconds: float, min_runs: int = 1) -> float:
-    """The fastest of the runs of `fn` that fit in `seconds` after a warm-up run, at least `min_runs`."""
-    return min(_run_times(fn, seconds, min_runs))
 
 
 def measure_matmul_tflops(precision: str = "fp32", device: str = "cpu", seconds: float = 0.2) -> float:
@@ -66,7 +40,7 @@ def measure_matmul_tflops(precision: str = "fp32", device: str = "cpu", seconds:
             if device != "cpu":
                 torch.cuda.synchronize()
 
-        best = max(best, 2 * n**3 / _best_time(run, seconds / len(sizes)) / 1e12)
+        best = max(best, 2 * n**3 / best_time(run, seconds / len(sizes)) / 1e12)
     return best
 
 
@@ -82,7 +56,7 @@ def measure_memory_bandwidth_gbs(device: str = "cpu", mbytes: int = 256, seconds
         if device != "cpu":
             torch.cuda.synchronize()
 
-    return 2 * src.numel() * 4 / _best_time(run, seconds) / 1e9
+    return 2 * src.numel() * 4 / best_time(run, seconds) / 1e9
 
 
 def _gloo_worker(rank: int, world: int, port: int, mbytes: int, out: Any) -> None:
@@ -184,7 +158,7 @@ def measure_gloo(mbytes: int = 16) -> dict[str, float]:
     }
 
 
-def _ram_gb() -> float:
+def ram_gb() -> float:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     except (ValueError, OSError, AttributeError):
@@ -202,7 +176,7 @@ def describe_local(devices: int = 2, measure_links: bool = True, seconds: float 
         devices = min(devices, torch.cuda.device_count()) or 1
     else:
         dev, name = "cpu", f"cpu-{os.cpu_count()}-cores"
-        memory_gb = _ram_gb() / devices  # processes share the machine's memory
+        memory_gb = ram_gb() / devices  # processes share the machine's memory
     peaks = {p: measure_matmul_tflops(p, dev, seconds) for p in ("fp32", "bf16")}
     if dev == "cpu":
         peaks = {k: v / devices for k, v in peaks.items()}  # processes share the cores

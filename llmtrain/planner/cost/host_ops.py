@@ -13,8 +13,8 @@ hidden behind the kernels unless they are tiny (see CostModel._layer_costs).
 from __future__ import annotations
 
 from llmtrain.config.schema import ModelConfig
-from llmtrain.planner import flops as F
-from llmtrain.planner.collectives import PassComms
+from llmtrain.planner.cost import flops as F
+from llmtrain.planner.cost.collectives import PassComms
 
 BLOCK_OPS = {True: (73, 124), False: (39, 95)}
 """(forward, backward) operators of one dense block without tensor parallelism: gated (RMSNorm, rotary,

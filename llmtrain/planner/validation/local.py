@@ -32,9 +32,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
 from llmtrain.planner.auto import layout_overrides
-from llmtrain.planner.cluster import Cluster
-from llmtrain.planner.cost_model import Estimate, Layout, Software, Workload
-from llmtrain.planner.search import plan
+from llmtrain.planner.cluster.hardware import Cluster
+from llmtrain.planner.cost.layout import Layout, Software, Workload
+from llmtrain.planner.cost.model import Estimate
+from llmtrain.planner.search.uniform import plan
 
 LOCAL_CONFIG = "configs/llama-small.yaml"
 LOCAL_MODEL_OVERRIDES = (

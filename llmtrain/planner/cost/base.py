@@ -1,0 +1,122 @@
+"""The state every part of the cost model reads, and what a layout puts on each pipeline rank.
+
+CostModel (llmtrain.planner.cost.model) is one class assembled from parts that each live in their own module:
+LayerTime (layer_time: a layer's compute and the tensor-, context- and expert-parallel communication inside
+it), StepCollectives (step_collectives: every collective a training step issues), DataParallelTime
+(data_parallel: the gradient reduction, parameter gathers and optimizer step). They all derive from CostBase,
+which holds the workload, the cluster view and the software, and answers the questions of shape they share:
+the layers of each chunk and rank and their recompute modes, the parameters on a rank, the FSDP2 units and
+the expert groups' strides.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+
+from llmtrain.planner.cluster.hardware import ClusterView
+from llmtrain.planner.cost import collectives as C
+from llmtrain.planner.cost import flops as F
+from llmtrain.planner.cost.layout import Layout, Software, Workload
+from llmtrain.planner.cost.memory import edges_vocab_sharded, layer_parameters, stage_layers
+
+
+class CostBase:
+    """A workload on a cluster view under a software's behaviour, and the per-rank shapes of its layouts."""
+
+    def __init__(self, workload: Workload, cluster: ClusterView, software: Software | None = None) -> None:
+        self.w = workload
+        self.c = cluster
+        self.sw = software or Software()
+        self.dev = cluster.device
+        self.prec = workload.precision
+        self.act_bytes = 4 if self.prec == "fp32" else 2
+        self.params = F.parameter_counts(workload.model)
+
+    def _params_on_rank(self, layout: Layout) -> tuple[float, float]:
+        """Parameters on the first and on the last pipeline rank (per TP shard), routed experts apart
+        (_expert_params_on_rank)."""
+        p, tp = self.params, layout.tp
+        layers = self._max_layers_per_rank(layout)
+        body = layers * layer_parameters(self.w.model, tp, layout.ep)[0]
+        if layout.pp == 1:
+            return body + (p.embedding + p.head + p.final_norm) / tp, body
+        head = (
+            p.head or self.w.model.vocab_size * self.w.model.hidden_size
+        ) / tp  # tied: a copy on the last stage
+        return body + p.embedding / tp, body + head + p.final_norm
+
+    def _expert_params_on_rank(self, layout: Layout) -> float:
+        """Routed experts' parameters on the fullest rank (its E/ep experts, per TP shard)."""
+        return self._max_layers_per_rank(layout) * layer_parameters(self.w.model, layout.tp, layout.ep)[1]
+
+    def _max_layers_per_rank(self, layout: Layout) -> int:
+        pp, v, stages = layout.pp, layout.virtual_stages, self.chunk_layers(layout)
+        return max(sum(stages[c * pp + r] for c in range(v)) for r in range(pp))
+
+    def chunk_layers(self, layout: Layout) -> tuple[int, ...]:
+        """Layers of each model chunk: the layout's own split, else the trainer's (even or by FLOPs)."""
+        chunks = layout.pp * layout.virtual_stages
+        return layout.stage_layers or stage_layers(self.w.model, chunks, self.sw.balance_stages)
+
+    def rank_modes(self, layout: Layout) -> list[Counter[str]]:
+        """Per pipeline rank, how many of its layers (over all its chunks) run each recompute mode."""
+        pp, v, stages = layout.pp, layout.virtual_stages, self.chunk_layers(layout)
+        if not layout.layer_recompute:
+            return [Counter({layout.recompute: sum(stages[c * pp + r] for c in range(v))}) for r in range(pp)]
+        starts = list(itertools.accumulate(stages, initial=0))
+        out: list[Counter[str]] = [Counter() for _ in range(pp)]
+        for chunk, (a, n) in enumerate(zip(starts, stages, strict=False)):
+            out[chunk % pp].update(layout.layer_recompute[a : a + n])
+        return out
+
+    def _expert_strides(self, layout: Layout) -> tuple[int, int]:
+        """The EP and expert-DP groups' strides on this cluster (collectives.expert_group_strides)."""
+        return C.expert_group_strides(layout.tp, layout.cp, layout.dp, layout.ep, self.c.devices_per_node)
+
+    def _fsdp_units(self, layout: Layout, pp_rank: int) -> list[tuple[int, bool, bool]]:
+        """(parameters, reshard after forward, expert) of each FSDP2 unit of a rank (llmtrain.parallel.fsdp):
+        every block (resharded at zero 3), under EP a MoE block's routed experts as a unit of their own on
+        the expert-data-parallel mesh (expert true), the embedding (idem) and the final norm with the output
+        layer as units of their own unless tied in one chunk, and the root with what is left (kept
+        gathered)."""
+        m, tp, pp, v, ep = self.w.model, layout.tp, layout.pp, layout.virtual_stages, layout.ep
+        z3 = layout.zero_stage == 3
+        stages = self.chunk_layers(layout)
+        starts = list(itertools.accumulate(stages, initial=0))
+        dense = C.rank_parameters(m, tp, 1, False, False)[0]
+        moe_extra, routed, _ = C.moe_layer_parameters(m, tp, ep)
+
+        def blocks(stage: int) -> list[tuple[int, bool, bool]]:
+            out = []
+            for i in range(starts[stage], starts[stage + 1]):
+                if not m.is_moe_layer(i):
+                    out.append((dense, z3, False))
+                elif ep > 1:
+                    out += [(dense + moe_extra, z3, False), (routed, z3, True)]
+                else:
+                    out.append((dense + moe_extra + routed, z3, False))
+            return out
+
+        embedding = m.vocab_size // tp * m.hidden_size
+        positions = m.max_positions * m.hidden_size if m.arch == "gpt" else 0
+        norm = 2 * m.hidden_size if m.arch == "gpt" else m.hidden_size
+        if edges_vocab_sharded(layout, m):
+            # One chunk; the embedding and head are units that are never gathered, whose gradients land on
+            # their shards (collectives.vocab_sharded_edges): the root keeps the final norm.
+            return [*blocks(0), (norm + positions, False, False)]
+        units: list[tuple[int, bool, bool]] = []
+        for chunk in range(v):
+            stage = chunk * pp + pp_rank
+            first, last = stage == 0, stage == pp * v - 1
+            units += blocks(stage)
+            if first and last and m.tied_embeddings:
+                units.append((embedding + positions + norm, False, False))
+                continue
+            if first:
+                units.append((embedding, z3, False))
+            if last:
+                units.append((norm + embedding, False, False))
+            if first and positions:
+                units.append((positions, False, False))
+        return units
