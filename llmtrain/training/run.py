@@ -1,4 +1,4 @@
-"""One training job from a config: the flow sketched in DESIGN.md, wired in one place.
+"""One training job from a config: the flow described in docs/architecture.md, wired in one place.
 
 A launch writes nothing before every check has passed: the config (on load), the world size (on joining
 the processes), the output directory's state (`plan_launch`: refuse, resume, archive or start fresh),
