@@ -69,23 +69,15 @@ DRY_RUN_OVERRIDES = [
 ]
 
 
-def compile_blocks(model: torch.nn.Module) -> None:
-    """torch.compile each transformer block (one graph per block: the kernels' autograd Functions stay
-    whole, and a block compiles once for all layers of the same shape)."""
-    for block in model.layers:
-        block.compile(dynamic=False)
-
-
 def build_training(
     config: Path, overrides: list[str], compile_mode: str, device: str
 ) -> tuple[JobConfig, torch.nn.Module, ModelOptimizer]:
-    """The job, model and optimizer as tools/pretrain.py assembles them on one device."""
-    job = load(config, overrides)
+    """The job, model and optimizer as tools/pretrain.py assembles them on one device (compile_mode
+    'blocks' is the user's train.compile=blocks)."""
+    job = load(config, [*overrides, f"train.compile={compile_mode}"])
     torch.manual_seed(job.train.seed)
     with torch.device(device):
         model = parallelize(models.build(job.model), Topology.single(), job)
-    if compile_mode == "blocks":
-        compile_blocks(model)
     return job, model, build_optimizer(model, Topology.single(), job)
 
 

@@ -16,6 +16,7 @@ Recompute = Literal["none", "selective", "full"]
 Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zb_h1"]
 Precision = Literal["fp32", "bf16", "fp16", "fp8"]
 LrDecay = Literal["cosine", "linear", "constant"]
+CompileMode = Literal["none", "blocks"]
 OnSaveError = Literal["continue", "stop"]
 Engine = Literal["llmtrain", "deepspeed"]
 OffloadDevice = Literal["cpu", "nvme"]
@@ -271,6 +272,8 @@ class TrainConfig:
     """Seed of initialisation, data order and dropout."""
     precision: Precision = "fp32"
     """Compute precision: fp32, bf16 (fp32 master weights), fp16 (loss scaling) or fp8 (torchao float8)."""
+    compile: CompileMode = "none"
+    """torch.compile each transformer block (blocks: one graph per block, compiled once per shape) or none."""
     initial_loss_scale: float = 65536.0
     """Starting loss scale for fp16."""
     eval_interval: int = 50

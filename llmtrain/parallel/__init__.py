@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from llmtrain.config.schema import JobConfig
+from llmtrain.parallel.compile_blocks import apply_compile
 from llmtrain.parallel.context_parallel import apply_cp
 from llmtrain.parallel.data_parallel import GradBuffers, apply_data_parallel, apply_dp, grad_sync
 from llmtrain.parallel.expert_parallel import apply_ep
@@ -19,7 +20,7 @@ from llmtrain.parallel.topology import Topology
 
 
 def parallelize(model: nn.Module, topo: Topology, job: JobConfig) -> nn.Module:
-    """apply_tp -> apply_ep -> apply_cp -> apply_float8 -> apply_recompute -> [materialize] ->
+    """apply_tp -> apply_ep -> apply_cp -> apply_float8 -> apply_recompute -> apply_compile -> [materialize] ->
     apply_data_parallel (flat buffers for zero_stage 0/1), or -> apply_data_parallel -> [materialize] (FSDP2
     for 2/3), in place. A meta model (built under torch.device("meta")) is sharded on meta, then this
     rank's slices (at zero_stage 2/3 its FSDP shards of them) are allocated on topo.device and initialised
@@ -30,6 +31,7 @@ def parallelize(model: nn.Module, topo: Topology, job: JobConfig) -> nn.Module:
     apply_cp(model, topo, job.parallel.cp_comm)
     apply_float8(model, job.train.precision)
     apply_recompute(model, job.model.recompute, job.model.recompute_layers)
+    apply_compile(model, job.train.compile)
     if topo.pp == 1:
         # FSDP2 (zero_stage 2/3) shards meta parameters, so each rank then allocates only its shards;
         # GradBuffers (0/1) copy the parameters' values into their flat buffers, so they come after.
@@ -44,6 +46,7 @@ def parallelize(model: nn.Module, topo: Topology, job: JobConfig) -> nn.Module:
 
 
 __all__ = [
+    "apply_compile",
     "GradBuffers",
     "LossScaledOptimizer",
     "ModelOptimizer",
