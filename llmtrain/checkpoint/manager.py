@@ -51,12 +51,10 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from llmtrain.checkpoint.errors import CheckpointError
-from llmtrain.checkpoint.layout import GlobalTensor, Piece
 from llmtrain.checkpoint.state import (
     MODEL,
     OPTIM,
     capture_rng,
-    describe_model,
     model_entries,
     optimizer_entries,
     optimizer_scalars,
@@ -65,6 +63,7 @@ from llmtrain.checkpoint.state import (
 )
 from llmtrain.checkpoint.storage import (
     BeforeWrite,
+    GlobalTensor,
     file_checksum,
     fsync_dir,
     read_metadata,
@@ -75,6 +74,7 @@ from llmtrain.checkpoint.storage import (
 from llmtrain.config import JobConfig, ModelConfig, to_dict
 from llmtrain.faults import injected
 from llmtrain.models.hf import HF_CONFIG, LLMTRAIN_CONFIG
+from llmtrain.parallel.param_layout import Piece, describe_model
 
 FORMAT = "llmtrain-dcp-1"
 MANIFEST = "manifest.json"
