@@ -24,13 +24,10 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from llmtrain.checkpoint.errors import CheckpointError
-from llmtrain.checkpoint.manager import (
+from llmtrain.checkpoint.directory import (
     EXPECTED,
     TOKENIZER_DIR,
     TRAINER_STATE,
-    Checkpointer,
-    _Snapshot,
     is_checkpoint,
     model_directory_kind,
     read_meta,
@@ -38,6 +35,8 @@ from llmtrain.checkpoint.manager import (
     saved_model_config,
     verify,
 )
+from llmtrain.checkpoint.errors import CheckpointError
+from llmtrain.checkpoint.manager import Checkpointer, _Snapshot
 from llmtrain.checkpoint.state import MODEL, OPTIM
 from llmtrain.checkpoint.storage import GlobalTensor, read_metadata, read_tensors
 from llmtrain.config import ConfigError, JobConfig, ModelConfig, ParallelConfig

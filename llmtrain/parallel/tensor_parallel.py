@@ -28,8 +28,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from llmtrain.config.layout_rules import tensor_parallel_problem
 from llmtrain.config.schema import ModelConfig
-from llmtrain.config.validate import raise_if_problem, tensor_parallel_problem
+from llmtrain.config.validate import raise_if_problem
 from llmtrain.models.mla import LatentAttention
 from llmtrain.models.moe import MoEMLP, RouterStats, capacity_keep, expert_capacity
 from llmtrain.parallel.comm import (
@@ -291,7 +292,7 @@ class ColumnParallelLinear(nn.Module):
 
 def check_tp(cfg: ModelConfig, tp: int, sequence_parallel: bool) -> None:
     """Raise ConfigError when the model cannot be split over `tp` ranks (the rule and its message:
-    llmtrain.config.validate.tensor_parallel_problem)."""
+    llmtrain.config.layout_rules.tensor_parallel_problem)."""
     raise_if_problem(tensor_parallel_problem(cfg, tp, sequence_parallel))
 
 
