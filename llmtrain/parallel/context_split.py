@@ -24,7 +24,6 @@ from typing import Any
 import torch
 
 from llmtrain.parallel import comm
-from llmtrain.parallel.comm import all_gather_dim
 
 
 def chunk_ids(cp: int, rank: int) -> tuple[int, int]:
@@ -94,7 +93,7 @@ class ContextSplit:
 
     def whole(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """The whole sequences from every CP rank's chunks `x` along `dim`, all-gathered (no gradient)."""
-        return merge_sequence(list(all_gather_dim(x, dim, self.group).chunk(self.cp, dim)), dim)
+        return merge_sequence(list(comm.all_gather_dim(x, dim, self.group).chunk(self.cp, dim)), dim)
 
     def positions(self, local_seq: int, device: Any = None) -> torch.Tensor:
         """Original positions of this rank's `local_seq` tokens (of a sequence cp times as long)."""
