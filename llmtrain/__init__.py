@@ -22,7 +22,7 @@ def from_pretrained(
     """Load a model in eval mode from a Hugging Face or llmtrain model directory, or from a training
     checkpoint (a step_<N> directory, a checkpoints/ directory or an output_dir) of any layout;
     `model(input_ids)` returns logits. dtype defaults to the stored one."""
-    from llmtrain.checkpoint.manager import is_checkpoint
+    from llmtrain.checkpoint.directory import is_checkpoint
 
     if is_checkpoint(path):
         from llmtrain.checkpoint.convert import load_model

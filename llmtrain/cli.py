@@ -17,6 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
+from llmtrain.launch_env import launch_attempt, launch_rank
+
 DEBUG_ENV = "LLMTRAIN_DEBUG"
 DEBUG_FLAG = "--debug"
 
@@ -42,16 +44,6 @@ def add_on_bad_document_flag(parser: argparse.ArgumentParser) -> None:
 def debug_requested(argv: list[str]) -> bool:
     """Whether the user asked for tracebacks: --debug among the arguments or LLMTRAIN_DEBUG set to non-0."""
     return DEBUG_FLAG in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0")
-
-
-def launch_rank() -> int:
-    """This process's global rank as torchrun (or Slurm through torchrun) set it; 0 for a plain `python`."""
-    return int(os.environ.get("RANK", "0"))
-
-
-def launch_attempt() -> int:
-    """How many times torchrun restarted this worker group (0 on the first launch)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 def report_user_error(err: BaseException, prog: str) -> int:

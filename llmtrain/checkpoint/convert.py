@@ -24,14 +24,10 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from llmtrain.checkpoint.errors import CheckpointError
-from llmtrain.checkpoint.layout import GlobalTensor, ParamLayout, Piece
-from llmtrain.checkpoint.manager import (
+from llmtrain.checkpoint.directory import (
     EXPECTED,
     TOKENIZER_DIR,
     TRAINER_STATE,
-    Checkpointer,
-    _Snapshot,
     is_checkpoint,
     model_directory_kind,
     read_meta,
@@ -39,8 +35,10 @@ from llmtrain.checkpoint.manager import (
     saved_model_config,
     verify,
 )
-from llmtrain.checkpoint.state import MODEL, OPTIM, describe_model
-from llmtrain.checkpoint.storage import read_metadata, read_tensors
+from llmtrain.checkpoint.errors import CheckpointError
+from llmtrain.checkpoint.manager import Checkpointer, _Snapshot
+from llmtrain.checkpoint.state import MODEL, OPTIM
+from llmtrain.checkpoint.storage import GlobalTensor, read_metadata, read_tensors
 from llmtrain.config import ConfigError, JobConfig, ModelConfig, ParallelConfig
 from llmtrain.data.tokenizer import HF_TOKENIZER_FILE, SENTENCEPIECE_FILE, Tokenizer, load_tokenizer
 from llmtrain.data.tokenizer_export import export_hf_tokenizer
@@ -59,6 +57,7 @@ from llmtrain.models.hf import (
     write_hf,
     write_llmtrain,
 )
+from llmtrain.parallel.param_layout import ParamLayout, Piece, describe_model
 from llmtrain.parallel.tensor_parallel import apply_tp, check_tp
 from llmtrain.pipeline.stages import partition_layers
 

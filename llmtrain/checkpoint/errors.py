@@ -1,7 +1,5 @@
-"""The one exception type of the checkpoint package."""
+"""The one exception type of the checkpoint package (defined in llmtrain.errors: see there why)."""
 
-from llmtrain.errors import UserError
+from llmtrain.errors import CheckpointError
 
-
-class CheckpointError(UserError, RuntimeError):
-    """A checkpoint could not be saved or loaded; the message names the file or tensor and the cause."""
+__all__ = ["CheckpointError"]

@@ -4,17 +4,14 @@ Keys are `model.<name>` and `optim.<name>.<state>` (`master` for fp32 master wei
 `exp_avg_sq`, `step` for AdamW) with `<name>` the single-process parameter name, so a checkpoint is the
 same whatever (tp, pp, dp, zero_stage) wrote it.
 
-Tensor-parallel shards are read from the attributes llmtrain.parallel puts on each parameter
-(`tp_layout`: "rows" | "cols" | "gate_up" | ("kv", replicas); `duplicate`: another TP rank holds the same
-values). ZeRO-1 shards come from the ModelOptimizer's flat ranges (`buffers.local_ranges()`); ZeRO-2/3
-parameters are FSDP2 DTensors whose local shard is rows [a, b) of the TP-local tensor, i.e. a flat range of
-it, described like a ZeRO-1 range (`llmtrain.parallel.fsdp.shard_position`).
+Where a rank's pieces of the parameters sit in the full tensors (tensor-, expert- and FSDP-parallel
+shards) is llmtrain.parallel.param_layout's `describe_model`. ZeRO-1 optimizer shards come from the
+ModelOptimizer's flat ranges (`buffers.local_ranges()`), each a flat range of the TP-local tensor.
 """
 
 from __future__ import annotations
 
 import random
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -26,120 +23,13 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.tensor import DTensor
 
 from llmtrain.checkpoint.errors import CheckpointError
-from llmtrain.checkpoint.layout import GlobalTensor, ParamLayout, Piece
-from llmtrain.parallel.fsdp import local_tensor, shard_position
+from llmtrain.checkpoint.storage import GlobalTensor
+from llmtrain.parallel.fsdp import local_tensor
 from llmtrain.parallel.optimizer import LossScaledOptimizer, ModelOptimizer
+from llmtrain.parallel.param_layout import ModelTensor, Piece
 
 MODEL = "model."
 OPTIM = "optim."
-
-
-@dataclass
-class ModelTensor:
-    """One unique parameter or persistent buffer of this rank's model part."""
-
-    tensor: torch.Tensor
-    layout: ParamLayout  # `writer` says whether this TP/PP replica writes it; DP replicas are decided apart
-    # FSDP (zero_stage 2/3): the flat offset of this rank's shard in the TP-local tensor, and which replica
-    # of the shards (hybrid sharding) this rank holds; None for a whole local tensor.
-    shard_start: int | None = None
-    replica: int = 0
-
-    def pieces(self, t: torch.Tensor) -> list[Piece]:
-        """Pieces of `t`, shaped like this parameter (an FSDP shard of it: the local tensor's rows)."""
-        if self.shard_start is None:
-            return self.layout.pieces(t)
-        return self.layout.flat_pieces(local_tensor(t).reshape(-1), self.shard_start)
-
-    def writes(self, topo: Any) -> bool:
-        """Whether this rank writes its pieces: the TP/PP writer, on DP rank 0 or, when the tensor is
-        sharded over DP, on the first replica of the shards."""
-        if self.shard_start is None:
-            return self.layout.writer and _dp_rank(topo, self.tensor) == 0
-        return self.layout.writer and self.replica == 0
-
-    def holds_origin(self) -> bool:
-        """Whether this rank's pieces include element 0 of the full tensor."""
-        return _holds_origin(self.layout) and not self.shard_start
-
-
-def describe_model(model: nn.Module, topo: Any, tied: bool) -> dict[str, ModelTensor]:
-    """This rank's parameters and persistent buffers under their single-process names, with layouts.
-
-    Tied weights (`tied`: model.tied_embeddings) appear once, as embed_tokens.weight. A pipeline rank's
-    chunks (`chunks.<c>.` prefixes of llmtrain.pipeline.stages.PipelineStages) keep the single-process
-    names below the prefix; the last stage's copy of a tied embedding is marked `duplicate` there, so it
-    reads but never writes.
-    """
-    tp, tp_rank = (getattr(topo, "tp", 1), getattr(topo, "tp_rank", 0)) if topo is not None else (1, 0)
-    # A tensor may have several names (tied weights; PipelineStages also registers `tied_param`): take
-    # the first one inside a pipeline chunk if there is one, else the first.
-    names: dict[int, str] = {}
-    tensors: dict[int, torch.Tensor] = {}
-    for local_name, tensor in model.state_dict(keep_vars=True).items():
-        if id(tensor) not in names or (
-            _CHUNK_PREFIX.match(local_name) and not _CHUNK_PREFIX.match(names[id(tensor)])
-        ):
-            names[id(tensor)] = local_name
-        tensors[id(tensor)] = tensor
-    out: dict[str, ModelTensor] = {}
-    for key, local_name in names.items():
-        tensor = tensors[key]
-        name = _CHUNK_PREFIX.sub("", local_name)
-        if tied and name == "lm_head.weight":
-            name = "embed_tokens.weight"
-        if name in out:
-            raise CheckpointError(f"two tensors of this rank's model map to the name {name}")
-        layout = tp_layout(name, tensor, tp, tp_rank)  # a DTensor's shape is the TP-local one
-        layout.check(name)
-        out[name] = ModelTensor(tensor, layout, *shard_position(tensor))
-    return out
-
-
-_CHUNK_PREFIX = re.compile(r"^chunks\.\d+\.")
-
-
-def tp_layout(name: str, tensor: torch.Tensor, tp: int, tp_rank: int) -> ParamLayout:
-    """Full-tensor layout of a local tensor from its `tp_layout` / `duplicate` / `expert_slice` attributes."""
-    kind = getattr(tensor, "tp_layout", None)
-    writer = not getattr(tensor, "duplicate", False)
-    shape = tuple(tensor.shape)
-    if hasattr(tensor, "expert_slice"):  # an expert-parallel shard: experts [start, start + local) of total
-        start, total = tensor.expert_slice
-        return ParamLayout.split((total, *shape[1:]), 0, [(start, shape[0])], writer)
-    if kind is None or tp == 1:
-        return ParamLayout.full(shape, writer)
-    rows = shape[0]
-    if kind == "rows":
-        return ParamLayout.split((rows * tp, *shape[1:]), 0, [(tp_rank * rows, rows)], writer)
-    if kind == "cols":
-        cols = shape[-1]
-        full = (*shape[:-1], cols * tp)
-        return ParamLayout.split(full, len(shape) - 1, [(tp_rank * cols, cols)], writer)
-    if kind == "gate_up":
-        # Local rows are [gate slice; up slice]; in the full tensor gate rows come first, then up rows.
-        f = rows // 2
-        ffn = f * tp
-        return ParamLayout.split((2 * ffn, *shape[1:]), 0, [(tp_rank * f, f), (ffn + tp_rank * f, f)], writer)
-    if isinstance(kind, tuple) and kind[0] == "kv":
-        replicas = kind[1]
-        heads = tp // replicas
-        return ParamLayout.split(
-            (rows * heads, *shape[1:]), 0, [((tp_rank // replicas) * rows, rows)], writer
-        )
-    raise CheckpointError(
-        f"parameter {name} has tp_layout={kind!r}, which this checkpoint version does not know"
-    )
-
-
-def _dp_rank(topo: Any, tensor: torch.Tensor | None = None) -> int:
-    """This rank's index among the replicas of `tensor` (of a dense parameter if None): DP ranks, and CP
-    ranks inside them; for an expert-parallel shard, the ranks holding the same experts."""
-    if topo is None:
-        return 0
-    if tensor is not None and hasattr(tensor, "expert_slice"):
-        return topo.expert_dp_rank
-    return getattr(topo, "dp_cp_rank", getattr(topo, "dp_rank", 0))
 
 
 def model_entries(params: dict[str, ModelTensor], topo: Any) -> dict[str, GlobalTensor]:
@@ -161,11 +51,6 @@ class _Slot:
     pieces: Callable[[torch.Tensor], list[Piece]]
     write: bool  # writes the pieces of its state
     write_scalar: bool  # writes the parameter's scalar state (AdamW's step) for everyone
-
-
-def _holds_origin(layout: ParamLayout) -> bool:
-    """Whether this rank's local tensor holds element 0 of the full tensor."""
-    return any(not any(b.global_offsets) for b in layout.blocks)
 
 
 def _slots(
@@ -190,7 +75,7 @@ def _slots(
                     layout.global_shape,
                     lambda t, layout=layout, offset=offset: layout.flat_pieces(t, offset),
                     write,
-                    write and offset == 0 and _holds_origin(layout),
+                    write and offset == 0 and layout.holds_origin(),
                 )
             )
         return optimizer.optimizer, slots

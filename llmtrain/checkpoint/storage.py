@@ -1,5 +1,8 @@
 """Tensor storage through torch.distributed.checkpoint (DCP), plus checksums and atomic file writes.
 
+What is stored and read is a GlobalTensor: the pieces of one full tensor this rank holds, each placed by its
+offsets in the full tensor (llmtrain.parallel.param_layout).
+
 Our planners hand DCP one write item per piece (its offsets in the full tensor) from the single
 replica that owns it, and on load ask for exactly the rectangles each rank holds; DCP's resharding
 helpers find which saved chunks overlap them. No rank ever materialises a full tensor it does not own.
@@ -14,6 +17,7 @@ import os
 import warnings
 import zlib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,12 +47,25 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from llmtrain.checkpoint.errors import CheckpointError
-from llmtrain.checkpoint.layout import GlobalTensor
+from llmtrain.parallel.param_layout import Piece
 
 CHUNK = 1 << 20
 
 # DCP warns on every single-process save/load; one process without torch.distributed is a supported mode here.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+
+@dataclass
+class GlobalTensor:
+    """The pieces of one full tensor this rank holds; `write` marks the one replica that saves them."""
+
+    shape: tuple[int, ...]
+    pieces: list[Piece] = field(default_factory=list)
+    write: bool = True
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.pieces[0].tensor.dtype
 
 
 class _SavePlanner(SavePlanner):

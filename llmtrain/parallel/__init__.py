@@ -7,16 +7,17 @@ from torch import nn
 from llmtrain.config.schema import JobConfig
 from llmtrain.parallel.compile_blocks import apply_compile
 from llmtrain.parallel.context_parallel import apply_cp
-from llmtrain.parallel.data_parallel import GradBuffers, apply_data_parallel, apply_dp, grad_sync
+from llmtrain.parallel.data_parallel import GradBuffers, apply_dp
 from llmtrain.parallel.expert_parallel import apply_ep
 from llmtrain.parallel.float8 import apply_float8
 from llmtrain.parallel.launch import init_distributed
 from llmtrain.parallel.materialize import is_meta, materialize
-from llmtrain.parallel.optimizer import LossScaledOptimizer, ModelOptimizer, StepStats, build_optimizer
+from llmtrain.parallel.optimizer import LossScaledOptimizer, ModelOptimizer, StepStats
 from llmtrain.parallel.random import RNGTracker
 from llmtrain.parallel.recompute import apply_recompute, saved_activation_bytes
 from llmtrain.parallel.tensor_parallel import apply_tp, gather_full_state_dict
 from llmtrain.parallel.topology import Topology
+from llmtrain.parallel.zero import apply_data_parallel, build_optimizer, grad_sync
 
 
 def parallelize(model: nn.Module, topo: Topology, job: JobConfig) -> nn.Module:

@@ -116,6 +116,23 @@ def reduce_scatter_single(
     )
 
 
+def group_size(group: Any) -> int:
+    """The number of ranks in `group` (1 for None: no group, one process)."""
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def all_gather_dim(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+    """Every rank's `x` of `group` concatenated along `dim`, in rank order (no gradient)."""
+    size = group_size(group)
+    if size == 1:
+        return x
+    moved = x.movedim(dim, 0).contiguous()
+    out = moved.new_empty((size * moved.shape[0], *moved.shape[1:]))
+    all_gather_single(out, moved, group=group)
+    # Contiguous once here, rather than once in every layer that reads it (q, k and v).
+    return out.movedim(0, dim).contiguous()
+
+
 def all_to_all_single(
     output: torch.Tensor,
     input: torch.Tensor,

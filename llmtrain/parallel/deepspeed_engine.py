@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from llmtrain.config.schema import JobConfig
+from llmtrain.errors import CheckpointError
 from llmtrain.parallel.optimizer import StepStats, _make_adamw, no_weight_decay
 from llmtrain.parallel.topology import Topology
 
@@ -158,8 +159,6 @@ class DeepSpeedOptimizer:
         `loading`: an empty view for a checkpoint to be read into, which `restore` then installs (refused
         with NVMe offload: the Adam states live in DeepSpeed's swap files, which `restore` does not write)."""
         if loading and self.job.parallel.offload_device == "nvme":
-            from llmtrain.checkpoint.errors import CheckpointError
-
             raise CheckpointError(
                 "parallel.offload_device=nvme cannot resume from a checkpoint yet; resume with "
                 "parallel.offload_device=cpu (checkpoints are layout-free)"

@@ -6,7 +6,7 @@ Parameter. Everything else stays as bf16 training has it: parameters in bf16 vie
 (data_parallel), fp32 master weights in the optimizer, norms, attention, SwiGLU and the loss in bf16/fp32.
 
 Only nn.Linear is swapped, so tensor parallelism (its own Column/RowParallelLinear modules) is rejected
-at config time (llmtrain.config.validate.float8_problem), as are pipeline stages, which this path has not
+at config time (llmtrain.config.engine_rules.float8_problem), as are pipeline stages, which this path has not
 been verified with. The LM head stays bf16, as torchtitan keeps its output projection: the logits feed the
 softmax directly, and the vocabulary need not be a multiple of 16.
 """

@@ -11,10 +11,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from llmtrain.cli import launch_attempt
 from llmtrain.config.errors import ConfigError
 from llmtrain.config.schema import JobConfig
 from llmtrain.config.validate import validate_world
+from llmtrain.launch_env import launch_attempt, launch_rank
 from llmtrain.parallel.topology import Topology
 from llmtrain.parallel.watchdog import HANG_REPORTS, enable_flight_recorder, process_group_timeout
 
@@ -59,7 +59,7 @@ def restart_warnings(job: JobConfig) -> list[str]:
 def init_distributed(job: JobConfig) -> Topology:
     """Initialise torch.distributed from torchrun's env vars (RANK, WORLD_SIZE, ...); build the Topology."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
+    rank = launch_rank()
     validate_world(job, world_size)
     if rank == 0 and launch_attempt() == 0:
         for warning in restart_warnings(job):

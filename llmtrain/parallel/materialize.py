@@ -4,7 +4,7 @@ The trainer builds the CausalLM under ``torch.device("meta")``; tensor paralleli
 splitting work on the meta tensors (no memory), then `materialize` gives every parameter its local storage
 and fills it with the values of the global region it holds (llmtrain.models.init), so the result equals
 slicing the single-process model built with the same seed. Which global region a local tensor holds is
-read from the same description the checkpoints use (llmtrain.checkpoint.state.describe_model).
+read from the same description the checkpoints use (llmtrain.parallel.param_layout.describe_model).
 
 At zero_stage 2/3 FSDP2's ``fully_shard`` is applied to the meta model first (its parameters become meta
 DTensors); `materialize` then allocates each rank's shards the way FSDP2 documents it (``to_empty`` on every
@@ -14,7 +14,7 @@ starts in the TP-local tensor, so no rank ever holds a whole TP-local tensor.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -23,9 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from llmtrain.config.schema import ModelConfig
 from llmtrain.models.init import InitKind, fill_region, init_kinds
-
-if TYPE_CHECKING:  # llmtrain.checkpoint imports llmtrain.parallel: no import cycle at run time
-    from llmtrain.checkpoint.layout import ParamLayout
+from llmtrain.parallel.param_layout import ParamLayout, describe_model
 
 
 def is_meta(model: nn.Module) -> bool:
@@ -66,9 +64,6 @@ def materialize(model: nn.Module, topo: Any, cfg: ModelConfig, seed: int, device
     one shard is held twice for a moment (to_empty allocates a tied weight once per owning module, and
     copies an uneven shard into its padded buffer).
     """
-    # Imported here: llmtrain.checkpoint.state imports llmtrain.parallel, which imports this module.
-    from llmtrain.checkpoint.state import describe_model
-
     kinds = init_kinds(model)
     sharded = _allocate_fsdp_shards(model, device)
     for name, entry in describe_model(model, topo, cfg.tied_embeddings).items():

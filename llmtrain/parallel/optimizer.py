@@ -5,7 +5,7 @@ fp16 loss scaling, the global gradient norm and clipping, the checkpoint's scala
 works on the flat buffers of `data_parallel.GradBuffers`: each rank updates the pieces of the buffer it
 owns (everything for zero_stage 0, its 1/dp shard of every bucket for zero_stage 1). The master weights are
 the parameters themselves in fp32 (no copy), an fp32 copy of the owned pieces in bf16/fp16. zero_stage 2/3
-use `fsdp.FSDPOptimizer` over FSDP2's shards instead; `build_optimizer` picks.
+use `fsdp.FSDPOptimizer` over FSDP2's shards instead; `llmtrain.parallel.zero.build_optimizer` picks.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from torch import nn
 
 from llmtrain.config.schema import JobConfig
 from llmtrain.parallel import comm
-from llmtrain.parallel.data_parallel import GradBuffers, apply_data_parallel, apply_dp, dp_options
+from llmtrain.parallel.data_parallel import GradBuffers, apply_dp, dp_options
 from llmtrain.parallel.tensor_parallel import reduce_tp_grads
 from llmtrain.parallel.topology import Topology
 
@@ -368,18 +368,3 @@ class ModelOptimizer(LossScaledOptimizer):
         super().load_state_dict(state)
         if self.master_flat is not None:
             self.master_flat.copy_(state["master"])
-
-
-def build_optimizer(
-    model: nn.Module, topo: Topology, job: JobConfig, make_optimizer: MakeOptimizer | None = None
-) -> LossScaledOptimizer:
-    """The optimizer of a (parallelized) model or pipeline stages: installs the data-parallel layout
-    (`data_parallel.apply_data_parallel`) if parallelize did not, then ModelOptimizer over GradBuffers
-    (zero_stage 0/1) or FSDPOptimizer over FSDP2's shards (zero_stage 2/3)."""
-    from llmtrain.parallel.fsdp import FSDPOptimizer, is_fsdp
-
-    if not is_fsdp(model) and getattr(model, "grad_buffers", None) is None:
-        apply_data_parallel(model, topo, job)
-    if is_fsdp(model):
-        return FSDPOptimizer(model, topo, job, make_optimizer)
-    return ModelOptimizer(model, topo, job, make_optimizer)

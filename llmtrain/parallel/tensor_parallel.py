@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,36 +28,25 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from llmtrain.config.layout_rules import tensor_parallel_problem
 from llmtrain.config.schema import ModelConfig
-from llmtrain.config.validate import raise_if_problem, tensor_parallel_problem
+from llmtrain.config.validate import raise_if_problem
 from llmtrain.models.mla import LatentAttention
 from llmtrain.models.moe import MoEMLP, RouterStats, capacity_keep, expert_capacity
-from llmtrain.parallel.comm import all_gather_single, all_reduce, reduce_scatter_single
+from llmtrain.parallel.comm import (
+    all_gather_dim,
+    all_gather_single,
+    all_reduce,
+    group_size,
+    reduce_scatter_single,
+)
+from llmtrain.parallel.context_split import ContextSplit
 from llmtrain.parallel.random import RNGTracker
 from llmtrain.parallel.topology import Topology
 
-if TYPE_CHECKING:  # llmtrain.parallel.context_parallel imports this module
-    from llmtrain.parallel.context_parallel import ContextSplit
-
-
-def _group_size(group: Any) -> int:
-    return 1 if group is None else dist.get_world_size(group)
-
-
-def all_gather_dim(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
-    """Every rank's `x` of `group` concatenated along `dim`, in rank order (no gradient)."""
-    size = _group_size(group)
-    if size == 1:
-        return x
-    moved = x.movedim(dim, 0).contiguous()
-    out = moved.new_empty((size * moved.shape[0], *moved.shape[1:]))
-    all_gather_single(out, moved, group=group)
-    # Contiguous once here, rather than once in every layer that reads it (q, k and v).
-    return out.movedim(0, dim).contiguous()
-
 
 def _reduce_scatter_dim(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
-    size = _group_size(group)
+    size = group_size(group)
     if size == 1:
         return x
     moved = x.movedim(dim, 0).contiguous()
@@ -69,7 +58,7 @@ def _reduce_scatter_dim(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
 
 
 def _all_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:
-    if _group_size(group) == 1:
+    if group_size(group) == 1:
         return x
     x = x.contiguous().clone()
     all_reduce(x, group=group)
@@ -134,7 +123,7 @@ class _SplitSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
         ctx.dim, ctx.group = dim, group
-        return x.chunk(_group_size(group), dim)[dist.get_rank(group)].contiguous()
+        return x.chunk(group_size(group), dim)[dist.get_rank(group)].contiguous()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
@@ -152,7 +141,7 @@ class _GatherSplitSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return grad.chunk(_group_size(ctx.group), ctx.dim)[dist.get_rank(ctx.group)].contiguous(), None, None
+        return grad.chunk(group_size(ctx.group), ctx.dim)[dist.get_rank(ctx.group)].contiguous(), None, None
 
 
 def copy_to_region(x: torch.Tensor, group: Any) -> torch.Tensor:
@@ -303,7 +292,7 @@ class ColumnParallelLinear(nn.Module):
 
 def check_tp(cfg: ModelConfig, tp: int, sequence_parallel: bool) -> None:
     """Raise ConfigError when the model cannot be split over `tp` ranks (the rule and its message:
-    llmtrain.config.validate.tensor_parallel_problem)."""
+    llmtrain.config.layout_rules.tensor_parallel_problem)."""
     raise_if_problem(tensor_parallel_problem(cfg, tp, sequence_parallel))
 
 

@@ -25,8 +25,9 @@ import torch
 import torch.distributed as dist
 
 from llmtrain.config.errors import ConfigError
+from llmtrain.config.moe_rules import expert_layout_problem
 from llmtrain.config.schema import ParallelConfig, TrainConfig
-from llmtrain.config.validate import expert_layout_problem, raise_if_problem, rank_order, resolve_dp
+from llmtrain.config.validate import raise_if_problem, rank_order, resolve_dp
 from llmtrain.parallel.watchdog import Watchdog
 
 # Dimensions of the grid (ep is carved out of tp x cp x dp; see the module docstring).

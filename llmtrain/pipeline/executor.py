@@ -33,11 +33,11 @@ from torch.distributed.fsdp import FSDPModule
 from llmtrain.config.schema import JobConfig
 from llmtrain.models.moe import RouterFigures
 from llmtrain.parallel import comm
-from llmtrain.parallel.data_parallel import apply_data_parallel, grad_sync
 from llmtrain.parallel.fsdp import finish_backward, is_fsdp
 from llmtrain.parallel.materialize import is_meta, materialize
 from llmtrain.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, gather_sequence
 from llmtrain.parallel.topology import Topology
+from llmtrain.parallel.zero import apply_data_parallel, grad_sync
 from llmtrain.pipeline.router_stats import PipelineRouter
 from llmtrain.pipeline.schedules import (
     RECV_B,

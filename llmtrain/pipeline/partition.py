@@ -5,7 +5,8 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from llmtrain.config.validate import layer_plan_problem, pipeline_problem, raise_if_problem
+from llmtrain.config.layout_rules import layer_plan_problem, pipeline_problem
+from llmtrain.config.validate import raise_if_problem
 
 
 def partition_layers(

@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from llmtrain.config.validate import raise_if_problem, sequence_parallel_problem
+from llmtrain.config.layout_rules import sequence_parallel_problem
+from llmtrain.config.validate import raise_if_problem
 from llmtrain.models import CausalLM
 from llmtrain.models.moe import MoEMLP, Router, RouterStats
 from llmtrain.parallel import comm

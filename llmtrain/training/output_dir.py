@@ -23,10 +23,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from llmtrain.checkpoint.directory import last_good_checkpoint, read_meta, resolve
 from llmtrain.checkpoint.errors import CheckpointError
-from llmtrain.checkpoint.manager import last_good_checkpoint, read_meta, resolve
-from llmtrain.cli import launch_attempt
 from llmtrain.config import ConfigError, JobConfig, dump
+from llmtrain.launch_env import launch_attempt
 from llmtrain.training.metrics_file import METRICS_FILE, next_segment
 
 CONFIG = "config.yaml"

@@ -6,8 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmtrain.checkpoint.layout import ParamLayout
-from llmtrain.checkpoint.state import tp_layout
+from llmtrain.parallel.param_layout import ParamLayout, tp_layout
 
 
 def _check_pieces(full: torch.Tensor, pieces: list, expected_numel: int) -> None:

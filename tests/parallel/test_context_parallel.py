@@ -14,14 +14,8 @@ import torch
 from llmtrain.config import ConfigError, JobConfig, ParallelConfig, load, validate_world
 from llmtrain.config.validate import rank_order
 from llmtrain.parallel import Topology
-from llmtrain.parallel.context_parallel import (
-    ContextSplit,
-    all_to_all_attention,
-    local_positions,
-    merge_sequence,
-    ring_attention,
-    split_sequence,
-)
+from llmtrain.parallel.context_parallel import all_to_all_attention, ring_attention
+from llmtrain.parallel.context_split import ContextSplit, local_positions, merge_sequence, split_sequence
 from tests.models._packed import assert_packed_documents_equal_separate_runs
 from tests.parallel._dist import batches, parallel_run, spawn, tiny_job
 from tests.parallel._reference import LR, Layout, torch_reference, train_layouts

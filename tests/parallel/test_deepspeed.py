@@ -91,15 +91,15 @@ def test_bad_nvme_offload_settings_are_config_errors(overrides, expected):
         load(None, overrides)
 
 
-def _validate_module():
-    """llmtrain.config.validate, the module (the package re-exports a function of that name)."""
-    return importlib.import_module("llmtrain.config.validate")
+def _engine_rules():
+    """llmtrain.config.engine_rules, whose nvme_problem asks async_io_available."""
+    return importlib.import_module("llmtrain.config.engine_rules")
 
 
 @needs_deepspeed
 def test_nvme_offload_without_libaio_is_a_one_line_config_error(monkeypatch):
     """DeepSpeed's async_io op needs libaio (this machine has none); the error names the package."""
-    monkeypatch.setattr(_validate_module(), "async_io_available", lambda: False)
+    monkeypatch.setattr(_engine_rules(), "async_io_available", lambda: False)
     with pytest.raises(ConfigError) as err:
         load(None, [*NVME, "parallel.offload_device=nvme", "parallel.nvme_path=/nvme"])
     message = str(err.value)
@@ -110,7 +110,7 @@ def test_nvme_offload_without_libaio_is_a_one_line_config_error(monkeypatch):
 def test_nvme_offload_maps_to_deepspeed_swap_files(monkeypatch):
     from llmtrain.parallel.deepspeed_engine import deepspeed_config
 
-    monkeypatch.setattr(_validate_module(), "async_io_available", lambda: True)
+    monkeypatch.setattr(_engine_rules(), "async_io_available", lambda: True)
     job = load(None, [*NVME, "parallel.offload_device=nvme", "parallel.nvme_path=/nvme"])
     zero = deepspeed_config(job, 1)["zero_optimization"]
     for section in ("offload_optimizer", "offload_param"):
@@ -221,7 +221,7 @@ def test_nvme_offload_trains_like_one_process(tmp_path, deepspeed_extensions):
     """Optimizer and parameters swapped to files under nvme_path train within the same float64 bounds as
     the CPU-offloaded and non-offloaded runs (test_deepspeed_offload_trains_like_one_process). Skipped
     where DeepSpeed's async_io op cannot build (no libaio), which config validation refuses anyway."""
-    if not _validate_module().async_io_available():
+    if not _engine_rules().async_io_available():
         pytest.skip("DeepSpeed's async_io op needs libaio: apt install libaio-dev")
     failures = spawn(2, _nvme_equivalence, str(tmp_path))[0]
     assert not failures, "\n".join(failures)

@@ -20,13 +20,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from llmtrain import models
-from llmtrain.checkpoint.layout import ParamLayout
-from llmtrain.checkpoint.state import describe_model
 from llmtrain.config import JobConfig
 from llmtrain.models import init
 from llmtrain.parallel import Topology, apply_data_parallel, apply_tp, materialize, parallelize
 from llmtrain.parallel.fsdp import local_tensor
 from llmtrain.parallel.materialize import fill_local
+from llmtrain.parallel.param_layout import ParamLayout, describe_model
 from llmtrain.pipeline.executor import build_pipeline
 from llmtrain.pipeline.stages import build_stages
 from tests.parallel._dist import SpawnedCases, tiny_job

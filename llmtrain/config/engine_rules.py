@@ -1,0 +1,152 @@
+"""Whether the training engine and precision can run a job: DeepSpeed, offloading (to CPU or NVMe), fp8.
+
+As in llmtrain.config.layout_rules, each *_problem function returns "" or the message naming the field and
+the fix. Whether an optional package is installed is asked without importing it (importlib.util.find_spec),
+so validating a config imports no torch.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+from llmtrain.config.schema import JobConfig, ParallelConfig
+
+
+def engine_problem(job: JobConfig) -> str:
+    """Why parallel.engine / parallel.offload cannot run this job, naming the field and the nearest layout
+    that can ("" if they can). DeepSpeed wraps one whole, unsplit model: its ZeRO engine shards over data
+    parallelism only, so llmtrain's tensor and pipeline parallelism stay with parallel.engine=llmtrain."""
+    p = job.parallel
+    if p.engine == "llmtrain":
+        if p.offload != "none":
+            return (
+                f"parallel.offload={p.offload} needs parallel.engine=deepspeed (llmtrain's own engine keeps "
+                "everything on the device); set parallel.engine=deepspeed or parallel.offload=none"
+            )
+        return ""
+    if importlib.util.find_spec("deepspeed") is None:
+        return (
+            "parallel.engine=deepspeed needs the deepspeed package, which is not installed; "
+            "run pip install 'llmtrain[deepspeed]' or set parallel.engine=llmtrain"
+        )
+    if p.tp > 1 or p.pp > 1:
+        return (
+            f"parallel.engine=deepspeed runs data parallelism only, not tp={p.tp} pp={p.pp}; use tp=1 pp=1 "
+            "with every process in dp (the nearest layout), or parallel.engine=llmtrain for tp/pp"
+        )
+    if p.zero_stage not in (1, 2, 3):
+        return (
+            f"parallel.engine=deepspeed shards with ZeRO; set parallel.zero_stage to 1, 2 or 3 "
+            f"(got {p.zero_stage}), or use parallel.engine=llmtrain for plain data parallelism"
+        )
+    if p.dp_shard is not None:
+        return (
+            f"parallel.dp_shard={p.dp_shard} (hybrid sharding) is FSDP2's, on parallel.engine=llmtrain; "
+            "leave parallel.dp_shard null with parallel.engine=deepspeed, or use parallel.engine=llmtrain"
+        )
+    if p.grad_reduce == "step":
+        return (
+            "parallel.grad_reduce=step is FSDP2's, on parallel.engine=llmtrain; DeepSpeed reduces its "
+            "gradients as it accumulates them: leave it at microbatch, or use parallel.engine=llmtrain"
+        )
+    if p.offload == "optimizer+params" and p.zero_stage != 3:
+        return (
+            f"parallel.offload=optimizer+params needs parallel.zero_stage=3 (only ZeRO-3 partitions the "
+            f"parameters; got {p.zero_stage}); set zero_stage=3 or parallel.offload=optimizer"
+        )
+    if job.train.precision == "fp16":
+        return (
+            "train.precision=fp16 is not supported with parallel.engine=deepspeed (DeepSpeed's own loss "
+            "scaler would disagree with llmtrain's bad-step skipping); use bf16 or parallel.engine=llmtrain"
+        )
+    if job.train.precision == "fp8":
+        return (
+            "train.precision=fp8 (torchao's Float8Linear) is wired into llmtrain's engine only; use "
+            "train.precision=bf16 with parallel.engine=deepspeed, or parallel.engine=llmtrain for fp8"
+        )
+    return ""
+
+
+def nvme_problem(p: ParallelConfig) -> str:
+    """Why parallel.offload_device / parallel.nvme_path cannot run ("" if they can). DeepSpeed swaps to
+    NVMe at zero stage 3 only (ZeRO-Infinity), through its async_io op, which builds against libaio."""
+    if p.offload_device == "cpu":
+        if p.nvme_path is not None:
+            return (
+                f"parallel.nvme_path={p.nvme_path} is read only with parallel.offload_device=nvme; set "
+                "parallel.offload_device=nvme or leave parallel.nvme_path null"
+            )
+        return ""
+    if p.engine != "deepspeed" or p.offload == "none":
+        return (
+            "parallel.offload_device=nvme says where parallel.offload puts what it offloads; set "
+            "parallel.engine=deepspeed and parallel.offload=optimizer or optimizer+params, or "
+            "parallel.offload_device=cpu"
+        )
+    if p.zero_stage != 3:
+        return (
+            f"parallel.offload_device=nvme needs parallel.zero_stage=3 (DeepSpeed swaps to NVMe at ZeRO-3 "
+            f"only; got {p.zero_stage}); set zero_stage=3 or parallel.offload_device=cpu"
+        )
+    if not p.nvme_path:
+        return (
+            "parallel.offload_device=nvme needs parallel.nvme_path, a directory on a local NVMe drive for "
+            "DeepSpeed's swap files"
+        )
+    if not async_io_available():
+        return (
+            "parallel.offload_device=nvme needs DeepSpeed's async_io op, which needs libaio (headers and "
+            "library not found): apt install libaio-dev (yum install libaio-devel), or set "
+            "parallel.offload_device=cpu"
+        )
+    return ""
+
+
+def async_io_available() -> bool:
+    """Whether DeepSpeed's async_io op (NVMe swapping) can build here: it compiles a test against libaio."""
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    return bool(AsyncIOBuilder().is_compatible(verbose=False))
+
+
+# torch._scaled_mm needs every GEMM dimension to be a multiple of 16: in and out features, and the token
+# count, which is the reduction dimension of the weight gradient.
+FP8_MULTIPLE = 16
+
+
+def float8_problem(job: JobConfig) -> str:
+    """Why `job` cannot train with train.precision=fp8 (llmtrain.parallel.float8), or '' when it can."""
+    if job.train.precision != "fp8":
+        return ""
+    m, p, t = job.model, job.parallel, job.train
+    if importlib.util.find_spec("torchao") is None:
+        return "train.precision=fp8 needs torchao (pip install 'llmtrain[fp8]'); or use train.precision=bf16"
+    if p.tp > 1:
+        return (
+            f"train.precision=fp8 swaps nn.Linear for torchao's Float8Linear, but parallel.tp={p.tp} uses "
+            "llmtrain's own tensor-parallel layers; use parallel.tp=1 (data parallelism) or precision=bf16"
+        )
+    if p.pp > 1:
+        return (
+            f"train.precision=fp8 is verified without pipeline stages only; set parallel.pp=1 (got {p.pp}) "
+            "or use train.precision=bf16"
+        )
+    if p.zero_stage >= 2:
+        return (
+            f"train.precision=fp8 is verified with the flat data-parallel buffers only, not with FSDP2's "
+            f"parallel.zero_stage={p.zero_stage}; use parallel.zero_stage 0 or 1, or train.precision=bf16"
+        )
+    sizes = {
+        "model.hidden_size": m.hidden_size,
+        "model.ffn_hidden_size (resolved)": m.ffn_size,
+        "model.num_attention_heads x head size": m.num_attention_heads * m.head_size,
+        "model.num_kv_heads x head size": m.kv_heads * m.head_size,
+        "train.micro_batch_size x model.seq_length (tokens per GEMM)": t.micro_batch_size * m.seq_length,
+    }
+    for name, value in sizes.items():
+        if value % FP8_MULTIPLE:
+            return (
+                f"train.precision=fp8 needs {name} to be a multiple of {FP8_MULTIPLE} (float8 GEMMs); "
+                f"got {value}; change it or use train.precision=bf16"
+            )
+    return ""
