@@ -317,7 +317,6 @@ def test_links_between_pages_resolve():
             if file.startswith(("http://", "https://")):
                 continue
             linked = (path.parent / file).resolve() if file else path
-            name = str(linked.relative_to(ROOT)) if linked.is_relative_to(ROOT) else str(linked)
             assert linked.exists(), f"{path.relative_to(ROOT)} links to missing {file}"
             if anchor and linked.suffix == ".md":
                 assert anchor in _anchors(linked), f"{path.relative_to(ROOT)}: no #{anchor} in {file}"
