@@ -23,10 +23,11 @@ from llmtrain.parallel.zero import apply_data_parallel, build_optimizer, grad_sy
 def parallelize(model: nn.Module, topo: Topology, job: JobConfig) -> nn.Module:
     """apply_tp -> apply_ep -> apply_cp -> apply_float8 -> apply_recompute -> apply_compile ->
     [materialize] -> apply_data_parallel (flat buffers for zero_stage 0/1), or -> apply_data_parallel ->
-    [materialize] (FSDP2 for 2/3), in place. A meta model (built under torch.device("meta")) is sharded on meta, then this
-    rank's slices (at zero_stage 2/3 its FSDP shards of them) are allocated on topo.device and initialised
-    from train.seed. With pp > 1 the pipeline splits stages first, then does the same to them
-    (llmtrain.pipeline.executor.build_pipeline; build_optimizer applies the zero_stage 0/1 layout)."""
+    [materialize] (FSDP2 for 2/3), in place. A meta model (built under torch.device("meta")) is sharded
+    on meta, then this rank's slices (at zero_stage 2/3 its FSDP shards of them) are allocated on
+    topo.device and initialised from train.seed. With pp > 1 the pipeline splits stages first, then does
+    the same to them (llmtrain.pipeline.executor.build_pipeline; build_optimizer applies the zero_stage 0/1
+    layout)."""
     apply_tp(model, topo, job.parallel.sequence_parallel, job.train.seed)
     apply_ep(model, topo)
     apply_cp(model, topo, job.parallel.cp_comm)
