@@ -150,3 +150,22 @@ def float8_problem(job: JobConfig) -> str:
                 f"got {value}; change it or use train.precision=bf16"
             )
     return ""
+
+
+def compile_problem(job: JobConfig) -> str:
+    """Why train.compile=blocks cannot run this job, or '' when it can. Compiled blocks are verified on one
+    model replica (data parallelism and ZeRO around them): the tensor-, context- and expert-parallel layers
+    call collectives inside a block, and pipeline stages patch the blocks' linear layers, which no compiled
+    run has been checked against yet."""
+    p = job.parallel
+    if job.train.compile == "none":
+        return ""
+    for name, value in (("tp", p.tp), ("pp", p.pp), ("cp", p.cp), ("ep", p.ep)):
+        if value > 1:
+            return (
+                f"train.compile={job.train.compile} is verified without model parallelism; parallel.{name}="
+                f"{value}: set parallel.{name}=1 or train.compile=none"
+            )
+    if p.engine != "llmtrain":
+        return f"train.compile={job.train.compile} needs parallel.engine=llmtrain; or set train.compile=none"
+    return ""

@@ -14,7 +14,7 @@ import dataclasses
 import math
 import typing
 
-from llmtrain.config.engine_rules import engine_problem, float8_problem, nvme_problem
+from llmtrain.config.engine_rules import compile_problem, engine_problem, float8_problem, nvme_problem
 from llmtrain.config.errors import ConfigError
 from llmtrain.config.layout_rules import (
     context_parallel_problem,
@@ -95,6 +95,7 @@ def validate(job: JobConfig) -> None:
     )
     raise_if_problem(context_parallel_problem(job))
     raise_if_problem(float8_problem(job))
+    raise_if_problem(compile_problem(job))
     raise_if_problem(uneven_batch_problem(job))
 
     _require(t.steps >= 1, f"train.steps must be at least 1; got {t.steps}")

@@ -13,10 +13,8 @@ import pytest
 import torch
 
 from llmtrain import models
-from llmtrain.config import load
+from llmtrain.config import ConfigError, load
 from llmtrain.parallel import Topology, build_optimizer, parallelize
-
-pytestmark = pytest.mark.slow  # Inductor compiles the block on CPU (tens of seconds)
 
 TINY = [
     "model.num_layers=2",
@@ -49,9 +47,24 @@ def _losses(mode: str) -> tuple[list[float], torch.nn.Module]:
     return losses, model
 
 
+@pytest.mark.slow  # Inductor compiles the block on CPU (tens of seconds)
 def test_compiled_blocks_train_as_uncompiled():
     eager, _ = _losses("none")
     compiled, model = _losses("blocks")
     assert all(block._compiled_call_impl is not None for block in model.layers)
     assert eager[0] != eager[-1]  # the steps moved the weights
     torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=1e-5, atol=0)
+
+
+LAYOUTS = [
+    ["parallel.tp=2"],
+    ["parallel.pp=2"],
+    ["parallel.cp=2"],
+    ["parallel.engine=deepspeed", "parallel.zero_stage=2"],
+]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: layout[0])
+def test_unverified_layouts_are_refused_naming_the_field(layout):
+    with pytest.raises(ConfigError, match=r"train.compile=blocks .*train.compile=none"):
+        load("configs/llama-small.yaml", [*layout, "train.compile=blocks"])
