@@ -264,7 +264,7 @@ def router_stats(experts: int, tp: int, cp: int, recompute: str) -> PassComms:
 
 def cp_loss(cp: int) -> PassComms:
     """The loss of a context-parallel micro-batch: its labelled-token count and each rank's weighted share
-    summed over the CP group (fp32 scalars; llmtrain.parallel.context_parallel.ContextSplit.reduce_loss)."""
+    summed over the CP group (fp32 scalars; llmtrain.parallel.context_split.ContextSplit.reduce_loss)."""
     if cp == 1:
         return PassComms()
     return PassComms((Comm("all_reduce", "cp", cp, 4),) * 2)

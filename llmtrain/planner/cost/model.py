@@ -254,7 +254,7 @@ class CostModel(LayerTime, DataParallelTime, StepCollectives):
     def _expert_problem(self, layout: Layout) -> str:
         """Why a layout's expert parallelism cannot run ("" if it can): ep > 1 needs routed experts, ep
         dividing their number, and ep ranks carved out of the tp x cp x dp ranks as the trainer carves them
-        (llmtrain.config.validate.expert_layout_problem: inside dp, spanning cp, or spanning tp)."""
+        (llmtrain.config.moe_rules.expert_layout_problem: inside dp, spanning cp, or spanning tp)."""
         m, ep = self.w.model, layout.ep
         if ep == 1:
             return ""
