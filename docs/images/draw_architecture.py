@@ -13,7 +13,7 @@ STEPS = [
     ("apply_tp", "parallel"),
     ("apply_ep", "parallel"),
     ("apply_cp", "parallel"),
-    ("apply_float8,\napply_recompute", "parallel"),
+    ("apply_float8, apply_recompute,\napply_compile", "parallel"),
     ("pp > 1: split\ninto stages", "pipeline"),
     ("data parallel +\nmaterialize", "parallel"),
     ("optimizer,\ncheckpointer", "parallel / checkpoint"),
