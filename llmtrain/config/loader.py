@@ -133,13 +133,32 @@ def _read_yaml_file(path: Path) -> Any:
         raise ConfigError(f"{path} is not valid YAML {yaml_problem(err)}; fix the file") from None
 
 
+# The presets shipped beside the package (the repository's configs/), which a bare --config name names.
+SHIPPED_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def resolve_config(path: str | Path) -> Path:
+    """The YAML file `path` names: an existing path as it is; else a bare name (`ernie.yaml`, `ernie`) of
+    a shipped config in configs/, from any working directory; else a ConfigError listing the shipped ones."""
+    given = Path(path)
+    if given.is_file():
+        return given
+    if given.parent == Path("."):
+        for name in (given.name, f"{given.name}.yaml"):
+            if (SHIPPED_CONFIGS / name).is_file():
+                return SHIPPED_CONFIGS / name
+    shipped = ", ".join(sorted(p.stem for p in SHIPPED_CONFIGS.glob("*.yaml")))
+    raise ConfigError(
+        f"config file {path} does not exist; pass an existing YAML file to --config or a shipped config "
+        f"by name ({shipped})"
+    )
+
+
 def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> JobConfig:
     """Read a YAML config (or start from defaults), apply `key.path=value` overrides, validate once."""
     raw: dict[str, Any] = {}
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist; pass an existing YAML file to --config")
+        path = resolve_config(path)
         loaded = _read_yaml_file(path)
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from llmtrain.config import ConfigError, load, parse_override
+from llmtrain.config.loader import resolve_config
 from llmtrain.sweep.errors import SweepError
 from llmtrain.sweep.grid import SweepPoint
 from llmtrain.training.metrics_file import METRICS_FILE, latest_per_step, read_rows, row_kind
@@ -270,9 +271,11 @@ def run_sweep(
     """Run every point (up to `parallel` at once), skipping those an earlier sweep finished; never raises
     for a failed run. `extra` are the fixed `key.path=value` overrides given to every run. Results come
     back in the order of `points`."""
-    config, script, output = Path(config).resolve(), Path(script).resolve(), Path(output).resolve()
-    if not config.is_file():
-        raise SweepError(f"--config {config} does not exist; pass the base YAML job config")
+    try:
+        config = resolve_config(config).resolve()  # a path, or a shipped config's name
+    except ConfigError as exc:
+        raise SweepError(str(exc)) from None
+    script, output = Path(script).resolve(), Path(output).resolve()
     if not script.is_file():
         raise SweepError(f"training script {script} does not exist; pass an existing file to --script")
     if parallel < 1:
