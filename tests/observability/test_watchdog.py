@@ -89,17 +89,17 @@ def test_excepthook_ends_the_process_with_the_traceback():
         "import threading\n"
         "def work(): raise KeyError('missing')\n"
         "t = threading.Thread(target=work); t.start(); t.join()\n"
-        "import time; time.sleep(30)\n"
-    )  # never reached: the thread's exception ends the process
-    start = time.monotonic()
+        "import time; time.sleep(3600)\n"
+    )  # never reached: the thread's exception ends the process (else the timeout below fails the test)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == FAILURE_EXIT_CODE
-    assert time.monotonic() - start < 25
     assert "[rank 2] KeyError: 'missing'" in proc.stderr
 
 
-def _spawn(fn, args: tuple, nprocs: int = 2, deadline_s: float = 40.0) -> tuple[list[int | None], float]:
-    """Start the ranks and wait for each one (mp.spawn's join would kill the rest at the first exit)."""
+def _spawn(fn, args: tuple, nprocs: int = 2, deadline_s: float = 40.0) -> list[int | None]:
+    """Start the ranks and wait for each one (mp.spawn's join would kill the rest at the first exit); their
+    exit codes, None for a rank still running at the deadline. The deadline comes before gloo's own timeout
+    (GROUP_TIMEOUT_S), so a code says the watchdog or fail_fast ended the rank, not that timeout."""
     start = time.monotonic()
     context = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
     for process in context.processes:
@@ -108,15 +108,14 @@ def _spawn(fn, args: tuple, nprocs: int = 2, deadline_s: float = 40.0) -> tuple[
     for process in context.processes:
         if process.is_alive():
             process.kill()
-    return codes, time.monotonic() - start
+    return codes
 
 
 @pytest.mark.slow
 def test_simulated_hang_every_rank_reports_its_wait_and_exits(capfd):
-    codes, elapsed = _spawn(_dist_workers.straggler, (2, free_port(), 2.0))
+    codes = _spawn(_dist_workers.straggler, (2, free_port(), 2.0))
     err = capfd.readouterr().err
-    assert codes == [HANG_EXIT_CODE, HANG_EXIT_CODE], err
-    assert elapsed < _dist_workers.GROUP_TIMEOUT_S  # the watchdog ended it, not gloo's own timeout
+    assert codes == [HANG_EXIT_CODE, HANG_EXIT_CODE], err  # the watchdog ended it, not gloo's own timeout
     for rank in (0, 1):
         assert f"[watchdog rank {rank}/2]   all_reduce on group 'dp' (grad bucket 0), waiting" in err
     rank0 = [line for line in err.splitlines() if line.startswith("[watchdog rank 0/2]")]
@@ -127,10 +126,9 @@ def test_simulated_hang_every_rank_reports_its_wait_and_exits(capfd):
 
 @pytest.mark.slow
 def test_exception_on_one_rank_ends_the_job_promptly_with_its_traceback_first(capfd):
-    codes, elapsed = _spawn(_dist_workers.crash, (2, free_port()))
+    codes = _spawn(_dist_workers.crash, (2, free_port()))
     err = capfd.readouterr().err
-    assert codes == [FAILURE_EXIT_CODE, FAILURE_EXIT_CODE], err
-    assert elapsed < _dist_workers.GROUP_TIMEOUT_S / 2  # not left blocked until the collective timeout
+    assert codes == [FAILURE_EXIT_CODE, FAILURE_EXIT_CODE], err  # not left blocked until gloo's timeout
     assert "[rank 1] RuntimeError: boom on rank 1" in err
     assert err.index("[rank 1] failed") < err.index("[rank 0] failed")  # the cause first, then its echo
 

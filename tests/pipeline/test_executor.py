@@ -28,7 +28,10 @@ from llmtrain.planner.cost.flops import head_cost_in_layers
 from tests.parallel._dist import parallel_run
 from tests.parallel._reference import Reference, torch_reference
 
-STEPS = 3
+STEPS = 2
+"""Steps of each run: the first from a fresh optimizer, the second with the Adam moments (and ZeRO-1 shards)
+the first left, the held-out loss then checking the weights after both; a third step runs the same code again.
+Each of the ~80 cases costs per step, so 2 rather than 3 takes a third off these tests."""
 MICRO = 2  # samples per micro-batch
 
 

@@ -5,7 +5,6 @@ import json
 import shutil
 import subprocess
 import sys
-import time
 import zipfile
 from pathlib import Path
 
@@ -182,10 +181,10 @@ def test_profile_local_writes_a_loadable_cluster(tmp_path, capsys):
 def test_link_measurement_reports_a_dead_worker_instead_of_waiting():
     from llmtrain.planner.calibration.profile import measure_gloo
 
-    start = time.monotonic()
-    with pytest.raises(RuntimeError, match="ended without a result"):
-        measure_gloo(mbytes=-1)  # the workers fail allocating a negative-sized buffer
-    assert time.monotonic() - start < 120  # spawn and import only; the old blind wait was 300 s
+    # The workers fail allocating a negative-sized buffer; the error names the exit codes it reacted to
+    # (the old blind wait was 300 s; a hang now fails at the suite's timeout).
+    with pytest.raises(RuntimeError, match=r"ended without a result \(.*exit [1-9]"):
+        measure_gloo(mbytes=-1)
 
 
 def test_memory_prints_the_per_rank_breakdown_of_the_configs_layout(capsys):

@@ -1,6 +1,5 @@
 """Search: pruning with reasons, coordinate descent against exhaustive enumeration, speed, parallel.auto."""
 
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -102,15 +101,37 @@ def test_fixed_settings_are_respected():
         parse_fixed("train.lr=0.1")
 
 
-def test_trillion_parameters_on_3072_gpus_plans_in_under_a_second():
-    model = gpt(128, 25600, 160)
-    start = time.process_time()  # this process's CPU time: a loaded machine's queue does not count
+def test_trillion_parameters_on_3072_gpus_plans_by_descent_over_a_small_part_of_the_space(monkeypatch):
+    """The search stays interactive (benchmarks/bench_planner_search.py times it) by evaluating few layouts:
+    counted, not timed, so a loaded machine cannot fail it and a search that blows up still does."""
+    work, software = Workload(gpt(128, 25600, 160), 3072, "bf16"), Software(sharded_init=True)
+    estimates = []
+    evaluate = CostModel.evaluate
+    monkeypatch.setattr(
+        CostModel, "evaluate", lambda self, *a, **kw: estimates.append(1) or evaluate(self, *a, **kw)
+    )
     # Built shard by shard as Megatron does: a whole 1T model in fp32 (4 TB) fits no rank.
-    result = plan(Workload(model, 3072, "bf16"), A100, 3072, top=10, software=Software(sharded_init=True))
-    elapsed = time.process_time() - start
-    assert elapsed < 1.0
+    result = plan(work, A100, 3072, top=10, software=software)
     assert result.best.fits and result.method == "coordinate-descent"
     assert 0.3 < result.best.mfu < 0.75
+    space = build_space(CostModel(work, A100.view(3072), software))
+    grid = [3072 // (tp * pp * cp) for tp, pp, cp, _, _ in space.grid()]
+    # Descent screens every (tp, pp, cp, ep) point with each sharding and at most two recompute modes, then
+    # each of its 8 seeds walks every dimension's neighbourhood; three sweeps a seed is ample (15 sweeps in
+    # all for the 8 seeds when written). That bounds it to under 2% of the 219,600 combinations.
+    screen = sum(2 * len(space.sharding[dp]) for dp in grid)
+    neighbourhood = (
+        len(space.tp_pp)
+        + max(map(len, space.contexts.values()))
+        + len(space.experts)
+        + max(map(len, space.micro_batches.values()))
+        + len(space.schedules)
+        + len(space.recompute)
+        + len(space.sequence_parallel)
+        + max(map(len, space.sharding.values()))
+    )
+    assert result.evaluated <= screen + 8 * 3 * neighbourhood < space.size() / 50
+    assert len(estimates) == result.evaluated + 10  # each layout estimated once, the top 10 re-timed once
 
 
 def test_table_json_and_written_config(tmp_path):

@@ -87,6 +87,23 @@ def _check_resumed(out: Path, stopped: int, status: int, stdout: str, stderr: st
     assert {row["segment"] for row in read_rows(out)} == {0, 1}
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory):
+    """The loss curve of the command run without interruption, per data.num_workers: the SIGINT and SIGTERM
+    cases run the same command, so they share one reference run (each is a tools/pretrain.py process)."""
+    curves: dict[int, dict[int, float]] = {}
+
+    def curve(workers: int) -> dict[int, float]:
+        if workers not in curves:
+            out = tmp_path_factory.mktemp(f"reference-{workers}-workers")
+            reference = run_cli(python_command(out, *COMMON, f"data.num_workers={workers}"))
+            assert reference.returncode == 0, reference.stderr
+            curves[workers] = _losses(out)
+        return curves[workers]
+
+    return curve
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("sig", "workers"),
@@ -94,19 +111,16 @@ def _check_resumed(out: Path, stopped: int, status: int, stdout: str, stderr: st
     ids=["SIGINT", "SIGTERM", "SIGTERM-data-worker"],
 )
 def test_signal_saves_exits_and_resume_matches_uninterrupted_run(
-    tmp_path: Path, sig: signal.Signals, workers: int
+    tmp_path: Path, sig: signal.Signals, workers: int, uninterrupted
 ) -> None:
     """With a DataLoader worker too: the signal reaches the whole process group (as Slurm's does), the
     worker must outlive it, and a resumed loader must not shift the dropout stream."""
-    common = (*COMMON, f"data.num_workers={workers}")
-    reference = run_cli(python_command(tmp_path / "reference", *common))
-    assert reference.returncode == 0, reference.stderr
-    command = python_command(tmp_path / "run", *common)
+    command = python_command(tmp_path / "run", *COMMON, f"data.num_workers={workers}")
     status, stdout, stderr = _interrupt(command, sig, after_step=3)
     stopped = _check_stopped(tmp_path / "run", sig, status, stdout, stderr)
     again = run_cli(command)
     _check_resumed(tmp_path / "run", stopped, again.returncode, again.stdout, again.stderr)
-    expected = _losses(tmp_path / "reference")
+    expected = uninterrupted(workers)
     assert sorted(expected) == list(range(1, STEPS + 1))
     assert _losses(tmp_path / "run") == expected  # bit for bit
 
