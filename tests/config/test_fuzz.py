@@ -425,6 +425,7 @@ def out_of_range(draw: st.DrawFn) -> Case:
     return Case({path: text}, (path,), in_file=draw(st.booleans()))
 
 
+@pytest.mark.slow  # multi-second (6 s on two idle cores): runs in CI, not in -m 'not slow'
 def test_wrong_types_for_every_field():
     assert fuzz(st.one_of(wrong_types(), sections_as_values()), 200) >= 200
 

@@ -235,6 +235,7 @@ def _check_blocks_against_whole(dtype, impl, seq, chunks, documents=None):
         assert_close(a, e.cpu(), dtype, scale=2.0, what=f"grad {name}")
 
 
+@pytest.mark.slow  # multi-second (5 s a case, interpreted, on two idle cores): runs in CI only
 @pytest.mark.parametrize("impl", ["triton", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_attention_blocks_merged_by_lse_equal_whole_attention(dtype, impl):

@@ -15,6 +15,7 @@ import torch
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_kernels.py"
 
 
+@pytest.mark.slow  # multi-second (3 s, a subprocess on two idle cores): runs in CI, not in -m 'not slow'
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU behaviour")
 def test_without_gpu_says_so_and_exits_zero():
     out = subprocess.run([sys.executable, str(BENCH)], capture_output=True, text=True, timeout=120)

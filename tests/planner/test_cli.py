@@ -43,6 +43,7 @@ def run_plan(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow  # multi-second (4 s on two idle cores): runs in CI, not in -m 'not slow'
 def test_json_evaluate_write_and_plot(model_yaml, tmp_path, capsys):
     best, png = tmp_path / "best.yaml", tmp_path / "plan.png"
     search = ["--config", str(model_yaml), "--cluster", "a100-80gb", "--gpus", "16", "--top", "3", "--json",

@@ -158,6 +158,7 @@ def test_local_gpus_map_to_their_preset_by_name_and_memory(name, gib, preset):
         assert load_cluster(preset).view(8).device.memory_gb == pytest.approx(gib, abs=2.0)
 
 
+@pytest.mark.slow  # multi-second (6 s on two idle cores): runs in CI, not in -m 'not slow'
 def test_an_unknown_device_is_described_per_node_across_nodes(monkeypatch):
     # CPU here: no preset. Under torchrun on 2 nodes of 2 processes each, one node is described and the
     # 4-process job spans two of them.

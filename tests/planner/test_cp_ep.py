@@ -154,6 +154,7 @@ def test_context_parallelism_divides_activations() -> None:
     assert activations(cp=16, dp=8, cp_comm="all_to_all") == pytest.approx(activations(cp=1, dp=128) / 16)
 
 
+@pytest.mark.slow  # multi-second (5 s on two idle cores): runs in CI, not in -m 'not slow'
 def test_405b_at_131k_tokens_on_16384_h100s_plans_context_parallelism(
     capsys: pytest.CaptureFixture, tmp_path: Path
 ) -> None:
@@ -179,6 +180,7 @@ def test_405b_at_131k_tokens_on_16384_h100s_plans_context_parallelism(
     assert llama3.fits and (llama3.layout.cp, llama3.layout.dp) == (16, 8)
 
 
+@pytest.mark.slow  # multi-second (3.5 s a case on two idle cores): runs in CI, not in -m 'not slow'
 @pytest.mark.parametrize("config,cluster", [("mixtral-8x7b", "h200-141gb"), ("qwen3-30b-a3b", "h100-80gb")])
 def test_moe_plans_expert_parallelism_and_say_why(config: str, cluster: str, capsys) -> None:
     argv = ["--config", f"configs/{config}.yaml", "--cluster", cluster, "--gpus", "64", "--top", "1"]
@@ -234,6 +236,7 @@ def test_auto_writes_cp_and_ep() -> None:
     ],
     ids=["long-sequence", "moe"],
 )  # fmt: skip
+@pytest.mark.slow  # multi-second (15 s on two idle cores): runs in CI, not in -m 'not slow'
 def test_coordinate_descent_finds_the_exhaustive_optimum_over_cp_and_ep(model, batch, cluster) -> None:
     work = Workload(model, batch, "bf16")
     view = load_cluster(cluster).view(16)

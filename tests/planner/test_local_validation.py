@@ -166,6 +166,7 @@ def test_table_lists_every_layout_and_the_summary():
     assert "(meets the median <= 15% target)" in format_local(close)
 
 
+@pytest.mark.slow  # multi-second (3 s on two idle cores): runs in CI, not in -m 'not slow'
 def test_a_bad_local_cluster_fails_before_any_run(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("validate_planner", REPO / "benchmarks/validate_planner.py")
     bench = importlib.util.module_from_spec(spec)

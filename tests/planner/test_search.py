@@ -63,6 +63,7 @@ SMALL_SPACES = [
 ]
 
 
+@pytest.mark.slow  # multi-second (up to 9 s a case on two idle cores): runs in CI, not in -m 'not slow'
 @pytest.mark.parametrize("model,batch,gpus,software", SMALL_SPACES)
 def test_coordinate_descent_finds_the_exhaustive_optimum(model, batch, gpus, software):
     work = Workload(model, batch, "bf16")

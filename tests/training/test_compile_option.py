@@ -15,19 +15,9 @@ import torch
 from llmtrain import models
 from llmtrain.config import ConfigError, load
 from llmtrain.parallel import Topology, build_optimizer, parallelize
+from tests.training._runs import TINY as RUN_TINY
 
-TINY = [
-    "model.num_layers=2",
-    "model.hidden_size=64",
-    "model.num_attention_heads=4",
-    "model.num_kv_heads=2",
-    "model.ffn_hidden_size=128",
-    "model.vocab_size=256",
-    "model.seq_length=32",
-    "model.recompute=selective",
-    "train.micro_batch_size=2",
-    "train.lr=1e-2",
-]
+TINY = [*RUN_TINY, "model.vocab_size=256", "model.recompute=selective", "train.lr=1e-2"]
 
 
 def _losses(mode: str) -> tuple[list[float], torch.nn.Module]:
