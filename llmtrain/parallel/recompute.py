@@ -25,16 +25,17 @@ def _recomputed(fn: Callable[..., Any], tracker: RNGTracker | None) -> Callable[
     def call(*args: Any) -> Any:
         if not torch.is_grad_enabled():
             return fn(*args)  # evaluation: nothing is saved, so there is nothing to recompute
+        # Reentrant checkpoint keeps its inputs through save_for_backward, so saved-tensor hooks see them.
         if tracker is None:
             # No tracker state to rewind: fn itself, with no Python side effect torch.compile would have
             # to break the graph for (the body below mutates `first`; a compiled block broke around every
             # checkpoint: 67 ms of host gaps a LLaMA-3B step on an H200).
             return checkpoint(fn, *args, use_reentrant=True, preserve_rng_state=True)
-        snapshot = tracker.get_states() if tracker is not None else None
+        snapshot = tracker.get_states()
         first = [True]
 
         def body(*inner: Any) -> Any:
-            if not first[0] and snapshot is not None:
+            if not first[0]:
                 after = tracker.get_states()
                 tracker.set_states(snapshot)
                 try:
@@ -44,7 +45,6 @@ def _recomputed(fn: Callable[..., Any], tracker: RNGTracker | None) -> Callable[
             first[0] = False
             return fn(*inner)
 
-        # Reentrant checkpoint keeps its inputs through save_for_backward, so saved-tensor hooks see them.
         return checkpoint(body, *args, use_reentrant=True, preserve_rng_state=True)
 
     return functools.wraps(fn)(call)
