@@ -1,6 +1,8 @@
-"""Validate the planner's cost model against Megatron-LM's published A100 runs (Narayanan et al. 2021).
+"""Validate the planner's cost model against Megatron-LM's published A100 runs (Narayanan et al. 2021) and
+today's published recipes (Megatron-Bridge, NeMo AutoModel, NeMo long sequence, torchtitan).
 
     python benchmarks/validate_planner.py [--cluster a100-80gb] [--reference PATH] [--json out.json]
+        [--tables nemo_automodel_h100,torchtitan_a100] [--no-recipes]
 
 Prints, per published configuration, the measured and predicted TFLOP/s per GPU and the error, the
 median and max |error| (targets 5% and 10%), the planner's own best layout with its predicted speedup
@@ -8,6 +10,14 @@ over the published one (target >= 1), in how many rows the micro-batch size was 
 which cluster constants, if any, were set from the table's rows (a constant whose source cites it). The
 published table ships with the package (llmtrain/planner/data/megatron_a100_2021.csv, its header naming
 the paper); --reference reads another.
+
+Then every row of the recipe tables (llmtrain/planner/validation/recipes.py; the CSVs ship in
+llmtrain/planner/data/, each header naming its page and FLOPs convention): the published layout evaluated,
+measured and predicted step time and error, the planner's own best layout for the same GPUs and batch with
+its predicted gain, the step-time part that shrinks most and whether it fits; the rows it cannot express
+(FP8, a model not in configs/, hardware without a cluster file, ...) listed with the reason; which cluster
+constants were set from each table (those rows are not scored); and median and max |error| per table and
+per kind (dense, MoE, long context). --tables picks tables (names or CSV paths).
 
 With --activations it also compares the predicted saved-activation bytes of one layer with the bytes the
 tensor-parallel issue's saved-tensor hooks measure (llmtrain.parallel.memory) on small CPU models.
@@ -53,6 +63,7 @@ from llmtrain.planner.validation.local import (
     run_overrides,
 )
 from llmtrain.planner.validation.published import format_results, provenance, summary, validate_megatron
+from llmtrain.planner.validation.recipes import TABLES, Recipe, format_recipes, summarise, validate_recipes
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -82,6 +93,27 @@ def activation_check() -> str:
             f"{arch:6s} {drop:7.1f}  {measured:14d}  {int(predicted):15d}  {predicted / measured:5.2f}"
         )
     return "\n".join(lines)
+
+
+def recipe_record(recipe: Recipe) -> dict:
+    """One recipe row for --json: what the table states, the prediction or the skip reason, the best."""
+    out: dict = {"table": recipe.table, "kind": recipe.kind, "measured_s": recipe.measured, **recipe.row}
+    out.update(skipped=recipe.skipped, tuned=recipe.tuned)
+    if recipe.published is not None:
+        out.update(
+            predicted_s=recipe.published.step_time,
+            error=recipe.error,
+            published_layout=recipe.published.layout.short(),
+            fits=recipe.published.fits,
+        )
+    if recipe.best is not None:
+        out.update(
+            best_layout=recipe.best.layout.short(),
+            best_gain=recipe.gain,
+            best_reason=recipe.gain_reason,
+            best_fits=recipe.best.fits,
+        )
+    return out
 
 
 def measure_step_time(layout: Layout, steps: int, warmup: int, output_dir: Path) -> float:
@@ -158,6 +190,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", help="also write the per-row results to this JSON file")
     parser.add_argument(
+        "--tables", default=",".join(TABLES), help="recipe tables to validate (comma-separated names or CSVs)"
+    )
+    parser.add_argument("--no-recipes", action="store_true", help="only the 2021 Megatron table")
+    parser.add_argument(
         "--activations", action="store_true", help="also check activation bytes (needs torch)"
     )
     parser.add_argument(
@@ -179,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--local-repeats must be at least 1")
     try:
         results = validate_megatron(args.cluster, args.reference)
+        tables = tuple(t for t in args.tables.split(",") if t)
+        recipes = [] if args.no_recipes else validate_recipes(tables)
         # Before the Megatron table and minutes of runs: a bad --local-cluster fails at once.
         cluster = local_cluster(args.local_cluster) if args.local else None
     except ConfigError as err:
@@ -186,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(format_results(results))
     print(provenance(args.cluster))
+    if recipes:
+        print(format_recipes(recipes))
     if args.activations:
         print(activation_check())
     local = []
@@ -207,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
         ]
         with open(args.json, "w") as fh:
             out = {"rows": rows, "summary": summary(results)}
+            if recipes:
+                out["recipes"] = {"rows": [recipe_record(r) for r in recipes], "summary": summarise(recipes)}
             if local:
                 out["local"] = {
                     "rows": [

@@ -69,10 +69,11 @@ class LayerTime(CostBase):
         # Weight-gradient matmuls have the same sizes as the forward's (dW = X^T dY).
         wgrad = gemms
         e = self.act_bytes
-        ring = cp > 1 and cp_comm == "ring"
+        ring = cp > 1 and cp_comm == "ring" and not self.sw.fused_ring_attention
         if ring:
             core_f, core_b = self._ring_core(tp, b, cp)
         elif self.sw.flash_attention or cp > 1:
+            # Fused kernels (all_to_all, or each ring step's block pairs as flash attention): the same FLOPs.
             # The rank's queries against all keys (all_to_all: all tokens of a/cp heads): a cp-th of it.
             core_flops = 4.0 * tok * s * a * width
             core_f = dev.attention_time(core_flops, prec)
@@ -166,7 +167,9 @@ class LayerTime(CostBase):
         moe = dev.gemm_time(routing, m.num_experts, h, prec) + routed + shared
         # Per routed row of h: gather (read, write), concatenate (read, write), cast up (read e, write 4),
         # weight (read 4, write 4), cast down (read 4, write e), index-add (read, write).
-        moe_bytes = 6 * e * (rows * fe + routing * shared_f) + (8 * e + 16) * rows * h
+        # Fused permute and unpermute (Software.fused_moe_permute): a read and a write of each row each way.
+        per_row = 4 * e if self.sw.fused_moe_permute else 8 * e + 16
+        moe_bytes = 6 * e * (rows * fe + routing * shared_f) + per_row * rows * h
         share = moe_layers / m.num_layers
         return (1 - share) * dense + share * moe, (1 - share) * dense_bytes + share * moe_bytes
 

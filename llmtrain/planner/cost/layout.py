@@ -148,6 +148,13 @@ class Software:
     moe_imbalance: float = 1.0
     """Routed rows of the busiest expert-parallel rank over the mean: an assumption, 1.0 for dropless routing
     kept balanced by the load-balancing loss; it scales the experts' compute, activations and all-to-alls."""
+    fused_ring_attention: bool = False
+    """Ring context parallelism computes each block pair with a fused flash-attention kernel (Transformer
+    Engine's p2p context parallelism, torchtitan's); false: llmtrain's PyTorch block matmuls in fp32."""
+    fused_moe_permute: bool = False
+    """Routed rows are permuted into expert order and back, weighted by their routing probabilities, by fused
+    kernels (Megatron-Core's and Transformer Engine's permute/unpermute, DeepEP): one read and one write of
+    each row each way; false: llmtrain's gather, concatenation, fp32 weighting and index-add passes."""
 
     @classmethod
     def whole_model_init(cls) -> Software:

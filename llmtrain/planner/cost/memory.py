@@ -431,7 +431,7 @@ def rank_memory(
             layout.sequence_parallel,
             mode,
             software.fused_kernels,
-            layout.cp > 1 and layout.cp_comm == "ring",
+            layout.cp > 1 and layout.cp_comm == "ring" and not software.fused_ring_attention,
             software.moe_imbalance,
         )
         for mode in dict.fromkeys(modes)
@@ -455,7 +455,7 @@ def rank_memory(
         layout.sequence_parallel,
         "none" if modes[0] == "full" else modes[0],
         software.fused_kernels,
-        layout.cp > 1 and layout.cp_comm == "ring",
+        layout.cp > 1 and layout.cp_comm == "ring" and not software.fused_ring_attention,
         software.moe_imbalance,
     )
     # Last rank: the micro-batches its schedule keeps in flight plus one micro-batch's logits at the start of

@@ -78,6 +78,10 @@ from llmtrain.planner.cost.memory import (
 from llmtrain.planner.cost.pipeline_time import PipelineTime, pipeline_time
 from llmtrain.planner.cost.step_collectives import StepCollectives
 
+MAX_LINK_SHARE = 0.9
+"""The largest share of the network's time the hidden data-parallel traffic takes from the EP all-to-alls
+(a bound that keeps the slowdown finite when that traffic nearly fills the compute window)."""
+
 
 @dataclass
 class Estimate:
@@ -365,7 +369,8 @@ class CostModel(LayerTime, DataParallelTime, StepCollectives):
         p2p_exposed = min(max(pipe.step_time - quiet.step_time, 0.0), pipe.step_time - pipe.busy)
 
         dp_comm, exposed, optimizer = self._data_parallel_time(layout, num_micro, fwd[0] * v, bwd[0] * v)
-        step = pipe.step_time + exposed + optimizer
+        shared = self._ep_link_sharing(layout, ep_total, dp_comm - exposed, pipe.busy)
+        step = pipe.step_time + exposed + optimizer + shared
 
         mem = self.memory(layout, pipe.peak_inflight, num_micro)
         capacity = self.dev.memory_gb * GIB
@@ -396,5 +401,20 @@ class CostModel(LayerTime, DataParallelTime, StepCollectives):
             mfu=model_flops / step / gpus / self.dev.peak_flops(self.prec),
             simulated=pipe.simulated,
             cp_comm=cp_total,
-            ep_comm=ep_total,
+            ep_comm=ep_total + shared,
         )
+
+    def _ep_link_sharing(self, layout: Layout, ep_total: float, hidden_dp: float, window: float) -> float:
+        """Seconds the expert-parallel all-to-alls lose to the data-parallel (ZeRO, FSDP) traffic hidden
+        behind compute, where both groups cross the nodes' network: hidden is not free there, that traffic
+        still occupies the NICs over the compute window (a share hidden_dp / window of their time, at most
+        MAX_LINK_SHARE), and the all-to-alls get the rest of the bandwidth."""
+        if ep_total <= 0 or hidden_dp <= 0 or window <= 0:
+            return 0.0
+        ep_stride = self._expert_strides(layout)[0]
+        if not (
+            self.c.spans_nodes(layout.ep, ep_stride) and self.c.spans_nodes(layout.dp, layout.tp * layout.cp)
+        ):
+            return 0.0
+        share = min(hidden_dp / window, MAX_LINK_SHARE)
+        return ep_total * share / (1 - share)

@@ -1,0 +1,158 @@
+"""The published recipe tables (llmtrain/planner/data/*.csv) and their validation (validation/recipes.py).
+
+Fast: the tables load and name their source, every row is either expressible or skipped with a reason, the
+score leaves out the rows of a table a constant was set from, and bad input is named. Slow: every expressible
+row evaluates.
+"""
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from llmtrain.config.errors import ConfigError
+from llmtrain.config.loader import load
+from llmtrain.planner.cluster.files import load_cluster
+from llmtrain.planner.cost.flops import num_parameters
+from llmtrain.planner.validation.recipes import (
+    TABLES,
+    Recipe,
+    express,
+    load_recipes,
+    scored,
+    summarise,
+    table_path,
+    tuned_tables,
+    validate_recipes,
+)
+
+A100_DENSE_PEAK_TFLOPS = 312.0
+
+
+def all_rows():
+    return [(table, row) for table in TABLES for row in load_recipes(table)]
+
+
+def test_every_table_names_its_source_and_flops_convention():
+    for table in TABLES:
+        header = "\n".join(
+            line for line in table_path(table).read_text().splitlines() if line.startswith("#")
+        )
+        assert "Source:" in header and "FLOPs convention" in header, table
+        assert load_recipes(table), table
+
+
+def test_the_kept_aside_tables_are_not_among_them():
+    # Megatron-Bridge's Qwen3 rows and NeMo 24.07's summary are kept aside to judge the planner.
+    for table, row in all_rows():
+        assert not (table == "megatron_bridge_h100" and row["model"].startswith("qwen3")), row
+        assert row["release"] != "24.07", row
+
+
+def test_every_row_is_expressible_or_skipped_with_a_reason():
+    recipes = [express(table, row) for table, row in all_rows()]
+    expressible = [r for r in recipes if not r.skipped]
+    # bf16 rows on shipped hardware of models in configs/: the NeMo AutoModel and torchtitan A100 rows.
+    assert {r.table for r in expressible} == {"nemo_automodel_h100", "torchtitan_a100"}
+    for r in recipes:
+        assert r.kind in ("dense", "moe", "long")
+        if r.row["precision"] == "fp8":
+            assert "fp8 is not modelled yet" in r.skipped, r.row
+        if r.row["model"] in ("gpt-oss-120b", "kimi-k2", "llama2-7b"):
+            assert f"model {r.row['model']} is not in the zoo" in r.skipped
+        if r.row["cluster"] == "h100-96gb-500w":
+            assert "no cluster file describes h100-96gb-500w" in r.skipped
+    by_recompute = {r.row["recompute"]: r for r in recipes if r.table == "torchtitan_a100"}
+    assert "recompute 'selective_op' is not a mode the planner models" in by_recompute["selective_op"].skipped
+
+
+def test_step_times_come_from_the_page_or_from_tokens_per_second():
+    recipes = {
+        (r.table, r.row["release"], r.row["model"], r.row["gpus"]): r
+        for r in map(express, *zip(*all_rows(), strict=True))
+    }
+    # NeMo AutoModel states the step: 37.87 s; it agrees with its tokens/s/GPU: 8192 * 4096 / 865 / 1024.
+    dsv3 = recipes[("nemo_automodel_h100", "2025-10-02", "deepseek-v3", "1024")]
+    assert dsv3.measured == 37.87 and abs(8192 * 4096 / 865 / 1024 / 37.87 - 1) < 0.01
+    # torchtitan: 64 sequences of 8192 tokens at 331 tokens/s on each of 64 GPUs.
+    llama70 = recipes[("torchtitan_a100", "041336434916", "llama3-70b", "64")]
+    assert llama70.measured == pytest.approx(64 * 8192 / (331 * 64))
+    # NeMo's long-sequence table gives no batch: no step time.
+    assert all(r.measured is None for (t, *_), r in recipes.items() if t == "nemo_long_sequence_h100")
+
+
+def test_torchtitan_a100_sequence_length_agrees_with_its_mfu_column():
+    # torchtitan's MFU: (6 * parameters + 12 * layers * hidden * seq) FLOPs per token over 312 TFLOP/s; the
+    # page prints it to 0.1%, so at 8192 tokens (the length the table assumes) it agrees within 0.1 point.
+    for row in load_recipes("torchtitan_a100"):
+        model = load(row["model"]).model
+        seq = int(row["seq_length"])
+        per_token = 6 * num_parameters(model) + 12 * model.num_layers * model.hidden_size * seq
+        mfu = float(row["tokens_per_gpu_s"]) * per_token / (A100_DENSE_PEAK_TFLOPS * 1e12)
+        assert abs(100 * mfu - float(row["mfu_pct"])) <= 0.1, row
+
+
+def fake(table, error, tuned=False, kind="dense"):
+    """A recipe whose prediction is `error` off a 10 s measurement (the score reads only step times)."""
+    recipe = Recipe(table, {}, kind, 10.0, tuned=tuned)
+    recipe.published = SimpleNamespace(step_time=10.0 * (1 + error))
+    return recipe
+
+
+def test_the_score_leaves_out_tuned_and_skipped_rows():
+    recipes = [
+        fake("a", 0.02),
+        fake("a", -0.04),
+        fake("b", 0.5, tuned=True),
+        Recipe("c", {}, "moe", None, "fp8"),
+    ]
+    assert scored(recipes) == recipes[:2]
+    s = summarise(recipes)
+    assert set(s) == {"a", "dense", "all"}
+    assert s["all"]["rows"] == 2 and s["all"]["median_abs_error"] == pytest.approx(0.03)
+    assert s["all"]["max_abs_error"] == pytest.approx(0.04)
+
+
+def test_a_constant_citing_a_table_marks_it_tuned(tmp_path):
+    preset = Path(str(table_path(TABLES[0]))).parents[1] / "clusters" / "h100-80gb.yaml"
+    text = preset.read_text().replace(
+        'memory_bandwidth_gbs: "vendor specification: H100 datasheet, SXM 3.35 TB/s"',
+        'memory_bandwidth_gbs: "fitted to the rows of nemo_automodel_h100"',
+    )
+    cluster = tmp_path / "fitted.yaml"
+    cluster.write_text(text)
+    assert tuned_tables([str(cluster)]) == {
+        "nemo_automodel_h100": [f"{cluster}:devices.h100-sxm5-80gb.memory_bandwidth_gbs"]
+    }
+    assert tuned_tables(["h100-80gb", "a100-80gb"]) == {}
+
+
+def test_a_cluster_missing_a_constant_is_named(tmp_path):
+    preset = Path(str(table_path(TABLES[0]))).parents[1] / "clusters" / "h100-80gb.yaml"
+    cluster = tmp_path / "no-bf16.yaml"
+    cluster.write_text(preset.read_text().replace("bf16: 989.4, ", ""))
+    load_cluster(str(cluster))  # a valid cluster file: it just cannot price bf16
+    row = dict(load_recipes("torchtitan_a100")[2], cluster=str(cluster))
+    assert express("torchtitan_a100", row).skipped == (
+        "cluster dgx-h100-80gb lacks devices.h100-sxm5-80gb.peak_tflops.bf16"
+    )
+
+
+def test_bad_tables_are_named(tmp_path):
+    with pytest.raises(
+        ConfigError, match="recipe table nope.csv does not exist; pass a CSV with the columns"
+    ):
+        load_recipes("nope.csv")
+    bad = tmp_path / "bad.csv"
+    bad.write_text("# a comment\nmodel,gpus\nllama3-8b,8\n")
+    with pytest.raises(ConfigError, match="lacks the column\\(s\\) release, cluster, precision"):
+        load_recipes(str(bad))
+
+
+@pytest.mark.slow
+def test_every_expressible_row_evaluates():
+    recipes = validate_recipes(("nemo_automodel_h100", "torchtitan_a100"), search_best=False)
+    for r in recipes:
+        assert (r.published is None) == bool(r.skipped), (r.row, r.skipped)
+    assert len(scored(recipes)) == 6
+    assert summarise(recipes)["dense"]["max_abs_error"] <= 0.12
