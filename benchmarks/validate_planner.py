@@ -101,7 +101,8 @@ def recipe_record(recipe: Recipe) -> dict:
     out.update(skipped=recipe.skipped, tuned=recipe.tuned)
     if recipe.published is not None:
         out.update(
-            predicted_s=recipe.published.step_time,
+            predicted_s=recipe.predicted,
+            pipeline_runs=recipe.runs,
             error=recipe.error,
             published_layout=recipe.published.layout.short(),
             fits=recipe.published.fits,

@@ -14,7 +14,7 @@ direction imports run):
                       against enumeration
     calibration/  measures this machine into a cluster file (torch, lazily): timing, compute, links,
                   measure, measurements, profile
-    clusters/, data/  package data: the cluster presets (YAML) and the published table (CSV)
+    clusters/, data/  package data: the cluster presets (YAML) and the published tables (CSV)
 
 Pure Python (no torch, no processes) except `llmtrain.planner.calibration`, which measures this machine.
 The public entry points are re-exported here.

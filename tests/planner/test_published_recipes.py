@@ -95,7 +95,7 @@ def test_torchtitan_a100_sequence_length_agrees_with_its_mfu_column():
 def fake(table, error, tuned=False, kind="dense"):
     """A recipe whose prediction is `error` off a 10 s measurement (the score reads only step times)."""
     recipe = Recipe(table, {}, kind, 10.0, tuned=tuned)
-    recipe.published = SimpleNamespace(step_time=10.0 * (1 + error))
+    recipe.published = SimpleNamespace(step_time=10.0 * (1 + error), optimizer=0.0)
     return recipe
 
 
@@ -156,3 +156,33 @@ def test_every_expressible_row_evaluates():
         assert (r.published is None) == bool(r.skipped), (r.row, r.skipped)
     assert len(scored(recipes)) == 6
     assert summarise(recipes)["dense"]["max_abs_error"] <= 0.12
+
+
+def test_the_software_terms_of_the_published_frameworks():
+    from dataclasses import replace
+
+    from llmtrain.planner import CostModel, Layout, Software, Workload
+
+    h100 = load_cluster("h100-80gb")
+    llama = Workload(load("llama3-8b", ["model.seq_length=32768"]).model, 8)
+    ring = Layout(dp=4, cp=2, recompute="full", zero_stage=3)
+    ours, fused = (CostModel(llama, h100.view(8), Software(fused_ring_attention=f)) for f in (False, True))
+    # Flash-attention blocks instead of fp32 matmul blocks: faster, and no fp32 block scores saved.
+    assert fused.evaluate(ring).compute < ours.evaluate(ring).compute
+    kept = replace(ring, recompute="none")  # (full recomputation saves only each layer's input either way)
+    assert fused.evaluate(kept).memory["activations"] < ours.evaluate(kept).memory["activations"]
+    # The all-to-all path is fused either way: the flag changes nothing there.
+    a2a = replace(ring, cp_comm="all_to_all")
+    assert fused.evaluate(a2a).step_time == ours.evaluate(a2a).step_time
+
+    moe = Workload(load("mixtral-8x7b", ["model.router_aux_loss_coef=0"]).model, 64)
+    inside = Layout(dp=8, ep=8, recompute="full", zero_stage=3)  # one node: EP and DP on NVLink
+    plain, permuted = (CostModel(moe, h100.view(8), Software(fused_moe_permute=f)) for f in (False, True))
+    assert permuted.evaluate(inside).compute < plain.evaluate(inside).compute
+    # Across nodes the DP traffic hidden behind compute shares the NICs with the EP all-to-alls.
+    across = CostModel(moe, h100.view(64))
+    spread = Layout(dp=64, ep=8, recompute="full", zero_stage=3)  # EP inside a node: NVLink, no sharing
+    wide = replace(spread, ep=16)  # EP over 2 nodes, DP too
+    assert across._ep_link_sharing(spread, 1.0, 1.0, 2.0) == 0.0
+    assert across._ep_link_sharing(wide, 1.0, 1.0, 2.0) == pytest.approx(1.0)  # half the link: twice as long
+    assert across._ep_link_sharing(wide, 1.0, 5.0, 2.0) == pytest.approx(9.0)  # share capped at 0.9

@@ -18,16 +18,21 @@ Per transformer layer and micro-batch (b samples of s tokens, on one tensor-para
   balance the causal mask). ring: the attention runs as PyTorch block matmuls in fp32 (2cp+1 visible chunk
   pairs of (s/2cp)^2, recomputed in the backward), each step's fp32 K/V transfer overlapped with that step's
   blocks (exposed: max(0, transfer - compute) per step; the backward also carries dK/dV and sends them
-  home); all_to_all: the fused kernel over the whole sequence for a/cp heads, and 4 all-to-alls (q, k, v,
-  output) of the rank's activation in the forward and 4 in the backward, not overlapped. The gradients are
-  reduced over dp x cp (collectives.cp_layer and tests/planner/test_collectives.py, traced).
+  home; Software.fused_ring_attention: flash-attention kernels per block pair instead, as Transformer
+  Engine and torchtitan run it); all_to_all: the fused kernel over the whole sequence for a/cp heads, and 4
+  all-to-alls (q, k, v, output) of the rank's activation in the forward and 4 in the backward, not
+  overlapped. The gradients are reduced over dp x cp (collectives.cp_layer and
+  tests/planner/test_collectives.py, traced).
 - mixture of experts: routed experts' matmuls run on top-k rows per token (times Software.moe_imbalance, the
   busiest rank's load over the mean) spread over the E/ep experts of the rank, plus the router and shared
   experts; under TP each TP rank routes 1/tp of the tokens with the MoE weights whole (no MLP region, the
   router statistics all-reduced over TP and CP). Expert parallelism (ep ranks carved out of the tp x cp x dp
   ranks as the trainer carves them: inside dp, spanning cp or tp) adds a dispatch and a combine all-to-all
   of the rank's routed rows x hidden per MoE layer in the forward and again in the backward, on the links
-  the ep group spans (collectives.expert_group_strides); routed experts' gradients are reduced over the
+  the ep group spans (collectives.expert_group_strides), slowed where the EP and DP groups both cross nodes
+  by the DP traffic hidden behind compute, which still occupies the NICs (_ep_link_sharing); the routed rows'
+  permutation costs llmtrain's gather/concatenate/fp32-weighting passes, or one read and write each way with
+  Software.fused_moe_permute (Megatron-Core, DeepEP); routed experts' gradients are reduced over the
   expert-data-parallel group (tp x cp x dp / ep), under FSDP2 as units of their own on that group.
 - latent attention (deepseek_v3): the up-projections and o_proj split by heads over TP, the down-projections
   and their norms whole on every rank (their gradients in the TP all-reduce of partial sums).

@@ -5,7 +5,9 @@ convention and the page's wording of the layout) gives per row the model (a ship
 hardware (a cluster preset), the precision, the GPUs, the global batch, the layout the page states (tp, pp,
 cp, virtual stages, ep, FSDP or DDP, micro-batch and recompute where stated) and the measured step time or
 tokens per second per GPU. A step time is compared, global_batch * seq_length / (tokens/s/GPU * GPUs) where
-the page gives throughput, so no FLOPs formula enters the comparison.
+the page gives throughput, so no FLOPs formula enters the comparison. Where a page runs the pipeline schedule
+several times a step (NeMo AutoModel's GA: the optional pipeline_runs column), the prediction is that many
+runs of global_batch / runs, each with its gradient reduction, and one optimizer step.
 
 The prediction fixes what the row states and lets the planner choose only what the page leaves open
 (sequence parallelism, recompute where unstated), as the Megatron 2021 validation does (published.py). A row
@@ -86,24 +88,33 @@ class Recipe:
     tuned: bool = False
     """A cluster constant was set from this row's table: reported, kept out of the score."""
     notes: list[str] = field(default_factory=list)
+    runs: int = 1
+    """Pipeline runs per step (the table's pipeline_runs): `published` is one run over global_batch / runs."""
+
+    @property
+    def predicted(self) -> float:
+        """Predicted step time of the published layout: its runs, then one optimizer step."""
+        assert self.published is not None
+        return self.runs * (self.published.step_time - self.published.optimizer) + self.published.optimizer
 
     @property
     def error(self) -> float:
         """predicted / measured step time - 1."""
-        assert self.published is not None and self.measured
-        return self.published.step_time / self.measured - 1
+        assert self.measured
+        return self.predicted / self.measured - 1
 
     @property
     def gain(self) -> float:
         """Predicted step time of the published layout over the planner's best (>= 1: not worse)."""
-        assert self.published is not None and self.best is not None
-        return self.published.step_time / self.best.step_time
+        assert self.best is not None
+        return self.predicted / self.best.step_time
 
     @property
     def gain_reason(self) -> str:
         """The step-time part that shrinks most from the published layout to the planner's best."""
         assert self.published is not None and self.best is not None
-        mine, best = time_parts(self.published), time_parts(self.best)
+        mine = {k: v * (1 if k == "optimizer" else self.runs) for k, v in time_parts(self.published).items()}
+        best = time_parts(self.best)
         key = max(mine, key=lambda k: mine[k] - best[k])
         return f"{PART_LABELS[key]} -{mine[key] - best[key]:.2f} s"
 
@@ -240,12 +251,15 @@ def evaluate(recipe: Recipe, search_best: bool = True) -> Recipe:
         # distribution"): no router loss, which also lets llmtrain recompute MoE layers in full.
         overrides += ["model.router_aux_loss_coef=0", "model.router_z_loss_coef=0"]
     model = load(resolve_config(row["model"]), overrides).model
-    work = Workload(model, int(row["global_batch"]), row["precision"])
+    recipe.runs = int(row.get("pipeline_runs") or 1)
+    work = Workload(model, int(row["global_batch"]) // recipe.runs, row["precision"])
     cluster = load_cluster(row["cluster"])
     gpus = int(row["gpus"])
     software = PUBLISHED_SOFTWARE
     fixed = fixed_layout(row, model.num_layers)
     per_layer = fixed.pop("layer_recompute", None)
+    if row.get("pipeline_runs") and fixed.get("zero_stage") == 3:
+        fixed["grad_reduce"] = "step"  # FSDP's reduction once per run, after its last micro-batch
     try:
         result = plan(work, cluster, gpus, fixed, software, top=1)
     except ConfigError as err:
@@ -260,8 +274,10 @@ def evaluate(recipe: Recipe, search_best: bool = True) -> Recipe:
     if not recipe.published.fits:
         recipe.notes.append(f"predicted not to fit ({recipe.published.why})")
     if search_best:
-        # The same framework: its ring attention is flash attention, its FSDP does not offload.
-        best = plan(work, cluster, gpus, {"offload": "none"}, software, top=1)
+        # The same framework (its ring attention is flash attention, its FSDP does not offload) and the same
+        # batch, in one pipeline run per step.
+        whole = Workload(model, int(row["global_batch"]), row["precision"])
+        best = plan(whole, cluster, gpus, {"offload": "none"}, software, top=1)
         fitting = best.fitting()
         recipe.best = fitting[0] if fitting else best.ranked[0]
     return recipe
@@ -323,9 +339,10 @@ def format_recipes(recipes: list[Recipe]) -> str:
             fits = "fits" if r.best.fits else "does not fit"
             tail = f" | {r.best.layout.short()} ({r.gain:.2f}x, {r.gain_reason}, {fits})"
         mark = " [tuned: not scored]" if r.tuned else ""
+        runs = f" x{r.runs} runs" if r.runs > 1 else ""
         lines.append(
-            f"{r.table:24s} {r.label():44s} {r.kind:5s} {r.measured:7.2f} {r.published.step_time:7.2f} "
-            f"{100 * r.error:+5.1f}%  {r.published.layout.short()}{tail}{mark}"
+            f"{r.table:24s} {r.label():44s} {r.kind:5s} {r.measured:7.2f} {r.predicted:7.2f} "
+            f"{100 * r.error:+5.1f}%  {r.published.layout.short()}{runs}{tail}{mark}"
             + (f"  ({'; '.join(r.notes)})" if r.notes else "")
         )
     skipped = [r for r in recipes if r.published is None]
