@@ -62,6 +62,7 @@ def test_every_row_is_expressible_or_skipped_with_a_reason():
             assert f"model {r.row['model']} is not in the zoo" in r.skipped
         if r.row["cluster"] == "h100-96gb-500w":
             assert "no cluster file describes h100-96gb-500w" in r.skipped
+    assert all(r.kind == "moe" for r in recipes if r.row["model"].startswith(("gpt-oss", "deepseek", "kimi")))
     by_recompute = {r.row["recompute"]: r for r in recipes if r.table == "torchtitan_a100"}
     assert "recompute 'selective_op' is not a mode the planner models" in by_recompute["selective_op"].skipped
 

@@ -215,8 +215,9 @@ def express(table: str, row: dict[str, str]) -> Recipe:
     """The row as the planner sees it: its kind and measured time, and a skip reason if it has one."""
     measured = measured_step(row)
     seq = int(row["seq_length"])
-    # The kind is known from the row for models not in configs/: expert parallelism means MoE.
-    kind = "long" if seq >= LONG_CONTEXT else "moe" if _int(row, "ep") > 1 else "dense"
+    # The kind of a model not in configs/: the row's optional kind column, else expert parallelism means MoE.
+    moe = row.get("kind") == "moe" or _int(row, "ep") > 1
+    kind = "long" if seq >= LONG_CONTEXT else "moe" if moe else "dense"
     recipe = Recipe(table, row, kind, measured)
     reasons = []
     model = zoo_model(row["model"])
