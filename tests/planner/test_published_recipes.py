@@ -187,3 +187,15 @@ def test_the_software_terms_of_the_published_frameworks():
     assert across._ep_link_sharing(spread, 1.0, 1.0, 2.0) == 0.0
     assert across._ep_link_sharing(wide, 1.0, 1.0, 2.0) == pytest.approx(1.0)  # half the link: twice as long
     assert across._ep_link_sharing(wide, 1.0, 5.0, 2.0) == pytest.approx(9.0)  # share capped at 0.9
+
+
+def test_a_layout_the_planner_rejects_is_named_not_scored():
+    from llmtrain.planner.validation.recipes import evaluate
+
+    row = dict(load_recipes("torchtitan_a100")[2], micro_batch="3")  # 64 sequences on 64 ranks: 1 each
+    recipe = evaluate(express("torchtitan_a100", row), search_best=False)
+    assert recipe.published is None and scored([recipe]) == []
+    assert recipe.skipped == (
+        "the planner rejects the published layout: "
+        "train.micro_batch_size=3 does not divide global_batch/dp = 1"
+    )

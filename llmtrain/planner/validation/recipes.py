@@ -61,12 +61,7 @@ context parallelism runs flash-attention kernels per block pair and their MoE la
 rows with fused kernels."""
 LONG_CONTEXT = 16384
 """Sequences of at least this many tokens count as long context."""
-RECOMPUTE = {
-    "none": "none",
-    "selective": "selective",
-    "full": "full",
-    "every_second_layer": "every_second_layer",
-}
+RECOMPUTE = ("none", "selective", "full", "every_second_layer")
 """Recompute wordings of the tables the planner expresses (every_second_layer: layers alternately full and
 none, torchtitan's "selective layer" checkpointing)."""
 
@@ -177,7 +172,7 @@ def fixed_layout(row: dict[str, str], num_layers: int) -> dict[str, object]:
         fixed.update(zero_stage=3 if int(row["fsdp"]) else 1, dp_shard=None, offload="none")
     if row["micro_batch"]:
         fixed["micro_batch"] = int(row["micro_batch"])
-    mode = RECOMPUTE.get(row["recompute"])
+    mode = row["recompute"]
     if mode == "every_second_layer":
         fixed["layer_recompute"] = tuple("full" if i % 2 == 0 else "none" for i in range(num_layers))
     elif mode:
@@ -262,16 +257,16 @@ def evaluate(recipe: Recipe, search_best: bool = True) -> Recipe:
     if row.get("pipeline_runs") and fixed.get("zero_stage") == 3:
         fixed["grad_reduce"] = "step"  # FSDP's reduction once per run, after its last micro-batch
     try:
-        result = plan(work, cluster, gpus, fixed, software, top=1)
-    except ConfigError as err:
+        recipe.published = plan(work, cluster, gpus, fixed, software, top=1).ranked[0]
+        if per_layer:
+            # Per-layer recompute is evaluated on the layout searched with the rest fixed (the search itself
+            # varies one mode for every layer).
+            layout = replace(recipe.published.layout, layer_recompute=per_layer)
+            recipe.published = CostModel(work, cluster.view(gpus), software).evaluate(layout)
+    except (ConfigError, ValueError) as err:
+        recipe.published = None
         recipe.skipped = f"the planner rejects the published layout: {err}"
         return recipe
-    recipe.published = result.ranked[0]
-    if per_layer:
-        # Per-layer recompute is evaluated on the layout searched with the rest fixed (the search itself
-        # varies one mode for every layer).
-        layout = replace(recipe.published.layout, layer_recompute=per_layer)
-        recipe.published = CostModel(work, cluster.view(gpus), software).evaluate(layout)
     if not recipe.published.fits:
         recipe.notes.append(f"predicted not to fit ({recipe.published.why})")
     if search_best:
