@@ -2,7 +2,8 @@
 
 A run writes these into output_dir (`RUN_ENTRIES`): config.yaml (its first launch's validated config),
 config.segment<N>.yaml (each later launch's), launches.jsonl (one row per launch), metrics.jsonl
-(append-only, rows tagged with the launch's segment), checkpoints/, tensorboard/ and profile/. A launch:
+(append-only, rows tagged with the launch's segment), checkpoints/, tensorboard/, profile/, wandb/ (the W&B
+run's id and files, llmtrain.training.wandb_run) and hf/ (checkpoint.export_hf). A launch:
 - into a directory holding none of them starts fresh as segment 0 (from checkpoint.load, if set);
 - into one holding a run resumes from that run's latest checkpoint as the next segment (or starts again
   at step 0 when no launch got as far as a checkpoint); its own checkpoint wins over checkpoint.load;
@@ -32,7 +33,7 @@ from llmtrain.training.metrics_file import METRICS_FILE, next_segment
 CONFIG = "config.yaml"
 LAUNCHES = "launches.jsonl"
 ARCHIVE = "archive"
-RUN_ENTRIES = (CONFIG, LAUNCHES, METRICS_FILE, "checkpoints", "tensorboard", "profile")
+RUN_ENTRIES = (CONFIG, LAUNCHES, METRICS_FILE, "checkpoints", "tensorboard", "profile", "wandb", "hf")
 _SEGMENT_CONFIG = re.compile(r"config\.segment(\d+)\.yaml")
 
 

@@ -228,6 +228,7 @@ def run(job: JobConfig) -> TrainResult:
     install_excepthook(topo.rank)
     topo.watchdog.start()
     trainer = None
+    exit_code = 1  # what the W&B run is closed with if this launch fails
     try:
         launch = on_rank0(topo, lambda: plan_launch(job))
         if launch.nothing_to_do:
@@ -248,13 +249,16 @@ def run(job: JobConfig) -> TrainResult:
             trainer.restore(launch.resume_from)
             memory.end_startup()
             on_rank0(topo, lambda: _commit(launch, job, topo.world_size))
+            on_rank0(topo, trainer.metrics.start)
             if topo.rank == 0:
                 print(startup_block(job, topo, launch), flush=True)
-            return trainer.fit()
+            result = trainer.fit()
+            exit_code = result.exit_code
+            return result
     finally:
         topo.watchdog.stop()
         if trainer is not None:
-            trainer.metrics.close()
+            trainer.metrics.close(exit_code)
             trainer.checkpointer.close()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
