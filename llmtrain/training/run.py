@@ -21,6 +21,7 @@ from llmtrain.config import ConfigError, JobConfig, with_overrides
 from llmtrain.errors import UserError
 from llmtrain.parallel.topology import Topology
 from llmtrain.parallel.watchdog import install_excepthook
+from llmtrain.training.hf_io import check_export, convert_model_dir, export, remove_import
 from llmtrain.training.memory_tracking import PeakMemory
 from llmtrain.training.output_dir import Launch, commit, plan_launch
 from llmtrain.training.trainer import LocalStepRunner, Trainer, TrainResult
@@ -163,6 +164,23 @@ def _commit(launch: Launch, job: JobConfig, world_size: int) -> None:
         ) from err
 
 
+def _restore(trainer: Trainer, launch: Launch, job: JobConfig, topo: Topology) -> None:
+    """Load what the launch starts from; a model directory (checkpoint.load) is converted by rank 0 into a
+    checkpoint of this layout first, which every rank loads and rank 0 then removes."""
+    if not launch.model_dir:
+        trainer.restore(launch.resume_from)
+        return
+    path = on_rank0(topo, lambda: convert_model_dir(job, launch.resume_from, topo.tp, topo.pp, topo.dp))
+    try:
+        trainer.restore(path)
+        if dist.is_initialized():
+            dist.barrier()  # every rank has read it
+    finally:
+        if topo.rank == 0:
+            remove_import(job)
+    trainer.checkpointer.last_good = None  # the conversion is gone: no checkpoint of this run exists yet
+
+
 def startup_block(job: JobConfig, topo: Topology, launch: Launch) -> str:
     """What rank 0 prints before the first step: the model, layout, batch, precision, output and start."""
     import kernels
@@ -224,6 +242,7 @@ def run(job: JobConfig) -> TrainResult:
         torch.set_num_threads(job.train.num_threads)
     if job.parallel.auto:
         job = plan_layout(job, int(os.environ.get("WORLD_SIZE", "1")))
+    check_export(job)
     topo = init_distributed(job)
     install_excepthook(topo.rank)
     topo.watchdog.start()
@@ -246,13 +265,15 @@ def run(job: JobConfig) -> TrainResult:
         memory = PeakMemory(topo.device, job.logging.memory)
         with memory.tracking():
             trainer = build_trainer(job, topo, launch.segment, memory)
-            trainer.restore(launch.resume_from)
+            _restore(trainer, launch, job, topo)
             memory.end_startup()
             on_rank0(topo, lambda: _commit(launch, job, topo.world_size))
             on_rank0(topo, trainer.metrics.start)
             if topo.rank == 0:
                 print(startup_block(job, topo, launch), flush=True)
             result = trainer.fit()
+            if job.checkpoint.export_hf and result.steps == job.train.steps and result.checkpoint:
+                result.exported_hf = str(on_rank0(topo, lambda: export(job, result.checkpoint, result.steps)))
             exit_code = result.exit_code
             return result
     finally:
