@@ -1,7 +1,7 @@
 """Hugging Face in and out of a run: checkpoint.load=<transformers model directory> starts the run from its
 weights (the first step's loss is transformers' loss of that batch), at one process and at tp=2, and
-checkpoint.export_hf=true leaves a directory that AutoModelForCausalLM and AutoTokenizer load, whose logits are
-the final checkpoint's. The references are transformers' models, built from a config and saved with
+checkpoint.export_hf=true leaves a directory that AutoModelForCausalLM and AutoTokenizer load, whose logits
+are the final checkpoint's. The references are transformers' models, built from a config and saved with
 save_pretrained (no hub)."""
 
 from __future__ import annotations
@@ -103,8 +103,8 @@ def test_a_model_directory_of_another_shape_names_every_field_to_set(tmp_path, h
             job(tmp_path / "run", f"checkpoint.load={hf_dir}", "model.num_layers=3", "model.norm_eps=1e-6")
         )
     assert str(err.value) == (
-        f"checkpoint.load={hf_dir} is a Hugging Face model directory whose model differs from this job's model "
-        "section; set model.num_layers=2 model.norm_eps=1e-05"
+        f"checkpoint.load={hf_dir} is a Hugging Face model directory whose model differs from this job's "
+        "model section; set model.num_layers=2 model.norm_eps=1e-05"
     )
     assert not (tmp_path / "run").exists()
 
