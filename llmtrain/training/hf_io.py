@@ -1,7 +1,8 @@
 """Hugging Face in and out of a run: checkpoint.load=<model directory> and checkpoint.export_hf=true.
 
 In: a launch whose checkpoint.load is a Hugging Face model directory (config.json + safetensors; an llmtrain
-model directory works alike) starts at step 0 from its weights. The model section must describe that model:
+model directory works alike) starts at step 0 from its weights, and with data.tokenizer unset trains with
+the directory's tokenizer (`with_model_tokenizer`). The model section must describe that model:
 `check_model_dir` (at plan time, reading config.json only) names every field to set, all at once. Rank 0
 then converts the directory with llmtrain.checkpoint.convert.from_hf into a step-0 checkpoint chunked for the
 run's (tp, pp, dp) layout, in a hidden directory beside output_dir (on the file system every rank shares),
@@ -19,7 +20,7 @@ import shutil
 from pathlib import Path
 
 from llmtrain.checkpoint.directory import MOE_SHAPE_FIELDS, SHAPE_FIELDS, is_checkpoint, model_directory_kind
-from llmtrain.config import ConfigError, JobConfig, ModelConfig
+from llmtrain.config import ConfigError, JobConfig, ModelConfig, with_overrides
 from llmtrain.errors import UserError
 from llmtrain.models.hf import read_config, to_hf_config
 
@@ -72,6 +73,15 @@ def check_model_dir(path: Path, model: ModelConfig) -> None:
             f"checkpoint.load={path} is {model_directory_kind(path)} whose model differs from this job's "
             f"model section; set {' '.join(wrong)}"
         )
+
+
+def with_model_tokenizer(job: JobConfig, model_dir: str) -> JobConfig:
+    """With data.tokenizer unset, the job training with the model directory's own tokenizer, if it has one:
+    the ids its weights were trained on (rather than a tokenizer trained afresh on the corpus)."""
+    from llmtrain.checkpoint.convert import tokenizer_source
+
+    source = tokenizer_source(Path(model_dir)) if job.data.tokenizer is None else None
+    return job if source is None else with_overrides(job, {"data.tokenizer": str(source)})
 
 
 def check_export(job: JobConfig) -> None:

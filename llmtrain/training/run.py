@@ -21,7 +21,13 @@ from llmtrain.config import ConfigError, JobConfig, with_overrides
 from llmtrain.errors import UserError
 from llmtrain.parallel.topology import Topology
 from llmtrain.parallel.watchdog import install_excepthook
-from llmtrain.training.hf_io import check_export, convert_model_dir, export, remove_import
+from llmtrain.training.hf_io import (
+    check_export,
+    convert_model_dir,
+    export,
+    remove_import,
+    with_model_tokenizer,
+)
 from llmtrain.training.memory_tracking import PeakMemory
 from llmtrain.training.output_dir import Launch, commit, plan_launch
 from llmtrain.training.trainer import LocalStepRunner, Trainer, TrainResult
@@ -262,6 +268,8 @@ def run(job: JobConfig) -> TrainResult:
                 output_dir=job.output_dir,
                 nothing_to_do=launch.nothing_to_do_text(),
             )
+        if launch.model_dir:
+            job = with_model_tokenizer(job, launch.resume_from)
         memory = PeakMemory(topo.device, job.logging.memory)
         with memory.tracking():
             trainer = build_trainer(job, topo, launch.segment, memory)

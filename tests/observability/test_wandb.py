@@ -143,3 +143,24 @@ def test_wandb_fields_without_a_project_are_refused():
         load(CONFIG, ["logging.wandb.tags=[a]"])
     with pytest.raises(ConfigError, match=r"^logging.wandb.project is empty"):
         load(CONFIG, ["logging.wandb.project=''"])
+
+
+def test_a_wandb_run_that_cannot_start_is_one_line_naming_the_fix(tmp_path, monkeypatch):
+    import sys
+    import types
+
+    from llmtrain.training.wandb_run import WandbError, WandbRun
+
+    def refuse(**_):
+        raise RuntimeError("api_key not configured (no-tty)")
+
+    job = load(CONFIG, [f"output_dir={tmp_path / 'run'}", "logging.wandb.project=p"])
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=refuse))
+    with pytest.raises(WandbError) as err:
+        WandbRun.open(job)
+    assert str(err.value) == (
+        "logging.wandb.project=p: W&B could not start the run (RuntimeError: api_key not configured "
+        "(no-tty)); run `wandb login`, or set WANDB_MODE=offline to log to "
+        f"{tmp_path / 'run' / 'wandb'} and upload later with `wandb sync`"
+    )
+    assert not (tmp_path / "run" / "wandb" / "run_id").exists()

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+import yaml
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import llmtrain
@@ -36,13 +37,17 @@ def job(out: Path, *overrides: str):
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A transformers ERNIE-4.5 model of the tiny job's shape, with transformers' own random weights."""
-    fields = to_hf_config(job(Path("unused")).model)
+    """A transformers ERNIE-4.5 model of the tiny job's shape, with transformers' own random weights, and
+    beside it the tokenizer the tiny job would train (as a model directory carries its tokenizer)."""
+    tiny = job(Path("unused"))
+    fields = to_hf_config(tiny.model)
     config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     torch.manual_seed(1234)
     model = AutoModelForCausalLM.from_config(config).eval()
     path = tmp_path_factory.mktemp("hf") / "ernie"
     model.save_pretrained(path)
+    for name, data in build_data(tiny, dp_rank=0, dp_size=1).tokenizer.files().items():
+        (path / name).write_bytes(data)
     return path
 
 
@@ -74,6 +79,7 @@ def test_run_starts_from_a_transformers_directory_and_exports_one(tmp_path, hf_d
     result = run(job(out, f"checkpoint.load={hf_dir}", "checkpoint.export_hf=true", *QUIET))
     text = capsys.readouterr().out
     assert f"fresh at step 0 from the model in {hf_dir} (checkpoint.load)" in text
+    assert yaml.safe_load((out / "config.yaml").read_text())["data"]["tokenizer"] == str(hf_dir)
     first = next(row for row in read_rows(out) if row["step"] == 1)
     assert first["loss"] == pytest.approx(transformers_first_loss(hf_dir, out), rel=TOL)
     assert not any(p.name.endswith(".hf_import") for p in tmp_path.iterdir())  # the conversion is removed
