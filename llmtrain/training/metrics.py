@@ -141,7 +141,7 @@ def format_duration(seconds: float) -> str:
 
 
 class MetricsLogger:
-    """Rank-0 metrics: console line per logging interval, metrics.jsonl, TensorBoard scalars.
+    """Rank-0 metrics: console line per logging interval, metrics.jsonl, TensorBoard and W&B scalars.
 
     MFU = flops_per_token x tokens/s / (world_size x dense peak FLOP/s of one device at
     train.precision), shown only when the peak is known (see llmtrain.training.peak); `tokens` passed
