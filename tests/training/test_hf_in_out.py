@@ -6,6 +6,7 @@ save_pretrained (no hub)."""
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -93,11 +94,15 @@ def test_run_starts_from_a_transformers_directory_and_exports_one(tmp_path, hf_d
 
 
 @pytest.mark.slow
-def test_tp2_run_starts_from_a_transformers_directory_and_exports_one(tmp_path, hf_dir):
+def test_tp2_run_starts_from_a_transformers_directory_and_exports_one(tmp_path, hf_dir, monkeypatch):
     out = tmp_path / "run"
     overrides = [f"checkpoint.load={hf_dir}", "checkpoint.export_hf=true", "parallel.tp=2", *QUIET]
-    done = run_cli(torchrun_command(2, out, "parallel.backend=gloo", *overrides))
+    wandb = ["logging.wandb.project=llmtrain-test"] if importlib.util.find_spec("wandb") else []
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    done = run_cli(torchrun_command(2, out, "parallel.backend=gloo", *overrides, *wandb))
     assert done.returncode == 0, done.stderr[-3000:]
+    if wandb:  # rank 0 alone logs to W&B: one run
+        assert len(list((out / "wandb").glob("offline-run-*"))) == 1
     first = next(row for row in read_rows(out) if row["step"] == 1)
     assert first["loss"] == pytest.approx(transformers_first_loss(hf_dir, out), rel=TOL)
     check_export(out / "hf" / "step_2", str(out))
