@@ -30,6 +30,8 @@ setup(
         "fp8": ["torchao>=0.18"],
         # parallel.engine=deepspeed (ZeRO-2/3 with CPU offload); its C++ ops compile on first use.
         "deepspeed": ["deepspeed>=0.19"],
+        # logging.wandb.project: metrics and config to Weights & Biases.
+        "wandb": ["wandb>=0.19"],
         "test": [
             "pytest>=8.0",
             "pytest-timeout>=2.3",
@@ -42,6 +44,7 @@ setup(
             # tests/parallel/test_deepspeed.py; CPU Adam compiles once (~3 CPU minutes) into
             # ~/.cache/torch_extensions and later runs reuse it.
             "deepspeed>=0.19",
+            "wandb>=0.19",  # tests/observability/test_wandb.py, offline
         ],
     },
 )

@@ -227,7 +227,9 @@ def write_checkpoint(
         )
     job = JobConfig(model=cfg, parallel=ParallelConfig(tp=tp, pp=pp, dp=dp), output_dir=str(output_dir))
     topo = types.SimpleNamespace(tp=tp, pp=pp, dp=dp, world_size=tp * pp * dp)
-    Checkpointer(job, topo, tokenizer=tokenizer)._commit(_Snapshot(step, entries, extra, None, scalars))
+    Checkpointer(job, topo, tokenizer=tokenizer, alone=True)._commit(
+        _Snapshot(step, entries, extra, None, scalars)
+    )
     return Path(output_dir) / "checkpoints" / f"step_{step}"
 
 

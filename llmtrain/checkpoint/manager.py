@@ -146,14 +146,18 @@ class _Snapshot:
 class Checkpointer:
     """Saves and loads sharded checkpoints of one job; every rank constructs one (collective)."""
 
-    def __init__(self, job: JobConfig, topo: Any = None, tokenizer: Any = None) -> None:
+    def __init__(self, job: JobConfig, topo: Any = None, tokenizer: Any = None, alone: bool = False) -> None:
+        """`alone`: this process writes the whole checkpoint by itself, even inside a process group (an
+        offline conversion, or rank 0 converting a model directory for its run)."""
         if job.checkpoint.keep < 1:
             raise CheckpointError(f"checkpoint.keep must be at least 1; got {job.checkpoint.keep}")
         self.job = job
         self.topo = topo
         self.tokenizer = tokenizer
         self.root = Path(job.output_dir) / "checkpoints"
-        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        distributed = (
+            not alone and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        )
         self.rank = dist.get_rank() if distributed else 0
         self.world_size = dist.get_world_size() if distributed else 1
         # Every checkpoint carries the tokenizer's files (rank 0 writes them), read once here: the tokenizer
@@ -463,7 +467,7 @@ class Checkpointer:
         rng_file = path / "rng" / f"rank_{self.rank:05d}.pt"
         if meta["world_size"] == self.world_size and rng_file.exists():
             restore_rng(torch.load(rng_file, weights_only=True), model)
-        elif self.rank == 0:
+        elif self.rank == 0 and any((path / "rng").glob("rank_*.pt")):  # a conversion saves no RNG state
             warnings.warn(
                 f"{path} was saved by {meta['world_size']} ranks, this job has {self.world_size}: "
                 "RNG states are not restored (weights, optimizer and data position are)",

@@ -19,6 +19,7 @@ from llmtrain.config.schema import (
     ModelConfig,
     ParallelConfig,
     TrainConfig,
+    WandbConfig,
 )
 from llmtrain.config.validate import resolve_dp, validate, validate_world
 
@@ -31,6 +32,7 @@ __all__ = [
     "ModelConfig",
     "ParallelConfig",
     "TrainConfig",
+    "WandbConfig",
     "dump",
     "dump_yaml",
     "from_dict",

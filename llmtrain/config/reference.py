@@ -47,11 +47,20 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def sections() -> list[tuple[str, type]]:
-    """(key prefix, dataclass) pairs: the top level, then each nested section in field order."""
-    hints = typing.get_type_hints(JobConfig)
-    nested = [name for name, hint in hints.items() if dataclasses.is_dataclass(hint)]
-    return [("", JobConfig), *((name, hints[name]) for name in nested)]
+def sections(prefix: str = "", cls: type = JobConfig) -> list[tuple[str, type]]:
+    """(key prefix, dataclass) pairs: the top level, then each nested section in field order, a section
+    nested in a section (logging.wandb) right after its parent."""
+    hints = typing.get_type_hints(cls)
+    out = [(prefix, cls)]
+    for name, hint in hints.items():
+        if dataclasses.is_dataclass(hint):
+            out += sections(f"{prefix}.{name}" if prefix else name, hint)
+    return out
+
+
+def anchor(prefix: str, cls: type) -> str:
+    """GitHub's anchor of the heading "## `logging.wandb` (WandbConfig)": "loggingwandb-wandbconfig"."""
+    return f"{prefix.replace('.', '')}-{cls.__name__.lower()}"
 
 
 def format_type(hint: Any) -> str:
@@ -101,8 +110,8 @@ def generate() -> str:
             key = f"{prefix}.{f.name}" if prefix else f.name
             default = format_default(f)
             kind = _escape(format_type(hints[f.name]))
-            if kind == "section":  # GitHub's anchor of "## `model` (ModelConfig)" is #model-modelconfig
-                kind = f"[section](#{f.name}-{hints[f.name].__name__.lower()})"
+            if kind == "section":
+                kind = f"[section](#{anchor(key, hints[f.name])})"
             cells = [
                 f"`{key}`",
                 kind,

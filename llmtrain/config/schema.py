@@ -336,6 +336,22 @@ class CheckpointConfig:
     """Move a run found in output_dir to <output_dir>/archive/<timestamp>/ and start this one afresh."""
     on_save_error: OnSaveError = "continue"
     """A failed save (full disk, write error) keeps the last good checkpoint; continue training or stop."""
+    export_hf: bool = False
+    """At the end of training also write the final weights and tokenizer as a Hugging Face model directory."""
+
+
+@dataclass
+class WandbConfig:
+    """Weights & Biases: the same scalars as TensorBoard, and the config, from rank 0 (pip install wandb)."""
+
+    project: str | None = None
+    """W&B project to log to; null: no W&B (WANDB_MODE=offline logs to <output_dir>/wandb, no account)."""
+    name: str | None = None
+    """Display name of the W&B run; null: the name of output_dir."""
+    entity: str | None = None
+    """W&B user or team that owns the project; null: your default entity."""
+    tags: list[str] = field(default_factory=list)
+    """Tags of the W&B run."""
 
 
 @dataclass
@@ -354,6 +370,8 @@ class LoggingConfig:
     """Dense peak TFLOP/s of one device for MFU; null: a GPU's datasheet or measured figure, none on CPU."""
     memory: bool = False
     """CPU: track each rank's peak bytes of live tensors (slows every op), else peak RSS; CUDA: allocator."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    """Weights & Biases logging (off unless wandb.project is set)."""
 
 
 @dataclass

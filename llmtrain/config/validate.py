@@ -11,6 +11,7 @@ fields and the train, data, checkpoint and logging sections itself.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import typing
 
@@ -173,7 +174,27 @@ def validate(job: JobConfig) -> None:
         lg.peak_tflops is None or lg.peak_tflops > 0,
         f"logging.peak_tflops must be positive; got {lg.peak_tflops}",
     )
+    raise_if_problem(wandb_problem(job))
     _check_ranges(job)
+
+
+def wandb_problem(job: JobConfig) -> str:
+    """Why logging.wandb cannot log (asked now, not at the first logged step hours later), or ''."""
+    w = job.logging.wandb
+    if w.project is None:
+        given = [f"logging.wandb.{name}" for name in ("name", "entity") if getattr(w, name) is not None]
+        given += ["logging.wandb.tags"] if w.tags else []
+        if given:
+            return (
+                f"{given[0]} is set but logging.wandb.project is not; set logging.wandb.project to log to W&B"
+            )
+        return ""
+    if importlib.util.find_spec("wandb") is None:
+        return (
+            f"logging.wandb.project={w.project} needs the wandb package, which is not installed; run pip "
+            "install 'llmtrain[wandb]', or leave logging.wandb.project unset"
+        )
+    return ""
 
 
 # Number fields whose 0 is out of range and that no rule in `validate` bounds already: sizes, rates and times

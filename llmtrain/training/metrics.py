@@ -1,4 +1,5 @@
-"""Step metrics of a run: one compact console line, `metrics.jsonl` and TensorBoard, all from rank 0.
+"""Step metrics of a run: one compact console line, `metrics.jsonl`, TensorBoard and (logging.wandb)
+Weights & Biases, all from rank 0.
 
 The trainer calls `log_step` after every optimizer step; the logger aggregates the steps of each
 logging interval (the loss is their mean, throughput total tokens over total step time) and writes an
@@ -65,6 +66,17 @@ _TB_TAGS = {
 }
 
 
+def scalars(entry: dict[str, Any]) -> dict[str, float]:
+    """An entry's scalars by TensorBoard tag (W&B gets the same): the keys of _TB_TAGS and every
+    `time_<section>_s` as `time/<section>`; absent and None values are left out."""
+    out = {}
+    for key, value in entry.items():
+        tag = _TB_TAGS.get(key) or (f"time/{key[5:-2]}" if key.startswith("time_") else None)
+        if tag is not None and value is not None:
+            out[tag] = value
+    return out
+
+
 def _finite_or_none(value: Any) -> Any:
     """JSON has no NaN/inf; a non-finite number is written as null (the step is counted as skipped)."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -129,7 +141,7 @@ def format_duration(seconds: float) -> str:
 
 
 class MetricsLogger:
-    """Rank-0 metrics: console line per logging interval, metrics.jsonl, TensorBoard scalars.
+    """Rank-0 metrics: console line per logging interval, metrics.jsonl, TensorBoard and W&B scalars.
 
     MFU = flops_per_token x tokens/s / (world_size x dense peak FLOP/s of one device at
     train.precision), shown only when the peak is known (see llmtrain.training.peak); `tokens` passed
@@ -164,6 +176,7 @@ class MetricsLogger:
         self.device = torch.device(device)
         self.stream = stream if stream is not None else sys.stdout
         self.start_time = time.perf_counter()
+        self.job = job
         self.output_dir = Path(job.output_dir)
         self.tensorboard = job.logging.tensorboard
         self.last_loss_avg: float | None = None
@@ -172,11 +185,20 @@ class MetricsLogger:
         self._skipped_total = 0
         self._jsonl: TextIO | None = None
         self._tb: Any = None
+        self._wandb: Any = None
         self.peak: Peak | None = None
         if is_main:
             # A measured (GPU) peak is taken here, before training, so the benchmark never competes
             # with this job's own compute.
             self.peak = peak or device_peak(job.train.precision, self.device, job.logging.peak_tflops)
+
+    def start(self) -> None:
+        """Open the W&B run (logging.wandb.project) on rank 0; called once the launch is committed, so that
+        a W&B problem stops the launch before its first step."""
+        if self.is_main and self.job.logging.wandb.project is not None:
+            from llmtrain.training.wandb_run import WandbRun
+
+            self._wandb = WandbRun.open(self.job)
 
     def should_log(self, step: int) -> bool:
         """Whether `step` (1-based, counted after the optimizer step) gets an entry."""
@@ -273,8 +295,12 @@ class MetricsLogger:
             self.stream.write(message + "\n")  # one write: lines from two threads never interleave
             self.stream.flush()
 
-    def close(self) -> None:
-        """Flush and close the files (safe to call twice)."""
+    def close(self, exit_code: int = 0) -> None:
+        """Flush and close the files and the W&B run, which `exit_code` marks finished or failed (safe to
+        call twice)."""
+        if self._wandb is not None:
+            self._wandb.finish(exit_code)
+            self._wandb = None
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None
@@ -294,11 +320,11 @@ class MetricsLogger:
         self._jsonl.write(json.dumps({k: _finite_or_none(v) for k, v in entry.items()}) + "\n")
         self._jsonl.flush()
         if self._tb is not None:
-            for key, value in entry.items():
-                tag = _TB_TAGS.get(key) or (f"time/{key[5:-2]}" if key.startswith("time_") else None)
-                if tag is not None and value is not None:
-                    self._tb.add_scalar(tag, value, entry["step"])
+            for tag, value in scalars(entry).items():
+                self._tb.add_scalar(tag, value, entry["step"])
             self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(scalars(entry), entry["step"])
 
     def _print_line(self, e: dict[str, Any]) -> None:
         width = len(str(self.total_steps))

@@ -2,8 +2,10 @@
 
 A run writes these into output_dir (`RUN_ENTRIES`): config.yaml (its first launch's validated config),
 config.segment<N>.yaml (each later launch's), launches.jsonl (one row per launch), metrics.jsonl
-(append-only, rows tagged with the launch's segment), checkpoints/, tensorboard/ and profile/. A launch:
-- into a directory holding none of them starts fresh as segment 0 (from checkpoint.load, if set);
+(append-only, rows tagged with the launch's segment), checkpoints/, tensorboard/, profile/, wandb/ (the W&B
+run's id and files, llmtrain.training.wandb_run) and hf/ (checkpoint.export_hf). A launch:
+- into a directory holding none of them starts fresh as segment 0 (from checkpoint.load, if set: a checkpoint,
+  or a Hugging Face model directory converted for this run by llmtrain.training.hf_io);
 - into one holding a run resumes from that run's latest checkpoint as the next segment (or starts again
   at step 0 when no launch got as far as a checkpoint); its own checkpoint wins over checkpoint.load;
   checkpoint.resume=false refuses instead, and checkpoint.archive_existing=true moves the earlier run to
@@ -27,12 +29,13 @@ from llmtrain.checkpoint.directory import last_good_checkpoint, read_meta, resol
 from llmtrain.checkpoint.errors import CheckpointError
 from llmtrain.config import ConfigError, JobConfig, dump
 from llmtrain.launch_env import launch_attempt
+from llmtrain.training.hf_io import check_model_dir, is_model_dir
 from llmtrain.training.metrics_file import METRICS_FILE, next_segment
 
 CONFIG = "config.yaml"
 LAUNCHES = "launches.jsonl"
 ARCHIVE = "archive"
-RUN_ENTRIES = (CONFIG, LAUNCHES, METRICS_FILE, "checkpoints", "tensorboard", "profile")
+RUN_ENTRIES = (CONFIG, LAUNCHES, METRICS_FILE, "checkpoints", "tensorboard", "profile", "wandb", "hf")
 _SEGMENT_CONFIG = re.compile(r"config\.segment(\d+)\.yaml")
 
 
@@ -57,6 +60,8 @@ class Launch:
     total_steps: int
     skipped: tuple[str, ...] = ()
     """Newer saves of the run it did not resume from, each with why (interrupted, failing its checksums)."""
+    model_dir: bool = False
+    """resume_from is checkpoint.load's model directory (Hugging Face or llmtrain): converted, step 0."""
 
     @property
     def nothing_to_do(self) -> bool:
@@ -66,6 +71,8 @@ class Launch:
         """'fresh at step 0' or 'resumed from <checkpoint> at step N', and what became of an earlier run."""
         if self.resume_from is None:
             text = "fresh at step 0"
+        elif self.model_dir:
+            text = f"fresh at step 0 from the model in {self.resume_from} (checkpoint.load)"
         else:
             text = f"resumed from {self.resume_from} at step {self.start_step}"
             if not self.own_checkpoint:
@@ -175,8 +182,12 @@ def plan_launch(job: JobConfig) -> Launch:
                 "new output_dir, or set checkpoint.archive_existing=true to move that run to "
                 f"{output_dir / ARCHIVE}/<timestamp>/ and start afresh"
             )
+    model_dir = own_checkpoint is None and bool(job.checkpoint.load) and is_model_dir(job.checkpoint.load)
     if own_checkpoint is not None:
         resume_from: Path | None = own_checkpoint
+    elif model_dir:
+        resume_from = Path(job.checkpoint.load)
+        check_model_dir(resume_from, job.model)
     else:
         resume_from = _load_from(job.checkpoint.load) if job.checkpoint.load else None
     segment = 0 if archive_to is not None else _segment(output_dir, entries, launches)
@@ -184,7 +195,7 @@ def plan_launch(job: JobConfig) -> Launch:
     return Launch(
         output_dir=str(output_dir),
         segment=segment,
-        start_step=_checkpoint_step(resume_from) if resume_from is not None else 0,
+        start_step=_checkpoint_step(resume_from) if resume_from is not None and not model_dir else 0,
         resume_from=str(resume_from) if resume_from is not None else None,
         own_checkpoint=own_checkpoint is not None,
         earlier_run=earlier_run,
@@ -192,6 +203,7 @@ def plan_launch(job: JobConfig) -> Launch:
         config_file=str(output_dir / (CONFIG if first_config else f"config.segment{segment}.yaml")),
         total_steps=job.train.steps,
         skipped=() if archive_to is not None else tuple(skipped),
+        model_dir=model_dir,
     )
 
 

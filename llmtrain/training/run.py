@@ -21,6 +21,13 @@ from llmtrain.config import ConfigError, JobConfig, with_overrides
 from llmtrain.errors import UserError
 from llmtrain.parallel.topology import Topology
 from llmtrain.parallel.watchdog import install_excepthook
+from llmtrain.training.hf_io import (
+    check_export,
+    convert_model_dir,
+    export,
+    remove_import,
+    with_model_tokenizer,
+)
 from llmtrain.training.memory_tracking import PeakMemory
 from llmtrain.training.output_dir import Launch, commit, plan_launch
 from llmtrain.training.trainer import LocalStepRunner, Trainer, TrainResult
@@ -163,6 +170,23 @@ def _commit(launch: Launch, job: JobConfig, world_size: int) -> None:
         ) from err
 
 
+def _restore(trainer: Trainer, launch: Launch, job: JobConfig, topo: Topology) -> None:
+    """Load what the launch starts from; a model directory (checkpoint.load) is converted by rank 0 into a
+    checkpoint of this layout first, which every rank loads and rank 0 then removes."""
+    if not launch.model_dir:
+        trainer.restore(launch.resume_from)
+        return
+    path = on_rank0(topo, lambda: convert_model_dir(job, launch.resume_from, topo.tp, topo.pp, topo.dp))
+    try:
+        trainer.restore(path)
+        if dist.is_initialized():
+            dist.barrier()  # every rank has read it
+    finally:
+        if topo.rank == 0:
+            remove_import(job)
+    trainer.checkpointer.last_good = None  # the conversion is gone: no checkpoint of this run exists yet
+
+
 def startup_block(job: JobConfig, topo: Topology, launch: Launch) -> str:
     """What rank 0 prints before the first step: the model, layout, batch, precision, output and start."""
     import kernels
@@ -224,10 +248,12 @@ def run(job: JobConfig) -> TrainResult:
         torch.set_num_threads(job.train.num_threads)
     if job.parallel.auto:
         job = plan_layout(job, int(os.environ.get("WORLD_SIZE", "1")))
+    check_export(job)
     topo = init_distributed(job)
     install_excepthook(topo.rank)
     topo.watchdog.start()
     trainer = None
+    exit_code = 1  # what the W&B run is closed with if this launch fails
     try:
         launch = on_rank0(topo, lambda: plan_launch(job))
         if launch.nothing_to_do:
@@ -242,19 +268,26 @@ def run(job: JobConfig) -> TrainResult:
                 output_dir=job.output_dir,
                 nothing_to_do=launch.nothing_to_do_text(),
             )
+        if launch.model_dir:
+            job = with_model_tokenizer(job, launch.resume_from)
         memory = PeakMemory(topo.device, job.logging.memory)
         with memory.tracking():
             trainer = build_trainer(job, topo, launch.segment, memory)
-            trainer.restore(launch.resume_from)
+            _restore(trainer, launch, job, topo)
             memory.end_startup()
             on_rank0(topo, lambda: _commit(launch, job, topo.world_size))
+            on_rank0(topo, trainer.metrics.start)
             if topo.rank == 0:
                 print(startup_block(job, topo, launch), flush=True)
-            return trainer.fit()
+            result = trainer.fit()
+            if job.checkpoint.export_hf and result.steps == job.train.steps and result.checkpoint:
+                result.exported_hf = str(on_rank0(topo, lambda: export(job, result.checkpoint, result.steps)))
+            exit_code = result.exit_code
+            return result
     finally:
         topo.watchdog.stop()
         if trainer is not None:
-            trainer.metrics.close()
+            trainer.metrics.close(exit_code)
             trainer.checkpointer.close()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()

@@ -119,6 +119,8 @@ class TrainResult:
     """The newest complete checkpoint when this launch ends (a save that failed leaves the one before)."""
     nothing_to_do: str | None = None
     """Why this launch ran no step (the run was already at train.steps)."""
+    exported_hf: str | None = None
+    """The Hugging Face model directory checkpoint.export_hf wrote at the end of training."""
 
     @property
     def exit_code(self) -> int:
@@ -148,6 +150,7 @@ class TrainResult:
                 f"({figures}); {resume}"
             )
         saved = f"; checkpoint {self.checkpoint}" if self.checkpoint else ""
+        saved += f"; Hugging Face model {self.exported_hf}" if self.exported_hf else ""
         return f"done: step {self.steps}/{self.total_steps} ({figures}); output in {self.output_dir}{saved}"
 
 

@@ -44,6 +44,10 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 def read_llmtrain(path: str | os.PathLike) -> tuple[ModelConfig, Tensors]:
     """(config, tensors) of an llmtrain model directory."""
     path = Path(path)
+    return _llmtrain_config(path), _read_weights(path / WEIGHTS)
+
+
+def _llmtrain_config(path: Path) -> ModelConfig:
     cfg_file = path / LLMTRAIN_CONFIG
     try:
         raw = load_yaml(cfg_file.read_text())
@@ -56,17 +60,27 @@ def read_llmtrain(path: str | os.PathLike) -> tuple[ModelConfig, Tensors]:
         check_config(cfg)
     except ConfigError as err:
         raise ModelFormatError(f"{cfg_file}: {err}") from None
-    return cfg, _read_weights(path / WEIGHTS)
+    return cfg
+
+
+def _hf_config(path: Path) -> ModelConfig:
+    cfg_file = path / HF_CONFIG
+    try:
+        return from_hf_config(json.loads(cfg_file.read_text()))
+    except (OSError, ValueError, ConfigError) as err:
+        raise ModelFormatError(f"{cfg_file}: {err}") from None
+
+
+def read_config(path: str | os.PathLike) -> ModelConfig:
+    """The ModelConfig of either kind of model directory, without reading its weights."""
+    path = Path(path)
+    return _llmtrain_config(path) if detect_format(path) == "llmtrain" else _hf_config(path)
 
 
 def read_hf(path: str | os.PathLike) -> tuple[ModelConfig, Tensors]:
     """(config, Hugging Face-named tensors) of a Hugging Face model directory."""
     path = Path(path)
-    cfg_file = path / HF_CONFIG
-    try:
-        cfg = from_hf_config(json.loads(cfg_file.read_text()))
-    except (OSError, ValueError, ConfigError) as err:
-        raise ModelFormatError(f"{cfg_file}: {err}") from None
+    cfg = _hf_config(path)
     index = path / HF_INDEX
     if index.is_file():
         try:
