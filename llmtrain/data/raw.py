@@ -129,13 +129,14 @@ def _open_hub(source: RawSource):
         raise DataError(f"data.sources entry {source.entry!r}: {e}") from None
 
 
-def source_chunks(source: RawSource, key: str) -> Iterator[Chunk]:
-    """Chunks of the source's records in order (a hub dataset's rows as one table)."""
+def source_inputs(source: RawSource, key: str) -> Iterator[tuple[str, Iterator[Chunk]]]:
+    """Each input of the source (its files in order, or the hub dataset) with its chunks of records."""
     if source.hub is None:
-        yield from read_chunks(list(source.files), [key], KEY_OPTION)
+        for path in source.files:
+            yield path, read_chunks([path], [key], KEY_OPTION)
     else:
         rows = _open_hub(source).iter(batch_size=CHUNK_RECORDS)
-        yield from chunks_of_table(source.entry, rows, [key], 0, 0, KEY_OPTION)
+        yield source.entry, chunks_of_table(source.entry, rows, [key], 0, 0, KEY_OPTION)
 
 
 @dataclass
@@ -261,28 +262,25 @@ class RawStream:
     def _jobs(self, first: int, counted: list[str], seen: list[int]) -> Iterator[_Job]:
         """Jobs for the split's records numbered >= first; `counted` gets each input without records, and
         seen[0] the number of records read."""
-        record, path, records_in_path = 0, None, 0
+        record = 0
         mine = np.zeros(SPLIT_CYCLE, bool)
         mine[list(self.slots)] = True
-        for chunk in source_chunks(self.source, self.key):
-            if chunk.path != path:
-                if path is not None and not records_in_path:
-                    counted.append(path)
-                path, records_in_path = chunk.path, 0
-            n = len(chunk.items)
-            numbers = np.arange(record, record + n, dtype=np.int64)
-            record += n
-            seen[0] = record
-            records_in_path += n
-            keep = np.flatnonzero((numbers >= first) & mine[numbers % SPLIT_CYCLE])
-            if not len(keep):
-                continue
-            lines = [chunk.lines[k] if chunk.lines else chunk.first + int(k) for k in keep]
-            items = [chunk.items[k] for k in keep]
-            part = Chunk(chunk.path, lines[0], chunk.kind, items, lines, chunk.nbytes)
-            yield _Job(part, numbers[keep], self.tokenizer, self.key)
-        if path is not None and not records_in_path:
-            counted.append(path)
+        for name, chunks in source_inputs(self.source, self.key):
+            records_before = record
+            for chunk in chunks:
+                n = len(chunk.items)
+                numbers = np.arange(record, record + n, dtype=np.int64)
+                record += n
+                seen[0] = record
+                keep = np.flatnonzero((numbers >= first) & mine[numbers % SPLIT_CYCLE])
+                if not len(keep):
+                    continue
+                lines = [chunk.lines[k] if chunk.lines else chunk.first + int(k) for k in keep]
+                items = [chunk.items[k] for k in keep]
+                part = Chunk(chunk.path, lines[0], chunk.kind, items, lines, chunk.nbytes)
+                yield _Job(part, numbers[keep], self.tokenizer, self.key)
+            if record == records_before:
+                counted.append(name)
 
     def _pieces_of(self, jobs: Iterator[_Job]) -> Iterator[_Piece]:
         workers = self.workers
@@ -434,10 +432,11 @@ class RawStream:
         self._next += 1
         return sample
 
-    def token_counts(self, vocab_size: int, max_tokens: int = 1 << 16) -> np.ndarray:
-        """Occurrences of each token id in the split's first max_tokens tokens, read in this process by a
-        pipeline of its own (this stream's position is kept); a source without readable documents fails
-        here, before a model is built."""
+    def token_counts(self, vocab_size: int, max_tokens: int = 1 << 14) -> np.ndarray:
+        """Occurrences of each token id in the split's first chunks, up to about max_tokens tokens (the
+        unigram baseline's estimate: every rank reads them at start), read in this process by a pipeline of
+        its own (this stream's position is kept); a source without readable documents fails here, before
+        a model is built."""
         counts = np.zeros(vocab_size, np.int64)
         seen = 0
         probe = RawStream(
