@@ -316,8 +316,7 @@ class DataConfig:
     reset_attention_mask: bool = False
     """Packed documents: attention stays inside each document (ended by its eod token), positions restart."""
     sources: list[str] = field(default_factory=list)
-    """Raw documents tokenized while training: .jsonl[.gz]/.parquet/.txt files or globs, save_to_disk folders,
-    or hf:NAME?split=..&data_files=.. (datasets.load_dataset, streaming); blend with prefixes via weights."""
+    """Raw documents tokenized while training: .jsonl[.gz]/.parquet/.txt files, save_to_disk dirs, hf:NAME."""
     text_key: str = "text"
     """The field (JSON key, column) of data.sources records that holds the document text."""
     on_bad_document: OnBadDocument = "skip"

@@ -20,6 +20,7 @@ so a resume costs reading time, not tokenizing time.
 
 from __future__ import annotations
 
+import ctypes
 import glob
 import itertools
 import multiprocessing as mp
@@ -57,6 +58,7 @@ HUB_ARGS = ("name", "split", "data_files", "data_dir", "revision")
 SPLIT_CYCLE = 100
 """Records are dealt to train/valid/test in cycles of this many, by data.split's shares (in percent)."""
 KEY_OPTION, SKIP_OPTION = "data.text_key", "data.on_bad_document=skip"
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 class Position(NamedTuple):
@@ -195,6 +197,8 @@ def _init_worker() -> None:
     # that Slurm or Ctrl-C sends the whole group would break the pipe before that save.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if sys.platform.startswith("linux"):  # a trainer SIGKILLed (torchrun's restarts) takes its workers along
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 class Workers:
