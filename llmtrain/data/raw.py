@@ -437,16 +437,18 @@ class RawStream:
         return sample
 
     def token_counts(self, vocab_size: int, max_tokens: int = 1 << 14) -> np.ndarray:
-        """Occurrences of each token id in the split's first chunks, up to about max_tokens tokens (the
-        unigram baseline's estimate: every rank reads them at start), read in this process by a pipeline of
-        its own (this stream's position is kept); a source without readable documents fails here, before
-        a model is built."""
+        """Occurrences of each token id in the split's first chunks, up to about max_tokens tokens or one
+        epoch (the unigram baseline's estimate: every rank reads them at start), read in this process by a
+        pipeline of its own (this stream's position is kept); a source without readable documents fails
+        here, before a model is built."""
         counts = np.zeros(vocab_size, np.int64)
         seen = 0
         probe = RawStream(
             self.source, self.split, self.slots, self.seq_length, self.tokenizer, self.key, self.policy
         )
         for piece in probe._pieces(Position()):
+            if piece.epoch > 0:  # a small source: its whole first epoch is read
+                break
             counts += np.bincount(piece.tokens, minlength=vocab_size)[:vocab_size]
             seen += len(piece.tokens)
             if seen >= max_tokens:
