@@ -5,6 +5,10 @@
 2. Read samples/s on the same `.bin`/`.idx` files: whole documents in random order, and GPT training
    samples (seq_length+1 token windows crossing documents, the same sample list) assembled with each
    reader's get(), llmtrain's IndexedDataset vs megatron-core's.
+3. Training samples fed, in tokens/s, from the same JSONL: data.sources (tokenized on the fly by 1 and by
+   --workers worker processes, and per worker), the offline `.bin` (GPTDataset, after preprocessing), and
+   `datasets.map` + a torch DataLoader (load_dataset("json"), tokenize and pack into blocks, batches of 8:
+   how Hugging Face Trainer users feed data), its map counted, as the first epoch pays it.
 
     python benchmarks/bench_data.py [--workers 2] [--max-mb 12] [--samples 20000]
 """
@@ -25,6 +29,7 @@ from llmtrain.data.corpus import _read_documents, stdlib_files
 from llmtrain.data.gpt_dataset import GPTDataset
 from llmtrain.data.indexed import IndexedDataset
 from llmtrain.data.preprocess import preprocess_files
+from llmtrain.data.raw import SPLIT_CYCLE, RawStream, Workers, parse_source
 from llmtrain.data.tokenizer import SentencePieceTokenizer, train_sentencepiece
 
 
@@ -113,6 +118,65 @@ def bench_read(prefix: str, samples: int, seq_length: int, repeats: int) -> dict
     }
 
 
+def bench_feed(
+    jsonl: str, tok_path: str, prefix: str, samples: int, seq_length: int, workers: int, repeats: int
+) -> dict[str, float]:
+    """Tokens/s of training samples (seq_length+1 tokens) delivered by each way of feeding them."""
+    import datasets
+    import torch
+
+    datasets.disable_progress_bars()
+    source, every_record = parse_source(jsonl), tuple(range(SPLIT_CYCLE))
+    indexed = IndexedDataset(prefix)
+    samples = min(samples, int(indexed.sequence_lengths.sum()) // (seq_length + 1))
+
+    def on_the_fly(count: int) -> None:
+        pool = Workers(count)
+        stream = RawStream(source, "train", every_record, seq_length, tok_path, "text", workers=pool)
+        for i in range(samples):
+            stream[i]
+        pool.close()
+
+    def offline() -> None:
+        gpt = GPTDataset(indexed, (0, len(indexed)), seq_length, seed=0)
+        gpt.prepare(samples)
+        for i in range(samples):
+            gpt[i]
+
+    def hf_dataloader() -> None:
+        cache = tempfile.mkdtemp()
+        ds = datasets.load_dataset("json", data_files=jsonl, split="train", cache_dir=cache)
+        tok, block = SentencePieceTokenizer(tok_path), seq_length + 1
+
+        def encode(batch: dict) -> dict:
+            return {"ids": [ids + [tok.eod_id] for ids in tok.encode_batch(batch["text"])]}
+
+        def group(batch: dict) -> dict:  # the run_clm recipe: concatenate, cut into blocks
+            flat = [t for ids in batch["ids"] for t in ids]
+            return {"input_ids": [flat[i : i + block] for i in range(0, len(flat) - block + 1, block)]}
+
+        procs = workers if workers > 1 else None
+        ds = ds.map(encode, batched=True, num_proc=procs, remove_columns=ds.column_names)
+        ds = ds.map(group, batched=True, num_proc=procs, remove_columns=["ids"]).with_format("torch")
+        loader = torch.utils.data.DataLoader(ds, batch_size=8, num_workers=min(workers, 2))
+        seen = 0
+        for batch in loader:
+            seen += len(batch["input_ids"])
+            if seen >= samples:
+                break
+
+    counts = sorted({1, workers})
+    fns = [lambda c=c: on_the_fly(c) for c in counts] + [offline, hf_dataloader]
+    times = _best(fns, repeats)
+    tokens = samples * (seq_length + 1)
+    out = {f"on the fly, {c} worker{'s' * (c > 1)}": tokens / t for c, t in zip(counts, times, strict=False)}
+    out.update({"on the fly, per worker": tokens / times[len(counts) - 1] / counts[-1]})
+    out.update(
+        {"offline .bin (GPTDataset)": tokens / times[-2], "datasets.map + DataLoader": tokens / times[-1]}
+    )
+    return out
+
+
 def main() -> None:
     """Run both comparisons on the standard library's sources and print the ratios."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -154,6 +218,17 @@ def main() -> None:
                 f"read {name:<14} llmtrain {a:,.0f} samples/s  megatron-core {b:,.0f} samples/s  "
                 f"ratio {a / b:.2f}"
             )
+        feed = bench_feed(
+            str(jsonl),
+            tok_path,
+            str(tmp / "ours_text_document"),
+            args.samples,
+            args.seq_length,
+            args.workers,
+            args.repeats,
+        )
+        for name, rate in feed.items():
+            print(f"feed {name:<26} {rate:>12,.0f} tokens/s")
 
 
 if __name__ == "__main__":

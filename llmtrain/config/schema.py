@@ -22,6 +22,7 @@ Engine = Literal["llmtrain", "deepspeed"]
 OffloadDevice = Literal["cpu", "nvme"]
 RopeScaling = Literal["none", "yarn"]
 Offload = Literal["none", "optimizer", "optimizer+params"]
+OnBadDocument = Literal["skip", "error"]
 CpComm = Literal["ring", "all_to_all"]
 GradReduce = Literal["microbatch", "step"]
 
@@ -314,6 +315,12 @@ class DataConfig:
     """DataLoader worker processes per rank."""
     reset_attention_mask: bool = False
     """Packed documents: attention stays inside each document (ended by its eod token), positions restart."""
+    sources: list[str] = field(default_factory=list)
+    """Raw documents tokenized while training: .jsonl[.gz]/.parquet/.txt files, save_to_disk dirs, hf:NAME."""
+    text_key: str = "text"
+    """The field (JSON key, column) of data.sources records that holds the document text."""
+    on_bad_document: OnBadDocument = "skip"
+    """An unreadable data.sources record (bad JSON, missing key, not UTF-8): skip and count it, or error."""
 
 
 @dataclass

@@ -133,14 +133,16 @@ def validate(job: JobConfig) -> None:
         f"(parallel.pp={p.pp}); set parallel.pp=1 or data.reset_attention_mask=false",
     )
     if d.weights:
+        entries = len(d.prefixes) + len(d.sources)
         _require(
-            len(d.weights) == len(d.prefixes),
-            f"data.weights has {len(d.weights)} entries but data.prefixes has {len(d.prefixes)}; "
-            "give one weight per prefix",
+            len(d.weights) == entries,
+            f"data.weights has {len(d.weights)} entries but data.prefixes and data.sources have {entries}; "
+            "give one weight per prefix, then one per source",
         )
         _require(
             all(w >= 0 for w in d.weights) and sum(d.weights) > 0, "data.weights must be >= 0, not all zero"
         )
+    _require(bool(d.text_key), "data.text_key must name the field holding the text (e.g. text)")
     parts = d.split.split(",")
     try:
         shares = [float(x) for x in parts]

@@ -168,9 +168,9 @@ def blend_indices(weights: list[float], num_samples: int) -> tuple[np.ndarray, n
 
 
 class BlendedDataset:
-    """A weighted interleaving of several sample sources (GPTDatasets)."""
+    """A weighted interleaving of several sample sources (GPTDatasets, RawStreams)."""
 
-    def __init__(self, datasets: list[GPTDataset], weights: list[float]) -> None:
+    def __init__(self, datasets: list, weights: list[float]) -> None:
         if len(weights) != len(datasets):
             raise DataError(
                 f"data.weights has {len(weights)} entries but data.prefixes has {len(datasets)}; "
@@ -196,6 +196,12 @@ class BlendedDataset:
 
     def __len__(self) -> int:
         return self.num_samples
+
+    def taken(self, num_samples: int) -> list[int]:
+        """How many of the first num_samples blended samples each dataset gives."""
+        self.prepare(num_samples)
+        which = self._which[:num_samples]
+        return [int((which == d).sum()) for d in range(len(self.datasets))]
 
     def __getitem__(self, i: int) -> np.ndarray:
         return self.datasets[int(self._which[i])][int(self._nth[i])]

@@ -24,7 +24,11 @@ from llmtrain.data.corpus import prepare_corpus
 from llmtrain.data.errors import DataError
 from llmtrain.data.gpt_dataset import BlendedDataset, GPTDataset, split_ranges
 from llmtrain.data.indexed import IndexedDataset, bin_path
+from llmtrain.data.progress import is_local_leader, say
+from llmtrain.data.raw import RawStream, Workers, raw_streams
 from llmtrain.data.tokenizer import Tokenizer, load_tokenizer
+
+Samples = GPTDataset | BlendedDataset | RawStream
 
 
 def entropy_nats(counts: np.ndarray) -> float:
@@ -58,19 +62,26 @@ def slice_of_batch(
 
 
 class DataModule:
-    """Tokenizer, entropy baseline and this rank's batches of the train and valid splits."""
+    """Tokenizer, entropy baseline and this rank's batches of the train and valid splits.
+
+    With raw sources (data.sources) every rank reads the whole global sample stream (packing needs every
+    document before a sample) and keeps its slice; the stream's position is `position(consumed_samples)`,
+    what the checkpoint stores, and `train_batches` continues from it on any number of ranks.
+    """
 
     def __init__(
         self,
         tokenizer: Tokenizer,
-        train: GPTDataset | BlendedDataset,
-        valid: GPTDataset | BlendedDataset | None,
+        train: Samples,
+        valid: Samples | None,
         global_batch_size: int,
         dp_rank: int,
         dp_size: int,
         unigram_entropy: float,
         num_workers: int = 0,
         shares: Sequence[int] = (),
+        raw: Sequence[RawStream] = (),
+        workers: Workers | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size: int = tokenizer.vocab_size
@@ -79,17 +90,43 @@ class DataModule:
         self.global_batch_size = global_batch_size
         self._lo, self._hi = slice_of_batch(global_batch_size, dp_rank, dp_size, shares)
         self.num_workers = num_workers
+        self.raw, self.workers = list(raw), workers
 
-    def _batch(self, source: GPTDataset | BlendedDataset, first: int) -> torch.Tensor:
+    def _batch(self, source: Samples, first: int) -> torch.Tensor:
         source.prepare(first + self.global_batch_size)
         rows = [source[first + i] for i in range(self._lo, self._hi)]
         return torch.from_numpy(np.stack(rows))
 
-    def train_batches(self, consumed_samples: int = 0) -> Iterator[torch.Tensor]:
+    def _raw_taken(self, consumed_samples: int) -> list[int]:
+        """Samples of each raw train stream among the first consumed_samples of the train split."""
+        if not isinstance(self.train, BlendedDataset):
+            return [consumed_samples]
+        taken = self.train.taken(consumed_samples)
+        return [n for ds, n in zip(self.train.datasets, taken, strict=True) if isinstance(ds, RawStream)]
+
+    def position(self, consumed_samples: int) -> dict | None:
+        """The raw streams' positions after consumed_samples train samples (None without raw sources):
+        the same on every rank, whatever the layout."""
+        if not self.raw:
+            return None
+        taken = self._raw_taken(consumed_samples)
+        return {"raw": [ds.state(n) for ds, n in zip(self.raw, taken, strict=True)]}
+
+    def train_batches(
+        self, consumed_samples: int = 0, position: dict | None = None
+    ) -> Iterator[torch.Tensor]:
         """Endless: this rank's slice (its share of the global batch, seq+1) of each global batch after
-        consumed_samples."""
+        consumed_samples; raw streams continue from `position` (what position() gave) when it is of the
+        same data, else they re-read from the start up to consumed_samples."""
         firsts = itertools.count(consumed_samples, self.global_batch_size)
-        if self.num_workers == 0:
+        if self.raw:
+            states = (position or {}).get("raw", [])
+            found = [ds.seek(st) for ds, st in zip(self.raw, states, strict=False)]
+            if position and not (len(states) == len(self.raw) and all(found)) and is_local_leader():
+                say(
+                    "[data] the checkpoint's data position is of other data.sources: re-reading them up to it"
+                )
+        if self.num_workers == 0 or self.raw:  # raw streams tokenize in their own workers
             for first in firsts:
                 yield self._batch(self.train, first)
         else:  # worker processes assemble upcoming batches while the trainer computes
@@ -188,25 +225,50 @@ def build_data(job: JobConfig, dp_rank: int = 0, dp_size: int = 1) -> DataModule
         raise DataError(
             f"data.cache_dir={d.cache_dir}: {existing} is a file; choose a directory for data.cache_dir"
         )
-    if d.prefixes and not d.tokenizer:
-        raise DataError("data.prefixes needs data.tokenizer: set it to the tokenizer the data was built with")
+    for field_, given in (("data.prefixes", d.prefixes), ("data.sources", d.sources)):
+        if given and not d.tokenizer:
+            raise DataError(
+                f"{field_} needs data.tokenizer: set it to a SentencePiece .model or a Hugging Face "
+                "tokenizer directory"
+                + (" (the one the data was built with)" if field_ == "data.prefixes" else "")
+            )
     # A given tokenizer is checked before the corpus is prepared with it: a mismatch fails in seconds.
     tokenizer = load_tokenizer(d.tokenizer) if d.tokenizer else None
     if tokenizer is not None:
         _check_vocab(tokenizer, m.vocab_size, d.tokenizer)
-    if d.prefixes:
+    if d.prefixes or d.sources:
         prefixes = list(d.prefixes)
     else:
         corpus = prepare_corpus(d.corpus, cache, m.vocab_size, d.tokenizer)
         tokenizer, prefixes = tokenizer or load_tokenizer(corpus.tokenizer), [corpus.prefix]
         _check_vocab(tokenizer, m.vocab_size, "trained on the corpus")
-    if d.weights and len(d.weights) != len(prefixes):
+    entries = len(prefixes) + len(d.sources)
+    if d.weights and len(d.weights) != entries:
         raise DataError(
-            f"data.weights has {len(d.weights)} entries but data.prefixes has {len(prefixes)}; "
-            "give one weight per prefix (or none for proportional to size)"
+            f"data.weights has {len(d.weights)} entries but data.prefixes and data.sources have {entries}; "
+            "give one weight per prefix, then one per source (or none for proportional to size)"
         )
+    if d.sources and entries > 1 and not d.weights:
+        raise DataError(
+            f"data.sources with {entries - 1} other entr{'ies' if entries > 2 else 'y'} needs data.weights "
+            "(one per prefix, then one per source): raw sources have no size known in advance"
+        )
+    workers = Workers(d.num_workers)
+    raw_train, raw_valid = raw_streams(
+        list(d.sources),
+        d.split,
+        m.seq_length,
+        d.tokenizer or "",
+        d.text_key,
+        d.on_bad_document,
+        workers,
+        say if is_local_leader() else None,
+    )
     index_cache = cache / "index"
-    trains, valids, counts = [], [], []
+    trains: list[Samples] = []
+    valids: list[Samples] = []
+    valid_of: list[int] = []  # the train entry of each valid split
+    counts = []
     # Every dataset opened (and checked) before any index is built: a bad last prefix fails in seconds.
     for indexed in [_open(prefix, named=bool(d.prefixes)) for prefix in prefixes]:
         _check_dtype(indexed, tokenizer)
@@ -214,6 +276,7 @@ def build_data(job: JobConfig, dp_rank: int = 0, dp_size: int = 1) -> DataModule
         trains.append(GPTDataset(indexed, tr, m.seq_length, t.seed, index_cache, "train"))
         if va[1] > va[0] and indexed.sequence_lengths[va[0] : va[1]].sum() > 0:
             valids.append(GPTDataset(indexed, va, m.seq_length, t.seed, index_cache, "valid"))
+            valid_of.append(len(trains) - 1)
         c = _unigram_counts(trains[-1], tokenizer.vocab_size, index_cache)
         max_id = int(np.flatnonzero(c)[-1])
         if max_id >= tokenizer.vocab_size:
@@ -223,12 +286,27 @@ def build_data(job: JobConfig, dp_rank: int = 0, dp_size: int = 1) -> DataModule
                 "data.tokenizer to that one or re-run tools/preprocess_data.py with this one"
             )
         counts.append(np.pad(c, (0, m.vocab_size - len(c))))
-    weights = list(d.weights) if d.weights else [float(ds.tokens_per_epoch) for ds in trains]
+    for stream in raw_train:  # each source's first tokens: a source without readable text fails now
+        counts.append(
+            np.pad(stream.token_counts(tokenizer.vocab_size), (0, m.vocab_size - tokenizer.vocab_size))
+        )
+    if t.eval_interval > 0:
+        for stream in raw_valid:
+            stream.token_counts(tokenizer.vocab_size, max_tokens=1)
+    valid_of += [len(trains) + k for k in range(len(raw_valid))]
+    trains += raw_train
+    valids += raw_valid
+    if d.weights:
+        weights = list(d.weights)
+    else:  # prefixes alone (raw sources with others need weights, checked above)
+        weights = [float(getattr(ds, "tokens_per_epoch", 1)) for ds in trains]
     mixture = sum(w / sum(weights) * c / c.sum() for w, c in zip(weights, counts, strict=True))
     train = trains[0] if len(trains) == 1 else BlendedDataset(trains, weights)
     valid = None
     if len(valids) == 1:
         valid = valids[0]
+    elif raw_valid:  # raw sources have no size: the valid splits blend like the training mixture
+        valid = BlendedDataset(valids, [weights[i] for i in valid_of])
     elif valids:  # blend the valid splits by size: the weights describe the training mixture
         valid = BlendedDataset(valids, [float(v.tokens_per_epoch) for v in valids])
     if valid is None and t.eval_interval > 0:
@@ -250,4 +328,6 @@ def build_data(job: JobConfig, dp_rank: int = 0, dp_size: int = 1) -> DataModule
         entropy_nats(np.asarray(mixture)),
         num_workers=d.num_workers,
         shares=shares,
+        raw=raw_train,
+        workers=workers,
     )

@@ -32,6 +32,8 @@ CHUNK_RECORDS = 2048
 BAD_DOCUMENT_POLICIES = ("skip", "error")
 NAMED_BAD = 5
 """Unreadable records named one by one (the rest are counted): enough to see a pattern, not a flood."""
+KEY_OPTION, SKIP_OPTION = "--json-keys", "--on-bad-document skip"
+"""How messages name the key setting and the skip policy: preprocess_data's flags by default."""
 SYSTEMATIC_BAD = 100
 """Unreadable records an input may give before its first readable one until the run stops as misconfigured."""
 
@@ -140,8 +142,13 @@ def _chunks_of_lines(path: str, kind: str) -> Iterator[Chunk]:
         yield Chunk(path, lines[0] if lines else lineno, kind, items, lines, position - reported)
 
 
-def _chunks_of_table(
-    path: str, batches: Iterator[dict[str, list]], keys: list[str], rows: int, nbytes: int
+def chunks_of_table(
+    path: str,
+    batches: Iterator[dict[str, list]],
+    keys: list[str],
+    rows: int,
+    nbytes: int,
+    key_option: str = KEY_OPTION,
 ) -> Iterator[Chunk]:
     record = 1
     for batch in batches:
@@ -149,7 +156,7 @@ def _chunks_of_table(
         if missing:
             raise DataError(
                 f"{path} has no column {missing[0]!r} (columns: {sorted(batch)}); "
-                "pass --json-keys with one of them"
+                f"pass {key_option} with one of them"
             )
         n = len(batch[keys[0]])
         for start in range(0, n, CHUNK_RECORDS):
@@ -159,7 +166,7 @@ def _chunks_of_table(
         record += n
 
 
-def _parquet_chunks(path: str, keys: list[str]) -> Iterator[Chunk]:
+def _parquet_chunks(path: str, keys: list[str], key_option: str) -> Iterator[Chunk]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -170,10 +177,11 @@ def _parquet_chunks(path: str, keys: list[str]) -> Iterator[Chunk]:
     names = set(pf.schema_arrow.names)
     cols = [k for k in keys if k in names] or None
     batches = (b.to_pydict() for b in pf.iter_batches(batch_size=CHUNK_RECORDS, columns=cols))
-    yield from _chunks_of_table(path, batches, keys, pf.metadata.num_rows, os.path.getsize(path))
+    rows, nbytes = pf.metadata.num_rows, os.path.getsize(path)
+    yield from chunks_of_table(path, batches, keys, rows, nbytes, key_option)
 
 
-def _datasets_chunks(path: str, keys: list[str]) -> Iterator[Chunk]:
+def _datasets_chunks(path: str, keys: list[str], key_option: str) -> Iterator[Chunk]:
     import datasets
 
     ds = datasets.load_from_disk(path)
@@ -181,26 +189,28 @@ def _datasets_chunks(path: str, keys: list[str]) -> Iterator[Chunk]:
         if "train" not in ds:
             raise DataError(f"{path} is a DatasetDict without a 'train' split ({list(ds)}); save one split")
         ds = ds["train"]
-    yield from _chunks_of_table(path, ds.iter(batch_size=CHUNK_RECORDS), keys, len(ds), input_size(path))
+    batches = ds.iter(batch_size=CHUNK_RECORDS)
+    yield from chunks_of_table(path, batches, keys, len(ds), input_size(path), key_option)
 
 
-def read_chunks(paths: list[str], keys: list[str]) -> Iterator[Chunk]:
-    """Chunks of records from each input in turn (a text file's lines feed the first key)."""
+def read_chunks(paths: list[str], keys: list[str], key_option: str = KEY_OPTION) -> Iterator[Chunk]:
+    """Chunks of records from each input in turn (a text file's lines feed the first key); a missing
+    column is named with `key_option`, the setting that chooses it."""
     for path in paths:
         kind = input_kind(path)
         if kind in ("jsonl", "text"):
             yield from _chunks_of_lines(path, "json" if kind == "jsonl" else "text")
         elif kind == "parquet":
-            yield from _parquet_chunks(path, keys)
+            yield from _parquet_chunks(path, keys, key_option)
         else:
-            yield from _datasets_chunks(path, keys)
+            yield from _datasets_chunks(path, keys, key_option)
 
 
 def _value_type(value: object) -> str:
     return "null" if value is None else type(value).__name__
 
 
-def _record(item: bytes | dict, kind: str, keys: list[str]) -> dict:
+def _record(item: bytes | dict, kind: str, keys: list[str], key_option: str) -> dict:
     if isinstance(item, bytes):
         try:
             line = item.decode("utf-8")
@@ -221,7 +231,7 @@ def _record(item: bytes | dict, kind: str, keys: list[str]) -> dict:
         if key not in item:
             raise _Unreadable(
                 f"record has no key {key!r} (it has {sorted(item)[:8]})",
-                "pass --json-keys naming the text field",
+                f"pass {key_option} naming the text field",
             )
         if not isinstance(item[key], str):
             raise _Unreadable(
@@ -230,23 +240,28 @@ def _record(item: bytes | dict, kind: str, keys: list[str]) -> dict:
     return item
 
 
+def parse_records(
+    chunk: Chunk, keys: list[str], key_option: str = KEY_OPTION
+) -> tuple[list[tuple[int, dict]], list[BadRecord]]:
+    """(position in the chunk, record) of each readable record, and each unreadable record, in order."""
+    readable: list[tuple[int, dict]] = []
+    bad: list[BadRecord] = []
+    for n, item in enumerate(chunk.items):
+        try:
+            readable.append((n, _record(item, chunk.kind, keys, key_option)))
+        except _Unreadable as e:
+            bad.append(BadRecord(chunk.where(n), e.why, e.fix))
+    return readable, bad
+
+
 def parse_chunk(chunk: Chunk, keys: list[str]) -> tuple[list[list[str]], list[BadRecord]]:
     """The texts per key of the chunk's readable records, and each unreadable record, in order.
 
     A record missing one of several keys is unreadable as a whole, so the datasets of all keys keep the
     same records.
     """
-    texts: list[list[str]] = [[] for _ in keys]
-    bad: list[BadRecord] = []
-    for n, item in enumerate(chunk.items):
-        try:
-            record = _record(item, chunk.kind, keys)
-        except _Unreadable as e:
-            bad.append(BadRecord(chunk.where(n), e.why, e.fix))
-            continue
-        for column, key in zip(texts, keys, strict=True):
-            column.append(record[key])
-    return texts, bad
+    readable, bad = parse_records(chunk, keys)
+    return [[record[key] for _, record in readable] for key in keys], bad
 
 
 class BadRecords:
@@ -256,10 +271,17 @@ class BadRecords:
     records are logged as they come and `summary()` gives the count and the first one.
     """
 
-    def __init__(self, policy: str = "skip", log: Log | None = None, log_tag: str = "preprocess") -> None:
+    def __init__(
+        self,
+        policy: str = "skip",
+        log: Log | None = None,
+        log_tag: str = "preprocess",
+        options: tuple[str, str] = (KEY_OPTION, SKIP_OPTION),
+    ) -> None:
         if policy not in BAD_DOCUMENT_POLICIES:
             raise DataError(f"on_bad_document must be one of {BAD_DOCUMENT_POLICIES}; got {policy!r}")
         self.policy, self.log, self.tag = policy, log, log_tag
+        self.key_option, self.skip_option = options
         self.count = 0
         self.first: BadRecord | None = None
         self._input: str | None = None
@@ -273,7 +295,7 @@ class BadRecords:
             self._input, self._readable, self._bad, self._input_first = path, 0, 0, None
         if bad and self.policy == "error":
             b = bad[0]
-            raise DataError(f"{b}; {b.fix}, or pass --on-bad-document skip to skip unreadable records")
+            raise DataError(f"{b}; {b.fix}, or pass {self.skip_option} to skip unreadable records")
         self._readable += readable
         self._bad += len(bad)
         self._input_first = self._input_first or (bad[0] if bad else None)
@@ -296,7 +318,8 @@ class BadRecords:
     def _stop_misconfigured(self, which: str) -> None:
         b = self._input_first
         raise DataError(
-            f"{which} of {self._input} is readable (first: {b}); its format or --json-keys is wrong, not a "
+            f"{which} of {self._input} is readable (first: {b}); its format or {self.key_option} is wrong, "
+            "not a "
             f"few records damaged: {b.fix}"
         )
 

@@ -204,6 +204,8 @@ class Trainer:
         self.timer = StepTimer(job.logging.time_breakdown)
         self.step = 0
         self.consumed_samples = 0
+        self.data_position: dict | None = None
+        """The checkpoint's data position (raw sources' streams), given to the data when training starts."""
         self.skipped_steps = 0
         self.bad_steps_in_a_row = 0
         self.good_losses: deque[float] = deque(maxlen=job.train.loss_spike_window)
@@ -264,6 +266,7 @@ class Trainer:
         extra = self.checkpointer.load(path, self.model, self.optimizer)
         self.step = int(extra["step"])
         self.consumed_samples = int(extra["consumed_samples"])
+        self.data_position = extra.get("data_position")
         self.skipped_steps = int(extra.get("skipped_steps", 0))
         self.good_losses.extend(extra.get("good_losses", []))
 
@@ -271,6 +274,7 @@ class Trainer:
         return {
             "step": self.step,
             "consumed_samples": self.consumed_samples,
+            "data_position": self.data.position(self.consumed_samples),
             "skipped_steps": self.skipped_steps,
             "good_losses": list(self.good_losses),
             "config": to_dict(self.job),
@@ -417,7 +421,7 @@ class Trainer:
         first_step = self.step
         start = time.perf_counter()
         self._last_save_time = time.monotonic()
-        batches = self.data.train_batches(self.consumed_samples)
+        batches = self.data.train_batches(self.consumed_samples, self.data_position)
         profiler = ProfilerWindow(self.job.logging.profile_steps, self.job.output_dir, self.topo.rank)
         eval_loss = None
         try:

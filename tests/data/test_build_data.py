@@ -117,7 +117,9 @@ def test_blend_of_two_prefixes(tmp_path, dataset_prefix, sp_model, docs):
     batches = list(zip(range(4), build_data(job).train_batches(), strict=False))
     assert all(b.shape == (8, 33) for _, b in batches)
     job.data.weights = [1.0]
-    with pytest.raises(DataError, match="data.weights has 1 entries but data.prefixes has 2"):
+    with pytest.raises(
+        DataError, match="data.weights has 1 entries but data.prefixes and data.sources have 2"
+    ):
         build_data(job)
 
 

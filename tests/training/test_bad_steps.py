@@ -222,9 +222,12 @@ class _StalledBatches:
     def __init__(self, data, seconds: float) -> None:
         self.data, self.seconds = data, seconds
 
-    def train_batches(self, consumed_samples: int):
+    def train_batches(self, consumed_samples: int, position: dict | None = None):
         time.sleep(self.seconds)
-        yield from self.data.train_batches(consumed_samples)
+        yield from self.data.train_batches(consumed_samples, position)
+
+    def position(self, consumed_samples: int) -> dict | None:
+        return self.data.position(consumed_samples)
 
 
 @pytest.mark.slow
