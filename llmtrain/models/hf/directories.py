@@ -32,6 +32,7 @@ from llmtrain.models.hf.conversion import (
     model_state,
     to_hf_config,
 )
+from llmtrain.models.hf.registry import adapter_for_arch
 
 LLMTRAIN_CONFIG = "llmtrain_config.yaml"
 HF_CONFIG = "config.json"
@@ -61,6 +62,11 @@ def read_llmtrain(path: str | os.PathLike) -> tuple[ModelConfig, Tensors]:
 
 def read_hf(path: str | os.PathLike) -> tuple[ModelConfig, Tensors]:
     """(config, Hugging Face-named tensors) of a Hugging Face model directory."""
+    cfg, state = _read_hf_files(path)
+    return adapter_for_arch(cfg.arch).state_config(cfg, state), state
+
+
+def _read_hf_files(path: str | os.PathLike) -> tuple[ModelConfig, Tensors]:
     path = Path(path)
     cfg_file = path / HF_CONFIG
     try:
