@@ -6,11 +6,11 @@ concatenation in the report's order [RMSNorm(h); RMSNorm(Emb(t_{i+k}))] (the mod
 embedding half first, as the published weights do: the reference reorders M_k's column blocks), the
 shared output head and softmax cross-entropy, the index ranges of each depth and lambda / D. It calls the
 main model's trunk (embedding and layers) and each module's transformer block as black boxes: those are
-held to transformers elsewhere (tests/models/test_equivalence.py). Both sides run in float64 but for the
-model's cross-entropy, which (by design, kernels.cross_entropy) casts the logits to fp32: the loss then
-carries a few fp32 roundings (unit 6e-8; measured 7e-8 relative, bound 1e-6), and each gradient the fp32
-softmax's (p - onehot) error, summed over the positions (measured 5e-7 of the tensor's largest entry,
-bound 5e-6). Any error in the equations (an order, a shift, a norm, lambda / D) is far above both.
+held to transformers elsewhere (tests/models/test_equivalence.py). Both sides run in float64, the model's
+cross-entropy included (it casts logits with `.float()`, which tests/parallel/_reference.py's `_float64_math`
+keeps float64): a few hundred float64 roundings (unit 1.1e-16) apart, bound 1e-12 relative (of the loss,
+and of each gradient tensor's largest entry). Any error in the equations (an order, a shift, a norm,
+lambda / D) is orders of magnitude above it.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch
 from llmtrain.config import ConfigError, JobConfig, ModelConfig, validate
 from llmtrain.models import build
 from llmtrain.models.mtp import mtp_loss_weight, set_mtp_loss_weight
+from tests.parallel._reference import _float64_math
 
 DENSE = dict(
     arch="llama", num_layers=2, hidden_size=32, num_attention_heads=4, num_kv_heads=2, ffn_hidden_size=48,
@@ -34,8 +35,8 @@ MOE = dict(
 )  # fmt: skip
 
 
-RTOL = 1e-6
-GRAD_RTOL = 5e-6
+RTOL = 1e-12
+GRAD_RTOL = 1e-12
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -87,11 +88,12 @@ def test_loss_and_gradients_equal_the_float64_reference(extra: dict) -> None:
         0, cfg.vocab_size, (2, cfg.seq_length + 1), generator=torch.Generator().manual_seed(1)
     )
     params = [p for p in model.parameters() if p.requires_grad]
-    ours = model(tokens[:, :-1], labels=tokens[:, 1:])
-    ref = _reference_loss(model, tokens)
-    torch.testing.assert_close(ours.double(), ref, rtol=RTOL, atol=0)
-    g_ours = torch.autograd.grad(ours, params, allow_unused=True)
-    g_ref = torch.autograd.grad(ref, params, allow_unused=True)
+    with _float64_math():
+        ours = model(tokens[:, :-1], labels=tokens[:, 1:])
+        ref = _reference_loss(model, tokens)
+        torch.testing.assert_close(ours, ref, rtol=RTOL, atol=0)
+        g_ours = torch.autograd.grad(ours, params, allow_unused=True)
+        g_ref = torch.autograd.grad(ref, params, allow_unused=True)
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     for name, a, b in zip(names, g_ours, g_ref, strict=True):
         assert (a is None) == (b is None), name
