@@ -4,8 +4,9 @@
 number of processes the job runs on. Each message names the field and the fix. The rules that other
 layers ask too (llmtrain.parallel, llmtrain.pipeline, the planner) are stated once each, by section:
 llmtrain.config.layout_rules (tp, sp, pp, cp, zero, uneven batches), llmtrain.config.moe_rules (experts,
-routing, ep) and llmtrain.config.engine_rules (DeepSpeed, offload, fp8); this module checks the single
-fields and the train, data, checkpoint and logging sections itself.
+routing, ep), llmtrain.config.mtp_rules (multi-token prediction) and llmtrain.config.engine_rules
+(DeepSpeed, offload, fp8); this module checks the single fields and the train, data, checkpoint and logging
+sections itself.
 """
 
 from __future__ import annotations
