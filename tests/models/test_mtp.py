@@ -80,6 +80,7 @@ def _reference_loss(model, tokens: torch.Tensor) -> torch.Tensor:
     return main + lam / D * torch.stack(mtp).sum()
 
 
+@pytest.mark.slow  # several seconds on 2 shared cores: a float64 forward and two backwards per arch
 @pytest.mark.parametrize("extra", [DENSE, MOE], ids=["llama", "deepseek_v3"])
 def test_loss_and_gradients_equal_the_float64_reference(extra: dict) -> None:
     cfg = ModelConfig(**extra, mtp_layers=2, mtp_loss_weight=0.3)
