@@ -124,6 +124,14 @@ class ModelConfig:
     """deepseek_v3: query/key width per head with the rotary embedding (one key part shared by all heads)."""
     v_head_dim: int = 128
     """deepseek_v3: value width per head."""
+    mtp_layers: int = 0
+    """Multi-token prediction depth D (DeepSeek-V3: 1): modules predicting 2..D+1 tokens ahead; 0: off."""
+    mtp_loss_weight: float = 0.3
+    """lambda: weight of the multi-token prediction loss (mean cross-entropy over the D depths)."""
+    mtp_loss_weight_later: float | None = None
+    """lambda once mtp_loss_weight_tokens tokens are trained (DeepSeek-V3: 0.1 after 10T); null: constant."""
+    mtp_loss_weight_tokens: int = 0
+    """Trained tokens after which mtp_loss_weight_later replaces mtp_loss_weight."""
 
     # Resolved values of the fields whose null means "derive it"; downstream code reads these.
     @property

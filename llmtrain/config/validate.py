@@ -4,8 +4,9 @@
 number of processes the job runs on. Each message names the field and the fix. The rules that other
 layers ask too (llmtrain.parallel, llmtrain.pipeline, the planner) are stated once each, by section:
 llmtrain.config.layout_rules (tp, sp, pp, cp, zero, uneven batches), llmtrain.config.moe_rules (experts,
-routing, ep) and llmtrain.config.engine_rules (DeepSpeed, offload, fp8); this module checks the single
-fields and the train, data, checkpoint and logging sections itself.
+routing, ep), llmtrain.config.mtp_rules (multi-token prediction) and llmtrain.config.engine_rules
+(DeepSpeed, offload, fp8); this module checks the single fields and the train, data, checkpoint and logging
+sections itself.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from llmtrain.config.layout_rules import (
     zero_problem,
 )
 from llmtrain.config.moe_rules import expert_layout_problem, expert_parallel_problem, moe_problem
+from llmtrain.config.mtp_rules import mtp_problem
 from llmtrain.config.schema import JobConfig, ParallelConfig
 
 
@@ -78,6 +80,7 @@ def validate(job: JobConfig) -> None:
         _require(0.0 <= value < 1.0, f"model.{name} must be in [0, 1); got {value}")
     raise_if_problem(moe_problem(job))
     raise_if_problem(expert_parallel_problem(job))
+    raise_if_problem(mtp_problem(job))
 
     _require(p.dp is None or p.dp >= 1, f"parallel.dp must be at least 1 or null; got {p.dp}")
     _require(p.zero_stage in (0, 1, 2, 3), f"parallel.zero_stage must be 0, 1, 2 or 3; got {p.zero_stage}")

@@ -13,12 +13,14 @@ from llmtrain.models.documents import document_ids, document_positions
 from llmtrain.models.init import init_weights
 from llmtrain.models.layers import Rope, TransformerBlock, make_norm
 from llmtrain.models.moe import MoEMLP, Router, RouterStats, load_balancing_loss, z_loss
+from llmtrain.models.mtp import MultiTokenPrediction, shifted
 from llmtrain.models.registry import get_arch
 from llmtrain.models.rope import cos_sin_factor, inv_freq
 
 
 class CausalLM(nn.Module):
-    """Embeddings, a stack of TransformerBlocks, final norm and LM head.
+    """Embeddings, a stack of TransformerBlocks, final norm and LM head; with model.mtp_layers the
+    multi-token prediction modules (`mtp`, llmtrain.models.mtp), run by training forwards with labels.
 
     Pipeline stages call the pieces (`embed`, `rope`, iterate `layers`, `head`, `loss`) themselves;
     `forward` chains them for a single stage. Parameters are left uninitialised: use `build`.
@@ -36,6 +38,7 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(TransformerBlock(self.spec, cfg, i) for i in range(cfg.num_layers))
         self.final_norm = make_norm(self.spec, cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.mtp = MultiTokenPrediction(self.spec, cfg) if cfg.mtp_layers else None
         self.loss_tp_group = None
         # Context parallelism (set by llmtrain.parallel.context_parallel.apply_cp): splits whole sequences'
         # inputs into this rank's chunks (split_inputs) and sums the loss over the split (reduce_loss).
@@ -147,13 +150,18 @@ class CausalLM(nn.Module):
             loss = self.context.reduce_loss(loss, labels)
         return loss
 
+    def blocks(self) -> list[TransformerBlock]:
+        """Every transformer block: the layers, then the multi-token prediction modules' blocks."""
+        return list(self.layers) + ([m.block for m in self.mtp.layers] if self.mtp is not None else [])
+
     def routers(self) -> list[Router]:
-        """The router of every MoE layer, in layer order (empty for a dense model)."""
-        return [layer.mlp.router for layer in self.layers if isinstance(layer.mlp, MoEMLP)]
+        """The router of every MoE layer, in `blocks` order (empty for a dense model)."""
+        return [layer.mlp.router for layer in self.blocks() if isinstance(layer.mlp, MoEMLP)]
 
     def router_stats(self) -> list[RouterStats]:
-        """The RouterStats of every MoE layer's last forward, in layer order (empty for a dense model)."""
-        stats = [layer.mlp.stats for layer in self.layers if isinstance(layer.mlp, MoEMLP)]
+        """The RouterStats of every MoE layer's last forward, in `blocks` order (empty for a dense model);
+        the multi-token prediction blocks' are those of the last training forward."""
+        stats = [layer.mlp.stats for layer in self.blocks() if isinstance(layer.mlp, MoEMLP)]
         if any(s is None for s in stats):
             raise RuntimeError("the MoE layers have not run a forward yet; call the model first")
         return stats
@@ -168,24 +176,39 @@ class CausalLM(nn.Module):
         labels: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Logits (b, s, vocab), or the scalar loss when `labels` (b, s) are given. Under context parallelism
-        the inputs are whole sequences and the logits this rank's part of them (model.context)."""
+        """Logits (b, s, vocab), or the scalar loss when `labels` (b, s) are given (in training mode with the
+        multi-token prediction loss). Under context parallelism the inputs are whole sequences and the
+        logits this rank's part of them (model.context)."""
         documents = None
+        mtp_labels = None
+        if labels is not None and self.mtp is not None and self.training:  # shifted on whole sequences
+            mtp_labels = [shifted(labels, k) for k in range(len(self.mtp.layers) + 1)]
         if self.document_separator is not None:  # packed documents, numbered over the whole sequences
             documents = document_ids(input_ids, self.document_separator)
             if position_ids is None:
                 position_ids = document_positions(documents)
         if self.context is not None:
             input_ids, labels, position_ids = self.context.split_inputs(input_ids, labels, position_ids)
+            if mtp_labels is not None:
+                mtp_labels = [self.context.local(t) for t in mtp_labels]
         x = self.embed(input_ids, position_ids)
         rope = self.rope(input_ids.shape[1] if position_ids is None else position_ids, x.device, x.dtype)
         for layer in self.layers:
             x = layer(x, rope, documents)
-        if labels is not None and self.vocab_sharded is not None:
-            hidden = self.final_norm(x)
-            return self._with_router_losses(self.vocab_sharded.loss(hidden, self.lm_head.weight, labels))
-        logits = self.head(x)
-        return logits if labels is None else self.loss(logits, labels)
+        if labels is None:
+            return self.head(x)
+        loss = self._head_loss(x, self.final_norm, labels)
+        if mtp_labels is not None:
+            # final_norm.forward: h^0 in the residual stream's layout (no tensor-parallel region hook).
+            hidden = self.final_norm.forward(x)
+            loss = loss + self.mtp(hidden, mtp_labels, self.embed, self._head_loss, rope, documents)
+        return self._with_router_losses(loss)
+
+    def _head_loss(self, x: torch.Tensor, norm: nn.Module, labels: torch.Tensor) -> torch.Tensor:
+        """The mean cross-entropy of `labels` through `norm` and the output layer (no router terms)."""
+        if self.vocab_sharded is not None:
+            return self.vocab_sharded.loss(norm(x), self.lm_head.weight, labels)
+        return self.token_loss(self.lm_head(norm(x)), labels)
 
 
 def check_config(cfg: ModelConfig) -> None:

@@ -13,8 +13,8 @@ from torch import nn
 
 
 def apply_compile(model: nn.Module, mode: str) -> nn.Module:
-    """With mode 'blocks', compile each of model.layers in place (compiled at its first call)."""
+    """With mode 'blocks', compile each of model.blocks() in place (compiled at its first call)."""
     if mode == "blocks":
-        for block in model.layers:
+        for block in model.blocks():
             block.compile(dynamic=False)
     return model

@@ -319,7 +319,7 @@ def apply_cp(model: nn.Module, topo: Topology, cp_comm: str = "ring") -> nn.Modu
     if split is None:
         return model
     model.context = split
-    for block in model.layers:
+    for block in model.blocks():
         if isinstance(block.attn, LatentAttention):  # its core pads the heads to one width, then attends
             block.attn.attention = _core(split, block.attn.impl, block.attn.softmax_scale)
         else:

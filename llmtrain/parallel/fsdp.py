@@ -117,8 +117,10 @@ def _roots(model: nn.Module) -> list[nn.Module]:
 
 
 def _blocks(root: nn.Module) -> list[nn.Module]:
+    """The root's transformer blocks: a pipeline chunk's layers, or every block of a CausalLM (its
+    multi-token prediction modules' included)."""
     layers = root.layers
-    return list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
+    return list(layers.values()) if isinstance(layers, nn.ModuleDict) else root.blocks()
 
 
 def _edges(root: nn.Module) -> list[nn.Module]:
@@ -137,9 +139,15 @@ def _edge_units(
 
     ``vocab_sharded`` (llmtrain.parallel.vocab_sharded): training never calls either module, it reads their
     shards; only a forward for logits gathers the head, which then reshards at once. The final norm stays
-    in the root, as calling it must not gather the head."""
+    in the root, as calling it must not gather the head.
+
+    With multi-token prediction (model.mtp_layers) each forward calls the embedding and the output layer
+    once per depth more, which an FSDP unit of its own does not allow (one forward and one backward per
+    unit and step): they stay in the root, gathered from the forward's start to the backward's end."""
     embed, head = getattr(root, "embed_tokens", None), getattr(root, "lm_head", None)
     if embed is not None and head is not None and head.weight is embed.weight:
+        return []
+    if getattr(root, "mtp", None) is not None and not vocab_sharded:
         return []
     if vocab_sharded:
         return [(embed, True), (head, True)]

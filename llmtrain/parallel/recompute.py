@@ -60,7 +60,10 @@ def apply_recompute(model: nn.Module, mode: str, per_layer: Sequence[str] = ()) 
         if m not in MODES:
             raise ValueError(f"model.recompute must be one of {', '.join(MODES)}; got {m!r}")
     tracker = getattr(model, "tp_rng", None)
-    for block, m in zip(model.layers, modes, strict=True):
+    # The multi-token prediction blocks (model.blocks() past the layers) follow the uniform `mode`.
+    blocks = model.blocks()
+    modes += [mode] * (len(blocks) - len(modes))
+    for block, m in zip(blocks, modes, strict=True):
         if m == "full":
             block.forward = _recomputed(block.forward, tracker)
         elif m == "selective":

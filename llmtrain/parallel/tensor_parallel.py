@@ -493,7 +493,7 @@ def apply_tp(
     if sp:
         tracker.wrap(model.embed_dropout)
 
-    for block in model.layers:
+    for block in model.blocks():
         moe = isinstance(block.mlp, MoEMLP)
         for norm in (block.input_norm, block.post_attn_norm):
             for p in norm.parameters():
@@ -516,6 +516,13 @@ def apply_tp(
     for p in model.final_norm.parameters():
         _mark_replicated(p, topo, sp)
     _enter_region(model.final_norm, group, sp)
+    for module in model.mtp.layers if model.mtp is not None else []:
+        # Replicated like the norms: eh_proj (2 h x h) works on the residual stream's layout (whole, or
+        # this rank's sequence shard with SP: partial gradients, summed over TP); final_norm feeds the head.
+        for part in (module.enorm, module.hnorm, module.eh_proj, module.final_norm):
+            for p in part.parameters():
+                _mark_replicated(p, topo, sp)
+        _enter_region(module.final_norm, group, sp)
     rows = cfg.vocab_size // tp
     model.lm_head = ColumnParallelLinear(
         model.lm_head,

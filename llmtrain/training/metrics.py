@@ -39,6 +39,9 @@ MOE_METRICS = (
     "expert_load_mean",
     "expert_load_layers",
 )
+# Logged with model.mtp_layers: the mean over the interval's applied steps of each depth's cross-entropy
+# (a list, depth 1 first; TensorBoard train/mtp_loss_<k>) and this step's loss weight lambda.
+MTP_METRICS = ("mtp_loss", "mtp_weight")
 _TB_TAGS = {
     "loss": "train/loss",
     "loss_avg": "train/loss_avg",
@@ -61,6 +64,7 @@ _TB_TAGS = {
     "dropped_fraction": "moe/dropped_fraction",
     "expert_load_max": "moe/expert_load_max",
     "expert_load_mean": "moe/expert_load_mean",
+    "mtp_weight": "train/mtp_weight",
     "eval_loss": "eval/loss",
     "eval_ppl": "eval/ppl",
 }
@@ -68,12 +72,15 @@ _TB_TAGS = {
 
 def scalars(entry: dict[str, Any]) -> dict[str, float]:
     """An entry's scalars by TensorBoard tag (W&B gets the same): the keys of _TB_TAGS and every
-    `time_<section>_s` as `time/<section>`; absent and None values are left out."""
+    `time_<section>_s` as `time/<section>`, and the MTP loss of each depth as `train/mtp_loss_<k>`; absent
+    and None values are left out."""
     out = {}
     for key, value in entry.items():
         tag = _TB_TAGS.get(key) or (f"time/{key[5:-2]}" if key.startswith("time_") else None)
         if tag is not None and value is not None:
             out[tag] = value
+    for depth, value in enumerate(entry.get("mtp_loss") or [], start=1):
+        out[f"train/mtp_loss_{depth}"] = value
     return out
 
 
@@ -211,8 +218,9 @@ class MetricsLogger:
         skipped_steps (running count), skip_reason (why this step's update was skipped, or None), tokens
         and samples (whole job, this step), step_time and data_time (seconds), optional breakdown
         {section: seconds} from StepTimer.pop(), rank_step_times (every rank's compute time, by rank) and
-        rank_peak_memory / rank_startup_memory (every rank's measured peak bytes) with memory_source, and
-        for a mixture of experts the MOE_METRICS of this step.
+        rank_peak_memory / rank_startup_memory (every rank's measured peak bytes) with memory_source,
+        for a mixture of experts the MOE_METRICS of this step, and with multi-token prediction mtp_loss
+        (this step's cross-entropy per depth) and mtp_weight.
         """
         if not self.is_main:
             return
@@ -270,6 +278,10 @@ class MetricsLogger:
         for name, seconds in breakdown.items():
             entry[f"time_{name}_s"] = seconds / len(window)
         entry |= {key: current[key] for key in MOE_METRICS if key in current}
+        if "mtp_loss" in current:
+            kept = [v["mtp_loss"] for v in window if "mtp_loss" in v and not v.get("skip_reason")]
+            depths = [sum(d) / len(kept) for d in zip(*kept, strict=True)] if kept else None
+            entry |= {"mtp_loss": depths, "mtp_weight": current["mtp_weight"]}
         self._emit(entry)
         self._print_line(entry)
 
@@ -352,6 +364,8 @@ class MetricsLogger:
             if e.get("dropped_fraction"):
                 parts.append(f"dropped {100 * e['dropped_fraction']:.1f}%")
             parts.append(f"expert load max/mean {load:.2f}")
+        if e.get("mtp_loss"):
+            parts.append("mtp " + "/".join(f"{v:.4f}" for v in e["mtp_loss"]))
         parts.append(f"{_si(e['tokens_per_sec'])} tok/s")
         parts.append(f"{e['tflops_per_device']:.3g} TFLOP/s/dev")
         if e["mfu"] is not None:

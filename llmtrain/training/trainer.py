@@ -18,6 +18,7 @@ from llmtrain.config import JobConfig, to_dict
 from llmtrain.errors import UserError
 from llmtrain.faults import injected
 from llmtrain.models.moe import RouterFigures, update_score_bias
+from llmtrain.models.mtp import MultiTokenPrediction, mtp_loss_weight, set_mtp_loss_weight
 from llmtrain.parallel import comm
 from llmtrain.training.interrupt import StopRequest, exit_code
 from llmtrain.training.lr_schedule import learning_rate
@@ -63,6 +64,10 @@ class LocalStepRunner:
         shares, where the two agree)."""
         self.router_figures: RouterFigures | None = None
         """The last train_step's RouterFigures; None for a dense model."""
+        self.mtp = next((m for m in model.modules() if isinstance(m, MultiTokenPrediction)), None)
+        self.mtp_losses: torch.Tensor | None = None
+        """The last train_step's multi-token prediction cross-entropy per depth (mean over its
+        micro-batches, (D,)); None without model.mtp_layers."""
 
     def train_step(self, batch: torch.Tensor, timer: StepTimer) -> torch.Tensor:
         self.model.train()
@@ -70,6 +75,7 @@ class LocalStepRunner:
         # Summed on the device: one host sync per step (the trainer's), not one per micro-batch.
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         figures: list[RouterFigures] = []
+        depths: list[torch.Tensor] = []
         divisor = self.loss_divisor or len(micro_batches)
         for index, micro in enumerate(micro_batches):
             # Data-parallel gradient reduction only runs with the last micro-batch's backward.
@@ -77,10 +83,13 @@ class LocalStepRunner:
                 with timer.section("forward"):
                     loss = self.model(micro[:, :-1], labels=micro[:, 1:])
                     figures += self._router_figures()
+                    if self.mtp is not None:
+                        depths.append(self.mtp.last_losses)
                 with timer.section("backward"):
                     self.optimizer.backward(loss / divisor)
             total += loss.detach().float()
         self.router_figures = RouterFigures.combine(figures) if figures else None
+        self.mtp_losses = torch.stack(depths).mean(0) if depths else None
         return total / divisor
 
     def _router_figures(self) -> list[RouterFigures]:
@@ -331,8 +340,14 @@ class Trainer:
         if slow is not None:
             time.sleep(float(slow.params.get("seconds", "1")))
         lr = learning_rate(train, self.step)
+        mtp_weight = None
+        if self.job.model.mtp_layers:
+            tokens = self.consumed_samples * self.tokens_per_sample
+            mtp_weight = mtp_loss_weight(self.job.model, tokens)
+            set_mtp_loss_weight(self.model, mtp_weight)
         loss = self.runner.train_step(batch, self.timer)
         router = getattr(self.runner, "router_figures", None)
+        mtp = getattr(self.runner, "mtp_losses", None)
         local_loss = _with_loss_faults(self._host_float(loss, self._tp_or_local, "step loss"), step, rank)
         # This rank's own time: the waits for the others start with the gradient reduction below.
         compute_time = time.perf_counter() - start
@@ -342,6 +357,7 @@ class Trainer:
         mine = [local_loss, local_norm, float(self.stop.signum), float(self._clock_says_save()), compute_time]
         # The step's own peak is complete here but for the optimizer update, whose state exists from step 1.
         mine += [float(self.memory.peak_bytes()), float(self.memory.startup_bytes or 0)]
+        mine += mtp.tolist() if mtp is not None else []  # per depth, after the fixed columns
         with self.timer.section("agree"):
             rows = self._agree(mine)
         columns = [list(column) for column in zip(*rows, strict=True)]
@@ -388,6 +404,15 @@ class Trainer:
             "breakdown": self.timer.pop(),
             # This rank's routers (a mixture of experts only): one data-parallel replica's view of the step.
             **(router.metrics() if router is not None else {}),
+            # Multi-token prediction: each depth's cross-entropy, the mean over the replicas as the loss.
+            **(
+                {
+                    "mtp_loss": [sum(c) / len(rows) for c in columns[_STARTUP_MEMORY + 1 :]],
+                    "mtp_weight": mtp_weight,
+                }
+                if mtp is not None
+                else {}
+            ),
         }
 
     def _update_router_bias(self, load: torch.Tensor) -> None:

@@ -265,8 +265,10 @@ def test_unconvertible_moe_configs_name_the_problem() -> None:
     with pytest.raises(ValueError, match="experts in every layer from first_k_dense_replace"):
         to_hf_config(dataclasses.replace(deepseek, dense_layers=[2]))
     hf = to_hf_config(deepseek)
-    # The multi-token-prediction module is not modelled: its layer count is left out.
-    assert to_hf_config(from_hf_config(hf | {"num_nextn_predict_layers": 1})) == hf
+    # The multi-token prediction modules' count is model.mtp_layers (tests/models/test_mtp_conversion.py).
+    assert to_hf_config(from_hf_config(hf | {"num_nextn_predict_layers": 1})) == hf | {
+        "num_nextn_predict_layers": 1
+    }
     yarn = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 40.0, "original_max_position_embeddings": 4096}
     for rope, bad in (
         (yarn | {"beta_fast": 16}, "beta_fast"),

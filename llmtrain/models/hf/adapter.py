@@ -35,6 +35,10 @@ def _keep_names(cfg: ModelConfig, hf_state: Tensors) -> Tensors:
     return hf_state
 
 
+def _keep_config(cfg: ModelConfig, hf_state: Tensors) -> ModelConfig:
+    return cfg
+
+
 @dataclasses.dataclass(frozen=True)
 class HFAdapter:
     """One llmtrain architecture (`arch`) and its transformers counterpart: the two config translations and
@@ -58,6 +62,9 @@ class HFAdapter:
     checkpoint_names: Callable[[ModelConfig, Tensors], Tensors] = _keep_names
     """A Hugging Face state dict with the names `rules` expect: e.g. transformers >= 5's stacked in-memory
     experts split per expert, tensors transformers does not run dropped."""
+    state_config: Callable[[ModelConfig, Tensors], ModelConfig] = _keep_config
+    """config.json's config -> the one a checkpoint's tensors hold (DeepSeek-V3: its MTP layers only where
+    the checkpoint has them)."""
 
 
 def same(ts: list[torch.Tensor]) -> list[torch.Tensor]:

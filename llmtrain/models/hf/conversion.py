@@ -59,7 +59,7 @@ def to_hf_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[s
 def mapping(cfg: ModelConfig) -> list[Rule]:
     """The weight-name mapping of `cfg`'s architecture, in llmtrain parameter order."""
     rules = adapter_for_arch(cfg.arch).rules(cfg)
-    if not cfg.tied_embeddings:
+    if not cfg.tied_embeddings and not any("lm_head.weight" in rule.ours for rule in rules):
         rules.append(rename("lm_head.weight", "lm_head.weight"))
     return rules
 

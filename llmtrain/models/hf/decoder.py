@@ -86,15 +86,25 @@ def decoder_rules(
     """Embedding, every decoder layer and the final norm: `attention` maps a layer's self_attn, `moe_layer`
     the MLP of each layer `cfg.is_moe_layer` names (given the layer prefixes), a gated MLP the others."""
     rules = [rename("model.embed_tokens.weight", "embed_tokens.weight")]
-    kinds = ("weight", "bias") if cfg.bias else ("weight",)
     for i in range(cfg.num_layers):
-        h, o = f"model.layers.{i}.", f"layers.{i}."
-        rules.append(rename(f"{h}input_layernorm.weight", f"{o}input_norm.weight"))
-        rules += attention(cfg, f"{h}self_attn.", f"{o}attn.")
-        rules.append(rename(f"{h}post_attention_layernorm.weight", f"{o}post_attn_norm.weight"))
-        if moe_layer is not None and cfg.is_moe_layer(i):
-            rules += moe_layer(cfg, h, o)
-        else:
-            rules += gated_mlp_rules(f"{h}mlp.", f"{o}mlp.", kinds)
+        rules += layer_rules(cfg, i, f"model.layers.{i}.", f"layers.{i}.", attention, moe_layer)
     rules.append(rename("model.norm.weight", "final_norm.weight"))
     return rules
+
+
+def layer_rules(
+    cfg: ModelConfig,
+    index: int,
+    h: str,
+    o: str,
+    attention: LayerRules = attention_rules,
+    moe_layer: LayerRules | None = None,
+) -> list[Rule]:
+    """One decoder layer (block `index`) under the prefixes `h` (Hugging Face) and `o` (llmtrain)."""
+    kinds = ("weight", "bias") if cfg.bias else ("weight",)
+    rules = [rename(f"{h}input_layernorm.weight", f"{o}input_norm.weight")]
+    rules += attention(cfg, f"{h}self_attn.", f"{o}attn.")
+    rules.append(rename(f"{h}post_attention_layernorm.weight", f"{o}post_attn_norm.weight"))
+    if moe_layer is not None and cfg.is_moe_layer(index):
+        return rules + moe_layer(cfg, h, o)
+    return rules + gated_mlp_rules(f"{h}mlp.", f"{o}mlp.", kinds)

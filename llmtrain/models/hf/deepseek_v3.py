@@ -1,9 +1,11 @@
 """DeepSeek-V3 (transformers' DeepseekV3ForCausalLM) <-> llmtrain's `deepseek_v3`: config translation and
 weight rules. Multi-head latent attention (llmtrain.models.mla), a sigmoid router with a score bias, dense
-layers before `first_k_dense_replace`, YaRN rope; the multi-token-prediction layers are not loaded."""
+layers before `first_k_dense_replace`, YaRN rope; the multi-token prediction layers as
+llmtrain.models.hf.deepseek_mtp maps them (transformers' DeepseekV3ForCausalLM itself does not run them)."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from functools import partial
 from typing import Any
@@ -13,6 +15,7 @@ import torch
 from llmtrain.config import ModelConfig
 from llmtrain.models.hf.adapter import HFAdapter, ModelFormatError, Rule, Tensors, rename
 from llmtrain.models.hf.decoder import decoder_rules
+from llmtrain.models.hf.deepseek_mtp import mtp_layers_present, with_mtp
 from llmtrain.models.hf.moe import MLP_EXPERTS
 from llmtrain.models.rope import YARN_BETA_FAST, YARN_BETA_SLOW
 
@@ -67,6 +70,7 @@ def config_fields(hf: dict[str, Any]) -> dict[str, Any]:
         "qk_nope_head_dim": hf.get("qk_nope_head_dim", 128),
         "qk_rope_head_dim": hf.get("qk_rope_head_dim", 64),
         "v_head_dim": hf.get("v_head_dim", 128),
+        "mtp_layers": hf.get("num_nextn_predict_layers") or 0,
     }
 
 
@@ -131,8 +135,7 @@ def hf_config_fields(cfg: ModelConfig) -> dict[str, Any]:
         "n_group": cfg.num_expert_groups,
         "topk_group": cfg.topk_expert_groups,
         "first_k_dense_replace": min(cfg.moe_layer_start, cfg.num_layers),
-        # llmtrain exports no multi-token-prediction modules.
-        "num_nextn_predict_layers": 0,
+        "num_nextn_predict_layers": cfg.mtp_layers,
         "output_router_logits": False,
     }
 
@@ -183,11 +186,16 @@ def moe_layer_rules(cfg: ModelConfig, h: str, o: str) -> list[Rule]:
 
 
 def checkpoint_names(cfg: ModelConfig, hf_state: Tensors) -> Tensors:
-    """Without the multi-token-prediction modules, which come after the decoder layers (neither llmtrain
-    nor transformers' DeepseekV3ForCausalLM runs them), and with transformers >= 5's in-memory stacked
-    experts under their checkpoint names."""
-    decoder = {k: v for k, v in hf_state.items() if _layer_index(k) < cfg.num_layers}
-    return MLP_EXPERTS.checkpoint_names(cfg, decoder)
+    """Without the layers past the config's multi-token prediction modules (a checkpoint may hold more than
+    the config asks for), and with transformers >= 5's in-memory stacked experts under their checkpoint
+    names."""
+    kept = {k: v for k, v in hf_state.items() if _layer_index(k) < cfg.num_layers + cfg.mtp_layers}
+    return MLP_EXPERTS.checkpoint_names(cfg, kept)
+
+
+def state_config(cfg: ModelConfig, hf_state: Tensors) -> ModelConfig:
+    """config.json's config with as many MTP layers as the checkpoint holds."""
+    return dataclasses.replace(cfg, mtp_layers=mtp_layers_present(cfg, hf_state))
 
 
 def _layer_index(key: str) -> int:
@@ -202,6 +210,11 @@ ADAPTER = HFAdapter(
     hf_class="DeepseekV3ForCausalLM",
     config_fields=config_fields,
     hf_config_fields=hf_config_fields,
-    rules=partial(decoder_rules, attention=latent_attention_rules, moe_layer=moe_layer_rules),
+    rules=with_mtp(
+        partial(decoder_rules, attention=latent_attention_rules, moe_layer=moe_layer_rules),
+        latent_attention_rules,
+        moe_layer_rules,
+    ),
     checkpoint_names=checkpoint_names,
+    state_config=state_config,
 )

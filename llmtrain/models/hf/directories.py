@@ -32,6 +32,7 @@ from llmtrain.models.hf.conversion import (
     model_state,
     to_hf_config,
 )
+from llmtrain.models.hf.registry import adapter_for_arch
 
 LLMTRAIN_CONFIG = "llmtrain_config.yaml"
 HF_CONFIG = "config.json"
@@ -79,6 +80,11 @@ def read_config(path: str | os.PathLike) -> ModelConfig:
 
 def read_hf(path: str | os.PathLike) -> tuple[ModelConfig, Tensors]:
     """(config, Hugging Face-named tensors) of a Hugging Face model directory."""
+    cfg, state = _read_hf_files(path)
+    return adapter_for_arch(cfg.arch).state_config(cfg, state), state
+
+
+def _read_hf_files(path: str | os.PathLike) -> tuple[ModelConfig, Tensors]:
     path = Path(path)
     cfg = _hf_config(path)
     index = path / HF_INDEX

@@ -1,0 +1,35 @@
+"""The rules of multi-token prediction (model.mtp_layers, llmtrain.models.mtp), stated once."""
+
+from __future__ import annotations
+
+from llmtrain.config.schema import JobConfig
+
+
+def mtp_problem(job: JobConfig) -> str:
+    """Why `job` cannot train with model.mtp_layers multi-token prediction modules ("" if it can)."""
+    m, p = job.model, job.parallel
+    if m.mtp_layers < 0:
+        return f"model.mtp_layers must be >= 0 (0: no multi-token prediction); got {m.mtp_layers}"
+    for name in ("mtp_loss_weight", "mtp_loss_weight_later", "mtp_loss_weight_tokens"):
+        value = getattr(m, name)
+        if value is not None and value < 0:
+            return f"model.{name} must be >= 0; got {value}"
+    if m.mtp_layers == 0:
+        return ""
+    if m.arch == "gpt":
+        return (
+            "model.mtp_layers needs an architecture without learned positions (the modules embed the token "
+            "k ahead at position i): model.arch=gpt has them; use a rotary arch or set model.mtp_layers=0"
+        )
+    if m.mtp_layers >= m.seq_length:
+        return (
+            f"model.mtp_layers={m.mtp_layers} leaves no position a target in a sequence of model.seq_length="
+            f"{m.seq_length} tokens; lower mtp_layers below seq_length"
+        )
+    if p.pp > 1:
+        return (
+            f"model.mtp_layers={m.mtp_layers} with parallel.pp={p.pp}: the pipeline's last stage does not "
+            "hold the multi-token prediction modules and the embedding yet; set parallel.pp=1 (tp, cp, ep "
+            "and zero_stage combine with them) or model.mtp_layers=0"
+        )
+    return ""
