@@ -24,6 +24,8 @@ RopeScaling = Literal["none", "yarn"]
 Offload = Literal["none", "optimizer", "optimizer+params"]
 CpComm = Literal["ring", "all_to_all"]
 GradReduce = Literal["microbatch", "step"]
+OptimizerName = Literal["adamw", "muon"]
+MuonLrAdjust = Literal["match_rms_adamw", "original"]
 
 MOE_ARCHS = ("mixtral", "qwen3_moe", "ernie_moe", "deepseek_v3")
 """The architectures whose MLPs are (partly) mixtures of experts (llmtrain.models.moe)."""
@@ -292,6 +294,22 @@ class TrainConfig:
     """torch intra-op threads on CPU; 0 keeps torch's default."""
     hang_timeout_s: float = 300.0
     """Seconds a rank may wait without progress; then every rank reports where it waits and the job exits."""
+    optimizer: OptimizerName = "adamw"
+    """adamw, or muon: Muon on 2-D hidden matrices (each expert's alone), AdamW on embeddings, head, norms, biases, router."""
+    muon_lr: float | None = None
+    """Muon's peak learning rate, on train.lr's schedule; null: train.lr (right with muon_adjust_lr=match_rms_adamw)."""
+    muon_momentum: float = 0.95
+    """Muon's momentum coefficient mu (buffer = mu * buffer + gradient)."""
+    muon_nesterov: bool = True
+    """Muon orthogonalises the Nesterov look-ahead gradient + mu * buffer instead of the buffer."""
+    muon_ns_steps: int = 5
+    """Newton-Schulz iterations per orthogonalisation (1 to 99)."""
+    muon_ns_coefficients: list[float] = field(default_factory=lambda: [3.4445, -4.775, 2.0315])
+    """The quintic Newton-Schulz coefficients (a, b, c) (Keller Jordan's, torch.optim.Muon's default)."""
+    muon_weight_decay: float | None = None
+    """Decoupled weight decay of the Muon matrices; null: train.weight_decay."""
+    muon_adjust_lr: MuonLrAdjust = "match_rms_adamw"
+    """Per-matrix lr scale: match_rms_adamw 0.2*sqrt(max(A,B)) (Moonlight), original sqrt(max(1,A/B))."""
 
 
 @dataclass
