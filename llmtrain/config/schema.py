@@ -242,7 +242,14 @@ class ParallelConfig:
 
 @dataclass
 class TrainConfig:
-    """The optimisation loop."""
+    """The optimisation loop.
+
+    With `optimizer: muon` the parameters split as Keller Jordan's and Moonlight's recipes split them: Muon
+    updates every 2-D matrix of the transformer blocks (attention, MLP, shared experts, latent attention's
+    projections) and each routed expert's matrix on its own; AdamW (the adam_* fields) updates the token and
+    position embeddings, the output layer, norms, biases and the MoE router. Muon's update is
+    torch.optim.Muon's on whole matrices at every parallel layout (docs/parallelism.md#muon).
+    """
 
     steps: int = 200
     """Number of optimizer steps."""
@@ -295,9 +302,9 @@ class TrainConfig:
     hang_timeout_s: float = 300.0
     """Seconds a rank may wait without progress; then every rank reports where it waits and the job exits."""
     optimizer: OptimizerName = "adamw"
-    """adamw, or muon: Muon on 2-D hidden matrices (each expert's alone), AdamW on embeddings, head, norms, biases, router."""
+    """adamw, or muon: Muon on blocks' matrices (per expert), AdamW on embeddings, head, norms, router."""
     muon_lr: float | None = None
-    """Muon's peak learning rate, on train.lr's schedule; null: train.lr (right with muon_adjust_lr=match_rms_adamw)."""
+    """Muon's peak learning rate, on train.lr's schedule; null: train.lr (Moonlight's choice)."""
     muon_momentum: float = 0.95
     """Muon's momentum coefficient mu (buffer = mu * buffer + gradient)."""
     muon_nesterov: bool = True

@@ -1,5 +1,5 @@
-"""train.optimizer=muon (llmtrain.parallel.muon) on one process: which parameters Muon updates, torch.optim.Muon
-(with torch.optim.AdamW on the rest) step for step, bitwise, and the shapes it refuses."""
+"""train.optimizer=muon (llmtrain.parallel.muon) on one process: which parameters Muon updates,
+torch.optim.Muon (with torch.optim.AdamW on the rest) step for step, bitwise, and the shapes it refuses."""
 
 from __future__ import annotations
 
