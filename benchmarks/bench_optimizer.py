@@ -9,8 +9,8 @@ optimizer's tensors on a rank (AdamW's two moments, Muon's one momentum buffer; 
 Extra communication is Muon's per step on a rank: the all-reduce of the stage's whole matrices in fp32
 (llmtrain.parallel.muon), counted as a ring's send-and-receive bytes.
 
-  python benchmarks/bench_optimizer.py                 # dp=1 and dp=4, hidden 256, 2 layers (about a minute)
-  python benchmarks/bench_optimizer.py --dp 1 --hidden 512 --reps 5
+  python benchmarks/bench_optimizer.py                 # dp=1 and dp=4, hidden 128, 2 layers
+  python benchmarks/bench_optimizer.py --dp 1 --hidden 256 --reps 5
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line flags: data-parallel sizes, model size and repetitions."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dp", type=int, nargs="+", default=[1, 4])
-    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--reps", type=int, default=3)
     return p.parse_args(argv)

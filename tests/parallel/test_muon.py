@@ -10,45 +10,8 @@ from llmtrain import models
 from llmtrain.errors import UserError
 from llmtrain.parallel import Topology, build_optimizer, parallelize
 from llmtrain.parallel.muon import muon_updates
-from llmtrain.parallel.optimizer import no_weight_decay
 from tests.parallel._dist import tiny_job
-
-
-def _shape(parts: list[torch.nn.Parameter]) -> tuple[int, ...]:
-    """The shape of a parameter kept as `parts` (one per expert of a 3-D stack, else itself alone)."""
-    return tuple(parts[0].shape) if len(parts) == 1 else (len(parts), *parts[0].shape)
-
-
-def _torch_pair(job, named: dict[str, list[torch.nn.Parameter]], adamw_defaults: dict):
-    """torch.optim.AdamW (built with our AdamW's own fused/foreach choice) over the AdamW parameters and
-    torch.optim.Muon over the Muon ones, with the config's hyperparameters."""
-    t = job.train
-    # torch.optim.Muon takes 2-D parameters: a stack of experts is one parameter per expert.
-    muon = [e for n, parts in named.items() if muon_updates(n, _shape(parts)) for e in parts]
-    rest = {n: parts[0] for n, parts in named.items() if not muon_updates(n, _shape(parts))}
-    groups = [
-        {"params": [p for n, p in rest.items() if not no_weight_decay(n, p)], "weight_decay": t.weight_decay},
-        {"params": [p for n, p in rest.items() if no_weight_decay(n, p)], "weight_decay": 0.0},
-    ]
-    adamw = torch.optim.AdamW(
-        groups,
-        lr=t.lr,
-        betas=(t.adam_beta1, t.adam_beta2),
-        eps=t.adam_eps,
-        fused=adamw_defaults.get("fused"),
-        foreach=adamw_defaults.get("foreach"),
-    )
-    ref_muon = torch.optim.Muon(
-        muon,
-        lr=t.muon_lr or t.lr,
-        weight_decay=t.weight_decay,
-        momentum=t.muon_momentum,
-        nesterov=t.muon_nesterov,
-        ns_coefficients=tuple(t.muon_ns_coefficients),
-        ns_steps=t.muon_ns_steps,
-        adjust_lr_fn=t.muon_adjust_lr,
-    )
-    return adamw, ref_muon
+from tests.parallel._muon import torch_pair
 
 
 @pytest.mark.parametrize(
@@ -73,7 +36,8 @@ def test_one_process_equals_torch_muon(arch: str, settings: dict) -> None:
         else [torch.nn.Parameter(p.detach().clone())]
         for n, p in named.items()
     }
-    adamw, ref_muon = _torch_pair(job, ref, opt.optimizer.adamw.defaults)
+    defaults = opt.optimizer.adamw.defaults
+    adamw, ref_muon = torch_pair(job, ref, fused=defaults.get("fused"), foreach=defaults.get("foreach"))
     assert {id(p) for g in ref_muon.param_groups for p in g["params"]}, "no parameter went to Muon"
     g = torch.Generator().manual_seed(0)
     for _ in range(3):

@@ -34,8 +34,8 @@ from llmtrain import models
 from llmtrain.checkpoint.convert import read_full
 from llmtrain.parallel import Topology
 from llmtrain.parallel.muon import muon_updates
-from llmtrain.parallel.optimizer import no_weight_decay
 from tests.parallel._dist import batches, parallel_run, spawn, tiny_job
+from tests.parallel._muon import torch_pair
 from tests.parallel._reference import ISSUE_GAP, U32, worst_gap
 from tests.parallel._resume import build_as_training, resume_failures, save, train_steps
 
@@ -57,7 +57,7 @@ LAYOUTS = [
 
 
 def _muon_job(arch: str, **settings: object):
-    return tiny_job(arch, optimizer="muon", adam_eps=ADAM_EPS, **settings)
+    return tiny_job(arch, optimizer="muon", adam_eps=ADAM_EPS, lr=LR, **settings)
 
 
 def _flip_sensitivity(leaf: torch.nn.Parameter, opt: torch.optim.Muon, g: torch.Generator) -> float:
@@ -88,34 +88,12 @@ def _reference(arch: str, data: list[torch.Tensor]) -> dict:
     model = models.build(job.model)
     named = {n: p for n, p in model.named_parameters() if p.requires_grad}
     muon = {n: p for n, p in named.items() if muon_updates(n, p.shape)}
-    rest = {n: p for n, p in named.items() if n not in muon}
-    adamw = torch.optim.AdamW(
-        [
-            {
-                "params": [p for n, p in rest.items() if not no_weight_decay(n, p)],
-                "weight_decay": t.weight_decay,
-            },
-            {"params": [p for n, p in rest.items() if no_weight_decay(n, p)], "weight_decay": 0.0},
-        ],
-        lr=LR,
-        betas=(t.adam_beta1, t.adam_beta2),
-        eps=t.adam_eps,
-    )
     # torch.optim.Muon over 2-D leaves: a matrix itself, or one leaf per expert copied in and out.
     leaves = {
         n: [torch.nn.Parameter(m.detach().clone()) for m in (p if p.ndim == 3 else [p])]
         for n, p in muon.items()
     }
-    ref_muon = torch.optim.Muon(
-        [leaf for parts in leaves.values() for leaf in parts],
-        lr=LR,
-        weight_decay=t.weight_decay,
-        momentum=t.muon_momentum,
-        nesterov=t.muon_nesterov,
-        ns_coefficients=tuple(t.muon_ns_coefficients),
-        ns_steps=t.muon_ns_steps,
-        adjust_lr_fn=t.muon_adjust_lr,
-    )
+    adamw, ref_muon = torch_pair(job, {n: leaves.get(n, [p]) for n, p in named.items()})
     bounds = {n: torch.zeros_like(p) for n, p in named.items()}
     g = torch.Generator().manual_seed(7)
     losses, norms = [], []
