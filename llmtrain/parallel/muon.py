@@ -49,7 +49,7 @@ ADAMW_PARTS = ("embed_tokens.", "embed_positions.", "lm_head.", "router.")
 def muon_updates(name: str, shape: Sequence[int]) -> bool:
     """Whether Muon updates the parameter `name` of (single-process) `shape`; see the module docstring.
     Raises UserError for a matrix-like parameter Muon cannot orthogonalise."""
-    if len(shape) < 2 or any(part in f".{name}" for part in (f".{p}" for p in ADAMW_PARTS)):
+    if len(shape) < 2 or any(f".{part}" in f".{name}" for part in ADAMW_PARTS):
         return False
     if len(shape) == 2 or (len(shape) == 3 and ".experts." in f".{name}"):
         if 0 in shape:
