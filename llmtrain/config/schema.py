@@ -25,6 +25,8 @@ Offload = Literal["none", "optimizer", "optimizer+params"]
 OnBadDocument = Literal["skip", "error"]
 CpComm = Literal["ring", "all_to_all"]
 GradReduce = Literal["microbatch", "step"]
+OptimizerName = Literal["adamw", "muon"]
+MuonLrAdjust = Literal["match_rms_adamw", "original"]
 
 MOE_ARCHS = ("mixtral", "qwen3_moe", "ernie_moe", "deepseek_v3")
 """The architectures whose MLPs are (partly) mixtures of experts (llmtrain.models.moe)."""
@@ -249,7 +251,14 @@ class ParallelConfig:
 
 @dataclass
 class TrainConfig:
-    """The optimisation loop."""
+    """The optimisation loop.
+
+    With `optimizer: muon` the parameters split as Keller Jordan's and Moonlight's recipes split them: Muon
+    updates every 2-D matrix of the transformer blocks (attention, MLP, shared experts, latent attention's
+    projections) and each routed expert's matrix on its own; AdamW (the adam_* fields) updates the token and
+    position embeddings, the output layer, norms, biases and the MoE router. Muon's update is
+    torch.optim.Muon's on whole matrices at every parallel layout (docs/parallelism.md#muon).
+    """
 
     steps: int = 200
     """Number of optimizer steps."""
@@ -301,6 +310,22 @@ class TrainConfig:
     """torch intra-op threads on CPU; 0 keeps torch's default."""
     hang_timeout_s: float = 300.0
     """Seconds a rank may wait without progress; then every rank reports where it waits and the job exits."""
+    optimizer: OptimizerName = "adamw"
+    """adamw, or muon: Muon on blocks' matrices (per expert), AdamW on embeddings, head, norms, router."""
+    muon_lr: float | None = None
+    """Muon's peak learning rate, on train.lr's schedule; null: train.lr (Moonlight's choice)."""
+    muon_momentum: float = 0.95
+    """Muon's momentum coefficient mu (buffer = mu * buffer + gradient)."""
+    muon_nesterov: bool = True
+    """Muon orthogonalises the Nesterov look-ahead gradient + mu * buffer instead of the buffer."""
+    muon_ns_steps: int = 5
+    """Newton-Schulz iterations per orthogonalisation (1 to 99)."""
+    muon_ns_coefficients: list[float] = field(default_factory=lambda: [3.4445, -4.775, 2.0315])
+    """The quintic Newton-Schulz coefficients (a, b, c) (Keller Jordan's, torch.optim.Muon's default)."""
+    muon_weight_decay: float | None = None
+    """Decoupled weight decay of the Muon matrices; null: train.weight_decay."""
+    muon_adjust_lr: MuonLrAdjust = "match_rms_adamw"
+    """Per-matrix lr scale: match_rms_adamw 0.2*sqrt(max(A,B)) (Moonlight), original sqrt(max(1,A/B))."""
 
 
 @dataclass

@@ -28,6 +28,7 @@ from llmtrain.config.layout_rules import (
 )
 from llmtrain.config.moe_rules import expert_layout_problem, expert_parallel_problem, moe_problem
 from llmtrain.config.mtp_rules import mtp_problem
+from llmtrain.config.optimizer_rules import optimizer_problem
 from llmtrain.config.schema import JobConfig, ParallelConfig
 
 
@@ -116,6 +117,7 @@ def validate(job: JobConfig) -> None:
     _require(t.max_bad_steps >= 1, f"train.max_bad_steps must be at least 1; got {t.max_bad_steps}")
     for name in ("adam_beta1", "adam_beta2"):
         _require(0 <= getattr(t, name) < 1, f"train.{name} must be in [0, 1); got {getattr(t, name)}")
+    raise_if_problem(optimizer_problem(job))
     _require(t.hang_timeout_s > 0, f"train.hang_timeout_s must be positive (seconds); got {t.hang_timeout_s}")
     _require(
         t.loss_spike_factor == 0 or t.loss_spike_factor > 1,
@@ -233,6 +235,8 @@ _POSITIVE = frozenset(
         "train.eval_batches",
     }
 )
+# Number fields that may be negative: the Newton-Schulz polynomial's coefficients (b < 0 by design).
+_SIGNED = frozenset({"train.muon_ns_coefficients"})
 # Whole numbers reach torch and numpy as int64 (seeds, steps, sizes).
 _INT64_MAX = 2**63 - 1
 
@@ -254,7 +258,7 @@ def _check_ranges(section: object, prefix: str = "") -> None:
     """The rules every field obeys, read from the dataclasses so that a field added later obeys them too:
     a number (or list item) is >= 0 (> 0 in _POSITIVE) and a whole one fits an int64; a string is not empty.
 
-    The loader has checked the types already. A field that may be negative would need an exception here.
+    The loader has checked the types already. A field that may be negative is in _SIGNED.
     """
     for f in dataclasses.fields(section):
         value, name = getattr(section, f.name), prefix + f.name
@@ -273,6 +277,8 @@ def _check_ranges(section: object, prefix: str = "") -> None:
                 )
                 raise ConfigError(f"{where} is empty; give a value{keep}")
             if not isinstance(item, (int, float)) or isinstance(item, bool):
+                continue
+            if name in _SIGNED:
                 continue
             if name in _POSITIVE:
                 _require(

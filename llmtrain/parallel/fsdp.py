@@ -50,11 +50,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 
 from llmtrain.config.schema import JobConfig
 from llmtrain.config.vocab_sharding import vocab_sharded_edges
+from llmtrain.parallel.dtensor_shards import local_tensor
 from llmtrain.parallel.fsdp_comm import use_shard_exchange
+from llmtrain.parallel.muon import MuonAdamW, fsdp_matrices, stage_group
 from llmtrain.parallel.optimizer import LossScaledOptimizer, MakeOptimizer, make_param_groups
 from llmtrain.parallel.tensor_parallel import reduce_tp_grads
 from llmtrain.parallel.topology import Topology
@@ -309,25 +310,6 @@ def wait_gathers(model: nn.Module) -> None:
     model.fsdp_gathers_in_flight = []
 
 
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor (its storage, so in-place updates reach the DTensor), or ``t``."""
-    return t._local_tensor if isinstance(t, DTensor) else t
-
-
-def shard_position(t: torch.Tensor) -> tuple[int | None, int]:
-    """Where this rank's FSDP shard of ``t`` starts in the flattened (TP-local) tensor, and which replica
-    (hybrid sharding) holds it; (None, 0) for a plain tensor. FSDP2 shards dim 0 as torch.chunk does:
-    ceil(rows / shards) rows per rank, the last ones short or empty (padded in FSDP's own buffers)."""
-    if not isinstance(t, DTensor):
-        return None, 0
-    mesh = t.device_mesh
-    rows = t.shape[0]
-    per_rank = -(-rows // mesh.size(mesh.ndim - 1))
-    start_row = min(mesh.get_local_rank(mesh.ndim - 1) * per_rank, rows)
-    replica = mesh.get_local_rank(0) if mesh.ndim == 2 else 0
-    return start_row * (t.numel() // rows if rows else 0), replica
-
-
 class FSDPOptimizer(LossScaledOptimizer):
     """AdamW (or ``make_optimizer``'s rule) over this rank's FSDP2 shards of the fp32 parameters, with the
     trainer's prepare/apply/skip protocol of LossScaledOptimizer. The gradients are DTensor shards that
@@ -349,8 +331,13 @@ class FSDPOptimizer(LossScaledOptimizer):
         ]
         # Each rank's shards are distinct across the DP mesh and TP/PP ranks hold different parameters.
         self._norm_group, self._norm_ranks = None, topo.world_size
-        groups = make_param_groups(model.named_parameters(), job.train.weight_decay)
+        named = list(model.named_parameters())
+        matrices = fsdp_matrices(named, topo) if job.train.optimizer == "muon" else []
+        muon = {id(m.key) for m in matrices}
+        groups = make_param_groups([(n, p) for n, p in named if id(p) not in muon], job.train.weight_decay)
         self.optimizer = self._build(groups, make_optimizer, topo.device) if groups else None
+        if matrices:
+            self.optimizer = MuonAdamW(self.optimizer, matrices, job, *stage_group(topo), topo.device)
 
     def zero_grad(self) -> None:
         """Drop the gradients (FSDP assigns fresh sharded ones at the next synchronised backward)."""

@@ -22,6 +22,7 @@ from torch import nn
 from llmtrain.config.schema import JobConfig
 from llmtrain.parallel import comm
 from llmtrain.parallel.data_parallel import GradBuffers, apply_dp, dp_options
+from llmtrain.parallel.muon import MuonAdamW, flat_matrices, stage_group
 from llmtrain.parallel.tensor_parallel import reduce_tp_grads
 from llmtrain.parallel.topology import Topology
 
@@ -163,7 +164,7 @@ class LossScaledOptimizer:
                 torch._foreach_mul_(grads, coef)
         if self.optimizer is not None:
             for group in self.optimizer.param_groups:
-                group["lr"] = lr
+                group["lr"] = lr * group.get("lr_scale", 1.0)  # Muon's own peak lr (train.muon_lr)
             self.optimizer.step()
         self._publish()
         if self.loss_scale is not None:
@@ -317,13 +318,19 @@ class ModelOptimizer(LossScaledOptimizer):
             for p in buffers.params
             if getattr(p, "sequence_parallel", False) or getattr(p, "kv_replicas", 1) > 1
         ]
+        matrices = flat_matrices(buffers, self.masters, topo) if job.train.optimizer == "muon" else []
+        muon = {id(m.key) for m in matrices if m.key is not None}
+        rest = [(m, d) for m, d in zip(self.masters, decay, strict=True) if id(m) not in muon]
         wd = job.train.weight_decay
         groups = [
-            {"params": [m for m, d in zip(self.masters, decay, strict=True) if d], "weight_decay": wd},
-            {"params": [m for m, d in zip(self.masters, decay, strict=True) if not d], "weight_decay": 0.0},
+            {"params": [m for m, d in rest if d], "weight_decay": wd},
+            {"params": [m for m, d in rest if not d], "weight_decay": 0.0},
         ]
         groups = [g for g in groups if g["params"]]
-        self.optimizer = self._build(groups, make_optimizer, buffers.param_buffer.device) if groups else None
+        device = buffers.param_buffer.device
+        self.optimizer = self._build(groups, make_optimizer, device) if groups else None
+        if matrices:
+            self.optimizer = MuonAdamW(self.optimizer, matrices, job, *stage_group(topo), device)
 
     def zero_grad(self) -> None:
         """Zero the fp32 gradient buffer (the trainer calls it before the first micro-batch of a step)."""

@@ -6,7 +6,8 @@ every parameter and persistent buffer of a rank's model part by its single-proce
 layout, read from the attributes llmtrain.parallel puts on each parameter (`tp_layout`: "rows" | "cols" |
 "gate_up" | ("kv", replicas); `duplicate`: another TP rank holds the same values; `expert_slice`: an
 expert-parallel shard). ZeRO-2/3 parameters are FSDP2 DTensors whose local shard is rows [a, b) of the
-TP-local tensor, i.e. a flat range of it (`llmtrain.parallel.fsdp.shard_position`, `ParamLayout.flat_pieces`).
+TP-local tensor, i.e. a flat range of it (`llmtrain.parallel.dtensor_shards.shard_position`,
+`ParamLayout.flat_pieces`).
 
 Checkpoints save and load every piece by its offsets in the full tensor (llmtrain.checkpoint.state), so a
 checkpoint never stores a layout; `materialize` initialises each rank's pieces of a sharded model from the
@@ -26,7 +27,7 @@ import torch
 from torch import nn
 
 from llmtrain.errors import CheckpointError
-from llmtrain.parallel.fsdp import local_tensor, shard_position
+from llmtrain.parallel.dtensor_shards import local_tensor, shard_position
 
 
 @dataclass(frozen=True)

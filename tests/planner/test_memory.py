@@ -98,3 +98,24 @@ def test_activations_scale_with_inflight_microbatches_and_oversize_layouts_are_m
     )
     est = big.evaluate(Layout(tp=8, pp=1, dp=1, micro_batch=1, recompute="full"))
     assert not est.fits and "GiB" in est.why and "optimizer" in est.why
+
+
+@pytest.mark.parametrize("zero, tp", [(1, 1), (3, 1), (1, 2)])
+def test_muon_keeps_one_momentum_buffer_on_the_blocks_and_assembles_them_whole(zero, tp):
+    """train.optimizer=muon: 4 bytes fewer per block parameter (sharded like AdamW's moments), embeddings and
+    head on AdamW's 8, plus the stage's whole fp32 matrices in buffers; its step adds the all-reduce of
+    those matrices and Newton-Schulz time."""
+    adamw, muon = (
+        model(gpus=8),
+        CostModel(Workload(GPT, 64, "bf16", optimizer="muon"), load_cluster("a100-80gb").view(8)),
+    )
+    layout = Layout(tp=tp, pp=1, dp=8 // tp, micro_batch=1, zero_stage=zero)
+    body = GPT.num_layers * muon._params_on_rank(layout)[1] / GPT.num_layers  # the layers, per TP rank
+    a, m = adamw.memory(layout, 1, 8), muon.memory(layout, 1, 8)
+    assert a["optimizer"] - m["optimizer"] == pytest.approx(4 * body / layout.dp)
+    assert m["buffers"] - a["buffers"] == pytest.approx(4 * body * tp)
+    ea, em = adamw.evaluate(layout), muon.evaluate(layout)
+    comm, ns = muon._muon_time(layout)
+    assert comm > 0 and ns > 0
+    assert em.dp_comm == pytest.approx(ea.dp_comm + comm)
+    assert em.optimizer == pytest.approx(ea.optimizer + ns)

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 from llmtrain.planner.cost.base import CostBase
 from llmtrain.planner.cost.layout import Layout
-from llmtrain.planner.cost.memory import expert_dp_size, expert_shard_group, shard_group
+from llmtrain.planner.cost.memory import expert_dp_size, expert_shard_group, layer_parameters, shard_group
+
+NS_STEPS = 5
+"""Newton-Schulz iterations the time model counts for Muon (train.muon_ns_steps' default)."""
 
 
 class DataParallelTime(CostBase):
@@ -95,7 +98,28 @@ class DataParallelTime(CostBase):
             optimizer = local * (g + 4) / host + local / (self.dev.host_adam_gparams * 1e9)
             if layout.offload == "optimizer+params":
                 exposed += gathers * local * 4 / host
+        if self.w.optimizer == "muon":
+            muon_comm, ns = self._muon_time(layout)
+            reduce, exposed, optimizer = reduce + muon_comm, exposed + muon_comm, optimizer + ns
         return reduce + gather, exposed, optimizer
+
+    def _muon_time(self, layout: Layout) -> tuple[float, float]:
+        """(all-reduce, Newton-Schulz) seconds of train.optimizer=muon's step on the fullest rank
+        (llmtrain.parallel.muon): the stage's matrices assembled whole in fp32 by one all-reduce over its
+        tp x cp x dp ranks, never overlapped (it sits inside the optimizer step); then NS_STEPS Newton-Schulz
+        iterations of three bf16 matmuls each, taken as square matrices of the hidden size (X X^T, A A and
+        B X), over the matrices the rank holds a piece of: all of them under TP and ZeRO-2/3 (every rank
+        holds a piece of each), about 1/dp of them under ZeRO-1 (each DP rank owns its flat range)."""
+        m, tp = self.w.model, layout.tp
+        body = self._max_layers_per_rank(layout) * layer_parameters(m, tp, layout.ep)[0]
+        experts = self._expert_params_on_rank(layout)
+        whole = body * tp + experts * layout.ep
+        ranks = tp * layout.cp * layout.dp
+        comm = self.c.all_reduce(4 * whole, ranks, 1)
+        computed = whole / (shard_group(layout) if layout.zero_stage == 1 else 1)
+        h = m.hidden_size
+        ns = self.dev.gemm_time(h, h, h, "bf16", batch=3 * NS_STEPS * computed / (h * h))
+        return comm, ns
 
     def _accumulation_time(self, layout: Layout) -> tuple[float, float]:
         """(first pipeline rank, the others: the last's) seconds a micro-batch's backward spends adding its

@@ -191,6 +191,8 @@ class Workload:
     global_batch: int
     precision: str = "bf16"
     dp_bucket_mb: float = 25.0
+    optimizer: str = "adamw"
+    """train.optimizer: adamw, or muon (one momentum buffer and a whole-matrix all-reduce for the blocks)."""
 
     @property
     def seq(self) -> int:
@@ -204,6 +206,7 @@ class Workload:
             global_batch=global_batch or job.train.global_batch_size,
             precision=job.train.precision,
             dp_bucket_mb=job.parallel.dp_bucket_mb,
+            optimizer=job.train.optimizer,
         )
 
 

@@ -30,6 +30,12 @@ micro-batch), 4*P, but for vocabulary-sharded edges (never gathered, so reduced 
 (benchmarks/bench_memory.py, two micro-batches): dp2-zero3-step peaks 244.3 MiB, dp2-zero3 238.6, predicted
 247.6 and 242.0.
 
+Muon (train.optimizer=muon, llmtrain.parallel.muon): the blocks' matrices (a layer's parameters; its norms,
+biases and router are a rounding error beside them) keep one fp32 momentum buffer, 4*P/N, where AdamW keeps
+two moments, 8*P/N; embeddings and the output layer stay on AdamW. Each step assembles the stage's matrices
+whole, in fp32, in one buffer: 4 bytes times the layers' parameters of the stage at their full (un-split)
+size, counted in buffers.
+
 Offload (zero 2/3, as DeepSpeed's ZeRO-Offload or FSDP2's CPUOffloadPolicy): "optimizer" moves the optimizer
 rows (master and Adam moments) and, at zero 2/3, the gradient shard to host memory; "optimizer+params"
 (zero 3) moves the fp32 parameter shard too. Host bytes are reported apart and never count against the device.
@@ -403,12 +409,14 @@ def rank_memory(
     reserved_bytes: float,
     bucket_bytes: float = 25 * 2**20,
     counts: F.ParamCounts | None = None,
+    optimizer: str = "adamw",
 ) -> MemoryBreakdown:
     """Bytes on the fullest rank of `layout` (the first pipeline rank, or the last when its output layer and
     logits dominate; any rank under the layout's own stage split or per-layer recomputation), with the
     highest startup peak of them; `inflight` is the schedule's peak of
     micro-batches in flight on the first rank; `bucket_bytes` the data-parallel bucket (parallel.dp_bucket_mb,
-    counted in fp32 bytes); `counts` the model's parameter counts (given: not counted again)."""
+    counted in fp32 bytes); `counts` the model's parameter counts (given: not counted again); `optimizer`
+    train.optimizer (muon: see the module docstring)."""
     e = 4 if precision == "fp32" else 2
     counts = counts or F.parameter_counts(model)
     tp, pp, v, b = layout.tp, layout.pp, layout.virtual_stages, layout.micro_batch
@@ -473,9 +481,9 @@ def rank_memory(
     # its share of the group's, as many as its own would be.
     vocab_sharded = edges_vocab_sharded(layout, model)
 
-    def rank_parts(r: int) -> tuple[float, float, float, float]:
+    def rank_parts(r: int) -> tuple[float, float, float, float, float]:
         """(replicated parameters, routed experts' parameters, activation bytes, pipeline transfers held
-        until the step's end) of pipeline rank r."""
+        until the step's end, the layers' replicated parameters) of pipeline rank r."""
         layers = [stages[c * pp + r] for c in range(v)]
         first, last = r == 0, r == pp - 1
         if pp == 1:
@@ -495,7 +503,7 @@ def rank_memory(
         p2p = 0.0
         if pp > 1 and software.p2p_held_until_step_end:
             p2p = p2p_transfers_held(layout, num_micro, r) * e * tok * h / sp_div
-        return params, sum(layers) * layer_x, act, p2p
+        return params, sum(layers) * layer_x, act, p2p, sum(layers) * layer_p
 
     # Under the trainer's split the first (most in flight) or the last rank (output layer) is the fullest;
     # a split of the layout's own, or per-layer recomputation, may make any rank the fullest.
@@ -527,11 +535,16 @@ def rank_memory(
 
     total_params = counts.total
 
-    def one(dense: float, expert: float, activations: float, p2p_held: float) -> MemoryBreakdown:
+    def one(dense: float, expert: float, activations: float, p2p_held: float, body: float) -> MemoryBreakdown:
         state = state_bytes(dense, layout, precision, software.grad_bytes)
         if expert:
             more = state_bytes(expert, layout, precision, software.grad_bytes, expert_shard_group(layout))
             state = {key: value + more[key] for key, value in state.items()}
+        assembled = 0.0
+        if optimizer == "muon":
+            # One momentum buffer instead of two moments on the blocks' matrices; their whole fp32 copy.
+            state["optimizer"] -= 4 * body / shard_group(layout) + 4 * expert / expert_shard_group(layout)
+            assembled = 4 * (body * tp + expert * layout.ep)
         params = dense + expert
         if layout.fsdp:
             # FSDP2 at the peak, the backward's start: zero_grad dropped the step's gradient shards; with
@@ -591,7 +604,7 @@ def rank_memory(
             optimizer=state["optimizer"],
             activations=activations,
             gathered=gathered,
-            buffers=buffers + exchange + p2p_held,
+            buffers=buffers + exchange + p2p_held + assembled,
             reserved=reserved_bytes,
             startup=startup + reserved_bytes,
             host=state["host"],

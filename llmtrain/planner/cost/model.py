@@ -197,6 +197,7 @@ class CostModel(LayerTime, DataParallelTime, StepCollectives):
             reserved_bytes=self.dev.reserved_gb * GIB,
             bucket_bytes=self.w.dp_bucket_mb * 2**20,
             counts=self.params,
+            optimizer=self.w.optimizer,
         )
 
     # ------------------------------------------------------------------------------------ evaluate
