@@ -24,6 +24,8 @@ RopeScaling = Literal["none", "yarn"]
 Offload = Literal["none", "optimizer", "optimizer+params"]
 CpComm = Literal["ring", "all_to_all"]
 GradReduce = Literal["microbatch", "step"]
+Fp8Recipe = Literal["tensorwise", "rowwise"]
+Fp8Filter = Literal["all", "auto"]
 
 MOE_ARCHS = ("mixtral", "qwen3_moe", "ernie_moe", "deepseek_v3")
 """The architectures whose MLPs are (partly) mixtures of experts (llmtrain.models.moe)."""
@@ -292,6 +294,10 @@ class TrainConfig:
     """torch intra-op threads on CPU; 0 keeps torch's default."""
     hang_timeout_s: float = 300.0
     """Seconds a rank may wait without progress; then every rank reports where it waits and the job exits."""
+    fp8_recipe: Fp8Recipe = "tensorwise"
+    """torchao float8 scaling under precision=fp8: tensorwise (a scale per tensor) or rowwise (per row)."""
+    fp8_filter: Fp8Filter = "all"
+    """Which block linears run fp8: all, or auto (not the shapes torchao finds slower in fp8 on H100)."""
 
 
 @dataclass
