@@ -61,7 +61,7 @@ def engine_problem(job: JobConfig) -> str:
         )
     if job.train.precision == "fp8":
         return (
-            "train.precision=fp8 (torchao's Float8Linear) is wired into llmtrain's engine only; use "
+            "train.precision=fp8 (llmtrain.parallel.float8) is wired into llmtrain's engine only; use "
             "train.precision=bf16 with parallel.engine=deepspeed, or parallel.engine=llmtrain for fp8"
         )
     return ""
