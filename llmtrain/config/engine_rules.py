@@ -61,7 +61,7 @@ def engine_problem(job: JobConfig) -> str:
         )
     if job.train.precision == "fp8":
         return (
-            "train.precision=fp8 (torchao's Float8Linear) is wired into llmtrain's engine only; use "
+            "train.precision=fp8 (llmtrain.parallel.float8) is wired into llmtrain's engine only; use "
             "train.precision=bf16 with parallel.engine=deepspeed, or parallel.engine=llmtrain for fp8"
         )
     return ""
@@ -109,8 +109,8 @@ def async_io_available() -> bool:
     return bool(AsyncIOBuilder().is_compatible(verbose=False))
 
 
-# torch._scaled_mm needs every GEMM dimension to be a multiple of 16: in and out features, and the token
-# count, which is the reduction dimension of the weight gradient.
+# torch._scaled_mm needs every GEMM dimension to be a multiple of 16: in and out features (of this rank's
+# slice under TP), and the token count (of this CP rank), the reduction dimension of the weight gradient.
 FP8_MULTIPLE = 16
 
 
@@ -121,28 +121,32 @@ def float8_problem(job: JobConfig) -> str:
     m, p, t = job.model, job.parallel, job.train
     if importlib.util.find_spec("torchao") is None:
         return "train.precision=fp8 needs torchao (pip install 'llmtrain[fp8]'); or use train.precision=bf16"
-    if p.tp > 1:
-        return (
-            f"train.precision=fp8 swaps nn.Linear for torchao's Float8Linear, but parallel.tp={p.tp} uses "
-            "llmtrain's own tensor-parallel layers; use parallel.tp=1 (data parallelism) or precision=bf16"
-        )
-    if p.pp > 1:
-        return (
-            f"train.precision=fp8 is verified without pipeline stages only; set parallel.pp=1 (got {p.pp}) "
-            "or use train.precision=bf16"
-        )
-    if p.zero_stage >= 2:
-        return (
-            f"train.precision=fp8 is verified with the flat data-parallel buffers only, not with FSDP2's "
-            f"parallel.zero_stage={p.zero_stage}; use parallel.zero_stage 0 or 1, or train.precision=bf16"
-        )
+    tp, tokens = p.tp, t.micro_batch_size * m.seq_length // p.cp
+    hd = m.head_size
     sizes = {
         "model.hidden_size": m.hidden_size,
-        "model.ffn_hidden_size (resolved)": m.ffn_size,
-        "model.num_attention_heads x head size": m.num_attention_heads * m.head_size,
-        "model.num_kv_heads x head size": m.kv_heads * m.head_size,
-        "train.micro_batch_size x model.seq_length (tokens per GEMM)": t.micro_batch_size * m.seq_length,
+        "model.num_attention_heads x head size / parallel.tp": m.num_attention_heads * hd // tp,
+        "model.num_kv_heads x head size / parallel.tp (one head at least)": max(m.kv_heads // tp, 1) * hd,
+        "train.micro_batch_size x model.seq_length / parallel.cp (tokens per GEMM)": tokens,
     }
+    if not m.is_moe or m.dense_layers or m.moe_layer_start > 0 or m.moe_layer_interval > 1:
+        sizes["model.ffn_hidden_size (resolved) / parallel.tp"] = m.ffn_size // tp
+    if m.is_moe:
+        # The experts' grouped GEMM stays bf16 (llmtrain.parallel.float8); shared experts are fp8 linears
+        # over the 1/tp of the tokens each TP rank routes.
+        if m.num_shared_experts:
+            sizes["model.num_shared_experts x expert ffn size"] = m.num_shared_experts * m.expert_ffn_size
+        sizes["tokens per GEMM / parallel.tp in a mixture-of-experts layer"] = tokens // tp
+    if m.arch == "deepseek_v3":
+        heads, nope = m.num_attention_heads // tp, m.qk_nope_head_dim
+        if m.q_lora_rank:
+            sizes["model.q_lora_rank"] = m.q_lora_rank
+        sizes |= {
+            "model.kv_lora_rank + model.qk_rope_head_dim": m.kv_lora_rank + m.qk_rope_head_dim,
+            "heads / parallel.tp x (qk_nope + qk_rope head dims)": heads * (nope + m.qk_rope_head_dim),
+            "heads / parallel.tp x (qk_nope_head_dim + v_head_dim)": heads * (nope + m.v_head_dim),
+            "heads / parallel.tp x v_head_dim": heads * m.v_head_dim,
+        }
     for name, value in sizes.items():
         if value % FP8_MULTIPLE:
             return (

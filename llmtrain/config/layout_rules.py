@@ -147,13 +147,11 @@ def context_parallel_problem(job: JobConfig) -> str:
             f"model.attention_dropout={m.attention_dropout}: context-parallel attention (parallel.cp={cp}) "
             "has no attention dropout; set model.attention_dropout=0 or parallel.cp=1"
         )
-    unsupported = [
-        (p.engine == "deepspeed", "parallel.engine=deepspeed", "parallel.engine=llmtrain"),
-        (job.train.precision == "fp8", "train.precision=fp8", "train.precision bf16 or fp32"),
-    ]
-    for is_set, setting, fix in unsupported:
-        if is_set:
-            return f"parallel.cp={cp} (context parallelism) does not support {setting} yet; use {fix} or cp=1"
+    if p.engine == "deepspeed":
+        return (
+            f"parallel.cp={cp} (context parallelism) does not support parallel.engine=deepspeed yet; use "
+            "parallel.engine=llmtrain or cp=1"
+        )
     return ""
 
 

@@ -12,7 +12,7 @@ from llmtrain.config.schema import JobConfig, ModelConfig, ParallelConfig
 def moe_problem(job: JobConfig) -> str:
     """Why the mixture-of-experts fields of `job` cannot run ("" if they can, or the arch is dense).
 
-    What the experts do not support yet (DeepSpeed, fp8, router losses under full recompute) is refused
+    What the experts do not support yet (DeepSpeed, router losses under full recompute) is refused
     here rather than failing (or silently mis-training) later; their tp limits are tensor_parallel_problem's,
     which checkpoint conversion and the planner ask too, and parallel.ep's expert_parallel_problem's.
     """
@@ -47,7 +47,6 @@ def moe_problem(job: JobConfig) -> str:
         )
     unsupported = [
         (p.engine == "deepspeed", "parallel.engine=deepspeed", "parallel.engine=llmtrain"),
-        (job.train.precision == "fp8", "train.precision=fp8", "train.precision bf16 or fp32"),
         # Reentrant checkpointing runs the forward without autograd, so the router statistics the
         # router losses are built from would carry no gradient.
         (

@@ -27,6 +27,8 @@ CpComm = Literal["ring", "all_to_all"]
 GradReduce = Literal["microbatch", "step"]
 OptimizerName = Literal["adamw", "muon"]
 MuonLrAdjust = Literal["match_rms_adamw", "original"]
+Fp8Recipe = Literal["tensorwise", "rowwise"]
+Fp8Filter = Literal["all", "auto"]
 
 MOE_ARCHS = ("mixtral", "qwen3_moe", "ernie_moe", "deepseek_v3")
 """The architectures whose MLPs are (partly) mixtures of experts (llmtrain.models.moe)."""
@@ -326,6 +328,10 @@ class TrainConfig:
     """Decoupled weight decay of the Muon matrices; null: train.weight_decay."""
     muon_adjust_lr: MuonLrAdjust = "match_rms_adamw"
     """Per-matrix lr scale: match_rms_adamw 0.2*sqrt(max(A,B)) (Moonlight), original sqrt(max(1,A/B))."""
+    fp8_recipe: Fp8Recipe = "tensorwise"
+    """torchao float8 scaling under precision=fp8: tensorwise (a scale per tensor) or rowwise (per row)."""
+    fp8_filter: Fp8Filter = "all"
+    """Which block linears run fp8: all, or auto (not the shapes torchao finds slower in fp8 on H100)."""
 
 
 @dataclass

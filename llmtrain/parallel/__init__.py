@@ -31,7 +31,7 @@ def parallelize(model: nn.Module, topo: Topology, job: JobConfig) -> nn.Module:
     apply_tp(model, topo, job.parallel.sequence_parallel, job.train.seed)
     apply_ep(model, topo)
     apply_cp(model, topo, job.parallel.cp_comm)
-    apply_float8(model, job.train.precision)
+    apply_float8(model, topo, job.train)
     apply_recompute(model, job.model.recompute, job.model.recompute_layers)
     apply_compile(model, job.train.compile)
     if topo.pp == 1:

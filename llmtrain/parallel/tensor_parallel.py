@@ -41,6 +41,7 @@ from llmtrain.parallel.comm import (
     reduce_scatter_single,
 )
 from llmtrain.parallel.context_split import ContextSplit
+from llmtrain.parallel.gemms import PLAIN, LinearGemms, linear
 from llmtrain.parallel.random import RNGTracker
 from llmtrain.parallel.topology import Topology
 
@@ -200,6 +201,7 @@ class RowParallelLinear(nn.Module):
             full.weight.detach()[:, topo.tp_rank * cols : (topo.tp_rank + 1) * cols].clone()
         )
         self.weight.tp_layout = "cols"
+        self.gemms: LinearGemms = PLAIN  # float8 ones under train.precision=fp8 (llmtrain.parallel.float8)
         self.bias = nn.Parameter(full.bias.detach().clone()) if full.bias is not None else None
         if self.bias is not None:
             _mark_replicated(self.bias, topo, sequence_parallel)
@@ -216,43 +218,12 @@ class RowParallelLinear(nn.Module):
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """This rank's product, before the sum over TP. A zero-bubble pipeline replaces it per instance to
         defer the weight gradient (llmtrain/pipeline/executor.py)."""
-        return F.linear(x, weight, bias)
+        return linear(x, weight, bias, self.gemms)
 
 
 def _mark_replicated(p: nn.Parameter, topo: Topology, sequence_parallel: bool) -> None:
     p.duplicate = topo.tp_rank > 0
     p.sequence_parallel = sequence_parallel
-
-
-class _LinearSavingShard(torch.autograd.Function):
-    """linear(x) where x is the all-gather of `shard`: only the shard is kept, x is re-gathered in backward.
-
-    This is what lets sequence parallelism divide the saved inputs of column-parallel layers by tp
-    (Korthikanti et al. 2022, 4.2.2); the gradient of x flows back through the gather (a reduce-scatter).
-    """
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        x: torch.Tensor,
-        shard: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        group: Any,
-    ) -> torch.Tensor:
-        ctx.group, ctx.has_bias = group, bias is not None
-        ctx.save_for_backward(shard, weight)
-        return F.linear(x, weight, bias)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        shard, weight = ctx.saved_tensors
-        x = all_gather_dim(shard, 1, ctx.group)
-        grad_x = grad.matmul(weight)
-        flat_grad = grad.reshape(-1, grad.shape[-1])
-        grad_w = flat_grad.t().matmul(x.reshape(-1, x.shape[-1]))
-        grad_b = flat_grad.sum(0) if ctx.has_bias else None
-        return grad_x, None, grad_w, grad_b, None
 
 
 class ColumnParallelLinear(nn.Module):
@@ -272,6 +243,7 @@ class ColumnParallelLinear(nn.Module):
             weight = nn.Parameter(torch.cat([full.weight.detach()[a:b] for a, b in blocks]).clone())
             weight.tp_layout = layout
         self.weight = weight
+        self.gemms: LinearGemms = PLAIN  # float8 ones under train.precision=fp8 (llmtrain.parallel.float8)
         self.bias = None
         if full.bias is not None:
             self.bias = nn.Parameter(torch.cat([full.bias.detach()[a:b] for a, b in blocks]).clone())
@@ -282,12 +254,10 @@ class ColumnParallelLinear(nn.Module):
         return self.linear(x, self.weight, self.bias)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """This rank's product; an SP all-gathered x keeps only its ``sequence_shard`` for backward. A
-        zero-bubble pipeline replaces it per instance to defer the weight gradient (pipeline/executor.py)."""
-        shard = getattr(x, "sequence_shard", None)
-        if shard is None:
-            return F.linear(x, weight, bias)
-        return _LinearSavingShard.apply(x, shard, weight, bias, self.group)
+        """This rank's product; an SP all-gathered x keeps only its ``sequence_shard`` for backward
+        (gemms.linear). A zero-bubble pipeline replaces it per instance to defer the weight gradient
+        (pipeline/executor.py)."""
+        return linear(x, weight, bias, self.gemms, getattr(x, "sequence_shard", None), self.group)
 
 
 def check_tp(cfg: ModelConfig, tp: int, sequence_parallel: bool) -> None:
@@ -307,7 +277,7 @@ def _enter_region(module: nn.Module, group: Any, sequence_parallel: bool) -> Non
         if not sequence_parallel:
             return copy_to_region(normed, group)
         gathered = gather_sequence(normed, group)
-        # ColumnParallelLinear saves this shard instead of the gathered tensor (see _LinearSavingShard).
+        # ColumnParallelLinear saves this shard instead of the gathered tensor (see gemms.linear).
         gathered.sequence_shard = normed
         return gathered
 

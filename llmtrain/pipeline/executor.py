@@ -26,14 +26,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from llmtrain.config.schema import JobConfig
 from llmtrain.models.moe import RouterFigures
 from llmtrain.parallel import comm
+from llmtrain.parallel.float8 import Float8Linear
 from llmtrain.parallel.fsdp import finish_backward, is_fsdp
+from llmtrain.parallel.gemms import PLAIN, LinearGemms, linear
 from llmtrain.parallel.materialize import is_meta, materialize
 from llmtrain.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, gather_sequence
 from llmtrain.parallel.topology import Topology
@@ -69,15 +70,17 @@ class _WeightGrad:
     x: torch.Tensor
     grad: torch.Tensor
     group: Any = None
+    gemms: LinearGemms = PLAIN
 
     def compute(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
-        """(parameter, gradient) pairs: x^T grad for the weight, the sum of grad for the bias."""
+        """(parameter, gradient) pairs: grad^T x for the weight (through the layer's gemms: in float8 under
+        train.precision=fp8, as the layer's own backward computes it), the sum of grad for the bias."""
         x = self.x
         if self.group is not None:
             with torch.no_grad():
                 x = gather_sequence(x, self.group)
         g2, x2 = self.grad.reshape(-1, self.grad.shape[-1]), x.reshape(-1, x.shape[-1])
-        out = [(self.weight, g2.t().matmul(x2))]
+        out = [(self.weight, self.gemms.grad_weight(g2, x2))]
         if self.bias is not None:
             out.append((self.bias, g2.sum(0)))
         return out
@@ -109,10 +112,11 @@ class _SplitBackward:
 
 
 class _DeferrableLinear(torch.autograd.Function):
-    """F.linear whose backward returns the input gradient only and hands the weight/bias gradient to
-    ``split``. The parameters enter detached, so autograd's own graph has no edge to them (their gradient
-    hooks must run once, when the gradient really arrives); ``params`` are the real leaves. With ``shard``
-    (x is its sequence-parallel all-gather over ``group``) only the shard is kept, as the TP layer does."""
+    """The layer's linear (through its ``gemms``) whose backward returns the input gradient only and hands
+    the weight/bias gradient to ``split``. The parameters enter detached, so autograd's own graph has no
+    edge to them (their gradient hooks must run once, when the gradient really arrives); ``params`` are
+    the real leaves. With ``shard`` (x is its sequence-parallel all-gather over ``group``) only the shard
+    is kept, as the TP layer does."""
 
     @staticmethod
     def forward(
@@ -124,46 +128,56 @@ class _DeferrableLinear(torch.autograd.Function):
         group: Any,
         params: tuple[nn.Parameter, nn.Parameter | None],
         split: _SplitBackward,
+        gemms: LinearGemms,
     ) -> torch.Tensor:
         ctx.save_for_backward(x if shard is None else shard, weight)
         ctx.group = None if shard is None else group
-        ctx.params, ctx.split = params, split
-        return F.linear(x, weight, bias)
+        ctx.params, ctx.split, ctx.gemms = params, split, gemms
+        return gemms.output(x, weight, bias)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight = ctx.saved_tensors
-        grad_x = grad.matmul(weight) if ctx.needs_input_grad[0] else None
-        ctx.split.take(_WeightGrad(ctx.params[0], ctx.params[1], x, grad, ctx.group))
-        return grad_x, None, None, None, None, None, None
+        grad_x = ctx.gemms.grad_input(grad, weight) if ctx.needs_input_grad[0] else None
+        ctx.split.take(_WeightGrad(ctx.params[0], ctx.params[1], x, grad, ctx.group, ctx.gemms))
+        return grad_x, None, None, None, None, None, None, None
 
 
 def _split_linear(
     split: _SplitBackward,
     plain: _LinearFn,
     group: Any,
+    gemms: LinearGemms,
     x: torch.Tensor,
     weight: nn.Parameter,
     bias: nn.Parameter | None,
 ) -> torch.Tensor:
-    """``plain(x, weight, bias)``, or while ``split.building`` the same product with a deferrable weight
-    gradient. ``group``: the TP group a sequence-parallel input is gathered over (None for nn.Linear)."""
+    """``plain(x, weight, bias)``, or while ``split.building`` the same product (through ``gemms``) with a
+    deferrable weight gradient. ``group``: the TP group a sequence-parallel input is gathered over (None
+    for nn.Linear)."""
     if not split.building:
         return plain(x, weight, bias)
     shard = getattr(x, "sequence_shard", None) if group is not None else None
     detached_bias = bias.detach() if bias is not None else None
-    return _DeferrableLinear.apply(x, weight.detach(), detached_bias, shard, group, (weight, bias), split)
+    return _DeferrableLinear.apply(
+        x, weight.detach(), detached_bias, shard, group, (weight, bias), split, gemms
+    )
 
 
 def _plain_linear(module: nn.Module) -> bool:
-    """``nn.Linear`` itself, not a subclass with a forward of its own; also once fully_shard has made it
-    an FSDP unit (the output layer at zero 2/3), whose class FSDPLinear only adds FSDPModule's methods."""
+    """``nn.Linear`` itself or llmtrain's Float8Linear, not another subclass with a forward of its own;
+    also once fully_shard has made it an FSDP unit (the output layer at zero 2/3), whose class FSDPLinear
+    only adds FSDPModule's methods."""
     cls = type(module)
-    return cls is nn.Linear or cls.__bases__ == (FSDPModule, nn.Linear)
+    if cls.__bases__[0] is FSDPModule:
+        cls = cls.__bases__[-1]
+    return cls in (nn.Linear, Float8Linear)
 
 
 def _split_linear_forward(split: _SplitBackward, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return _split_linear(split, F.linear, None, x, module.weight, module.bias)
+    gemms = getattr(module, "gemms", PLAIN)
+    plain = functools.partial(linear, gemms=gemms)
+    return _split_linear(split, plain, None, gemms, x, module.weight, module.bias)
 
 
 class PipelineExecutor:
@@ -247,7 +261,9 @@ class PipelineExecutor:
             if _plain_linear(module):
                 module.forward = functools.partial(_split_linear_forward, self._split, module)
             elif isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-                module.linear = functools.partial(_split_linear, self._split, module.linear, module.group)
+                module.linear = functools.partial(
+                    _split_linear, self._split, module.linear, module.group, module.gemms
+                )
 
     def _global(self, pp_rank: int) -> int:
         return self.topo.rank_of(pp_rank=pp_rank)

@@ -93,7 +93,6 @@ def test_bad_values_name_field_and_fix(override, expected):
             ["parallel.engine=deepspeed", "parallel.zero_stage=1"],
             "does not support parallel.engine=deepspeed",
         ),
-        (["train.precision=fp8"], "does not support train.precision=fp8 yet"),
         (["model.recompute=full"], "does not support model.recompute=full with router losses yet"),
     ],
 )

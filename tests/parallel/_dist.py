@@ -21,6 +21,7 @@ from llmtrain.parallel import (
     Topology,
     apply_cp,
     apply_ep,
+    apply_float8,
     apply_recompute,
     apply_tp,
     build_optimizer,
@@ -114,6 +115,7 @@ def parallel_run(
         apply_tp(model, topo, job.parallel.sequence_parallel, job.train.seed)
         apply_ep(model, topo)
         apply_cp(model, topo, job.parallel.cp_comm)
+        apply_float8(model, topo, job.train)
         apply_recompute(model, job.model.recompute, job.model.recompute_layers)
         model, executor = build_pipeline(model, topo, job)
     else:

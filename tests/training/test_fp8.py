@@ -43,7 +43,7 @@ def test_conversion_swaps_block_linears_only_and_forward_tracks_bf16() -> None:
     job = tiny_job("llama", precision="fp8")
     torch.manual_seed(0)
     bf16 = models.build(job.model).to(torch.bfloat16)
-    fp8 = apply_float8(copy.deepcopy(bf16), "fp8")
+    fp8 = apply_float8(copy.deepcopy(bf16), Topology.single(), job.train)
     converted = _float8_modules(fp8)
     # q, k, v, o, gate_up and down in each of the 2 blocks; the LM head stays bf16.
     assert len(converted) == 12 and all(name.startswith("layers.") for name in converted), converted
@@ -77,11 +77,11 @@ def test_fp8_loss_curve_tracks_bf16() -> None:
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (dict(tp=2), "parallel.tp=2 uses llmtrain's own tensor-parallel layers"),
-        (dict(pp=2), "set parallel.pp=1"),
-        (dict(zero_stage=3), "use parallel.zero_stage 0 or 1"),
         (dict(hidden_size=72, num_attention_heads=4), "model.hidden_size to be a multiple of 16"),
-        (dict(seq_length=15), r"micro_batch_size x model.seq_length \(tokens per GEMM\)"),
+        # ffn 192 over tp=4: 48 a rank is fine, over tp=8 (8 heads of 8) 24 is not.
+        (dict(tp=8, num_attention_heads=8), r"model.num_attention_heads x head size / parallel.tp"),
+        (dict(cp=2, micro_batch_size=1), r"got 8;"),  # 16 tokens over 2 CP ranks
+        (dict(seq_length=15), r"micro_batch_size x model.seq_length / parallel.cp \(tokens per GEMM\)"),
     ],
 )
 def test_unsupported_fp8_layouts_are_rejected_at_config_time(overrides: dict, message: str) -> None:

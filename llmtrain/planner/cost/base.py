@@ -30,6 +30,9 @@ class CostBase:
         self.sw = software or Software()
         self.dev = cluster.device
         self.prec = workload.precision
+        # Under fp8 only the blocks' linear layers multiply in float8 (llmtrain.parallel.float8): attention,
+        # the router, the experts' grouped GEMM and the output layer run in bf16.
+        self.bf16_prec = "bf16" if self.prec == "fp8" else self.prec
         self.act_bytes = 4 if self.prec == "fp32" else 2
         self.params = F.parameter_counts(workload.model)
 

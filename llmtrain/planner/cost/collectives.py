@@ -41,7 +41,7 @@ COLUMN_PARALLEL_PER_LAYER = 4
 """Column-parallel linears fed by a layer's two TP regions: q, k and v (separate projections) after the
 input norm, the (fused gate-up, or up) projection after the post-attention norm. Under sequence parallelism
 each keeps only the sequence shard of its input and all-gathers it again in the backward
-(llmtrain.parallel.tensor_parallel._LinearSavingShard)."""
+(llmtrain.parallel.gemms.linear)."""
 
 
 def _gather_scatter(tp: int, activation: int) -> tuple[Comm, Comm]:

@@ -76,13 +76,15 @@ class LayerTime(CostBase):
             # Fused kernels (all_to_all, or each ring step's block pairs as flash attention): the same FLOPs.
             # The rank's queries against all keys (all_to_all: all tokens of a/cp heads): a cp-th of it.
             core_flops = 4.0 * tok * s * a * width
-            core_f = dev.attention_time(core_flops, prec)
-            core_b = 2.5 * dev.attention_time(core_flops, prec)  # flash backward recomputes QK^T: 5 matmuls
+            core_f = dev.attention_time(core_flops, self.bf16_prec)
+            # flash backward recomputes QK^T: 5 matmuls
+            core_b = 2.5 * dev.attention_time(core_flops, self.bf16_prec)
         else:
             scores = b * a * s * s
             # Fused scale-mask-softmax reads and writes the scores once; dropout adds a read, write and mask.
             softmax = scores * (2 * e + (2 * e + 1 if m.attention_dropout > 0 else 0))
-            core_f = dev.gemm_time(s, s, d, prec, batch=b * a) + dev.gemm_time(s, d, s, prec, batch=b * a)
+            core_f = dev.gemm_time(s, s, d, self.bf16_prec, batch=b * a)
+            core_f += dev.gemm_time(s, d, s, self.bf16_prec, batch=b * a)
             core_f += dev.memory_time(softmax, kernels=2)
             core_b = 2 * core_f
         # Memory-bound kernels: 2 norms, 2 residual adds (+ dropout), the activation function, rotary.
@@ -100,6 +102,10 @@ class LayerTime(CostBase):
             # from cache-sized activations to larger ones), where calibrated.
             elem = dev.memory_time(ref_f, kernels=6, tensor_bytes=e * nh)
             elem_b = dev.memory_time(ref_b, kernels=12, tensor_bytes=e * nh)
+        if prec == "fp8":
+            cast_f, cast_b = self._float8_cast_bytes(tp, tok)
+            elem += dev.memory_time(cast_f, kernels=4)
+            elem_b += dev.memory_time(cast_b, kernels=8)
         fwd = gemms + core_f + elem
         bwd = 2 * gemms + core_b + elem_b
         if recompute == "full":
@@ -159,12 +165,15 @@ class LayerTime(CostBase):
         fe, local, routing = m.expert_ffn_size, m.num_experts // ep, tok // tp
         rows = C.routed_rows(tok, m.num_experts_per_tok, tp) * self.sw.moe_imbalance
         per_expert = rows / local
-        routed = local * (dev.gemm_time(per_expert, 2 * fe, h, prec) + dev.gemm_time(per_expert, h, fe, prec))
+        grouped = self.bf16_prec  # the experts' grouped GEMM and the router stay bf16 under fp8
+        routed = local * (
+            dev.gemm_time(per_expert, 2 * fe, h, grouped) + dev.gemm_time(per_expert, h, fe, grouped)
+        )
         shared_f = fe * m.num_shared_experts
         shared = 0.0
         if shared_f:
             shared = dev.gemm_time(routing, 2 * shared_f, h, prec) + dev.gemm_time(routing, h, shared_f, prec)
-        moe = dev.gemm_time(routing, m.num_experts, h, prec) + routed + shared
+        moe = dev.gemm_time(routing, m.num_experts, h, grouped) + routed + shared
         # Per routed row of h: gather (read, write), concatenate (read, write), cast up (read e, write 4),
         # weight (read 4, write 4), cast down (read 4, write e), index-add (read, write).
         # Fused permute and unpermute (Software.fused_moe_permute): a read and a write of each row each way.
@@ -172,6 +181,40 @@ class LayerTime(CostBase):
         moe_bytes = 6 * e * (rows * fe + routing * shared_f) + per_row * rows * h
         share = moe_layers / m.num_layers
         return (1 - share) * dense + share * moe, (1 - share) * dense_bytes + share * moe_bytes
+
+    def _float8_cast_bytes(self, tp: int, tok: int) -> tuple[float, float]:
+        """(forward, backward) bytes of one layer's float8 casts (llmtrain.parallel.gemms): each cast reads
+        its bf16 operand for the amax, then reads it again and writes e4m3/e5m2, 5 bytes an element. A
+        linear layer casts its input and weight forward; backward the output gradient twice (input- and
+        weight-gradient GEMMs), the weight and the input again. The rank's linears (in, out features), of a
+        dense and a MoE layer averaged (whose shared experts see the 1/tp of the tokens the rank routes)."""
+        m = self.w.model
+        h, d = m.hidden_size, m.head_size
+        a, kv = m.num_attention_heads / tp, max(m.kv_heads / tp, 1)
+        if m.arch == "deepseek_v3":
+            down = F.latent_down_projection_params(m)
+            up = (F.latent_projection_params(m) - down) / (tp * h)
+            attn = [(h, up), (h, down / h), (a * m.v_head_dim, h)]
+        else:
+            attn = [(h, a * d), (h, kv * d), (h, kv * d), (a * d, h)]
+        width = 2 if F.is_gated(m) else 1
+        dense = [(h, width * m.ffn_size / tp), (m.ffn_size / tp, h)]
+        shared_f = m.expert_ffn_size * m.num_shared_experts if m.is_moe else 0
+        shared = [(h, 2 * shared_f), (shared_f, h)] if shared_f else []
+
+        def passes(linears: list[tuple[float, float]], t: float) -> tuple[float, float]:
+            fwd = sum(t * i + i * o for i, o in linears)
+            bwd = sum(2 * t * o + i * o + t * i for i, o in linears)
+            return 5 * fwd, 5 * bwd
+
+        share = F.moe_layer_count(m) / m.num_layers
+        attn_f, attn_b = passes(attn, tok)
+        dense_f, dense_b = passes(dense, tok)
+        moe_f, moe_b = passes(shared, tok / tp)
+        return (
+            attn_f + (1 - share) * dense_f + share * moe_f,
+            attn_b + (1 - share) * dense_b + share * moe_b,
+        )
 
     def _ring_core(self, tp: int, b: int, cp: int) -> tuple[float, float]:
         """(forward, backward) seconds of ring attention's blocks on one rank: 2cp+1 visible pairs of chunks
@@ -233,7 +276,7 @@ class LayerTime(CostBase):
         """(first stage: embedding, last stage: final norm, logits and cross-entropy) per micro-batch;
         `vocab_dp` > 1: the edges vocabulary-sharded over that many ZeRO ranks (the same FLOPs per rank, the
         group's tokens against its share of the vocabulary, plus collectives.vocab_sharded_edges)."""
-        m, dev, prec, e = self.w.model, self.dev, self.prec, self.act_bytes
+        m, dev, e = self.w.model, self.dev, self.act_bytes
         tok, h, vocab = b * self.w.seq // cp, m.hidden_size, m.vocab_size / tp
         size = e * tok * h
         # Device.memory_table times the reference path's operators: the fused kernels (a GPU's) keep the
@@ -244,7 +287,7 @@ class LayerTime(CostBase):
         first = PassCosts(emb_f, 2 * emb_f, emb_f, self._comm_time(emb.fwd), self._comm_time(emb.bwd))
         # The logits are the one output large enough to come fresh from the system on a CPU (the gradient
         # ones the cross-entropy writes are in its measured rate); a GPU's allocator reuses its blocks.
-        logits = dev.gemm_time(tok, vocab, h, prec)
+        logits = dev.gemm_time(tok, vocab, h, self.bf16_prec)  # the output layer stays bf16 under fp8
         logits_f = logits + dev.fresh_time(e * tok * vocab)
         # The fp32 softmax, loss and its gradient, in passes over the rank's logits (host_ops.CE_PASSES).
         ce_bytes = 4 * tok * vocab
