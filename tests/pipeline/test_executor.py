@@ -181,6 +181,41 @@ def test_every_arch_layout_and_schedule_matches_one_process(world):
     run_world(world, cases)
 
 
+# The V-shaped and interleaved zero-bubble schedules (issue 35), as few cases as cover each feature, at most
+# four processes: (arch, layers, tp, pp, dp, schedule, v, sp, zero, stage_layers, recompute_layers, micro,
+# batch). gpt's tied embedding sits at both ends of the V on rank 0 (one parameter there).
+FULL_SELECTIVE = ("full", "selective", "none", "full")
+V_CASES = {
+    2: [
+        ("gpt", 4, 1, 2, 1, "zb_v", 2),
+        ("llama", 4, 1, 2, 1, "dualpipe_v", 2, False, 0, (), FULL_SELECTIVE),  # recompute full / selective
+        ("ernie", 4, 1, 2, 1, "interleaved_zb", 2, False, 0, (), ("selective",) * 4),
+        ("gpt", 4, 1, 2, 1, "dualpipe_v", 2, False, 0, (), (), 1, 5),  # an odd count: 5 micro-batches
+        ("llama", 4, 1, 2, 1, "zb_v", 2, False, 0, (), (), 1, 1),  # fewer micro-batches (1) than ranks
+    ],
+    4: [
+        ("gpt", 8, 1, 4, 1, "zb_v", 2, False, 0, (), (), 1),  # pp=4, 8 micro-batches
+        ("llama", 8, 1, 4, 1, "dualpipe_v", 2, False, 0, (), (), 1),
+        ("ernie", 8, 1, 4, 1, "interleaved_zb", 2, False, 0, (), (), 1, 5),  # pp=4, odd: 5
+        ("ernie", 8, 1, 4, 1, "zb_v", 2, False, 0, (), (), 1, 3),  # pp=4, 3 micro-batches
+        ("gpt", 4, 2, 2, 1, "zb_v", 2, True),  # tp=2 + sequence parallelism
+        ("llama", 4, 2, 2, 1, "dualpipe_v", 2, True),
+        ("ernie", 4, 2, 2, 1, "interleaved_zb", 2, True),
+        ("gpt", 4, 1, 2, 2, "dualpipe_v", 2, False, 1, (), (), 1),  # dp=2, ZeRO-1
+        ("ernie", 4, 1, 2, 2, "zb_v", 2, False, 1),
+        ("llama", 4, 1, 2, 2, "zb_v", 2, False, 3),  # dp=2, ZeRO-3
+        ("llama", 4, 1, 2, 2, "dualpipe_v", 2, False, 3, (), (), 1),
+        ("llama", 4, 1, 2, 2, "interleaved_zb", 2, False, 3),
+    ],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", sorted(V_CASES))
+def test_v_and_interleaved_zero_bubble_schedules_match_one_process(world):
+    run_world(world, V_CASES[world])
+
+
 class GradientArrivals:
     """When each linear-layer weight (nn.Linear, TP column/row parallel) of a rank's stages receives its
     gradient, so a traced step shows which action computed it."""
