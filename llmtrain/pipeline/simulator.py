@@ -169,6 +169,21 @@ def check_complete(schedule: Schedule) -> None:
             )
 
 
+def held_and_owed(schedule: Schedule) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Per rank, the most (micro-batch, chunk) pairs whose forward ran and whose input gradient (B or I) has
+    not (their activations), and the most whose I ran and whose W has not (the weight-gradient stash)."""
+    held, owed = [], []
+    for rank in range(schedule.pp):
+        live = stash = peak_live = peak_stash = 0
+        for a in schedule.compute(rank):
+            live += {F: 1, B: -1, I: -1}.get(a.kind, 0)
+            stash += {I: 1, W: -1}.get(a.kind, 0)
+            peak_live, peak_stash = max(peak_live, live), max(peak_stash, stash)
+        held.append(peak_live)
+        owed.append(peak_stash)
+    return tuple(held), tuple(owed)
+
+
 def peak_inflight(schedule: Schedule) -> list[int]:
     """Per rank, the most (micro-batch, chunk) pairs whose forward ran and whose backward has not finished."""
     peaks = []

@@ -56,8 +56,7 @@ class StepCollectives(CostBase):
         moe_extra, routed, moe_partial = C.moe_layer_parameters(m, tp, ep)
         experts = 0
         emb, head = C.edge_layers(tp, sp, dp if edges_vocab_sharded(layout, m) else 1, activation, tok)
-        for chunk in range(v):
-            stage = chunk * pp + pp_rank
+        for stage in layout.rank_stages(pp_rank):
             first, last = stage == 0, stage == pp * v - 1
             layers = range(starts[stage], starts[stage + 1])
             for (mode, moe), n in Counter((modes[i], m.is_moe_layer(i)) for i in layers).items():
