@@ -410,3 +410,6 @@ def test_zb_v_bubble_is_below_1f1b_and_interleaved_at_equal_memory():
     assert one.bubble_fraction == pytest.approx((p - 1) / m)
     assert inter.bubble_fraction == pytest.approx((p - 1) / (2 * m))
     assert zbv.bubble_fraction < inter.bubble_fraction < one.bubble_fraction
+    # The fill of the V shrinks with more micro-batches: (p - 1) / (6 m), half at m = 16.
+    more = simulate(build_schedule("zb_v", p, 2 * m, 2), 0.5, 1.0, weight_grad=0.5)
+    assert more.bubble_fraction == pytest.approx((p - 1) / (6 * 2 * m))
