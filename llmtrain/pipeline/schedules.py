@@ -258,36 +258,27 @@ def _zb_v_rank(pp: int, n: int, rank: int) -> list[tuple[str, int, int]]:
     seq: list[tuple[str, int, int]] = []
     count = {(k, c): 0 for k in (F, I, W) for c in (0, 1)}
 
-    def act(kind: str, chunk: int) -> None:
-        seq.append((kind, count[(kind, chunk)], chunk))
-        count[(kind, chunk)] += 1
+    def act(*steps: tuple[str, int]) -> None:
+        for kind, chunk in steps:
+            seq.append((kind, count[(kind, chunk)], chunk))
+            count[(kind, chunk)] += 1
 
+    f0, f1, i0, i1, w0, w1 = (F, 0), (F, 1), (I, 0), (I, 1), (W, 0), (W, 1)
     for _ in range(2 * (pp - rank) - 1):
-        act(F, 0)
+        act(f0)
     for _ in range(rank):
-        act(F, 1)
-        act(F, 0)
+        act(f1, f0)
     for _ in range(pp - rank):
-        act(F, 1)
-        act(I, 1)
-        act(W, 1)
-    while count[(F, 1)] < count[(F, 0)] or count[(F, 0)] < n:
-        if count[(F, 0)] < n:
-            act(F, 0)
-        act(I, 0)
-        act(W, 0)
-        act(F, 1)
-        act(I, 1)
-        act(W, 1)
+        act(f1, i1, w1)
+    while count[f1] < count[f0] or count[f0] < n:
+        act(*([f0] if count[f0] < n else []), i0, w0, f1, i1, w1)
     for _ in range(rank):
-        act(I, 0)
-        act(I, 1)
+        act(i0, i1)
     for _ in range(pp - rank):
-        act(I, 0)
-        act(W, 0)
+        act(i0, w0)
     for chunk in (1, 0):
         while count[(W, chunk)] < count[(I, chunk)]:
-            act(W, chunk)
+            act((W, chunk))
     return seq
 
 
