@@ -1,9 +1,11 @@
 """Pipeline schedules on gloo: our executor against torch.distributed.pipelining, same stages, same data.
 
-For v = 1 and v = 2 every rank builds the same model and cuts the same chunks (balanced by FLOPs, as
-training does); our PipelineExecutor (1F1B / interleaved 1F1B, plus GPipe and ZB-H1) and torch's
-Schedule1F1B / ScheduleInterleaved1F1B then run the same micro-batches on those very modules, alternating
-step by step so both see the same machine load.
+For v = 1, v = 2 and the V placement (two chunks per rank, stages r and 2 pp - 1 - r) every rank builds
+the same model and cuts the same chunks (balanced by FLOPs, as training does); our PipelineExecutor (1F1B,
+interleaved 1F1B and interleaved zero-bubble, ZB-V, DualPipeV, plus GPipe and ZB-H1) and torch's
+Schedule1F1B, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble and
+ScheduleDualPipeV then run the same micro-batches on those very modules, alternating step by step so both
+see the same machine load.
 Prints median step times and our/torch ratios, and for our schedules the bubble fraction measured from a
 per-action trace beside the one the simulator predicts replaying the traced durations with the measured
 dispatch overhead and transfer latency; "traced/bound" is the traced step over the schedule's compute
@@ -91,10 +93,34 @@ def _simulate(schedule, spans: list[Span], free_transfers: bool = False) -> Simu
     return simulate(schedule, 1.0, 2.0, weight_grad=1.0, p2p=p2p, overhead=overhead, action_costs=durations)
 
 
+CONFIGS = [
+    (1, False, ["1f1b", "gpipe", "zb_h1"], ["Schedule1F1B"]),
+    (
+        2,
+        False,
+        ["interleaved_1f1b", "interleaved_zb"],
+        ["ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble"],
+    ),
+    (2, True, ["zb_v", "dualpipe_v"], ["ScheduleZBVZeroBubble", "ScheduleDualPipeV"]),
+]
+"""(chunks per rank, V placement, our schedules, torch's) run on one set of stages each."""
+ROWS = [
+    ("1f1b", "Schedule1F1B"),
+    ("interleaved_1f1b", "ScheduleInterleaved1F1B"),
+    ("interleaved_zb", "ScheduleInterleavedZeroBubble"),
+    ("zb_v", "ScheduleZBVZeroBubble"),
+    ("dualpipe_v", "ScheduleDualPipeV"),
+    ("gpipe", None),
+    ("zb_h1", None),
+]
+"""Printed rows: our schedule and torch's of the same order (None: torch has none)."""
+
+
 def _worker(rank: int, world: int, store: str, args: argparse.Namespace, results: dict) -> None:
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining import schedules as torch_schedules
 
     topo = Topology(ParallelConfig(pp=world), world, rank)
     cfg = ModelConfig(
@@ -112,24 +138,20 @@ def _worker(rank: int, world: int, store: str, args: argparse.Namespace, results
     micro = list(batch.split(b))
     shape = activation_shape(b, cfg.seq_length, cfg.hidden_size)
     out: dict[str, object] = {}
-    for v in (1, 2):
+    for v, v_shape, ours_names, theirs_names in CONFIGS:
         torch.manual_seed(1234)
         # The split training uses: layers balanced against the output layer's FLOPs.
-        stages = build_stages(build(cfg), topo, v, head_cost=head_cost_in_layers(cfg))
+        stages = build_stages(build(cfg), topo, v, head_cost=head_cost_in_layers(cfg), v_shape=v_shape)
         torch_stages = [
             PipelineStage(chunk, chunk.stage, world * v, torch.device("cpu"), group=topo.pp_group)
             for chunk in stages.chunks
         ]
-        if v == 1:
-            theirs = Schedule1F1B(torch_stages[0], m, loss_fn=_loss)
-            ours_names = ["1f1b", "gpipe", "zb_h1"]
-        else:
-            theirs = ScheduleInterleaved1F1B(torch_stages, m, loss_fn=_loss)
-            ours_names = ["interleaved_1f1b"]
+        holds_first = any(chunk.is_first for chunk in stages.chunks)
+        holds_last = any(chunk.is_last for chunk in stages.chunks)
 
-        def torch_step(theirs=theirs) -> None:
-            kwargs = {"target": batch[:, 1:]} if topo.is_last_stage else {}
-            if topo.is_first_stage:
+        def torch_step(theirs, first: bool = holds_first, last: bool = holds_last) -> None:
+            kwargs = {"target": batch[:, 1:]} if last else {}
+            if first:
                 theirs.step(batch[:, :-1], **kwargs)
             else:
                 theirs.step(**kwargs)
@@ -139,7 +161,10 @@ def _worker(rank: int, world: int, store: str, args: argparse.Namespace, results
             for name in ours_names
         }
         runs = {name: (lambda ex=ex: ex.run(micro)) for name, ex in executors.items()}
-        runs["torch"] = torch_step
+        for cls_name in theirs_names:
+            cls = getattr(torch_schedules, cls_name)
+            theirs = cls(torch_stages[0] if v == 1 else torch_stages, m, loss_fn=_loss)
+            runs[cls_name] = lambda theirs=theirs: torch_step(theirs)
         times: dict[str, list[float]] = {name: [] for name in runs}
         order = list(runs)
         for step in range(args.warmup + args.steps):
@@ -174,7 +199,8 @@ def _worker(rank: int, world: int, store: str, args: argparse.Namespace, results
                 ),
                 "spans": traced[-1],
             }
-        out[f"torch_v{v}"] = (statistics.median(times["torch"]), min(times["torch"]))
+        for cls_name in theirs_names:
+            out[cls_name] = (statistics.median(times[cls_name]), min(times[cls_name]))
     if rank == 0:
         results.update(out)
     dist.destroy_process_group()
@@ -215,12 +241,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{'schedule':<18}{'median s':>10}{'best s':>9}{'torch med':>10}{'torch best':>11}{'ratio med':>10}"
         f"{'ratio best':>11}{'bubble meas.':>14}{'bubble sim.':>13}{'traced/bound':>14}"
     )
-    for name, torch_key in (
-        ("1f1b", "torch_v1"),
-        ("interleaved_1f1b", "torch_v2"),
-        ("gpipe", None),
-        ("zb_h1", None),
-    ):
+    for name, torch_key in ROWS:
         row = r[name]
         line = f"{name:<18}{row['time']:10.4f}{row['best']:9.4f}"
         if torch_key:

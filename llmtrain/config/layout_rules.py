@@ -76,12 +76,58 @@ def pipeline_problem(num_layers: int, pp: int, virtual_stages: int = 1, schedule
             f"parallel.pp * parallel.virtual_stages = {chunks} exceeds model.num_layers={num_layers}; "
             "every model chunk needs at least one layer"
         )
-    if schedule == "interleaved_1f1b" and pp == 1:
-        return "parallel.schedule=interleaved_1f1b needs parallel.pp > 1"
-    if schedule not in (None, "interleaved_1f1b") and virtual_stages > 1:
+    if schedule in CHUNKED_SCHEDULES and pp == 1:
+        return f"parallel.schedule={schedule} needs parallel.pp > 1"
+    return schedule_problem(schedule, pp, virtual_stages) if schedule is not None else ""
+
+
+V_SCHEDULES = ("zb_v", "dualpipe_v")
+"""Pipeline schedules placing two chunks per rank in a V (rank r: stages r and 2 pp - 1 - r)."""
+CHUNKED_SCHEDULES = ("interleaved_1f1b", "interleaved_zb")
+"""Pipeline schedules taking any number of chunks per rank (parallel.virtual_stages)."""
+
+
+def schedule_problem(schedule: str, pp: int, virtual_stages: int) -> str:
+    """Why `schedule` cannot run on `pp` ranks of `virtual_stages` chunks each, naming the field and what
+    works ("" if it can)."""
+    for name, value in (("pp", pp), ("virtual_stages", virtual_stages)):
+        if value < 1:
+            return f"parallel.{name} must be at least 1; got {value}"
+    if schedule in V_SCHEDULES:
+        if pp == 1:
+            return (
+                f"parallel.schedule={schedule} places two chunks per rank in a V across ranks and needs "
+                "parallel.pp > 1; use parallel.schedule=1f1b for one pipeline rank"
+            )
+        if virtual_stages != 2:
+            return (
+                f"parallel.schedule={schedule} runs exactly two chunks per rank (a V); set "
+                f"parallel.virtual_stages=2 (got {virtual_stages})"
+            )
+        return ""
+    if schedule not in CHUNKED_SCHEDULES and virtual_stages > 1:
         return (
-            f"parallel.virtual_stages={virtual_stages} needs parallel.schedule=interleaved_1f1b "
-            f"(got {schedule}); set virtual_stages=1 or change the schedule"
+            f"parallel.virtual_stages={virtual_stages} needs parallel.schedule=interleaved_1f1b or "
+            f"interleaved_zb (got {schedule}); set virtual_stages=1 or change the schedule"
+        )
+    return ""
+
+
+def microbatch_problem(schedule: str, pp: int, num_micro: int, virtual_stages: int) -> str:
+    """Why `schedule` cannot run `num_micro` micro-batches per step on `pp` ranks ("" if it can), naming
+    the fields and the counts that work."""
+    counted = "train.global_batch_size / (train.micro_batch_size * dp)"
+    if schedule in CHUNKED_SCHEDULES and virtual_stages > 1 and num_micro < pp:
+        return (
+            f"parallel.schedule={schedule} needs at least parallel.pp={pp} micro-batches per step; got "
+            f"{num_micro}. Raise {counted} to >= {pp}, lower parallel.pp, or use parallel.schedule=zb_v "
+            "(any count)"
+        )
+    if schedule == "dualpipe_v" and num_micro < 2 * pp:
+        return (
+            f"parallel.schedule=dualpipe_v needs at least 2 * parallel.pp = {2 * pp} micro-batches per "
+            f"step; got {num_micro}. Raise {counted} to >= {2 * pp}, or use parallel.schedule=zb_v "
+            "(any count)"
         )
     return ""
 

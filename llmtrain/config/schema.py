@@ -13,7 +13,7 @@ from typing import Literal
 Arch = Literal["gpt", "llama", "ernie", "mixtral", "qwen3_moe", "ernie_moe", "deepseek_v3"]
 KernelImpl = Literal["auto", "triton", "torch"]
 Recompute = Literal["none", "selective", "full"]
-Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zb_h1"]
+Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_v", "dualpipe_v", "interleaved_zb"]
 Precision = Literal["fp32", "bf16", "fp16", "fp8"]
 LrDecay = Literal["cosine", "linear", "constant"]
 CompileMode = Literal["none", "blocks"]
@@ -222,9 +222,9 @@ class ParallelConfig:
     grad_reduce: GradReduce = "microbatch"
     """zero_stage 2/3: reduce gradients after every micro-batch, or once a step (4 bytes/param more)."""
     schedule: Schedule = "1f1b"
-    """Pipeline schedule: gpipe, 1f1b, interleaved_1f1b or zb_h1."""
+    """Pipeline schedule: gpipe, 1f1b, interleaved_1f1b, zb_h1, zb_v, dualpipe_v or interleaved_zb."""
     virtual_stages: int = 1
-    """Model chunks per pipeline rank (interleaved_1f1b uses more than one)."""
+    """Model chunks per pipeline rank (interleaved_1f1b/interleaved_zb: any; zb_v/dualpipe_v: 2)."""
     balance_stages: bool = True
     """Split layers over pipeline stages by FLOPs, the output layer counted on the last (false: evenly)."""
     stage_layers: list[int] = field(default_factory=list)

@@ -21,6 +21,7 @@ from llmtrain.config.errors import ConfigError
 from llmtrain.config.layout_rules import (
     context_parallel_problem,
     layer_plan_problem,
+    microbatch_problem,
     pipeline_problem,
     tensor_parallel_problem,
     uneven_batch_problem,
@@ -95,6 +96,9 @@ def validate(job: JobConfig) -> None:
     )
     raise_if_problem(tensor_parallel_problem(m, p.tp, p.sequence_parallel))
     raise_if_problem(pipeline_problem(m.num_layers, p.pp, p.virtual_stages, p.schedule))
+    if p.dp and t.micro_batch_size >= 1 and p.pp > 1:  # the micro-batch count is known once dp is
+        num_micro = t.global_batch_size // (t.micro_batch_size * p.dp)
+        raise_if_problem(microbatch_problem(p.schedule, p.pp, num_micro, p.virtual_stages))
     raise_if_problem(
         layer_plan_problem(m.num_layers, p.pp * p.virtual_stages, m.recompute_layers, p.stage_layers)
     )

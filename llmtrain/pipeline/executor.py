@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from llmtrain.config.layout_rules import V_SCHEDULES
 from llmtrain.config.schema import JobConfig
 from llmtrain.models.moe import RouterFigures
 from llmtrain.parallel import comm
@@ -180,6 +181,25 @@ def _split_linear_forward(split: _SplitBackward, module: nn.Linear, x: torch.Ten
     return _split_linear(split, plain, None, gemms, x, module.weight, module.bias)
 
 
+def _mixed_backward(actions: Sequence[Action]) -> bool:
+    """True when a chunk runs both full backwards (B) and split ones (I, W) in ``actions``."""
+    kinds: dict[int, set[bool]] = {}
+    for a in actions:
+        if a.kind in (B, I):
+            kinds.setdefault(a.chunk, set()).add(a.kind == B)
+    return any(len(k) > 1 for k in kinds.values())
+
+
+def _shared_across_chunks(stages: PipelineStages) -> bool:
+    """True when two chunks of ``stages`` hold the same parameter (a tied embedding at both ends of a V)."""
+    owners: dict[int, int] = {}
+    for c, chunk in enumerate(stages.chunks):
+        for p in chunk.parameters():
+            if owners.setdefault(id(p), c) != c:
+                return True
+    return False
+
+
 class PipelineExecutor:
     """Runs ``schedule`` on this rank's ``stages``: forward and backward of one step, no optimizer step."""
 
@@ -193,6 +213,13 @@ class PipelineExecutor:
         device: torch.device | str | None = None,
         lookahead: int = 2,
     ) -> None:
+        placed = [schedule.stage(topo.pp_rank, c) for c in range(len(stages.chunks))]
+        if placed != [chunk.stage for chunk in stages.chunks]:
+            raise ValueError(
+                f"schedule {schedule.name} places stages {placed} on pipeline rank {topo.pp_rank} but its "
+                f"chunks hold {[chunk.stage for chunk in stages.chunks]}; build the stages with "
+                "v_shape=True for a V schedule (build_pipeline does)"
+            )
         if schedule.pp != topo.pp or len(stages.chunks) != schedule.virtual_stages:
             raise ValueError(
                 f"schedule {schedule.name} is for pp={schedule.pp}, v={schedule.virtual_stages} but the "
@@ -225,7 +252,11 @@ class PipelineExecutor:
         # backward that is I's, before the deferred W. So with FSDP only the chunk's last action, a W,
         # synchronises: every W ends as the backward it was split from would (fsdp.finish_backward), which
         # there reduce-scatters every unit once the last weight gradient is in, and elsewhere folds the
-        # low-precision weight gradients into FSDP's fp32 accumulators, as each I does.
+        # low-precision weight gradients into FSDP's fp32 accumulators, as each I does. Flat buffers count
+        # one arrival per parameter, so where a parameter's gradient comes from two kinds of the last
+        # actions -- a chunk running both B and I/W (dualpipe_v), or a weight shared by two chunks of this
+        # rank (a tied embedding at both ends of a V) -- no action synchronises: the optimizer's finish
+        # launches every bucket at the step's end.
         self._fsdp = is_fsdp(stages)
         self._final: set[Action] = set()
         seen: set[tuple[str, int] | int] = set()
@@ -234,6 +265,8 @@ class PipelineExecutor:
             if a.kind in (B, I, W) and scope not in seen:
                 seen.add(scope)
                 self._final.add(a)
+        if not self._fsdp and (_mixed_backward(self.actions) or _shared_across_chunks(stages)):
+            self._final = set()
         if topo.pp == 1 and schedule.virtual_stages > 1:
             raise ValueError(
                 "parallel.virtual_stages > 1 needs parallel.pp > 1 (chunks hand activations to the next rank)"
@@ -391,6 +424,9 @@ class PipelineExecutor:
                     store = inputs if t.kind == RECV_F else grads_in
                     store[(t.microbatch, t.chunk)] = recv_bufs.pop(j)
             previous = i
+            local = self._local_neighbour(a)
+            if local is not None and a.kind == "F":  # the V's bottom turn: the input is on this rank
+                inputs[key] = outputs[(a.microbatch, local)].detach()
             start = time.perf_counter()
             chunk = chunks[a.chunk]
             self._split.building = s.split_backward and a.kind in ("F", I)
@@ -410,6 +446,8 @@ class PipelineExecutor:
                                 finish_backward(chunk)
                         else:
                             self._backward(a, key, chunk, outputs, grads_in, deferred, m)
+                            if local is not None:  # the input's gradient, for the previous chunk here
+                                grads_in[(a.microbatch, local)] = inputs.pop(key).grad
             finally:
                 self._split.building = False
             if self.trace is not None:
@@ -440,6 +478,16 @@ class PipelineExecutor:
             return loss
         terms, self.router_figures = router.finish(m)
         return loss + terms.cpu()
+
+    def _local_neighbour(self, a: Action) -> int | None:
+        """The chunk of this rank holding the stage before ``a``'s (the bottom of a V), whose output a
+        forward takes and to which a backward hands its input's gradient without a transfer; else None."""
+        s = self.schedule
+        stage = s.stage(self.topo.pp_rank, a.chunk)
+        if a.kind == W or stage == 0 or self.topo.pp == 1:
+            return None
+        rank, chunk = s.location(stage - 1)
+        return chunk if rank == self.topo.pp_rank else None
 
     def _forward(
         self, chunk: nn.Module, micro: torch.Tensor, received: torch.Tensor | None, forward_only: bool
@@ -489,7 +537,7 @@ class PipelineExecutor:
         value = torch.stack(losses).sum() / m if losses else torch.zeros((), dtype=torch.float32)
         value = value.to(self.device)
         if self.topo.pp > 1:
-            last = self._global(self.topo.pp - 1)
+            last = self._global(self.schedule.location(self.schedule.num_stages - 1)[0])
             comm.broadcast(value, src=last, group=self.topo.pp_group, detail="loss from the last stage")
         # On NCCL the broadcast returns at once; a stage that never sends shows at this host sync.
         with self.topo.watchdog.waiting("pp", "host sync", "loss from the last stage"):
@@ -539,6 +587,7 @@ def build_pipeline(
         head_cost=head_cost,
         sequence_parallel=p.sequence_parallel,
         stage_layers=p.stage_layers,
+        v_shape=p.schedule in V_SCHEDULES,
     )
     if p.zero_stage >= 2:  # FSDP2 shards the meta stages: materialize then allocates only this rank's shards
         apply_data_parallel(stages, topo, job)

@@ -13,7 +13,8 @@ ranks sit idle, ``(p-1)/(m+p-1)`` for 1F1B.
 
 In-flight micro-batches (activation memory): per rank, the most (micro-batch, chunk) pairs whose forward has
 run and whose backward has not finished (B, or W when the backward is split, conservatively keeping
-everything until the weight gradient is done).
+everything until the weight gradient is done). A schedule may mix both forms (dualpipe_v): each (micro-batch,
+chunk) runs either B or I then W.
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ def check_complete(schedule: Schedule) -> None:
     if len(schedule.actions) != pp:
         raise ScheduleError(f"{schedule.name}: {len(schedule.actions)} action lists for pp={pp} ranks")
     split = schedule.split_backward
-    needed = (F, I, W) if split else (F, B)
+    allowed = (F, B, I, W) if split else (F, B)
     last = schedule.num_stages - 1
     sends: dict[tuple[str, int, int], int] = {}
     recvs: dict[tuple[str, int, int], int] = {}
@@ -121,8 +122,8 @@ def check_complete(schedule: Schedule) -> None:
             where = _Where(schedule.name, rank, pos, a)
             if not (0 <= a.microbatch < m and 0 <= a.chunk < v):
                 raise ScheduleError(f"{where}: micro-batch or chunk out of range (m={m}, v={v})")
-            if a.kind not in needed and a.is_compute:
-                raise ScheduleError(f"{where}: kind {a.kind} not expected in a schedule using {needed}")
+            if a.kind not in allowed and a.is_compute:
+                raise ScheduleError(f"{where}: kind {a.kind} not expected in a schedule using {allowed}")
             key = (a.kind, a.microbatch, a.chunk)
             if key in seen:
                 raise ScheduleError(f"{where}: duplicate of action {seen[key]}")
@@ -134,11 +135,15 @@ def check_complete(schedule: Schedule) -> None:
                     raise ScheduleError(f"{where}: peer should hold stage {stage_peer}")
                 book = sends if a.kind.startswith("SEND") else recvs
                 book[(a.kind[-1], a.microbatch, schedule.stage(rank, a.chunk))] = rank
-        for kind in needed:
-            for mb in range(m):
-                for c in range(v):
+        for mb in range(m):
+            for c in range(v):
+                # F, then either the full backward B or its halves I and W.
+                has_b = (B, mb, c) in seen
+                for kind in (F,) + ((B,) if has_b or not split else (I, W)):
                     if (kind, mb, c) not in seen:
                         raise ScheduleError(f"{schedule.name}: rank {rank} never runs {kind}{mb}.{c}")
+                if has_b and ((I, mb, c) in seen or (W, mb, c) in seen):
+                    raise ScheduleError(f"{schedule.name}: rank {rank} runs B{mb}.{c} and its I or W")
         # Local order: backward after forward, W after I.
         for (kind, mb, c), pos in seen.items():
             before = {B: F, I: F, W: I}.get(kind)
@@ -164,9 +169,23 @@ def check_complete(schedule: Schedule) -> None:
             )
 
 
+def held_and_owed(schedule: Schedule) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Per rank, the most (micro-batch, chunk) pairs whose forward ran and whose input gradient (B or I) has
+    not (their activations), and the most whose I ran and whose W has not (the weight-gradient stash)."""
+    held, owed = [], []
+    for rank in range(schedule.pp):
+        live = stash = peak_live = peak_stash = 0
+        for a in schedule.compute(rank):
+            live += {F: 1, B: -1, I: -1}.get(a.kind, 0)
+            stash += {I: 1, W: -1}.get(a.kind, 0)
+            peak_live, peak_stash = max(peak_live, live), max(peak_stash, stash)
+        held.append(peak_live)
+        owed.append(peak_stash)
+    return tuple(held), tuple(owed)
+
+
 def peak_inflight(schedule: Schedule) -> list[int]:
     """Per rank, the most (micro-batch, chunk) pairs whose forward ran and whose backward has not finished."""
-    done_kind = W if schedule.split_backward else B
     peaks = []
     for rank in range(schedule.pp):
         live = peak = 0
@@ -174,7 +193,7 @@ def peak_inflight(schedule: Schedule) -> list[int]:
             if a.kind == F:
                 live += 1
                 peak = max(peak, live)
-            elif a.kind == done_kind:
+            elif a.kind in (B, W):
                 live -= 1
         peaks.append(peak)
     return peaks
@@ -198,7 +217,6 @@ def simulate(
     Raises ScheduleError on an incomplete schedule, a dependency violation or a deadlock."""
     check_complete(schedule)
     pp, v = schedule.pp, schedule.virtual_stages
-    split = schedule.split_backward
     fwd = _cost_lookup("forward", forward, pp, v)
     bwd = _cost_lookup("backward", backward, pp, v)
     wgt = _cost_lookup("weight_grad", weight_grad, pp, v) if weight_grad is not None else None
@@ -244,17 +262,17 @@ def simulate(
                     received[rank].add((a.kind[-1], a.microbatch * v + a.chunk))
                     events.append(Event(rank, a, clock[rank], clock[rank]))
                 elif a.kind in (SEND_F, SEND_B):
-                    produced = F if a.kind == SEND_F else (I if split else B)
-                    if (produced, a.microbatch, a.chunk) not in done[rank]:
+                    produced = (F,) if a.kind == SEND_F else (I, B)
+                    if not any((k, a.microbatch, a.chunk) in done[rank] for k in produced):
                         raise ScheduleError(
                             f"{schedule.name}: rank {rank} runs {a} before computing "
-                            f"{produced}{a.microbatch}.{a.chunk}"
+                            f"{'/'.join(produced)}{a.microbatch}.{a.chunk}"
                         )
                     dst = stage + 1 if a.kind == SEND_F else stage - 1
                     arrivals[(a.kind[-1], a.microbatch, dst)] = clock[rank] + lat(rank, a.chunk)
                     events.append(Event(rank, a, clock[rank], clock[rank]))
                 else:
-                    _check_inputs(schedule, split, rank, a, stage, last, done, received)
+                    _check_inputs(schedule, rank, a, stage, last, done, received)
                     start = clock[rank] + (overhead if done[rank] else 0.0)
                     clock[rank] = start + duration(rank, a)
                     busy[rank] += clock[rank] - start
@@ -283,7 +301,6 @@ def simulate(
 
 def _check_inputs(
     schedule: Schedule,
-    split: bool,
     rank: int,
     a: Action,
     stage: int,
@@ -312,10 +329,9 @@ def _check_inputs(
         if stage < last:
             next_rank, next_chunk = schedule.location(stage + 1)
             if next_rank == rank:
-                produced = I if split else B
                 need(
-                    (produced, a.microbatch, next_chunk) in done[rank],
-                    f"{produced}{a.microbatch}.{next_chunk} on the same rank",
+                    any((k, a.microbatch, next_chunk) in done[rank] for k in (I, B)),
+                    f"I/B{a.microbatch}.{next_chunk} on the same rank",
                 )
             else:
                 need(("B", slot) in received[rank], f"receiving its output gradient from rank {next_rank}")

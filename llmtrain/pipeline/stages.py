@@ -1,8 +1,10 @@
 """Cutting a CausalLM into pipeline chunks: which layers go where, and the chunk modules themselves.
 
 Stage ``s`` of ``pp * v`` holds a contiguous run of layers; the first also embeds, the last also applies
-the final norm, the LM head and the loss. Rank ``r`` holds chunks ``c = 0..v-1`` = stages ``c * pp + r``
-(the layout of ``schedules.py``). With tied embeddings and the first and last stage on different ranks,
+the final norm, the LM head and the loss. Rank ``r`` holds chunks ``c = 0..v-1`` = stages ``c * pp + r``,
+or in a V (zb_v, dualpipe_v) stages ``r`` and ``2 pp - 1 - r`` (the layouts of ``schedules.py``); the V
+puts the first and the last stage on rank 0, where a tied embedding stays one parameter. With tied
+embeddings and the first and last stage on different ranks,
 the last stage gets its own copy of the embedding matrix for its head: both copies start equal (broadcast
 from the first stage) and their gradients are summed over the pair of ranks before the optimizer step.
 """
@@ -25,6 +27,7 @@ from llmtrain.parallel import comm
 from llmtrain.parallel.fsdp import local_tensor
 from llmtrain.parallel.topology import Topology
 from llmtrain.pipeline.partition import partition_layers
+from llmtrain.pipeline.schedules import rank_of_stage, stage_of
 
 
 class _ModelShell:
@@ -180,20 +183,22 @@ def build_stages(
     head_cost: float = 0.0,
     sequence_parallel: bool = False,
     stage_layers: Sequence[int] = (),
+    v_shape: bool = False,
 ) -> PipelineStages:
     """This pipeline rank's chunks of ``model`` (already tensor-parallel if tp > 1). Every rank must have
     built the same model, or a meta one; the layers of other ranks are dropped with ``model``.
-    ``stage_layers`` (parallel.stage_layers), when given, fixes the layers per chunk."""
+    ``stage_layers`` (parallel.stage_layers), when given, fixes the layers per chunk; ``v_shape`` places
+    the chunks in a V (the zb_v and dualpipe_v schedules)."""
     pp, v = topo.pp, virtual_stages
     num_stages = pp * v
     ranges = partition_layers(len(model.layers), num_stages, layer_costs, embed_cost, head_cost, stage_layers)
     shell = _ModelShell(model)
     seq_shards = topo.tp if sequence_parallel else 1
     tied = model.config.tied_embeddings and model.lm_head.weight is model.embed_tokens.weight
-    last_rank = (num_stages - 1) % pp
+    last_rank = rank_of_stage(v_shape, pp, num_stages - 1)[0]
     tied_param = None
     tied_group = None
-    if tied and pp > 1:
+    if tied and last_rank != 0:
         tied_group = _tied_pair_group(topo)
         if topo.pp_rank == last_rank:
             # The head's own copy: same values (broadcast below), marked so the global gradient norm
@@ -212,12 +217,8 @@ def build_stages(
             first = topo.rank_of(pp_rank=0)
             with torch.no_grad():
                 comm.broadcast(tied_param.data, src=first, group=tied_group, detail="tied embedding")
-    chunks = [
-        StageModule(
-            model, shell, c * pp + topo.pp_rank, num_stages, ranges[c * pp + topo.pp_rank], seq_shards
-        )
-        for c in range(v)
-    ]
+    mine = [stage_of(v_shape, pp, topo.pp_rank, c) for c in range(v)]
+    chunks = [StageModule(model, shell, s, num_stages, ranges[s], seq_shards) for s in mine]
     return PipelineStages(chunks, tied_group, tied_param)
 
 

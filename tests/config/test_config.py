@@ -76,6 +76,7 @@ def test_dump_round_trips(tmp_path):
         ("train.micro_batch_size=5", "not a multiple of train.micro_batch_size=5"),
         ("parallel.virtual_stages=2", "needs parallel.schedule=interleaved_1f1b"),
         ("parallel.zero_stage=4", "parallel.zero_stage must be 0, 1, 2 or 3"),
+        ("parallel.schedule=zb_v", "parallel.schedule=zb_v .*needs parallel.pp > 1"),
         ("data.split=1,2", "data.split must be three"),
         ("logging.profile_steps=[5,2]", "logging.profile_steps must be [first, last]"),
         ("train.lr=0", "train.lr must be positive"),
@@ -84,6 +85,31 @@ def test_dump_round_trips(tmp_path):
 def test_bad_values_name_field_and_fix(override, expected):
     with pytest.raises(ConfigError, match=expected.replace("[", r"\[").replace("]", r"\]")):
         load(None, [override])
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (
+            ["parallel.schedule=zb_v"],
+            "zb_v runs exactly two chunks per rank (a V); set parallel.virtual_stages=2",
+        ),
+        (
+            ["parallel.schedule=dualpipe_v", "parallel.virtual_stages=3"],
+            "set parallel.virtual_stages=2 (got 3)",
+        ),
+        (
+            ["parallel.schedule=dualpipe_v", "parallel.virtual_stages=2", "parallel.dp=1"],
+            "dualpipe_v needs at least 2 * parallel.pp = 4 micro-batches per step; got 2",
+        ),
+    ],
+)
+def test_v_schedules_refuse_what_they_cannot_run(overrides, expected):
+    # Two pipeline ranks, 8 layers, a global batch of 2 micro-batches on one data-parallel replica.
+    base = ["parallel.pp=2", "model.num_layers=8", "train.global_batch_size=2", "train.micro_batch_size=1"]
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        load(None, [*base, *overrides])
+    assert load(None, [*base, "parallel.schedule=zb_v", "parallel.virtual_stages=2"]).parallel.pp == 2
 
 
 @pytest.mark.parametrize(

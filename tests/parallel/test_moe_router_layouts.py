@@ -26,6 +26,7 @@ LAYOUTS = {
     4: [
         (dict(pp=2, ep=2), "sgd"),
         (dict(pp=2, ep=2, **INTERLEAVED), "adamw"),
+        (dict(pp=2, ep=2, schedule="zb_v", virtual_stages=2, num_layers=4), "adamw"),  # the V, experts split
         (dict(pp=2, cp=2), "sgd"),
         (dict(tp=2, cp=2, sequence_parallel=True), "sgd"),
         # FSDP2 (ZeRO-3 and ZeRO-2) on pipeline stages: the router losses' gradients through sharded routers.

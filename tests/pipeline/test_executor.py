@@ -47,6 +47,8 @@ def make_job(
     zero: int = 0,
     stage_layers: tuple[int, ...] = (),
     recompute_layers: tuple[str, ...] = (),
+    micro: int = MICRO,
+    batch: int = 8,
 ) -> JobConfig:
     model = ModelConfig(
         arch=arch, num_layers=layers, hidden_size=32, num_attention_heads=4, num_kv_heads=2, vocab_size=64,
@@ -65,7 +67,7 @@ def make_job(
     # to lr^2, against lr for the rounding the bounds cover; at 1e-2 the former overtook the latter by
     # step 3 in the 8-layer model (gradient error 8e-5 against 5e-6 relative, torch's own fp32 run too).
     train = TrainConfig(
-        lr=1e-3, warmup_steps=0, micro_batch_size=MICRO, global_batch_size=8, grad_clip=1.0, adam_eps=1e-4
+        lr=1e-3, warmup_steps=0, micro_batch_size=micro, global_batch_size=batch, grad_clip=1.0, adam_eps=1e-4
     )
     return JobConfig(model=model, parallel=parallel, train=train)
 
@@ -94,16 +96,16 @@ def run(job: JobConfig, topo: Topology, trace: bool = False, setup: Any = None) 
 
 
 @functools.cache
-def reference(arch: str, layers: int) -> Reference:
+def reference(arch: str, layers: int, batch: int = 8) -> Reference:
     """The float64 run (it does not depend on the layout), with the held-out loss after the last step."""
-    job = make_job(arch, layers)
+    job = make_job(arch, layers, batch=batch)
     return torch_reference(
         job, [data(job, step) for step in range(STEPS)], job.train.lr, held_out=data(job, STEPS)
     )
 
 
 def check(case: str, job: JobConfig, result: dict) -> None:
-    failures = reference(job.model.arch, job.model.num_layers).check(
+    failures = reference(job.model.arch, job.model.num_layers, job.train.global_batch_size).check(
         case, result["losses"], result["grad_norms"], result["state"]
     )
     assert not failures, "\n".join(failures)
@@ -136,7 +138,7 @@ def _worker(rank: int, world: int, store: str, cases: list, refs: list, results:
 
 
 def run_world(world: int, cases: list) -> None:
-    refs = [reference(case[0], case[1]) for case in cases]
+    refs = [reference(case[0], case[1], make_job(*case).train.global_batch_size) for case in cases]
     with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
         results = manager.dict()
         store = os.path.join(tmp, "store")
@@ -177,6 +179,41 @@ def test_every_arch_layout_and_schedule_matches_one_process(world):
         for schedule, v in (("1f1b", 1), ("interleaved_1f1b", 2))
     ]
     run_world(world, cases)
+
+
+# The V-shaped and interleaved zero-bubble schedules (issue 35), as few cases as cover each feature, at most
+# four processes: (arch, layers, tp, pp, dp, schedule, v, sp, zero, stage_layers, recompute_layers, micro,
+# batch). gpt's tied embedding sits at both ends of the V on rank 0 (one parameter there).
+FULL_SELECTIVE = ("full", "selective", "none", "full")
+V_CASES = {
+    2: [
+        ("gpt", 4, 1, 2, 1, "zb_v", 2),
+        ("llama", 4, 1, 2, 1, "dualpipe_v", 2, False, 0, (), FULL_SELECTIVE),  # recompute full / selective
+        ("ernie", 4, 1, 2, 1, "interleaved_zb", 2, False, 0, (), ("selective",) * 4),
+        ("gpt", 4, 1, 2, 1, "dualpipe_v", 2, False, 0, (), (), 1, 5),  # an odd count: 5 micro-batches
+        ("llama", 4, 1, 2, 1, "zb_v", 2, False, 0, (), (), 1, 1),  # fewer micro-batches (1) than ranks
+    ],
+    4: [
+        ("gpt", 8, 1, 4, 1, "zb_v", 2, False, 0, (), (), 1),  # pp=4, 8 micro-batches
+        ("llama", 8, 1, 4, 1, "dualpipe_v", 2, False, 0, (), (), 1),
+        ("ernie", 8, 1, 4, 1, "interleaved_zb", 2, False, 0, (), (), 1, 5),  # pp=4, odd: 5
+        ("ernie", 8, 1, 4, 1, "zb_v", 2, False, 0, (), (), 1, 3),  # pp=4, 3 micro-batches
+        ("gpt", 4, 2, 2, 1, "zb_v", 2, True),  # tp=2 + sequence parallelism
+        ("llama", 4, 2, 2, 1, "dualpipe_v", 2, True),
+        ("ernie", 4, 2, 2, 1, "interleaved_zb", 2, True),
+        ("gpt", 4, 1, 2, 2, "dualpipe_v", 2, False, 1, (), (), 1),  # dp=2, ZeRO-1
+        ("ernie", 4, 1, 2, 2, "zb_v", 2, False, 1),
+        ("llama", 4, 1, 2, 2, "zb_v", 2, False, 3),  # dp=2, ZeRO-3
+        ("llama", 4, 1, 2, 2, "dualpipe_v", 2, False, 3, (), (), 1),
+        ("llama", 4, 1, 2, 2, "interleaved_zb", 2, False, 3),
+    ],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", sorted(V_CASES))
+def test_v_and_interleaved_zero_bubble_schedules_match_one_process(world):
+    run_world(world, V_CASES[world])
 
 
 class GradientArrivals:

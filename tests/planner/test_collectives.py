@@ -131,6 +131,8 @@ MODEL_PARALLEL = {
     "pp-1f1b-tied": ("gpt", 2, dict(pp=2)),
     "pp-interleaved": ("llama", 2, dict(pp=2, schedule="interleaved_1f1b", virtual_stages=2, num_layers=4)),
     "zb_h1-tp-sp": ("llama", 4, dict(tp=2, pp=2, schedule="zb_h1", sequence_parallel=True)),
+    # ZB-V: the tied embedding at both ends of the V on rank 0 (no pair to sum), the V's bottom local.
+    "zb_v-tied": ("gpt", 2, dict(pp=2, schedule="zb_v", virtual_stages=2, num_layers=4)),
     # tp=4 over 2 kv heads: each kv head on two ranks, their k/v gradients summed by one all-gather.
     "tp4-kv-replicas-sp": ("llama", 4, dict(tp=4, sequence_parallel=True)),
     "per-layer-plan": (

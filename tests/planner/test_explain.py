@@ -99,3 +99,22 @@ def test_every_runner_up_family_appears_once_and_the_chosen_family_not_at_all():
     for est, line in expl.runners_up:
         if est.fits:
             assert line.startswith(f"{est.step_time - result.best.step_time:+.3f} s")
+
+
+def test_zb_v_is_chosen_when_few_micro_batches_leave_a_large_bubble_and_the_explanation_says_why():
+    # 8 layers on pp=4, dp=2, a global batch of 6: 3 micro-batches per step, fewer than pp, which the
+    # interleaved schedules refuse; ZB-V's split backward fills most of the bubble at 1F1B's activations.
+    model = ModelConfig(
+        arch="llama", num_layers=8, hidden_size=4096, num_attention_heads=32, num_kv_heads=8,
+        vocab_size=32000, seq_length=4096,
+    )  # fmt: skip
+    fixed = {"pp": 4, "micro_batch": 1, "recompute": "selective", "zero_stage": 1}
+    result = plan(Workload(model, 6), H100, 8, fixed=fixed, method="exhaustive")
+    assert result.best.layout.schedule == "zb_v"
+    expl = explain(result, H100.view(8))
+    others = {e.layout.schedule: e for e, _ in expl.schedules}
+    assert {"1f1b", "zb_h1"} <= set(others)
+    assert all(e.pp_bubble > result.best.pp_bubble for e in others.values())
+    text = format_explanation(expl, "bf16", "H100")
+    assert "zb_v wins over the other pipeline schedules of this layout" in text
+    assert expl.as_dict()["schedules"][0]["against_chosen"].startswith("+")

@@ -54,8 +54,8 @@ class CostBase:
         return self._max_layers_per_rank(layout) * layer_parameters(self.w.model, layout.tp, layout.ep)[1]
 
     def _max_layers_per_rank(self, layout: Layout) -> int:
-        pp, v, stages = layout.pp, layout.virtual_stages, self.chunk_layers(layout)
-        return max(sum(stages[c * pp + r] for c in range(v)) for r in range(pp))
+        stages = self.chunk_layers(layout)
+        return max(sum(stages[s] for s in layout.rank_stages(r)) for r in range(layout.pp))
 
     def chunk_layers(self, layout: Layout) -> tuple[int, ...]:
         """Layers of each model chunk: the layout's own split, else the trainer's (even or by FLOPs)."""
@@ -64,13 +64,15 @@ class CostBase:
 
     def rank_modes(self, layout: Layout) -> list[Counter[str]]:
         """Per pipeline rank, how many of its layers (over all its chunks) run each recompute mode."""
-        pp, v, stages = layout.pp, layout.virtual_stages, self.chunk_layers(layout)
+        pp, stages = layout.pp, self.chunk_layers(layout)
         if not layout.layer_recompute:
-            return [Counter({layout.recompute: sum(stages[c * pp + r] for c in range(v))}) for r in range(pp)]
+            return [
+                Counter({layout.recompute: sum(stages[s] for s in layout.rank_stages(r))}) for r in range(pp)
+            ]
         starts = list(itertools.accumulate(stages, initial=0))
         out: list[Counter[str]] = [Counter() for _ in range(pp)]
         for chunk, (a, n) in enumerate(zip(starts, stages, strict=False)):
-            out[chunk % pp].update(layout.layer_recompute[a : a + n])
+            out[layout.stage_rank(chunk)].update(layout.layer_recompute[a : a + n])
         return out
 
     def _expert_strides(self, layout: Layout) -> tuple[int, int]:
@@ -109,8 +111,7 @@ class CostBase:
             # their shards (collectives.vocab_sharded_edges): the root keeps the final norm.
             return [*blocks(0), (norm + positions, False, False)]
         units: list[tuple[int, bool, bool]] = []
-        for chunk in range(v):
-            stage = chunk * pp + pp_rank
+        for stage in layout.rank_stages(pp_rank):
             first, last = stage == 0, stage == pp * v - 1
             units += blocks(stage)
             if first and last and m.tied_embeddings:

@@ -10,10 +10,12 @@ import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
+from llmtrain.config.layout_rules import V_SCHEDULES
 from llmtrain.config.schema import JobConfig, ModelConfig
+from llmtrain.pipeline.schedules import rank_of_stage, stage_of
 
 GIB = 2.0**30
-SCHEDULES = ("1f1b", "interleaved_1f1b", "zb_h1", "gpipe")
+SCHEDULES = ("1f1b", "interleaved_1f1b", "zb_h1", "gpipe", "zb_v", "dualpipe_v", "interleaved_zb")
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,15 @@ class Layout:
     @property
     def gpus(self) -> int:
         return self.tp * self.cp * self.pp * self.dp
+
+    def rank_stages(self, pp_rank: int) -> list[int]:
+        """The global stages pipeline rank `pp_rank` holds, chunk by chunk (looped, or in a V)."""
+        v_shape = self.schedule in V_SCHEDULES
+        return [stage_of(v_shape, self.pp, pp_rank, c) for c in range(self.virtual_stages)]
+
+    def stage_rank(self, stage: int) -> int:
+        """The pipeline rank holding global `stage`."""
+        return rank_of_stage(self.schedule in V_SCHEDULES, self.pp, stage)[0]
 
     def layer_modes(self, num_layers: int) -> tuple[str, ...]:
         """The recompute mode of every layer."""

@@ -91,7 +91,7 @@ from llmtrain.config.vocab_sharding import vocab_sharded_edges
 from llmtrain.pipeline.partition import partition_layers
 from llmtrain.planner.cost import flops as F
 from llmtrain.planner.cost.layout import Layout, Software
-from llmtrain.planner.cost.pipeline_time import peak_inflight_closed
+from llmtrain.planner.cost.pipeline_time import REPLAYED, peak_inflight_closed, replayed_peaks
 
 # llmtrain.models.init.BLOCK_NUMEL, the elements drawn at once by the initialisation; repeated here so the
 # planner needs no torch (tests/planner/test_memory_model.py checks the two agree).
@@ -249,10 +249,14 @@ def _stage_layers(num_layers: int, num_stages: int, head_cost: float) -> tuple[i
     return tuple(len(r) for r in partition_layers(num_layers, num_stages, head_cost=head_cost))
 
 
-def pending_weight_grads(schedule: str, pp: int, num_micro: int, rank: int) -> int:
-    """Micro-batches whose weight gradient (W) a rank still owes when it computes an input gradient (I):
-    zb_h1 defers rank r's W by r micro-batches to fill the bubble (replayed from its generator: 0 on the
-    first rank, 1 on the second, ..., at most m - 1); the other schedules run the whole backward at once."""
+def pending_weight_grads(schedule: str, pp: int, num_micro: int, rank: int, v: int = 1) -> float:
+    """Micro-batches (through all of a rank's chunks) whose weight gradient (W) a rank still owes when it
+    computes an input gradient (I): zb_h1 defers rank r's W by r micro-batches to fill the bubble (replayed
+    from its generator: 0 on the first rank, 1 on the second, ..., at most m - 1); zb_v, dualpipe_v and
+    interleaved_zb owe what their action lists say (the peak of (micro-batch, chunk) pairs between I and W,
+    over v); the other schedules run the whole backward at once."""
+    if schedule in REPLAYED and pp > 1:
+        return replayed_peaks(schedule, pp, num_micro, v)[1][rank] / v
     return min(rank, num_micro - 1) if schedule == "zb_h1" else 0
 
 
@@ -484,8 +488,9 @@ def rank_memory(
     def rank_parts(r: int) -> tuple[float, float, float, float, float]:
         """(replicated parameters, routed experts' parameters, activation bytes, pipeline transfers held
         until the step's end, the layers' replicated parameters) of pipeline rank r."""
-        layers = [stages[c * pp + r] for c in range(v)]
-        first, last = r == 0, r == pp - 1
+        mine = layout.rank_stages(r)
+        layers = [stages[s] for s in mine]
+        first, last = r == layout.stage_rank(0), r == layout.stage_rank(pp * v - 1)
         if pp == 1:
             params = model.num_layers * layer_p + (counts.embedding + counts.head + counts.final_norm) / tp
         else:
@@ -493,8 +498,8 @@ def rank_memory(
             params = sum(layers) * layer_p
             params += (counts.embedding / tp if first else 0.0) + (head + counts.final_norm if last else 0.0)
         held = inflight if first else peak_inflight_closed(layout.schedule, pp, num_micro, v, rank=r)
-        owed = pending_weight_grads(layout.schedule, pp, num_micro, r)
-        act = held * max(chunk_act[c * pp + r] for c in range(v)) + owed * sum(layers) * wgrad
+        owed = pending_weight_grads(layout.schedule, pp, num_micro, r, v)
+        act = held * max(chunk_act[s] for s in mine) + owed * sum(layers) * wgrad
         if first:
             act += inflight * e * tok * h / sp_div  # the stage's input
         if last:

@@ -59,6 +59,7 @@ import functools
 from collections import Counter
 from dataclasses import asdict, dataclass, replace
 
+from llmtrain.config.layout_rules import CHUNKED_SCHEDULES, microbatch_problem
 from llmtrain.config.schema import JobConfig, ParallelConfig, TrainConfig
 from llmtrain.config.validate import (
     context_parallel_problem,
@@ -236,12 +237,10 @@ class CostModel(LayerTime, DataParallelTime, StepCollectives):
             return sharding
         if layout.pp == 1 and layout.schedule != "1f1b":
             return "pp=1 runs no pipeline schedule (use 1f1b)"
-        if (
-            layout.schedule == "interleaved_1f1b"
-            and (w.global_batch // (layout.dp * layout.micro_batch)) % layout.pp
-        ):
-            return "interleaved_1f1b needs the micro-batches per step to be a multiple of pp"
-        return ""
+        num_micro = w.global_batch // (layout.dp * layout.micro_batch)
+        if layout.schedule in CHUNKED_SCHEDULES and layout.virtual_stages > 1 and num_micro % layout.pp:
+            return f"{layout.schedule} needs the micro-batches per step to be a multiple of pp"
+        return microbatch_problem(layout.schedule, layout.pp, num_micro, layout.virtual_stages)
 
     def _trainer_problem(
         self, tp: int, pp: int, cp: int, cp_comm: str, sp: bool, zero: int, offload: bool, recompute: str
@@ -329,7 +328,7 @@ class CostModel(LayerTime, DataParallelTime, StepCollectives):
                 f += (first.fwd + first.tp_fwd) / v
                 bk += (first.bwd + first.tp_bwd) / v
                 tcomm += (first.tp_fwd + first.tp_bwd) / v
-            if r == pp - 1:
+            if r == layout.stage_rank(pp * v - 1):  # the output layer: the last rank, or rank 0 in a V
                 f += (last.fwd + last.tp_fwd) / v
                 bk += (last.bwd + last.tp_bwd) / v
                 wg += last.wgrad / v

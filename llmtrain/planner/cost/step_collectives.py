@@ -56,8 +56,7 @@ class StepCollectives(CostBase):
         moe_extra, routed, moe_partial = C.moe_layer_parameters(m, tp, ep)
         experts = 0
         emb, head = C.edge_layers(tp, sp, dp if edges_vocab_sharded(layout, m) else 1, activation, tok)
-        for chunk in range(v):
-            stage = chunk * pp + pp_rank
+        for stage in layout.rank_stages(pp_rank):
             first, last = stage == 0, stage == pp * v - 1
             layers = range(starts[stage], starts[stage + 1])
             for (mode, moe), n in Counter((modes[i], m.is_moe_layer(i)) for i in layers).items():
@@ -76,7 +75,11 @@ class StepCollectives(CostBase):
                 add(emb.fwd + emb.bwd, num_micro)
             if last:
                 add(head.fwd + head.bwd + C.cp_loss(cp).fwd, num_micro)
-            sends = num_micro * ((not last) + (not first))
+            # Transfers to the neighbouring stages on other ranks (the bottom of a V hands over locally).
+            remote = [
+                n for n in (stage - 1, stage + 1) if 0 <= n < pp * v and layout.stage_rank(n) != pp_rank
+            ]
+            sends = num_micro * len(remote)
             if sends:
                 out[C.Comm("send", "pp", 2, activation // (tp if sp else 1))] += sends
             n, r = C.rank_parameters(m, tp, stages[stage], first, last)
@@ -85,7 +88,8 @@ class StepCollectives(CostBase):
             numel, replicated = numel + n, replicated + r
         if pp > 1:
             out[C.Comm("broadcast", "pp", pp, 4)] += 1  # the mean loss, from the last stage
-            tied = m.tied_embeddings and pp_rank in (0, pp - 1)
+            last_rank = layout.stage_rank(pp * v - 1)  # rank 0 in a V: one tied parameter, no pair
+            tied = m.tied_embeddings and last_rank != 0 and pp_rank in (0, last_rank)
             if tied:
                 out[C.Comm("all_reduce", "pp", 2, 4 * m.vocab_size // tp * m.hidden_size)] += 1
         # One all-reduce over TP of the gradients that are partial sums there: the SP-replicated ones, and

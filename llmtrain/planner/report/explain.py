@@ -10,7 +10,7 @@ differences to the choice: what does not fit and which memory row grew most, or 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from llmtrain.planner.cluster.hardware import ClusterView
 from llmtrain.planner.cost import collectives as C
@@ -112,6 +112,9 @@ class Explanation:
     parts: dict[str, float]
     kinds: dict[str, str]
     runners_up: list[tuple[Estimate, str]]
+    schedules: list[tuple[Estimate, str]] = field(default_factory=list)
+    """The chosen layout under the other pipeline schedules evaluated, each with its bubble and memory
+    against the choice (empty without pipeline parallelism)."""
 
     def as_dict(self) -> dict:
         """JSON-ready: layout, time parts (seconds), memory rows (GiB), runners-up with their reasons."""
@@ -127,6 +130,15 @@ class Explanation:
                 {"layout": e.layout.short(), "step_time_s": e.step_time, "fits": e.fits, "why_not": why}
                 for e, why in self.runners_up
             ],
+            "schedules": [
+                {
+                    "layout": e.layout.short(),
+                    "step_time_s": e.step_time,
+                    "fits": e.fits,
+                    "against_chosen": why,
+                }
+                for e, why in self.schedules
+            ],
         }
 
 
@@ -141,6 +153,34 @@ def _family(layout: Layout) -> tuple:
         layout.recompute,
         layout.layer_recompute,
     )
+
+
+def schedule_against(est: Estimate, chosen: Estimate) -> str:
+    """How the same layout under another pipeline schedule compares with the choice: step time, bubble and
+    activation memory (the zero-bubble schedules trade a shorter bubble for the weight-gradient stash)."""
+    bubble = est.pp_bubble - chosen.pp_bubble
+    act = (est.memory["activations"] - chosen.memory["activations"]) / GIB
+    verdict = (
+        "does not fit" if not est.fits else ("slower" if est.step_time > chosen.step_time else "as fast")
+    )
+    return (
+        f"{est.step_time - chosen.step_time:+.3f} s ({verdict}): bubble {bubble:+.3f} s, "
+        f"activations {act:+.2f} GiB"
+    )
+
+
+def _schedule_alternatives(result: PlanResult, chosen: Estimate) -> list[tuple[Estimate, str]]:
+    """The best estimate of the chosen layout under each other (schedule, virtual stages) evaluated."""
+    lay = chosen.layout
+    best: dict[tuple[str, int], Estimate] = {}
+    for est in result.ranked:
+        other = est.layout
+        key = (other.schedule, other.virtual_stages)
+        if key == (lay.schedule, lay.virtual_stages) or key in best:
+            continue
+        if replace(other, schedule=lay.schedule, virtual_stages=lay.virtual_stages) == lay:
+            best[key] = est
+    return [(e, schedule_against(e, chosen)) for e in best.values()]
 
 
 def explain(result: PlanResult, view: ClusterView, runners_up: int = 5, misfits: int = 2) -> Explanation:
@@ -161,7 +201,8 @@ def explain(result: PlanResult, view: ClusterView, runners_up: int = 5, misfits:
                 seen.add(_family(est.layout))
                 picked.append(est)
     others = [(e, why_not(e, chosen, view)) for e in picked]
-    return Explanation(chosen, time_parts(chosen), part_kinds(chosen.layout, view), others)
+    schedules = _schedule_alternatives(result, chosen) if chosen.layout.pp > 1 else []
+    return Explanation(chosen, time_parts(chosen), part_kinds(chosen.layout, view), others, schedules)
 
 
 def format_explanation(expl: Explanation, precision: str, device: str) -> str:
@@ -180,4 +221,11 @@ def format_explanation(expl: Explanation, precision: str, device: str) -> str:
             "and what ruled them out:"
         )
         lines += [f"  {e.layout.short()}: {why}" for e, why in expl.runners_up]
+    if expl.schedules:
+        sched = c.layout.schedule
+        lines.append(
+            f"{sched} wins over the other pipeline schedules of this layout (a zero-bubble schedule wins "
+            "where its shorter bubble fits its weight-gradient stash):"
+        )
+        lines += [f"  {e.layout.schedule}(v={e.layout.virtual_stages}): {why}" for e, why in expl.schedules]
     return "\n".join(lines)

@@ -25,6 +25,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 from llmtrain.config.errors import ConfigError
+from llmtrain.config.layout_rules import schedule_problem
 from llmtrain.config.loader import parse_override
 from llmtrain.config.schema import JobConfig
 from llmtrain.config.validate import pipeline_problem, tensor_parallel_problem
@@ -248,12 +249,15 @@ def build_space(model: CostModel, fixed: dict[str, object] | None = None) -> Spa
     max_pp = max(pp for _, pp in tp_pp)
     schedules = [("1f1b", 1), ("gpipe", 1), ("zb_h1", 1)]
     schedules += [("interleaved_1f1b", v) for v in range(2, MAX_VIRTUAL_STAGES + 1) if 2 * v <= m.num_layers]
+    # The zero-bubble schedules of two chunks per rank (issue 35): the V-shaped ones and interleaved ZB.
+    if 4 <= m.num_layers:
+        schedules += [("zb_v", 2), ("dualpipe_v", 2), ("interleaved_zb", 2)]
     if "schedule" in fixed:
         schedules = [(s, v) for s, v in schedules if s == fixed["schedule"]] or [(str(fixed["schedule"]), 1)]
     if "virtual_stages" in fixed:
         vv = int(fixed["virtual_stages"])  # type: ignore[arg-type]
         schedules = [
-            (s, vv) for s in dict.fromkeys(s for s, _ in schedules) if (s == "interleaved_1f1b") == (vv > 1)
+            (s, vv) for s in dict.fromkeys(s for s, _ in schedules) if not schedule_problem(s, 2, vv)
         ]
     if max_pp == 1 and "schedule" not in fixed:
         schedules = [("1f1b", 1)]
