@@ -228,8 +228,16 @@ class PerLayerSearch:
                 plan, changed = self._best(plan, self._boundary_moves(plan, c))
                 improved |= changed
                 c += 1
-            plan, changed = self._best(plan, self._global_moves(plan))
+            # A (tp, pp) or micro-batch change often pays only with the recomputation re-chosen for it:
+            # each global move is judged with its chunks' recomputation settled first.
+            plan, changed = self._best(plan, map(self._settled, self._global_moves(plan)))
             improved |= changed
+        return plan
+
+    def _settled(self, plan: Plan) -> Plan:
+        """The plan after one pass of the best recomputation move of each chunk."""
+        for c in range(len(plan.chunks)):
+            plan, _ = self._best(plan, self._recompute_moves(plan, c))
         return plan
 
 
@@ -249,12 +257,13 @@ def enumerate_plans(model: CostModel, space: Space, start: Layout) -> Iterator[P
     each split of the layers over the chunks, each chunk's mode counts (the rest of `start` fixed)."""
     gpus, layers = model.c.devices, model.w.model.num_layers
     for tp, pp in space.tp_pp:
+        # The descent's own rule for (tp, pp) moves: a layout the schedule cannot run is not a plan.
+        if pipeline_problem(layers, pp, start.virtual_stages, start.schedule):
+            continue
         if (start.cp, start.cp_comm) not in space.contexts[(tp, pp)]:
             continue
         dp = gpus // (tp * pp * start.cp)
         chunks = pp * start.virtual_stages
-        if chunks > layers:
-            continue
         for mb in space.micro_batches[dp]:
             base = replace(start, tp=tp, pp=pp, dp=dp, micro_batch=mb)
             for split in _compositions(layers, chunks):
