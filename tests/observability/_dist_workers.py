@@ -11,7 +11,10 @@ import torch.distributed as dist
 
 from llmtrain.parallel.watchdog import Watchdog, fail_fast
 
-GROUP_TIMEOUT_S = 60  # far beyond the watchdog's: the watchdog, not gloo, must end these jobs
+GROUP_TIMEOUT_S = 300
+"""Far beyond the watchdog's (seconds) and beyond the tests' deadline (test_watchdog._spawn): the watchdog
+or fail_fast, not gloo, must end these jobs, and a machine busy enough to take a minute to start two
+processes must not turn that into gloo's timeout."""
 
 
 def _init(rank: int, world: int, port: int) -> None:

@@ -19,10 +19,6 @@ import pytest
 from tests.training._runs import ROOT, env, torchrun_command
 
 HANG_TIMEOUT_S = 10
-REPORT_SLACK_S = 8
-"""A report comes at most this long after the timeout: the watchdog's poll (1 s) and the progress
-exchange (under 1 s when every rank is alive; GATHER_S is 5 s), doubled for a machine this test shares
-with other jobs."""
 
 
 def _run(nproc: int, out: Path, fault: str, *overrides: str) -> tuple[subprocess.CompletedProcess, float]:
@@ -61,7 +57,10 @@ def test_one_rank_of_four_hangs_before_a_collective(tmp_path):
             re.M,
         )
         assert match, text[r]
-        assert HANG_TIMEOUT_S < float(match[1]) < HANG_TIMEOUT_S + REPORT_SLACK_S
+        # Not before the timeout; and in time, which is judged by events, not by a clock: every rank
+        # publishes its progress (the "4 of 4" below) and PyTorch's record has the all-reduce still open
+        # (not retired) when the report is written, i.e. before gloo's own timeout ended it.
+        assert float(match[1]) > HANG_TIMEOUT_S
         assert f"{head}     not arrived: rank 2 (last entered on 'dp': rank 2: #2)" in text[r]
     assert (
         "[watchdog rank 2/4]   this rank has not arrived at all_reduce #3 on group 'dp' "

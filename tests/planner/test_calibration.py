@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from llmtrain.config.errors import ConfigError
+from llmtrain.planner.calibration import compute
 from llmtrain.planner.calibration.links import LinkFit
 from llmtrain.planner.calibration.measurements import Measurements, profile_of
 from llmtrain.planner.calibration.timing import fit_alpha_beta, least_disturbed, monotone_times
@@ -102,8 +103,20 @@ def test_calibrate_refuses_to_replace_a_file_and_bad_group_sizes(tmp_path):
         calibrate.main(["--output", str(tmp_path / "d.yaml"), "--group-sizes", "1"])
 
 
-@pytest.mark.slow  # gloo groups of 2 processes, about a minute on 2 busy cores
-def test_a_quick_calibration_is_a_cluster_the_planner_plans_on(tmp_path, capsys):
+@pytest.mark.slow  # gloo groups of 2 processes
+def test_a_quick_calibration_is_a_cluster_the_planner_plans_on(tmp_path, capsys, monkeypatch):
+    # What this checks is the tool's path end to end: every quantity measured, sourced, written and read
+    # back into a cluster the planner plans on; not the numbers (nor could it on a shared machine), which
+    # no shape or repeat count below changes the path to. Measured on this 2-core CPU without bf16 units:
+    # bf16 matmuls run at 1.3 GFLOP/s a core (fp32 27), so the table's width 256 alone (7 GFLOP a run, 18
+    # runs) cost ~100 CPU seconds. So: smaller matmuls, two table widths (an interpolated table's fewest),
+    # one round of one timed run, and cold operands of 4 MiB instead of 64 (fewer copies to fill).
+    monkeypatch.setattr(compute, "GEMM_SHAPES_CPU", ((256, 256, 256), (512, 128, 512)))
+    monkeypatch.setattr(compute, "TABLE_WIDTHS_CPU", (32, 64))
+    monkeypatch.setattr(compute, "TABLE_ROUNDS", 1)
+    monkeypatch.setattr(compute, "TABLE_ROUND_RUNS", 1)
+    monkeypatch.setattr(compute, "MEMORY_RUNS", 1)
+    monkeypatch.setattr(compute, "COLD_BYTES", 4 * 2**20)
     out = tmp_path / "calibrated.yaml"
     assert _tool("calibrate").main(["--output", str(out), "--quick", "--group-sizes", "2"]) == 0
     cluster = load_cluster(out)
