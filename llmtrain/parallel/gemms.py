@@ -68,10 +68,10 @@ class Float8Gemms(LinearGemms):
         )
 
     def _cast(
-        self, t: torch.Tensor, cast: Any, role: Any, axis: int | None, groups: tuple[tuple, tuple]
+        self, t: torch.Tensor, cast: Any, role: Any, dim: int, groups: tuple[tuple, tuple]
     ) -> torch.Tensor:
-        """``t`` (2-D) as a Float8TrainingTensor; ``groups``: those splitting its dims 0 and 1; ``axis``:
-        the dim a rowwise amax is taken over (None: tensorwise)."""
+        """``t`` (2-D) as a Float8TrainingTensor; ``groups``: those splitting its dims 0 and 1; ``dim``: the
+        dim a rowwise amax is taken over (torchao's axiswise_dim; unused by tensorwise scaling)."""
         from torchao.float8.config import ScalingGranularity, ScalingType
         from torchao.float8.float8_training_tensor import hp_tensor_and_scale_to_float8
         from torchao.float8.float8_utils import amax_to_scale, tensor_to_amax
@@ -79,6 +79,7 @@ class Float8Gemms(LinearGemms):
         if cast.scaling_type is ScalingType.DISABLED:
             return t
         rowwise = cast.scaling_granularity is ScalingGranularity.AXISWISE
+        axis = dim if rowwise else None
         amax = tensor_to_amax(t, scaling_granularity=cast.scaling_granularity, axiswise_dim=axis)
         spanning = groups[axis % 2] if rowwise else groups[0] + groups[1]
         reduced = [g for g in spanning if group_size(g) > 1]
@@ -101,10 +102,8 @@ class Float8Gemms(LinearGemms):
         c = self.config
         tokens, fin, fout = self._groups()
         x2 = x.reshape(-1, x.shape[-1])
-        cast = c.cast_config_input
-        x8 = self._cast(x2, cast, GemmInputRole.INPUT, _dim(cast, -1), (tokens, fin))
-        cast = c.cast_config_weight
-        w8 = self._cast(weight.t(), cast, GemmInputRole.WEIGHT, _dim(cast, 0), (fin, fout))
+        x8 = self._cast(x2, c.cast_config_input, GemmInputRole.INPUT, -1, (tokens, fin))
+        w8 = self._cast(weight.t(), c.cast_config_weight, GemmInputRole.WEIGHT, 0, (fin, fout))
         out = torch.mm(x8, w8).reshape(*x.shape[:-1], weight.shape[0])
         return out + bias.to(out.dtype) if bias is not None else out
 
@@ -114,10 +113,10 @@ class Float8Gemms(LinearGemms):
         c = self.config
         tokens, fin, fout = self._groups()
         g2 = grad.reshape(-1, grad.shape[-1])
-        cast = c.cast_config_grad_output
-        g8 = self._cast(g2, cast, GemmInputRole.GRAD_OUTPUT, _dim(cast, -1), (tokens, fout))
-        cast = c.cast_config_weight_for_grad_input
-        w8 = self._cast(weight.t(), cast, GemmInputRole.WEIGHT, _dim(cast, -1), (fin, fout))
+        g8 = self._cast(g2, c.cast_config_grad_output, GemmInputRole.GRAD_OUTPUT, -1, (tokens, fout))
+        w8 = self._cast(
+            weight.t(), c.cast_config_weight_for_grad_input, GemmInputRole.WEIGHT, -1, (fin, fout)
+        )
         return torch.mm(g8, w8.t()).reshape(*grad.shape[:-1], weight.shape[1])
 
     def grad_weight(self, grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -125,18 +124,11 @@ class Float8Gemms(LinearGemms):
 
         c = self.config
         tokens, fin, fout = self._groups()
-        cast = c.cast_config_grad_output_for_grad_weight
-        g8 = self._cast(grad, cast, GemmInputRole.GRAD_OUTPUT, _dim(cast, 0), (tokens, fout))
-        cast = c.cast_config_input_for_grad_weight
-        x8 = self._cast(x, cast, GemmInputRole.INPUT, _dim(cast, 0), (tokens, fin))
+        g8 = self._cast(
+            grad, c.cast_config_grad_output_for_grad_weight, GemmInputRole.GRAD_OUTPUT, 0, (tokens, fout)
+        )
+        x8 = self._cast(x, c.cast_config_input_for_grad_weight, GemmInputRole.INPUT, 0, (tokens, fin))
         return torch.mm(g8.t(), x8)
-
-
-def _dim(cast: Any, dim: int) -> int | None:
-    """The dim a rowwise ``cast`` takes its amaxes over (torchao's axiswise_dim); None for tensorwise."""
-    from torchao.float8.config import ScalingGranularity
-
-    return dim if cast.scaling_granularity is ScalingGranularity.AXISWISE else None
 
 
 class _Linear(torch.autograd.Function):
