@@ -35,6 +35,9 @@ setup(
         "test": [
             "pytest>=8.0",
             "pytest-timeout>=2.3",
+            # The README's test command runs two workers, a test file each (module-scoped process groups
+            # stay in one worker); multi-process tests already fill the cores, the rest overlap with them.
+            "pytest-xdist>=3.5",
             "hypothesis>=6.100",
             "transformers>=4.54",
             "megatron-core>=0.16",
