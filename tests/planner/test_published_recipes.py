@@ -52,12 +52,17 @@ def test_the_kept_aside_tables_are_not_among_them():
 def test_every_row_is_expressible_or_skipped_with_a_reason():
     recipes = [express(table, row) for table, row in all_rows()]
     expressible = [r for r in recipes if not r.skipped]
-    # bf16 rows on shipped hardware of models in configs/: the NeMo AutoModel and torchtitan A100 rows.
-    assert {r.table for r in expressible} == {"nemo_automodel_h100", "torchtitan_a100"}
+    # Rows on shipped hardware of models in configs/: NeMo AutoModel's, torchtitan A100's and
+    # Megatron-Bridge's (all FP8 but for GPT-OSS, not in configs/).
+    assert {r.table for r in expressible} == {
+        "nemo_automodel_h100",
+        "torchtitan_a100",
+        "megatron_bridge_h100",
+    }
+    assert {r.row["precision"] for r in expressible if r.table == "megatron_bridge_h100"} == {"fp8"}
     for r in recipes:
         assert r.kind in ("dense", "moe", "long")
-        if r.row["precision"] == "fp8":
-            assert "fp8 is not modelled yet" in r.skipped, r.row
+        assert "not modelled" not in r.skipped, r.row
         if r.row["model"] in ("gpt-oss-120b", "kimi-k2", "llama2-7b"):
             assert f"model {r.row['model']} is not in the zoo" in r.skipped
         if r.row["cluster"] == "h100-96gb-500w":
@@ -159,6 +164,18 @@ def test_every_expressible_row_evaluates():
     assert summarise(recipes)["dense"]["max_abs_error"] <= 0.12
 
 
+@pytest.mark.slow
+def test_the_fp8_rows_are_scored_within_the_dense_targets():
+    # Issue 38's targets for dense rows (median <= 4%, max <= 12%), on the 8 FP8 dense rows of
+    # Megatron-Bridge (no constant set from that table); its one MoE row within the MoE target (10%).
+    recipes = validate_recipes(("megatron_bridge_h100",), search_best=False)
+    fp8 = [r for r in scored(recipes) if r.row["precision"] == "fp8"]
+    assert len(fp8) == 9
+    summary = summarise(recipes)
+    assert summary["dense"]["median_abs_error"] <= 0.04 and summary["dense"]["max_abs_error"] <= 0.12
+    assert summary["moe"]["median_abs_error"] <= 0.10
+
+
 def test_the_software_terms_of_the_published_frameworks():
     from dataclasses import replace
 
@@ -187,6 +204,27 @@ def test_the_software_terms_of_the_published_frameworks():
     assert across._ep_link_sharing(spread, 1.0, 1.0, 2.0) == 0.0
     assert across._ep_link_sharing(wide, 1.0, 1.0, 2.0) == pytest.approx(1.0)  # half the link: twice as long
     assert across._ep_link_sharing(wide, 1.0, 5.0, 2.0) == pytest.approx(9.0)  # share capped at 0.9
+
+
+def test_the_transformer_engine_terms_under_fp8():
+    from llmtrain.planner import CostModel, Layout, Software, Workload
+
+    h100 = load_cluster("h100-80gb").view(64)
+    model = load("llama3-70b", ["model.seq_length=8192", "model.max_position_embeddings=8192"]).model
+    layout = Layout(tp=4, pp=8, dp=2, virtual_stages=5, schedule="interleaved_1f1b", sequence_parallel=True)
+
+    def cost(precision: str, **flags: bool) -> CostModel:
+        return CostModel(Workload(model, 128, precision), h100, Software(**flags))
+
+    torchao, te = cost("fp8"), cost("fp8", te_fp8=True)
+    # Fused cast-transposes, weights cast once a step: fewer cast bytes; float8 inputs saved: less memory.
+    assert sum(te._float8_cast_bytes(4, 8192)) < sum(torchao._float8_cast_bytes(4, 8192)) / 2
+    assert te.evaluate(layout).memory["activations"] < torchao.evaluate(layout).memory["activations"]
+    # ... only under fp8: bf16 is the same with and without the flag.
+    assert cost("bf16", te_fp8=True).evaluate(layout).step_time == cost("bf16").evaluate(layout).step_time
+    # Overlapped TP collectives and the causal half of the scores: each shortens the step.
+    assert cost("fp8", tp_comm_overlap=True).evaluate(layout).tp_comm < torchao.evaluate(layout).tp_comm
+    assert cost("fp8", causal_skip=True).evaluate(layout).compute < torchao.evaluate(layout).compute
 
 
 def test_a_layout_the_planner_rejects_is_named_not_scored():

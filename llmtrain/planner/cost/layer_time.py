@@ -75,7 +75,7 @@ class LayerTime(CostBase):
         elif self.sw.flash_attention or cp > 1:
             # Fused kernels (all_to_all, or each ring step's block pairs as flash attention): the same FLOPs.
             # The rank's queries against all keys (all_to_all: all tokens of a/cp heads): a cp-th of it.
-            core_flops = 4.0 * tok * s * a * width
+            core_flops = 4.0 * tok * s * a * width * (0.5 if self.sw.causal_skip else 1.0)
             core_f = dev.attention_time(core_flops, self.bf16_prec)
             # flash backward recomputes QK^T: 5 matmuls
             core_b = 2.5 * dev.attention_time(core_flops, self.bf16_prec)
@@ -120,6 +120,8 @@ class LayerTime(CostBase):
         stats = C.router_stats(m.num_experts, tp, cp, recompute)
         tp_f = (1 - share) * self._comm_time(comms.fwd) + share * self._comm_time(moe.fwd)
         tp_b = (1 - share) * self._comm_time(comms.bwd) + share * self._comm_time(moe.bwd)
+        if self.sw.tp_comm_overlap:  # hidden behind the pass's GEMMs (backward: input- and weight-gradient)
+            tp_f, tp_b = max(0.0, tp_f - gemms), max(0.0, tp_b - 2 * gemms)
         tp_f += share * self._router_stats_time(stats.fwd, "tp", tp)
         tp_b += share * self._router_stats_time(stats.bwd, "tp", tp)
         ops_f, ops_b = H.layer_ops(m, comms, recompute)
@@ -165,7 +167,10 @@ class LayerTime(CostBase):
         fe, local, routing = m.expert_ffn_size, m.num_experts // ep, tok // tp
         rows = C.routed_rows(tok, m.num_experts_per_tok, tp) * self.sw.moe_imbalance
         per_expert = rows / local
-        grouped = self.bf16_prec  # the experts' grouped GEMM and the router stay bf16 under fp8
+        # The experts' grouped GEMM stays bf16 under llmtrain's fp8 (Transformer Engine's runs in FP8); the
+        # router in bf16 under both.
+        grouped = prec if self.sw.te_fp8 else self.bf16_prec
+        router = self.bf16_prec
         routed = local * (
             dev.gemm_time(per_expert, 2 * fe, h, grouped) + dev.gemm_time(per_expert, h, fe, grouped)
         )
@@ -173,7 +178,7 @@ class LayerTime(CostBase):
         shared = 0.0
         if shared_f:
             shared = dev.gemm_time(routing, 2 * shared_f, h, prec) + dev.gemm_time(routing, h, shared_f, prec)
-        moe = dev.gemm_time(routing, m.num_experts, h, grouped) + routed + shared
+        moe = dev.gemm_time(routing, m.num_experts, h, router) + routed + shared
         # Per routed row of h: gather (read, write), concatenate (read, write), cast up (read e, write 4),
         # weight (read 4, write 4), cast down (read 4, write e), index-add (read, write).
         # Fused permute and unpermute (Software.fused_moe_permute): a read and a write of each row each way.
@@ -187,7 +192,13 @@ class LayerTime(CostBase):
         its bf16 operand for the amax, then reads it again and writes e4m3/e5m2, 5 bytes an element. A
         linear layer casts its input and weight forward; backward the output gradient twice (input- and
         weight-gradient GEMMs), the weight and the input again. The rank's linears (in, out features), of a
-        dense and a MoE layer averaged (whose shared experts see the 1/tp of the tokens the rank routes)."""
+        dense and a MoE layer averaged (whose shared experts see the 1/tp of the tokens the rank routes).
+
+        Software.te_fp8 (Transformer Engine): a cast-transpose reads the bf16 operand once and writes its
+        float8 copy and the copy's transpose, 4 bytes an element, with the amax taken in the same pass; the
+        input forward and the output gradient backward are cast once each, the saved float8 input serves the
+        weight-gradient GEMM, and the weights' casts (once per step, cached across micro-batches) are left
+        out; the routed experts' rows are cast too (their grouped GEMM runs in FP8)."""
         m = self.w.model
         h, d = m.hidden_size, m.head_size
         a, kv = m.num_attention_heads / tp, max(m.kv_heads / tp, 1)
@@ -203,6 +214,8 @@ class LayerTime(CostBase):
         shared = [(h, 2 * shared_f), (shared_f, h)] if shared_f else []
 
         def passes(linears: list[tuple[float, float]], t: float) -> tuple[float, float]:
+            if self.sw.te_fp8:
+                return 4 * sum(t * i for i, _ in linears), 4 * sum(t * o for _, o in linears)
             fwd = sum(t * i + i * o for i, o in linears)
             bwd = sum(2 * t * o + i * o + t * i for i, o in linears)
             return 5 * fwd, 5 * bwd
@@ -211,6 +224,11 @@ class LayerTime(CostBase):
         attn_f, attn_b = passes(attn, tok)
         dense_f, dense_b = passes(dense, tok)
         moe_f, moe_b = passes(shared, tok / tp)
+        if share and self.sw.te_fp8:
+            fe = m.expert_ffn_size
+            rows = C.routed_rows(tok, m.num_experts_per_tok, tp) * self.sw.moe_imbalance
+            routed_f, routed_b = passes([(h, 2 * fe), (fe, h)], rows)
+            moe_f, moe_b = moe_f + routed_f, moe_b + routed_b
         return (
             attn_f + (1 - share) * dense_f + share * moe_f,
             attn_b + (1 - share) * dense_b + share * moe_b,

@@ -166,6 +166,17 @@ class Software:
     """Routed rows are permuted into expert order and back, weighted by their routing probabilities, by fused
     kernels (Megatron-Core's and Transformer Engine's permute/unpermute, DeepEP): one read and one write of
     each row each way; false: llmtrain's gather, concatenation, fp32 weighting and index-add passes."""
+    causal_skip: bool = False
+    """Fused attention computes only the causal (lower-triangle) blocks of the scores, half the score FLOPs
+    (Transformer Engine's cuDNN and flash-attention kernels); false: the whole s x s counted."""
+    te_fp8: bool = False
+    """FP8 linears as Transformer Engine runs them: fused cast-transposes (one read of bf16, the amax in the
+    same pass), weights cast once per step (cached across micro-batches), linear inputs saved for backward
+    in float8, and the MoE experts' grouped GEMM in FP8; false: llmtrain's torchao casts (a separate amax
+    pass, every cast every micro-batch), inputs saved in bf16, the grouped GEMM in bf16."""
+    tp_comm_overlap: bool = False
+    """Tensor-parallel collectives overlap the layer's GEMMs (Transformer Engine's userbuffers, as Megatron's
+    tp_comm_overlap): only the part longer than the pass's GEMMs is exposed; false: all exposed."""
 
     @classmethod
     def whole_model_init(cls) -> Software:

@@ -172,6 +172,7 @@ def activation_bytes_per_layer(
     fused_kernels: bool = True,
     ring_attention: bool = False,
     moe_imbalance: float = 1.0,
+    float8_inputs: bool = False,
 ) -> float:
     """Saved activations of one layer for one micro-batch of `seq` tokens (a context-parallel rank's share
     of the sequence under cp) (Korthikanti et al. 2022, generalised).
@@ -180,7 +181,9 @@ def activation_bytes_per_layer(
     reference ops (fused_kernels false) also save RMSNorm's normalised input (x * rstd, for the weight's
     gradient) and silu/gelu(gate) (for the product's gradient): one more h and f per token. Ring attention
     (context parallelism) also keeps its output in fp32 and the fp32 log-sum-exp of every row. A MoE model's
-    layer is the larger of its dense and its MoE layers (moe_mlp_saved_per_token).
+    layer is the larger of its dense and its MoE layers (moe_mlp_saved_per_token). float8_inputs: the dense
+    linears' inputs (QKV, MLP, out-projection and down-projection inputs) are saved in float8, a byte each
+    (Transformer Engine's FP8 linears, Software.te_fp8).
     """
     m, e, s = model, act_bytes, seq
     h, d = m.hidden_size, m.head_size
@@ -192,14 +195,15 @@ def activation_bytes_per_layer(
     hidden_mask = 1 if m.hidden_dropout > 0 else 0
     # Replicated over TP unless SP: 2 norm inputs, QKV input, MLP input, 2 dropout masks.
     unfused_norms = 2 if not fused_kernels and m.arch != "gpt" else 0  # LayerNorm saves no extra copy
-    replicated = ((4 + unfused_norms) * e + hidden_mask * 2) * sbh
+    lin = 1 if float8_inputs else e  # bytes of a saved linear input
+    replicated = ((2 + unfused_norms) * e + 2 * lin + hidden_mask * 2) * sbh
     # Split over TP: Q, K, V, attention output (out-proj input), MLP intermediates.
     # gated: gate+up output and the product (down-projection input); unfused also the activated gate
-    mlp = ((3 if fused_kernels else 4) * f * e) if F.is_gated(m) else 2 * f * e
+    mlp = ((2 if fused_kernels else 3) * e + lin) * f if F.is_gated(m) else (e + lin) * f
     if m.is_moe:
         mlp = max(mlp, moe_mlp_saved_per_token(m, e, fused_kernels, moe_imbalance))
     ring = (4 * a * d + 4 * a) if ring_attention else 0
-    split = s * b * ((a + 2 * kv_local) * d * e + a * d * e + mlp + ring)
+    split = s * b * ((a + 2 * kv_local) * d * e + a * d * lin + mlp + ring)
     if not flash_attention and recompute != "selective":
         drop = m.attention_dropout > 0
         split += a * s * s * b * (e + (1 + e if drop else 0))  # softmax output (+ dropout mask and output)
@@ -445,6 +449,7 @@ def rank_memory(
             software.fused_kernels,
             layout.cp > 1 and layout.cp_comm == "ring" and not software.fused_ring_attention,
             software.moe_imbalance,
+            precision == "fp8" and software.te_fp8,
         )
         for mode in dict.fromkeys(modes)
     }
@@ -469,6 +474,7 @@ def rank_memory(
         software.fused_kernels,
         layout.cp > 1 and layout.cp_comm == "ring" and not software.fused_ring_attention,
         software.moe_imbalance,
+        precision == "fp8" and software.te_fp8,
     )
     # Last rank: the micro-batches its schedule keeps in flight plus one micro-batch's logits at the start of
     # its backward. Fused cross-entropy: the logits and an fp32 copy. PyTorch's: the fp32 log-probabilities

@@ -179,7 +179,7 @@ class CostModel(LayerTime, DataParallelTime, StepCollectives):
         """Saved activations of one layer for one micro-batch (llmtrain.planner.cost.memory)."""
         return activation_bytes_per_layer(
             self.w.model, self.w.seq, self.act_bytes, self.sw.flash_attention, tp, b, sp, recompute,
-            self.sw.fused_kernels,
+            self.sw.fused_kernels, float8_inputs=self.prec == "fp8" and self.sw.te_fp8,
         )  # fmt: skip
 
     def memory(self, layout: Layout, inflight: int, num_micro: int) -> dict[str, float]:

@@ -11,10 +11,11 @@ runs of global_batch / runs, each with its gradient reduction, and one optimizer
 
 The prediction fixes what the row states and lets the planner choose only what the page leaves open
 (sequence parallelism, recompute where unstated), as the Megatron 2021 validation does (published.py). A row
-the planner cannot express is never dropped: it is kept with the reason (FP8 before FP8 is modelled, a model
-not in configs/, hardware no cluster file describes or one missing a constant, a recompute mode the planner
-does not model, a page without a batch size). A table whose rows set a cluster constant (the constant's
-source names the table) is reported but kept out of the score. Then the planner's own best layout for the
+the planner cannot express is never dropped: it is kept with the reason (a model not in configs/, hardware
+no cluster file describes or one missing a constant, a recompute mode the planner does not model, a page
+without a batch size); FP8 rows are priced by the FP8 cost model, under the software of their table
+(TABLE_SOFTWARE). A table whose rows set a cluster constant (the constant's source names the table) is
+reported but kept out of the score. Then the planner's own best layout for the
 same model, GPUs and batch is compared with the published one: its predicted gain, the step-time part that
 shrinks most, and whether it fits (a prediction, not a measured speed-up).
 """
@@ -52,13 +53,22 @@ COLUMNS = (
     "tp", "pp", "cp", "vp", "ep", "fsdp", "recompute", "measured_step_s", "tokens_per_gpu_s",
 )  # fmt: skip
 """What a recipe table needs (blank where the page does not state it)."""
-MODELLED_PRECISIONS = ("bf16", "fp16")
-"""Precisions the cost model describes; FP8 rows wait for the FP8 cost model."""
+MODELLED_PRECISIONS = ("bf16", "fp16", "fp8")
+"""Precisions the cost model describes (fp8: the blocks' linears in float8, llmtrain.planner.cost)."""
 PUBLISHED_SOFTWARE = Software(fused_ring_attention=True, fused_moe_permute=True)
 """The frameworks of the tables (Megatron-Core with Transformer Engine, NeMo AutoModel, torchtitan): as
 llmtrain on a GPU (flash attention, fused kernels, overlapped gradient reduction) except that their ring
 context parallelism runs flash-attention kernels per block pair and their MoE layers permute the routed
 rows with fused kernels."""
+MEGATRON_CORE_SOFTWARE = replace(PUBLISHED_SOFTWARE, te_fp8=True, tp_comm_overlap=True, causal_skip=True)
+"""Megatron-Core with Transformer Engine as Megatron-Bridge's performance recipes run it: FP8 linears as
+Transformer Engine runs them (fused cast-transposes, weights cast once per step, float8 inputs saved, FP8
+grouped GEMMs), tensor-parallel communication overlapped with the GEMMs (the recipes' tp_comm_overlap), and
+cuDNN's fused attention computing only the causal half of the scores. Booleans of what the framework does,
+no constant set from a table; the other tables keep PUBLISHED_SOFTWARE (docs/planner.md says what
+causal_skip does to their rows)."""
+TABLE_SOFTWARE = {"megatron_bridge_h100": MEGATRON_CORE_SOFTWARE}
+"""Software of a table where it differs from PUBLISHED_SOFTWARE."""
 LONG_CONTEXT = 16384
 """Sequences of at least this many tokens count as long context."""
 RECOMPUTE = ("none", "selective", "full", "every_second_layer")
@@ -251,7 +261,7 @@ def evaluate(recipe: Recipe, search_best: bool = True) -> Recipe:
     work = Workload(model, int(row["global_batch"]) // recipe.runs, row["precision"])
     cluster = load_cluster(row["cluster"])
     gpus = int(row["gpus"])
-    software = PUBLISHED_SOFTWARE
+    software = TABLE_SOFTWARE.get(recipe.table, PUBLISHED_SOFTWARE)
     fixed = fixed_layout(row, model.num_layers)
     per_layer = fixed.pop("layer_recompute", None)
     if row.get("pipeline_runs") and fixed.get("zero_stage") == 3:
