@@ -44,8 +44,10 @@ def test_report_gathers_every_step(tmp_path: Path) -> None:
     e2e = {"rows": [e2e_row], "torchtitan": "not installed", "targets": {}}
     curves = {"worst_relative_gap_to_fp32": {"bf16": 0.01, "fp8": 0.2}, "bounds": {"bf16": 0.05, "fp8": 0.08}}
     curves |= {
-        "within_bound": {"bf16": True, "fp8": False},
+        "within_bound": {"bf16": True, "fp8": False, "fp8_vs_bf16": True},
         "curves": {"fp32": [3.0, 2.0], "bf16": [3.0, 2.01]},
+        "worst_relative_gap_fp8_to_bf16": 0.02,
+        "bound_fp8_to_bf16": 2**-5,
     }
     for name, payload in (("kernels", kernels), ("e2e", e2e), ("loss_curves", curves)):
         (tmp_path / f"{name}.json").write_text(json.dumps(payload))
@@ -59,6 +61,7 @@ def test_report_gathers_every_step(tmp_path: Path) -> None:
     assert "| eager launches (cuda graph failed: RuntimeError: capture / sync) | 0.5 | ok |" in md
     assert "| llama-1b.yaml | train.precision=fp8 | blocks | 30000 | 400.0 | 40.4% |" in md
     assert "fp8: worst per-step relative gap 0.2000, OUTSIDE the bound 0.0800" in md
+    assert "fp8 against bf16: worst per-step relative gap 0.0200, within the bound 0.0312" in md
     assert "no env.json" not in md and json.loads((tmp_path / "results.json").read_text())["env"] is None
 
 

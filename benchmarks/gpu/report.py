@@ -185,6 +185,12 @@ def markdown(results: dict[str, Any]) -> str:
             lines.append(
                 f"- {p}: worst per-step relative gap {gap:.4f}, {ok} the bound {curves['bounds'][p]:.4f}"
             )
+        if curves.get("worst_relative_gap_fp8_to_bf16") is not None:
+            gap, bound = curves["worst_relative_gap_fp8_to_bf16"], curves["bound_fp8_to_bf16"]
+            ok = "within" if curves["within_bound"]["fp8_vs_bf16"] else "OUTSIDE"
+            lines.append(
+                f"- fp8 against bf16: worst per-step relative gap {gap:.4f}, {ok} the bound {bound:.4f}"
+            )
         lines.append("- final losses: " + ", ".join(f"{p} {c[-1]:.4f}" for p, c in curves["curves"].items()))
     else:
         lines.append("no loss_curves.json")
