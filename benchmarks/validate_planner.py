@@ -14,10 +14,11 @@ the paper); --reference reads another.
 Then every row of the recipe tables (llmtrain/planner/validation/recipes.py; the CSVs ship in
 llmtrain/planner/data/, each header naming its page and FLOPs convention): the published layout evaluated,
 measured and predicted step time and error, the planner's own best layout for the same GPUs and batch with
-its predicted gain, the step-time part that shrinks most and whether it fits; the rows it cannot express
-(FP8, a model not in configs/, hardware without a cluster file, ...) listed with the reason; which cluster
-constants were set from each table (those rows are not scored); and median and max |error| per table and
-per kind (dense, MoE, long context). --tables picks tables (names or CSV paths).
+its predicted gain, the step-time part that shrinks most and whether it fits (FP8 rows through the FP8
+cost model); the rows it cannot express (a model not in configs/, hardware without a cluster file, ...)
+listed with the reason; which cluster constants were set from each table (those rows are not scored); and
+median and max |error| per table and per kind (dense, MoE, long context). --tables picks tables (names or
+CSV paths).
 
 With --activations it also compares the predicted saved-activation bytes of one layer with the bytes the
 tensor-parallel issue's saved-tensor hooks measure (llmtrain.parallel.memory) on small CPU models.
