@@ -165,6 +165,15 @@ class _Piece:
     epoch: int = 0
 
 
+class _EpochEnd(NamedTuple):
+    """The end of an epoch's jobs, with what its reading found (filled in as its jobs are read)."""
+
+    epoch: int
+    first: int  # the record it started from (0 unless a resume)
+    empty_inputs: list[str]
+    seen: list[int]  # [records read]
+
+
 _tokenizers: dict[str, Tokenizer] = {}
 
 
@@ -300,40 +309,51 @@ class RawStream:
             if record == records_before:
                 counted.append(name)
 
-    def _pieces_of(self, jobs: Iterator[_Job]) -> Iterator[_Piece]:
+    def _all_jobs(self, start: Position) -> Iterator[_Job | _EpochEnd]:
+        """The jobs of every epoch from `start` on, each epoch followed by its _EpochEnd."""
+        for epoch in itertools.count(start.epoch):
+            first = start.record if epoch == start.epoch else 0
+            end = _EpochEnd(epoch, first, [], [0])
+            yield from self._jobs(epoch, first, end.empty_inputs, end.seen)
+            yield end
+
+    def _pieces_of(self, jobs: Iterator[_Job | _EpochEnd]) -> Iterator[_Piece | _EpochEnd]:
+        """Each job tokenized, in order, the epoch ends passed through. With workers, a bounded look-ahead
+        across epochs: memory stays flat, and tokenizing stays ahead of training also where an epoch is a
+        chunk or two (a small source)."""
         workers = self.workers
         if workers.count == 0:
-            yield from map(encode, jobs)
+            yield from (encode(job) if isinstance(job, _Job) else job for job in jobs)
             return
-        pending: deque[Future] = deque()
-        for job in jobs:  # a bounded look-ahead: memory stays flat, tokenizing stays ahead of training
-            pending.append(workers.submit(job))
-            if len(pending) >= 2 * workers.count + 2:
-                yield pending.popleft().result()
-        while pending:
-            yield pending.popleft().result()
+        pending: deque[Future | _EpochEnd] = deque()
+        for job in jobs:
+            pending.append(workers.submit(job) if isinstance(job, _Job) else job)
+            while len(pending) >= 2 * workers.count + 2 or (pending and isinstance(pending[0], _EpochEnd)):
+                first = pending.popleft()
+                yield first if isinstance(first, _EpochEnd) else first.result()
 
     def _pieces(self, start: Position) -> Iterator[_Piece]:
         """Tokenized pieces from `start` on, epoch after epoch; the first pass read checks and reports."""
-        for epoch in itertools.count(start.epoch):
-            first = start.record if epoch == start.epoch else 0
-            report = epoch == start.epoch
-            bad = BadRecords(self.policy, self.log if report else None, "data", (KEY_OPTION, SKIP_OPTION))
-            empty_inputs: list[str] = []
-            documents = tokens = 0
-            seen = [0]
-            for piece in self._pieces_of(self._jobs(epoch, first, empty_inputs, seen)):
-                bad.add(piece.path, len(piece.records), piece.bad)
-                documents += len(piece.records)
-                tokens += len(piece.tokens)
-                if len(piece.records):
-                    piece.epoch = epoch
-                    yield piece
-            bad.finish()
-            if documents == 0 and first == 0:
-                raise self._nothing_readable(bad, empty_inputs, seen[0])
-            if report and self.log:
-                self._report(epoch, documents, tokens, bad, empty_inputs)
+        epoch, report = start.epoch, True
+        bad = BadRecords(self.policy, self.log, "data", (KEY_OPTION, SKIP_OPTION))
+        documents = tokens = 0
+        for piece in self._pieces_of(self._all_jobs(start)):
+            if isinstance(piece, _EpochEnd):
+                bad.finish()
+                if documents == 0 and piece.first == 0:
+                    raise self._nothing_readable(bad, piece.empty_inputs, piece.seen[0])
+                if report and self.log:
+                    self._report(epoch, documents, tokens, bad, piece.empty_inputs)
+                epoch, report = epoch + 1, False
+                bad = BadRecords(self.policy, None, "data", (KEY_OPTION, SKIP_OPTION))
+                documents = tokens = 0
+                continue
+            bad.add(piece.path, len(piece.records), piece.bad)
+            documents += len(piece.records)
+            tokens += len(piece.tokens)
+            if len(piece.records):
+                piece.epoch = epoch
+                yield piece
 
     def _nothing_readable(self, bad: BadRecords, empty_inputs: list[str], records: int) -> DataError:
         why = [f"{len(empty_inputs)} empty input{'s' * (len(empty_inputs) != 1)}"] if empty_inputs else []
