@@ -9,8 +9,15 @@
    --workers worker processes, and per worker), the offline `.bin` (GPTDataset, after preprocessing), and
    `datasets.map` + a torch DataLoader (load_dataset("json"), tokenize and pack into blocks, batches of 8:
    how Hugging Face Trainer users feed data), its map counted, as the first epoch pays it.
+4. The trainer's data time at an accelerator's step time: the global batches of --config (default
+   configs/llama-1b.yaml: 64 samples of 8192 tokens) fetched from data.sources with --workers tokenizing
+   processes, the step itself replaced by a sleep of the step time that --step-tokens-per-s gives (the
+   README's measured H100 throughput for that config), during which the workers tokenize ahead; the warm
+   fetches' mean is the progress line's data_time_s, printed as a share of the step.
 
-    python benchmarks/bench_data.py [--workers 2] [--max-mb 12] [--samples 20000]
+Sections 2 and 3 use --seq-length, by default the config's (llama-1b: 8192).
+
+    python benchmarks/bench_data.py [--workers 2] [--max-mb 12] [--samples 20000] [--config ...]
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from llmtrain.config import load
 from llmtrain.data.corpus import _read_documents, stdlib_files
 from llmtrain.data.gpt_dataset import GPTDataset
 from llmtrain.data.indexed import IndexedDataset
@@ -177,6 +185,27 @@ def bench_feed(
     return out
 
 
+def bench_data_time(
+    jsonl: str, tok_path: str, seq_length: int, batch: int, step_s: float, workers: int, steps: int
+) -> list[float]:
+    """Seconds the trainer would wait for each warm global batch of `batch` samples from data.sources with
+    `workers` tokenizing processes when the rest of a step takes `step_s` (slept, as the accelerator would
+    compute); the first, cold fetch is left out."""
+    pool = Workers(workers)
+    stream = RawStream(parse_source(jsonl), "train", tuple(range(SPLIT_CYCLE)), seq_length, tok_path, "text",
+                       workers=pool)  # fmt: skip
+    waits, sample = [], 0
+    for _ in range(steps + 1):
+        start = time.perf_counter()
+        for _ in range(batch):
+            stream[sample]
+            sample += 1
+        waits.append(time.perf_counter() - start)
+        time.sleep(step_s)
+    pool.close()
+    return waits[1:]
+
+
 def main() -> None:
     """Run both comparisons on the standard library's sources and print the ratios."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -184,9 +213,15 @@ def main() -> None:
     ap.add_argument("--max-mb", type=float, default=12.0, help="input size cap in MB of text")
     ap.add_argument("--vocab-size", type=int, default=8192)
     ap.add_argument("--samples", type=int, default=20000, help="reads per read benchmark")
-    ap.add_argument("--seq-length", type=int, default=256)
+    ap.add_argument("--config", default="configs/llama-1b.yaml", help="seq length and batch of section 4")
+    ap.add_argument("--seq-length", type=int, default=None, help="sections 2-3 (default: the config's)")
+    ap.add_argument("--step-tokens-per-s", type=float, default=46562.0,
+                    help="the config's training throughput (README: llama-1b, one H100)")  # fmt: skip
+    ap.add_argument("--steps", type=int, default=3, help="warm steps simulated in section 4")
     ap.add_argument("--repeats", type=int, default=2, help="best of this many runs per measurement")
     args = ap.parse_args()
+    job = load(args.config)
+    args.seq_length = args.seq_length or job.model.seq_length
 
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
@@ -227,8 +262,19 @@ def main() -> None:
             args.workers,
             args.repeats,
         )
+        print(f"feed at seq_length {args.seq_length}:")
         for name, rate in feed.items():
             print(f"feed {name:<26} {rate:>12,.0f} tokens/s")
+        gbs, seq = job.train.global_batch_size, job.model.seq_length
+        step_s = gbs * seq / args.step_tokens_per_s
+        waits = bench_data_time(str(jsonl), tok_path, seq, gbs, step_s, args.workers, args.steps)
+        mean = sum(waits) / len(waits)
+        print(
+            f"data time {args.config} ({gbs} x {seq} tokens a step, {step_s:.2f} s a step at "
+            f"{args.step_tokens_per_s:,.0f} tokens/s), {args.workers} workers: data_time_s {mean:.3f} s "
+            f"(warm steps: {', '.join(f'{w:.3f}' for w in waits)}) = {100 * mean / (step_s + mean):.2f}% "
+            "of the step"
+        )
 
 
 if __name__ == "__main__":

@@ -216,6 +216,11 @@ def zero_problem(p: ParallelConfig) -> str:
             f"zero_stage {p.zero_stage} already reduces once a step into its flat gradient buffer: leave "
             "it at microbatch"
         )
+    if p.dp_reduce == "tree" and (p.zero_stage != 0 or p.engine != "llmtrain"):
+        return (
+            f"parallel.dp_reduce=tree sums whole gradient buffers (llmtrain's zero_stage 0); got "
+            f"zero_stage {p.zero_stage}, engine {p.engine}: set zero_stage=0 or dp_reduce=all_reduce"
+        )
     return ""
 
 

@@ -25,6 +25,7 @@ Offload = Literal["none", "optimizer", "optimizer+params"]
 OnBadDocument = Literal["skip", "error"]
 CpComm = Literal["ring", "all_to_all"]
 GradReduce = Literal["microbatch", "step"]
+DpReduce = Literal["all_reduce", "tree"]
 OptimizerName = Literal["adamw", "muon"]
 MuonLrAdjust = Literal["match_rms_adamw", "original"]
 Fp8Recipe = Literal["tensorwise", "rowwise"]
@@ -249,6 +250,8 @@ class ParallelConfig:
     """Where parallel.offload keeps what it offloads: cpu memory, or nvme files (zero 3, needs libaio)."""
     nvme_path: str | None = None
     """offload_device=nvme: a directory on a local NVMe drive for DeepSpeed's swap files."""
+    dp_reduce: DpReduce = "all_reduce"
+    """zero_stage 0 DP gradient sum: all_reduce, or tree (same bits on any 2^k ranks; dp/2x the traffic)."""
 
 
 @dataclass
@@ -360,6 +363,8 @@ class DataConfig:
     """The field (JSON key, column) of data.sources records that holds the document text."""
     on_bad_document: OnBadDocument = "skip"
     """An unreadable data.sources record (bad JSON, missing key, not UTF-8): skip and count it, or error."""
+    shuffle_documents: bool = False
+    """data.sources: take each chunk of 2048 records in an order drawn from train.seed (false: file order)."""
 
 
 @dataclass

@@ -263,6 +263,7 @@ def build_data(job: JobConfig, dp_rank: int = 0, dp_size: int = 1) -> DataModule
         d.on_bad_document,
         workers,
         say if is_local_leader() else None,
+        job.train.seed if d.shuffle_documents else None,
     )
     index_cache = cache / "index"
     trains: list[Samples] = []

@@ -7,8 +7,10 @@ cross documents and consecutive samples share the label token). Records go to th
 every SPLIT_CYCLE records, data.split's shares (98 train, 2 valid for 98,2,0), each split's spread evenly
 over the cycle (valid: records 25 and 75 of each hundred) so a small source has a valid split. The samples
 are therefore a function of the data, the tokenizer, data.split and seq_length alone: the number of
-workers, of ranks and the seed do not enter (documents keep their order; blend sources, or shuffle files
-beforehand, to mix them).
+workers and of ranks do not enter. Documents keep their order, unless data.shuffle_documents: then the
+split's records of each chunk (CHUNK_RECORDS records read together) are taken in a permutation drawn from
+(train.seed, epoch, the chunk's first record number), a window shuffle that costs no memory or random access
+and still lets a position name a record: the order is a function of the seed and the data.
 
 Tokenizing runs in worker processes (data.num_workers per rank, shared by the rank's sources) on chunks of
 records, a bounded number ahead of the trainer; results are used in submission order.
@@ -163,6 +165,15 @@ class _Piece:
     epoch: int = 0
 
 
+class _EpochEnd(NamedTuple):
+    """The end of an epoch's jobs, with what its reading found (filled in as its jobs are read)."""
+
+    epoch: int
+    first: int  # the record it started from (0 unless a resume)
+    empty_inputs: list[str]
+    seen: list[int]  # [records read]
+
+
 _tokenizers: dict[str, Tokenizer] = {}
 
 
@@ -242,8 +253,11 @@ class RawStream:
         policy: str = "skip",
         workers: Workers | None = None,
         log: Log | None = None,
+        seed: int | None = None,
     ) -> None:
         self.source, self.split, self.slots, self.seq_length = source, split, slots, seq_length
+        self.seed = seed
+        """None: records in order; else each chunk's records shuffled by (seed, epoch, first record)."""
         self.tokenizer, self.key, self.policy = tokenizer, key, policy
         self.workers = workers or Workers(0)
         self.log = log
@@ -259,13 +273,15 @@ class RawStream:
             "text_key": self.key,
             "tokenizer": self.tokenizer,
             "seq_length": self.seq_length,
+            "shuffle_seed": self.seed,
         }
 
     # The pipeline: records -> jobs -> tokenized pieces (in order) -> token buffer -> samples.
 
-    def _jobs(self, first: int, counted: list[str], seen: list[int]) -> Iterator[_Job]:
-        """Jobs for the split's records numbered >= first; `counted` gets each input without records, and
-        seen[0] the number of records read."""
+    def _jobs(self, epoch: int, first: int, counted: list[str], seen: list[int]) -> Iterator[_Job]:
+        """Jobs for the split's records of `epoch` from record `first` on (in reading order: numbered >= first
+        unshuffled, after it in its chunk's permutation shuffled); `counted` gets each input without
+        records, and seen[0] the number of records read."""
         record = 0
         mine = np.zeros(SPLIT_CYCLE, bool)
         mine[list(self.slots)] = True
@@ -276,7 +292,14 @@ class RawStream:
                 numbers = np.arange(record, record + n, dtype=np.int64)
                 record += n
                 seen[0] = record
-                keep = np.flatnonzero((numbers >= first) & mine[numbers % SPLIT_CYCLE])
+                if first >= record:
+                    continue
+                keep = np.flatnonzero(mine[numbers % SPLIT_CYCLE])
+                if self.seed is not None:
+                    keep = np.random.default_rng([self.seed, epoch, int(numbers[0])]).permutation(keep)
+                if first > numbers[0]:  # the chunk a resume starts in: from its record on
+                    at = np.flatnonzero(keep == first - numbers[0])
+                    keep = keep[int(at[0]) :] if len(at) else keep[keep >= first - numbers[0]]
                 if not len(keep):
                     continue
                 lines = [chunk.lines[k] if chunk.lines else chunk.first + int(k) for k in keep]
@@ -286,40 +309,51 @@ class RawStream:
             if record == records_before:
                 counted.append(name)
 
-    def _pieces_of(self, jobs: Iterator[_Job]) -> Iterator[_Piece]:
+    def _all_jobs(self, start: Position) -> Iterator[_Job | _EpochEnd]:
+        """The jobs of every epoch from `start` on, each epoch followed by its _EpochEnd."""
+        for epoch in itertools.count(start.epoch):
+            first = start.record if epoch == start.epoch else 0
+            end = _EpochEnd(epoch, first, [], [0])
+            yield from self._jobs(epoch, first, end.empty_inputs, end.seen)
+            yield end
+
+    def _pieces_of(self, jobs: Iterator[_Job | _EpochEnd]) -> Iterator[_Piece | _EpochEnd]:
+        """Each job tokenized, in order, the epoch ends passed through. With workers, a bounded look-ahead
+        across epochs: memory stays flat, and tokenizing stays ahead of training also where an epoch is a
+        chunk or two (a small source)."""
         workers = self.workers
         if workers.count == 0:
-            yield from map(encode, jobs)
+            yield from (encode(job) if isinstance(job, _Job) else job for job in jobs)
             return
-        pending: deque[Future] = deque()
-        for job in jobs:  # a bounded look-ahead: memory stays flat, tokenizing stays ahead of training
-            pending.append(workers.submit(job))
-            if len(pending) >= 2 * workers.count + 2:
-                yield pending.popleft().result()
-        while pending:
-            yield pending.popleft().result()
+        pending: deque[Future | _EpochEnd] = deque()
+        for job in jobs:
+            pending.append(workers.submit(job) if isinstance(job, _Job) else job)
+            while len(pending) >= 2 * workers.count + 2 or (pending and isinstance(pending[0], _EpochEnd)):
+                first = pending.popleft()
+                yield first if isinstance(first, _EpochEnd) else first.result()
 
     def _pieces(self, start: Position) -> Iterator[_Piece]:
         """Tokenized pieces from `start` on, epoch after epoch; the first pass read checks and reports."""
-        for epoch in itertools.count(start.epoch):
-            first = start.record if epoch == start.epoch else 0
-            report = epoch == start.epoch
-            bad = BadRecords(self.policy, self.log if report else None, "data", (KEY_OPTION, SKIP_OPTION))
-            empty_inputs: list[str] = []
-            documents = tokens = 0
-            seen = [0]
-            for piece in self._pieces_of(self._jobs(first, empty_inputs, seen)):
-                bad.add(piece.path, len(piece.records), piece.bad)
-                documents += len(piece.records)
-                tokens += len(piece.tokens)
-                if len(piece.records):
-                    piece.epoch = epoch
-                    yield piece
-            bad.finish()
-            if documents == 0 and first == 0:
-                raise self._nothing_readable(bad, empty_inputs, seen[0])
-            if report and self.log:
-                self._report(epoch, documents, tokens, bad, empty_inputs)
+        epoch, report = start.epoch, True
+        bad = BadRecords(self.policy, self.log, "data", (KEY_OPTION, SKIP_OPTION))
+        documents = tokens = 0
+        for piece in self._pieces_of(self._all_jobs(start)):
+            if isinstance(piece, _EpochEnd):
+                bad.finish()
+                if documents == 0 and piece.first == 0:
+                    raise self._nothing_readable(bad, piece.empty_inputs, piece.seen[0])
+                if report and self.log:
+                    self._report(epoch, documents, tokens, bad, piece.empty_inputs)
+                epoch, report = epoch + 1, False
+                bad = BadRecords(self.policy, None, "data", (KEY_OPTION, SKIP_OPTION))
+                documents = tokens = 0
+                continue
+            bad.add(piece.path, len(piece.records), piece.bad)
+            documents += len(piece.records)
+            tokens += len(piece.tokens)
+            if len(piece.records):
+                piece.epoch = epoch
+                yield piece
 
     def _nothing_readable(self, bad: BadRecords, empty_inputs: list[str], records: int) -> DataError:
         why = [f"{len(empty_inputs)} empty input{'s' * (len(empty_inputs) != 1)}"] if empty_inputs else []
@@ -473,14 +507,19 @@ def raw_streams(
     policy: str,
     workers: Workers,
     log: Callable[[str], None] | None,
+    seed: int | None = None,
 ) -> tuple[list[RawStream], list[RawStream]]:
-    """Train and valid streams of each entry (valid: those with a share of the records)."""
+    """Train and valid streams of each entry (valid: those with a share of the records); `seed`: shuffle
+    each chunk's records by it (None: in order)."""
     sources = [parse_source(e) for e in entries]  # every entry checked before any is read
     (tr, va, _) = split_slots(split)
-    trains = [RawStream(s, "train", tr, seq_length, tokenizer, key, policy, workers, log) for s in sources]
+    trains = [
+        RawStream(s, "train", tr, seq_length, tokenizer, key, policy, workers, log, seed) for s in sources
+    ]
     valids = []
     if va:
         valids = [
-            RawStream(s, "valid", va, seq_length, tokenizer, key, policy, workers, None) for s in sources
+            RawStream(s, "valid", va, seq_length, tokenizer, key, policy, workers, None, seed)
+            for s in sources
         ]
     return trains, valids

@@ -8,6 +8,15 @@ so communication overlaps the rest of backward. A parameter shared by two module
 tensor with one hook, so it is reduced once. Under expert parallelism the experts' shards sit in buckets of
 their own, reduced over the expert-data-parallel group (the ranks holding the same experts) instead.
 
+With parallel.dp_reduce=tree (zero_stage 0) a bucket is all-gathered instead and summed here in a fixed
+balanced tree over the ranks in order, ((g0+g1)+(g2+g3))+...; floating-point addition is commutative, so
+every rank gets the same bits. A rank's micro-batches are contiguous in the global batch and its buffer holds
+g0, then g0+g1 (autograd adds into it), so with 1 or 2 micro-batches per rank and 2^k ranks the sum is the
+one balanced tree over the global batch's micro-batches whatever the split: 4 ranks of 1 and 2 ranks of 2
+give the same gradient bits (the loss divisors and the pre-division by dp are powers of two, exact scalings).
+The native all-reduce sums in an order of the backend's choosing (gloo's ring starts each chunk at another
+rank), which agrees only to rounding across ranks counts.
+
 Under zero_stage 1 the optimizer step ends by launching every bucket's parameter all-gather asynchronously,
 in forward order; with ``overlap_param_gather`` a forward pre-hook on each module waits only for the buckets
 of its own parameters, so the gather overlaps the next forward (Megatron's overlap_param_gather). Anything
@@ -79,6 +88,8 @@ class Bucket:
     launched: bool = False
     gather_handle: list[Pending] | None = None
     received: list[torch.Tensor] | None = None
+    gathered: torch.Tensor | None = None
+    """dp_reduce=tree: every rank's copy of the bucket, rank after rank, until finish sums them."""
 
     @property
     def shard_size(self) -> int:
@@ -101,11 +112,13 @@ class GradBuffers:
         zero_stage: int,
         bucket_mb: float,
         overlap_param_gather: bool = True,
+        dp_reduce: str = "all_reduce",
     ) -> None:
         self.dtype = torch_dtype(precision)
         self.topo = topo
         self.dense, self.expert = reduce_groups(topo)
         self.zero_stage = zero_stage
+        self.tree = dp_reduce == "tree"
         # On gloo zero_stage 1 reduce-scatters and gathers by point-to-point shard exchange, 3-4x faster
         # than gloo's collectives (llmtrain.parallel.comm.exchange_shards). NCCL uses the native ones.
         self.native_shard_comm = self.dense.size > 1 and dist.get_backend(self.dense.group) != "gloo"
@@ -240,6 +253,11 @@ class GradBuffers:
             bucket.handle = [
                 reduce_scatter_single(shard, grad, group=reduce.group, async_op=True, detail=detail)
             ]
+        elif self.tree:
+            bucket.gathered = torch.empty(reduce.size * grad.numel(), dtype=grad.dtype, device=grad.device)
+            bucket.handle = [
+                all_gather_single(bucket.gathered, grad, group=reduce.group, async_op=True, detail=detail)
+            ]
         else:
             bucket.handle = [all_reduce(grad, group=reduce.group, async_op=True, detail=detail)]
 
@@ -257,6 +275,10 @@ class GradBuffers:
                 for work in bucket.handle:
                     work.wait()  # recorded by the watchdog as a wait on this numbered collective
                 bucket.handle = None
+            if bucket.gathered is not None:
+                rows = bucket.gathered.view(bucket.reduce.size, -1)
+                self.grad_buffer[bucket.start : bucket.end].copy_(pairwise_sum(rows))
+                bucket.gathered = None
             if bucket.received is not None:
                 # Reduce-scatter by exchange: the peers' copies of this rank's shard, summed into it.
                 shard = self.shard(self.grad_buffer[bucket.start : bucket.end], bucket)
@@ -333,6 +355,16 @@ class GradBuffers:
         return pieces
 
 
+def pairwise_sum(rows: torch.Tensor) -> torch.Tensor:
+    """The sum of rows[0], rows[1], ... in a balanced tree, neighbours first: ((r0+r1)+(r2+r3))+...; an odd
+    last row joins at the next level."""
+    while len(rows) > 1:
+        even = len(rows) // 2 * 2
+        summed = rows[0:even:2] + rows[1:even:2]
+        rows = torch.cat([summed, rows[even:]]) if even < len(rows) else summed
+    return rows[0]
+
+
 def apply_dp(
     model: nn.Module,
     topo: Topology,
@@ -340,11 +372,14 @@ def apply_dp(
     zero_stage: int = 0,
     bucket_mb: float = 25.0,
     overlap_param_gather: bool = True,
+    dp_reduce: str = "all_reduce",
 ) -> nn.Module:
     """Move the parameters into flat buffers (cast to the compute dtype) and install the bucketed DP hooks."""
     if getattr(model, "grad_buffers", None) is not None:
         raise RuntimeError("apply_dp was already applied to this model")
-    model.grad_buffers = GradBuffers(model, topo, precision, zero_stage, bucket_mb, overlap_param_gather)
+    model.grad_buffers = GradBuffers(
+        model, topo, precision, zero_stage, bucket_mb, overlap_param_gather, dp_reduce
+    )
     return model
 
 
@@ -356,4 +391,5 @@ def dp_options(job: JobConfig) -> dict[str, Any]:
         "zero_stage": p.zero_stage,
         "bucket_mb": p.dp_bucket_mb,
         "overlap_param_gather": p.overlap_param_gather,
+        "dp_reduce": p.dp_reduce,
     }

@@ -72,8 +72,9 @@ class LocalStepRunner:
     def train_step(self, batch: torch.Tensor, timer: StepTimer) -> torch.Tensor:
         self.model.train()
         micro_batches = batch.to(self.device).split(self.micro_batch_size)
-        # Summed on the device: one host sync per step (the trainer's), not one per micro-batch.
-        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        # Summed on the device: one host sync per step (the trainer's), not one per micro-batch. In float64,
+        # where a few fp32 losses add exactly: the mean is the same bits however the batch is split.
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
         figures: list[RouterFigures] = []
         depths: list[torch.Tensor] = []
         divisor = self.loss_divisor or len(micro_batches)
@@ -87,7 +88,7 @@ class LocalStepRunner:
                         depths.append(self.mtp.last_losses)
                 with timer.section("backward"):
                     self.optimizer.backward(loss / divisor)
-            total += loss.detach().float()
+            total += loss.detach().double()
         self.router_figures = RouterFigures.combine(figures) if figures else None
         self.mtp_losses = torch.stack(depths).mean(0) if depths else None
         return total / divisor

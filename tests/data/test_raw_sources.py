@@ -145,6 +145,40 @@ def test_tokenizing_workers_do_not_change_the_stream(tmp_path, records, jsonl, s
     assert all(torch.equal(a, b) for a, b in zip(got, reference, strict=True))
 
 
+def _tokens(stream: RawStream, first: int, count: int) -> np.ndarray:
+    """Tokens [first*SEQ, (first+count)*SEQ) of the stream, read as samples first.. (each shares its last
+    token with the next)."""
+    return np.concatenate([stream[i][:-1] for i in range(first, first + count)])
+
+
+def test_shuffled_documents_follow_the_seed_and_resume_exactly(records, jsonl, sp_model):
+    """data.shuffle_documents: each epoch holds the same documents in another order, drawn from the seed
+    alone; a stream resumed from a mid-epoch position continues it token for token into the next epoch."""
+    slots, eod = split_slots("90,10,0")[0], load_tokenizer(sp_model).eod_id
+
+    def stream(seed: int | None) -> RawStream:
+        return RawStream(parse_source(str(jsonl)), "train", slots, SEQ, sp_model, "text", seed=seed)
+
+    epoch = len(reference_stream(records, sp_model, "90,10,0", epochs=1))
+    count = 2 * epoch // SEQ + 1  # two whole epochs
+    plain, first, again, other = (_tokens(stream(s), 0, count) for s in (None, 7, 7, 8))
+
+    def documents(tokens: np.ndarray) -> list[tuple[int, ...]]:
+        return [tuple(d) for d in np.split(tokens, np.flatnonzero(tokens == eod) + 1)[:-1]]
+
+    assert np.array_equal(first, again) and not np.array_equal(first, other)
+    for e in (0, 1):
+        one = slice(e * epoch, (e + 1) * epoch)
+        assert sorted(documents(first[one])) == sorted(documents(plain[one]))  # every document once
+        assert documents(first[one]) != documents(plain[one])
+    assert documents(first[:epoch]) != documents(first[epoch : 2 * epoch])  # each epoch its own order
+    middle = count // 3
+    state = stream(7).state(middle)
+    resumed = stream(7)
+    assert resumed.seek(state) and not stream(8).seek(state)  # another seed is other data
+    assert np.array_equal(_tokens(resumed, middle, count - middle), first[middle * SEQ :])
+
+
 def test_raw_source_and_prefix_blend_by_weight(tmp_path, records, jsonl, sp_model, docs):
     prefix = str(tmp_path / "docs")
     preprocess_documents(docs, prefix, sp_model)

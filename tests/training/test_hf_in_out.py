@@ -1,5 +1,7 @@
 """Hugging Face in and out of a run: checkpoint.load=<transformers model directory> starts the run from its
-weights (the first step's loss is transformers' loss of that batch), at one process and at tp=2, and
+weights (the first step's loss is transformers' loss of that batch), at one process, at tp=2, and for a
+mixture of experts at pp=2 x ep=2 (4 ranks: the pipeline's stages and the experts' shards chunked from the
+one directory), and
 checkpoint.export_hf=true leaves a directory that AutoModelForCausalLM and AutoTokenizer load, whose logits
 are the final checkpoint's. The references are transformers' models, built from a config and saved with
 save_pretrained (no hub)."""
@@ -32,29 +34,44 @@ QUIET = ["train.eval_interval=0", "logging.interval=1", "train.steps=2"]
 TOL = 1e-5
 
 
+# ERNIE-4.5-MoE of the tiny shape: layer 0 dense, layer 1 four routed experts (top-2, dropless) and a
+# shared one; no load-balancing loss, so the logged loss is the cross-entropy transformers' logits give.
+MOE = [
+    "model.arch=ernie_moe", "model.num_experts=4", "model.num_experts_per_tok=2",
+    "model.moe_ffn_hidden_size=64", "model.num_shared_experts=1", "model.moe_layer_start=1",
+    "model.norm_topk_prob=true", "model.router_aux_loss_coef=0.0",
+]  # fmt: skip
+
+
 def job(out: Path, *overrides: str):
     return load(CONFIG, [*TINY, f"output_dir={out}", *overrides])
 
 
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A transformers ERNIE-4.5 model of the tiny job's shape, with transformers' own random weights, and
-    beside it the tokenizer the tiny job would train (as a model directory carries its tokenizer)."""
-    tiny = job(Path("unused"))
+def transformers_dir(folder: Path, *overrides: str) -> Path:
+    """A transformers model of the tiny job's shape (with `overrides`), with transformers' own random
+    weights, and beside it the tokenizer the tiny job would train (as a model directory carries its
+    tokenizer)."""
+    tiny = job(Path("unused"), *overrides)
     fields = to_hf_config(tiny.model)
     config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     torch.manual_seed(1234)
     model = AutoModelForCausalLM.from_config(config).eval()
-    path = tmp_path_factory.mktemp("hf") / "ernie"
+    path = folder / fields.get("model_type", "model")
     model.save_pretrained(path)
     for name, data in build_data(tiny, dp_rank=0, dp_size=1).tokenizer.files().items():
         (path / name).write_bytes(data)
     return path
 
 
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """transformers' ERNIE-4.5 of the tiny job's shape."""
+    return transformers_dir(tmp_path_factory.mktemp("hf"))
+
+
 def transformers_first_loss(hf_dir: Path, out: Path) -> float:
     """transformers' mean next-token loss on the run's first global batch."""
-    batch = next(build_data(job(out), dp_rank=0, dp_size=1).train_batches(0))
+    batch = next(build_data(load(out / "config.yaml"), dp_rank=0, dp_size=1).train_batches(0))
     model = AutoModelForCausalLM.from_pretrained(hf_dir).eval()
     with torch.no_grad():
         logits = model(batch[:, :-1]).logits
@@ -105,6 +122,19 @@ def test_tp2_run_starts_from_a_transformers_directory_and_exports_one(tmp_path, 
         assert len(list((out / "wandb").glob("offline-run-*"))) == 1
     first = next(row for row in read_rows(out) if row["step"] == 1)
     assert first["loss"] == pytest.approx(transformers_first_loss(hf_dir, out), rel=TOL)
+    check_export(out / "hf" / "step_2", str(out))
+
+
+@pytest.mark.slow
+def test_moe_run_at_pp2_ep2_starts_from_a_transformers_directory(tmp_path):
+    hf_moe = transformers_dir(tmp_path, *MOE)
+    out = tmp_path / "run"
+    overrides = [f"checkpoint.load={hf_moe}", "checkpoint.export_hf=true", *MOE, *QUIET]
+    overrides += ["parallel.pp=2", "parallel.ep=2", "parallel.backend=gloo"]
+    done = run_cli(torchrun_command(4, out, *overrides))
+    assert done.returncode == 0, done.stderr[-3000:]
+    first = next(row for row in read_rows(out) if row["step"] == 1)
+    assert first["loss"] == pytest.approx(transformers_first_loss(hf_moe, out), rel=TOL)
     check_export(out / "hf" / "step_2", str(out))
 
 
