@@ -118,10 +118,9 @@ def _roots(model: nn.Module) -> list[nn.Module]:
 
 
 def _blocks(root: nn.Module) -> list[nn.Module]:
-    """The root's transformer blocks: a pipeline chunk's layers, or every block of a CausalLM (its
-    multi-token prediction modules' included)."""
-    layers = root.layers
-    return list(layers.values()) if isinstance(layers, nn.ModuleDict) else root.blocks()
+    """The root's transformer blocks (a CausalLM or a pipeline chunk): its layers, then its multi-token
+    prediction modules' blocks."""
+    return root.blocks()
 
 
 def _edges(root: nn.Module) -> list[nn.Module]:
