@@ -330,7 +330,13 @@ class FSDPOptimizer(LossScaledOptimizer):
         ]
         # Each rank's shards are distinct across the DP mesh and TP/PP ranks hold different parameters.
         self._norm_group, self._norm_ranks = None, topo.world_size
-        named = list(model.named_parameters())
+        # Under the chunks' names, not PipelineStages' `tied_param` (listed first): Muon leaves embeddings
+        # to AdamW.
+        named, seen = [], set()
+        for name, p in model.named_parameters(remove_duplicate=False):
+            if name != "tied_param" and id(p) not in seen:
+                seen.add(id(p))
+                named.append((name, p))
         matrices = fsdp_matrices(named, topo) if job.train.optimizer == "muon" else []
         muon = {id(m.key) for m in matrices}
         groups = make_param_groups([(n, p) for n, p in named if id(p) not in muon], job.train.weight_decay)
