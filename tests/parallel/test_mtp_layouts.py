@@ -2,8 +2,9 @@
 parallelism, context parallelism (labels shifted on the whole sequences), expert parallelism (an MoE
 module block), pipeline parallelism (the modules on the last stage with its copy of the embedding, kept in
 sync with the first stage's: 1f1b untied, interleaved with a tied head, zb_v's V with one shared embedding,
-an MoE module block whose router statistics join the stages' pooled load-balancing table), ZeRO 1-3 and recompute train like the float64
-one-process run (tests/parallel/_reference.py), at most 4 processes by combining them."""
+an MoE module block whose router statistics join the stages' pooled load-balancing table), ZeRO 1-3 and
+recompute train like the float64 one-process run (tests/parallel/_reference.py), at most 4 processes by
+combining them."""
 
 from __future__ import annotations
 
