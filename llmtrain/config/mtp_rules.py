@@ -1,4 +1,6 @@
-"""The rules of multi-token prediction (model.mtp_layers, llmtrain.models.mtp), stated once."""
+"""The rules of multi-token prediction (model.mtp_layers, llmtrain.models.mtp), stated once. Every parallel
+layout takes the modules: under pipeline parallelism they run on the last stage, beside the output layer,
+with a copy of the embedding kept in sync with the first stage's (llmtrain.pipeline.stages)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ from llmtrain.config.schema import JobConfig
 
 def mtp_problem(job: JobConfig) -> str:
     """Why `job` cannot train with model.mtp_layers multi-token prediction modules ("" if it can)."""
-    m, p = job.model, job.parallel
+    m = job.model
     if m.mtp_layers < 0:
         return f"model.mtp_layers must be >= 0 (0: no multi-token prediction); got {m.mtp_layers}"
     for name in ("mtp_loss_weight", "mtp_loss_weight_later", "mtp_loss_weight_tokens"):
@@ -25,11 +27,5 @@ def mtp_problem(job: JobConfig) -> str:
         return (
             f"model.mtp_layers={m.mtp_layers} leaves no position a target in a sequence of model.seq_length="
             f"{m.seq_length} tokens; lower mtp_layers below seq_length"
-        )
-    if p.pp > 1:
-        return (
-            f"model.mtp_layers={m.mtp_layers} with parallel.pp={p.pp}: the pipeline's last stage does not "
-            "hold the multi-token prediction modules and the embedding yet; set parallel.pp=1 (tp, cp, ep "
-            "and zero_stage combine with them) or model.mtp_layers=0"
         )
     return ""

@@ -124,8 +124,11 @@ class GradBuffers:
         self.native_shard_comm = self.dense.size > 1 and dist.get_backend(self.dense.group) != "gloo"
         self.sync_enabled = True
         names: dict[int, str] = {}
-        for name, p in model.named_parameters():
-            names.setdefault(id(p), name)
+        # PipelineStages registers its tied embedding as `tied_param` too, which named_parameters lists
+        # first: the chunk's name is the one that says what it is (Muon leaves embeddings to AdamW).
+        for name, p in model.named_parameters(remove_duplicate=False):
+            if name != "tied_param":
+                names.setdefault(id(p), name)
         seen: set[int] = set()
         params = []
         for p in model.parameters():

@@ -118,10 +118,9 @@ def _roots(model: nn.Module) -> list[nn.Module]:
 
 
 def _blocks(root: nn.Module) -> list[nn.Module]:
-    """The root's transformer blocks: a pipeline chunk's layers, or every block of a CausalLM (its
-    multi-token prediction modules' included)."""
-    layers = root.layers
-    return list(layers.values()) if isinstance(layers, nn.ModuleDict) else root.blocks()
+    """The root's transformer blocks (a CausalLM or a pipeline chunk): its layers, then its multi-token
+    prediction modules' blocks."""
+    return root.blocks()
 
 
 def _edges(root: nn.Module) -> list[nn.Module]:
@@ -331,7 +330,13 @@ class FSDPOptimizer(LossScaledOptimizer):
         ]
         # Each rank's shards are distinct across the DP mesh and TP/PP ranks hold different parameters.
         self._norm_group, self._norm_ranks = None, topo.world_size
-        named = list(model.named_parameters())
+        # Under the chunks' names, not PipelineStages' `tied_param` (listed first): Muon leaves embeddings
+        # to AdamW.
+        named, seen = [], set()
+        for name, p in model.named_parameters(remove_duplicate=False):
+            if name != "tied_param" and id(p) not in seen:
+                seen.add(id(p))
+                named.append((name, p))
         matrices = fsdp_matrices(named, topo) if job.train.optimizer == "muon" else []
         muon = {id(m.key) for m in matrices}
         groups = make_param_groups([(n, p) for n, p in named if id(p) not in muon], job.train.weight_decay)

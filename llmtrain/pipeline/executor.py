@@ -276,6 +276,9 @@ class PipelineExecutor:
         self.router = PipelineRouter(stages.chunks, topo) if stages.chunks[0].num_moe_layers else None
         self.router_figures: RouterFigures | None = None
         """The last training run's RouterFigures (every MoE layer's, every rank); None for a dense model."""
+        self.mtp_losses: torch.Tensor | None = None
+        """The last training run's multi-token prediction cross-entropy per depth (mean over micro-batches,
+        (D,), every rank); None without model.mtp_layers."""
         if schedule.split_backward:
             self._defer_weight_grads()
 
@@ -348,6 +351,7 @@ class PipelineExecutor:
         deferred: dict[tuple[int, int], list] = {}
         pending_sends: list[Any] = []
         losses: list[torch.Tensor] = []
+        depths: list[torch.Tensor] = []  # multi-token prediction's cross-entropy per depth, per micro-batch
         self.trace = [] if trace else None
         router = None if forward_only else self.router
         if router is not None:
@@ -437,6 +441,8 @@ class PipelineExecutor:
                         out = router.after_forward(chunk, a.microbatch, out)
                     if chunk.is_last:
                         losses.append(out.detach().float())
+                        if chunk.mtp is not None and not forward_only:
+                            depths.append(chunk.mtp.last_losses)
                     outputs[key] = out
                 else:
                     with self._grad_sync(a):
@@ -473,7 +479,7 @@ class PipelineExecutor:
                 work.wait()
         if not forward_only:
             self.stages.sync_tied_grads()
-        loss = self._mean_loss(losses, m)
+        loss = self._mean_loss(losses, depths, m, forward_only)
         if router is None:
             return loss
         terms, self.router_figures = router.finish(m)
@@ -500,8 +506,7 @@ class PipelineExecutor:
             x = received
             if not forward_only:
                 x.requires_grad_()
-        out = chunk(x)
-        return chunk.loss(out, micro[:, 1:]) if chunk.is_last else out
+        return chunk(x, micro[:, 1:]) if chunk.is_last else chunk(x)
 
     def _backward(
         self,
@@ -532,16 +537,26 @@ class PipelineExecutor:
         with grad_sync(self.stages, a in self._final):
             yield
 
-    def _mean_loss(self, losses: list[torch.Tensor], m: int) -> torch.Tensor:
-        """The mean loss over micro-batches, broadcast from the last pipeline stage."""
-        value = torch.stack(losses).sum() / m if losses else torch.zeros((), dtype=torch.float32)
-        value = value.to(self.device)
+    def _mean_loss(
+        self, losses: list[torch.Tensor], depths: list[torch.Tensor], m: int, forward_only: bool
+    ) -> torch.Tensor:
+        """The mean loss over micro-batches, broadcast from the last pipeline stage; in training with
+        multi-token prediction its mean cross-entropy per depth too, as `mtp_losses` on every rank."""
+        d = 0 if forward_only else self.stages.chunks[0].shell.config.mtp_layers
+        value = torch.zeros(1 + d, dtype=torch.float32, device=self.device)
+        if losses:
+            value[0] = torch.stack(losses).sum() / m
+        if depths:
+            value[1:] = torch.stack(depths).float().mean(0)
         if self.topo.pp > 1:
             last = self._global(self.schedule.location(self.schedule.num_stages - 1)[0])
             comm.broadcast(value, src=last, group=self.topo.pp_group, detail="loss from the last stage")
         # On NCCL the broadcast returns at once; a stage that never sends shows at this host sync.
         with self.topo.watchdog.waiting("pp", "host sync", "loss from the last stage"):
-            return value.cpu()
+            value = value.cpu()
+        if d:
+            self.mtp_losses = value[1:]
+        return value[0]
 
 
 class PipelineStepRunner:
@@ -556,6 +571,11 @@ class PipelineStepRunner:
     def router_figures(self) -> RouterFigures | None:
         """The last train_step's RouterFigures (every MoE layer's); None for a dense model."""
         return self.executor.router_figures
+
+    @property
+    def mtp_losses(self) -> torch.Tensor | None:
+        """The last train_step's multi-token prediction cross-entropy per depth; None without it."""
+        return self.executor.mtp_losses
 
     def train_step(self, batch: torch.Tensor, timer: Any) -> torch.Tensor:
         """Accumulate gradients over the micro-batches of ``batch``; the mean loss (0-d)."""

@@ -7,10 +7,15 @@ puts the first and the last stage on rank 0, where a tied embedding stays one pa
 embeddings and the first and last stage on different ranks,
 the last stage gets its own copy of the embedding matrix for its head: both copies start equal (broadcast
 from the first stage) and their gradients are summed over the pair of ranks before the optimizer step.
+
+Multi-token prediction (model.mtp_layers) runs on the last stage, which holds the modules and, as for a tied
+head, its own copy of the embedding they embed the tokens ahead with (the head's copy when tied): kept equal
+to the first stage's the same way, as Megatron-Core keeps its MTP embedding in sync.
 """
 
 from __future__ import annotations
 
+import functools
 import types
 from collections.abc import Sequence
 from typing import Any
@@ -22,7 +27,9 @@ from torch import nn
 from llmtrain.config.layout_rules import sequence_parallel_problem
 from llmtrain.config.validate import raise_if_problem
 from llmtrain.models import CausalLM
+from llmtrain.models.layers import TransformerBlock
 from llmtrain.models.moe import MoEMLP, Router, RouterStats
+from llmtrain.models.mtp import shifted
 from llmtrain.parallel import comm
 from llmtrain.parallel.fsdp import local_tensor
 from llmtrain.parallel.topology import Topology
@@ -71,16 +78,27 @@ class StageModule(nn.Module):
         # CausalLM.embed's switch: pipeline chunks gather their edges (llmtrain.config.vocab_sharding: pp=1).
         self.vocab_sharded = None
         self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layers})
-        moe = [i for i, layer in enumerate(model.layers) if isinstance(layer.mlp, MoEMLP)]
-        self.num_moe_layers = len(moe)
-        self.router_rows = [row for row, i in enumerate(moe) if i in layers]
-        """This chunk's MoE layers as rows of the model's (MoE layers, experts) tables."""
         self.final_norm = model.final_norm if self.is_last else None
         self.lm_head = model.lm_head if self.is_last else None
+        self.mtp = model.mtp if self.is_last else None
+        if self.mtp is not None and not self.is_first:  # the copy build_stages keeps equal to stage 0's
+            self.embed_tokens, self.embed_dropout = model.embed_tokens, model.embed_dropout
+        moe = [block for block in model.blocks() if isinstance(block.mlp, MoEMLP)]
+        self.num_moe_layers = len(moe)
+        mine = {id(block) for block in self.blocks()}
+        self.router_rows = [row for row, block in enumerate(moe) if id(block) in mine]
+        """This chunk's MoE blocks as rows of the model's (MoE blocks, experts) tables, in CausalLM.blocks
+        order (the multi-token prediction blocks after the layers)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Token ids (b, s) on the first stage, hidden states otherwise -> hidden states, or logits on the
-        last stage."""
+    def blocks(self) -> list[TransformerBlock]:
+        """This chunk's transformer blocks: its layers, then (last stage) the multi-token prediction ones."""
+        mtp = [m.block for m in self.mtp.layers] if self.mtp is not None else []
+        return list(self.layers.values()) + mtp
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids (b, s) on the first stage, hidden states otherwise -> hidden states; on the last stage
+        the logits, or with `labels` (whole sequences') the loss (in training with the multi-token
+        prediction term)."""
         context, positions = self.shell.context, None
         if self.is_first:
             if context is not None:  # whole sequences in, this CP rank's chunks on
@@ -94,10 +112,28 @@ class StageModule(nn.Module):
         rope = self.shell.rope(seq if positions is None else positions, x.device, x.dtype)
         for layer in self.layers.values():
             x = layer(x, rope)
-        return self.lm_head(self.final_norm(x)) if self.is_last else x
+        if not self.is_last:
+            return x
+        if labels is None:
+            return self.lm_head(self.final_norm(x))
+        loss = self.loss(self.lm_head(self.final_norm(x)), labels)
+        if self.mtp is not None and self.training:
+            # As CausalLM.forward: labels shifted on whole sequences, h^0 in the residual stream's layout.
+            depths = [self._local(shifted(labels, k)) for k in range(len(self.mtp.layers) + 1)]
+            embed = functools.partial(CausalLM.embed, self)
+            loss = loss + self.mtp(self.final_norm.forward(x), depths, embed, self._head_loss, rope)
+        return loss
+
+    def _local(self, labels: torch.Tensor) -> torch.Tensor:
+        """This context-parallel rank's part of whole sequences' `labels`."""
+        return self.shell.context.local(labels) if self.shell.context is not None else labels
+
+    def _head_loss(self, x: torch.Tensor, norm: nn.Module, labels: torch.Tensor) -> torch.Tensor:
+        """The cross-entropy of this rank's `labels` through `norm` and the output layer."""
+        return self.shell.loss(self.lm_head(norm(x)), labels)
 
     def _moe(self) -> list[MoEMLP]:
-        return [layer.mlp for layer in self.layers.values() if isinstance(layer.mlp, MoEMLP)]
+        return [layer.mlp for layer in self.blocks() if isinstance(layer.mlp, MoEMLP)]
 
     def routers(self) -> list[Router]:
         """This chunk's routers, in layer order (rows `router_rows`)."""
@@ -110,9 +146,7 @@ class StageModule(nn.Module):
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The model's loss (mean fp32 cross-entropy over labels != -100, vocabulary-parallel under TP) of
         whole sequences' `labels`: under context parallelism the logits are this rank's chunks of them."""
-        if self.shell.context is not None:
-            labels = self.shell.context.local(labels)
-        return self.shell.loss(logits, labels)
+        return self.shell.loss(logits, self._local(labels))
 
 
 class PipelineStages(nn.Module):
@@ -198,17 +232,22 @@ def build_stages(
     last_rank = rank_of_stage(v_shape, pp, num_stages - 1)[0]
     tied_param = None
     tied_group = None
-    if tied and last_rank != 0:
+    # The last stage uses the embedding matrix too: as its head when tied, to embed multi-token prediction's
+    # tokens ahead with model.mtp_layers (then the head's copy serves both).
+    if (tied or model.mtp is not None) and last_rank != 0:
         tied_group = _tied_pair_group(topo)
         if topo.pp_rank == last_rank:
-            # The head's own copy: same values (broadcast below), marked so the global gradient norm
+            # The last stage's own copy: same values (broadcast below), marked so the global gradient norm
             # counts the pair once.
             copy = nn.Parameter(model.embed_tokens.weight.detach().clone())
             for attr in ("tp_layout", "duplicate", "sequence_parallel"):
                 if hasattr(model.embed_tokens.weight, attr):
                     setattr(copy, attr, getattr(model.embed_tokens.weight, attr))
             copy.duplicate = True
-            model.lm_head.weight = copy
+            if tied:
+                model.lm_head.weight = copy
+            if model.mtp is not None:
+                model.embed_tokens.weight = copy
             tied_param = copy
         elif topo.pp_rank == 0:
             tied_param = model.embed_tokens.weight

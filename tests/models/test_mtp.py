@@ -144,7 +144,6 @@ def test_the_published_weight_schedule() -> None:
         (dict(mtp_layers=-1), {}, "model.mtp_layers must be >= 0"),
         (dict(mtp_layers=1, mtp_loss_weight=-0.1), {}, "model.mtp_loss_weight must be >= 0"),
         (dict(mtp_layers=16, seq_length=16), {}, "lower mtp_layers below seq_length"),
-        (dict(mtp_layers=1), dict(pp=2), "set parallel.pp=1"),
     ],
 )
 def test_bad_configs_name_the_field(model: dict, parallel: dict, message: str) -> None:
@@ -153,3 +152,10 @@ def test_bad_configs_name_the_field(model: dict, parallel: dict, message: str) -
         setattr(job.parallel, key, value)
     with pytest.raises(ConfigError, match=message):
         validate(job)
+
+
+def test_pipeline_parallelism_takes_the_modules() -> None:
+    # The last stage holds them with its copy of the embedding (tests/parallel/test_mtp_layouts.py).
+    job = JobConfig(model=ModelConfig(**DENSE, mtp_layers=2))
+    job.parallel.pp = 2
+    validate(job)

@@ -61,6 +61,7 @@ LAYOUTS: dict[int, list[tuple[str, dict]]] = {
         ("llama", dict(cp=2, cp_comm="all_to_all")),
         ("mixtral", dict(ep=2, dp=2)),
         ("mixtral", dict(tp=2, sequence_parallel=True)),
+        ("llama", dict(tp=2, sequence_parallel=True, mtp_layers=1)),  # multi-token prediction's module too
     ],
     4: [
         ("llama", dict(dp=4, zero_stage=3)),
@@ -149,11 +150,11 @@ def _gap(
 
 
 @functools.cache
-def _one_process(arch: str, num_layers: int, recipe: str, recompute: str) -> dict[str, dict]:
+def _one_process(arch: str, num_layers: int, recipe: str, recompute: str, mtp_layers: int) -> dict[str, dict]:
     """One-process fp8 and bf16 runs of the layouts' model (cached per process: rank 0 computes them)."""
     runs = {}
     for precision in ("fp8", "bf16"):
-        overrides = dict(num_layers=num_layers, fp8_recipe=recipe, recompute=recompute)
+        overrides = dict(num_layers=num_layers, fp8_recipe=recipe, recompute=recompute, mtp_layers=mtp_layers)
         job = tiny_job(arch, precision=precision, **overrides)
         runs[precision] = _summary(parallel_run(job, Topology.single(), _data(job), LR))
     return runs
@@ -173,7 +174,7 @@ def _layout(rank: int, world: int, arch: str, overrides: dict) -> dict | None:
     if rank != 0:
         return None
     m, t = job.model, job.train
-    one = _one_process(arch, m.num_layers, t.fp8_recipe, m.recompute)
+    one = _one_process(arch, m.num_layers, t.fp8_recipe, m.recompute, m.mtp_layers)
     return {"run": run, "fp8": one["fp8"], "bf16": one["bf16"]}
 
 

@@ -1,7 +1,10 @@
 """Multi-token prediction (model.mtp_layers) under every layout it combines with: tensor (+ sequence)
 parallelism, context parallelism (labels shifted on the whole sequences), expert parallelism (an MoE
-module block), ZeRO 1-3 and recompute train like the float64 one-process run (tests/parallel/_reference.py),
-at most 4 processes by combining them."""
+module block), pipeline parallelism (the modules on the last stage with its copy of the embedding, kept in
+sync with the first stage's: 1f1b untied, interleaved with a tied head, zb_v's V with one shared embedding,
+an MoE module block whose router statistics join the stages' pooled load-balancing table), ZeRO 1-3 and
+recompute train like the float64 one-process run (tests/parallel/_reference.py), at most 4 processes by
+combining them."""
 
 from __future__ import annotations
 
@@ -20,6 +23,22 @@ LAYOUTS = {
         ("deepseek_v3", dict(ep=2, zero_stage=3, recompute="full", **DEEPSEEK), "sgd"),
         ("llama", dict(tp=2, recompute="selective", **LLAMA), "adamw"),
         ("llama", dict(zero_stage=1, **LLAMA), "sgd"),
+        ("llama", dict(pp=2, mtp_layers=1), "adamw"),
+        (
+            "llama",
+            dict(
+                pp=2,
+                schedule="interleaved_1f1b",
+                virtual_stages=2,
+                num_layers=4,
+                tie_word_embeddings=True,
+                **LLAMA,
+            ),
+            "sgd",
+        ),  # fmt: skip
+        ("deepseek_v3", dict(pp=2, **DEEPSEEK), "sgd"),
+        # A V: the first and last stage on rank 0, one embedding shared by its two chunks.
+        ("llama", dict(pp=2, schedule="zb_v", virtual_stages=2, num_layers=4, mtp_layers=1), "adamw"),
     ],
     4: [
         ("deepseek_v3", dict(cp=2, dp=2, ep=2, zero_stage=2, **DEEPSEEK), "adamw"),

@@ -1,5 +1,6 @@
 """train.optimizer=muon on sharded layouts trains like one process (dp=4 ZeRO-1, dp=4 ZeRO-3, tp=2 x pp=2,
-ep=2 with tp=2 and ZeRO-1, latent attention under tp=2 x ep=2 at ZeRO-3), and its momentum state moves between
+ep=2 with tp=2 and ZeRO-1, latent attention under tp=2 x ep=2 at ZeRO-3, multi-token prediction at tp=2 x
+pp=2), and its momentum state moves between
 layouts through a checkpoint. All cases run in one 4-process gloo group.
 
 The reference is plain torch on one process in fp32: the model, torch.optim.AdamW over the AdamW parameters
@@ -53,6 +54,8 @@ LAYOUTS = [
     ("llama", dict(tp=2, pp=2)),
     ("mixtral", dict(tp=2, dp=2, ep=2, zero_stage=1)),
     ("deepseek_v3", dict(tp=2, dp=2, ep=2, zero_stage=3)),
+    # Multi-token prediction: its module's matrices on Muon, on the last stage with the embedding's copy.
+    ("llama", dict(tp=2, pp=2, mtp_layers=1)),
 ]
 
 
@@ -79,10 +82,10 @@ def _flip_sensitivity(leaf: torch.nn.Parameter, opt: torch.optim.Muon, g: torch.
     return (moved - _zeropower_via_newtonschulz(update, *args).float()).abs().max().item()
 
 
-def _reference(arch: str, data: list[torch.Tensor]) -> dict:
+def _reference(arch: str, data: list[torch.Tensor], mtp_layers: int = 0) -> dict:
     """Plain torch fp32 on one process (module docstring): losses, gradient norms, final weights and each
     tensor's bound."""
-    job = _muon_job(arch)
+    job = _muon_job(arch, mtp_layers=mtp_layers)
     t = job.train
     torch.manual_seed(t.seed)
     model = models.build(job.model)
@@ -144,16 +147,17 @@ def _failures(name: str, run: dict, ref: dict) -> list[str]:
 
 def _layouts(rank: int, world: int, tmp: str) -> list[str]:
     failures: list[str] = []
-    references: dict[str, dict] = {}
+    references: dict[tuple[str, int], dict] = {}
     for arch, settings in LAYOUTS:
         job = _muon_job(arch, **settings)
         data = batches(job, STEPS)
         run = parallel_run(job, Topology(job.parallel, world, rank), data, LR)
         if rank != 0:
             continue
-        if arch not in references:
-            references[arch] = _reference(arch, data)
-        failures += _failures(f"{arch} {settings}", run, references[arch])
+        key = (arch, job.model.mtp_layers)
+        if key not in references:
+            references[key] = _reference(arch, data, job.model.mtp_layers)
+        failures += _failures(f"{arch} {settings}", run, references[key])
     failures += _resume(rank, world, Path(tmp))
     return failures
 

@@ -73,7 +73,7 @@ def _traced_step(rank: int, world: int, arch: str, overrides: dict) -> tuple[int
 
 def _predicted(arch: str, overrides: dict, world: int, pp_rank: int) -> Counter[Comm]:
     job = tiny_job(arch, **overrides)
-    work = Workload(job.model, job.train.global_batch_size, job.train.precision, job.parallel.dp_bucket_mb)
+    work = Workload.from_job(job)
     cost = CostModel(work, load_cluster("a100-80gb").view(world), Software(gloo_shard_exchange=True))
     return cost.collectives(layout_of_job(job, world), pp_rank)
 
@@ -143,6 +143,10 @@ MODEL_PARALLEL = {
         ),
     ),
 }
+# train.optimizer=muon: one fp32 all-reduce over tp (x cp x dp) of the stage's matrices, whole (attention
+# and MLP; latent attention's projections and every expert's).
+MODEL_PARALLEL["muon-tp-sp"] = ("llama", 2, dict(tp=2, sequence_parallel=True, optimizer="muon"))
+MODEL_PARALLEL["muon-mla-moe-tp"] = ("deepseek_v3", 2, dict(tp=2, optimizer="muon"))
 DATA_PARALLEL = {f"zero{zero}": ("llama", 2, dict(dp=2, zero_stage=zero)) for zero in (0, 1)}
 # The gradient bytes of a TP rank of latent attention (down-projections whole) and of MoE layers (whole).
 DATA_PARALLEL["mla-tp2-zero0"] = ("deepseek_v3", 4, dict(tp=2, dp=2))

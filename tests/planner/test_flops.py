@@ -1,5 +1,7 @@
 """FLOPs and parameter counts against published formulas and published model sizes."""
 
+from dataclasses import replace
+
 import pytest
 
 from llmtrain.config.schema import ModelConfig
@@ -148,4 +150,44 @@ def test_moe_preset_parameter_counts_equal_transformers(preset):
             transformers.AutoConfig.for_model(**to_hf_config(cfg))
         )
     frozen = sum(p.numel() for n, p in model.named_parameters() if n.endswith("e_score_correction_bias"))
-    assert num_parameters(cfg) == sum(p.numel() for p in model.parameters()) - frozen
+    # transformers builds no multi-token prediction module (model.mtp_layers; counted in its own test).
+    main = replace(cfg, mtp_layers=0)
+    assert num_parameters(main) == sum(p.numel() for p in model.parameters()) - frozen
+
+
+@pytest.mark.slow  # builds and runs four small models (seconds on shared cores)
+@pytest.mark.parametrize("arch", ["llama", "deepseek_v3"])
+def test_mtp_modules_counted_like_torch_counts_them(arch):
+    # model.mtp_layers: parameters exactly as the built model holds them (MoE block where layer
+    # num_layers + depth is one); forward FLOPs by torch's counter over our training forward, with and
+    # without the modules: each depth costs one layer as counted for the main layers (the counter's
+    # attention core included), eh_proj (2h -> h) and one more pass through the output layer. The dense
+    # arch only for FLOPs: the counter sees the routed experts the tokens chose, not the planner's top-k.
+    torch = pytest.importorskip("torch")
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from llmtrain.models import build
+    from llmtrain.planner.cost import flops as F
+    from tests.parallel._dist import tiny_job
+
+    counted = {}
+    for depth in (0, 2):
+        cfg = tiny_job(arch, mtp_layers=depth).model
+        model = build(cfg, seed=0)
+        assert F.num_parameters(cfg) == sum(p.numel() for p in model.parameters() if p.requires_grad)
+        ids = torch.randint(
+            0, cfg.vocab_size, (2, cfg.seq_length + 1), generator=torch.Generator().manual_seed(0)
+        )
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            model(ids[:, :-1], labels=ids[:, 1:])
+        counted[depth] = counter.get_total_flops() / (2 * cfg.seq_length)
+    if arch != "llama":
+        return
+    h, logits = cfg.hidden_size, F.logits_flops_per_token(cfg)
+    layer = (counted[0] - logits) / cfg.num_layers
+    assert counted[2] - counted[0] == pytest.approx(2 * (layer + 4 * h * h + logits), rel=1e-12)
+    planned = F.layer_flops_per_token(cfg).total + 4 * h * h + logits
+    assert F.mtp_flops_per_token(cfg) == 2 * planned
+    assert (
+        F.forward_flops_per_token(cfg) == F.forward_flops_per_token(replace(cfg, mtp_layers=0)) + 2 * planned
+    )

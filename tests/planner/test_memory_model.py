@@ -351,3 +351,19 @@ def test_vocab_sharded_edges_are_never_gathered():
     assert rank_memory(
         tied, "bf16", layout, Software(), inflight=1, num_micro=4, reserved_bytes=0.0
     ).gathered == (hybrid.gathered)
+
+
+def test_mtp_modules_on_the_last_stage():
+    # model.mtp_layers=1: its parameters (counts.mtp) join the last stage's and their state, with pp an
+    # embedding copy too (untied: the head's copy does not serve), and one more set of logits.
+    layout = Layout(tp=1, pp=2, dp=1, micro_batch=1)
+    mtp = replace(TINY, mtp_layers=1)
+    extra = parameter_counts(mtp).mtp
+    assert extra == PER_LAYER + 2 * 64 * 64 + 3 * 64  # a layer, eh_proj, enorm, hnorm and final norm
+
+    def last(model):
+        return rank_memory(model, "fp32", layout, Software(), inflight=1, num_micro=4, reserved_bytes=0.0)
+
+    without, with_mtp = last(TINY), last(mtp)
+    assert with_mtp.params - without.params == 4 * (extra + EMBEDDING)
+    assert with_mtp.activations > without.activations

@@ -346,3 +346,17 @@ def moe_layer_parameters(model: ModelConfig, tp: int, ep: int) -> tuple[int, int
     routed = model.num_experts // ep * 3 * h * fe
     partial = (router_shared + (routed if ep == 1 else 0)) if tp > 1 else 0
     return router_shared - _dense_mlp_parameters(model, tp), routed, partial
+
+
+def muon_layer_parameters(model: ModelConfig, moe: bool) -> int:
+    """The whole (un-split) elements of one layer's matrices train.optimizer=muon orthogonalises
+    (llmtrain.parallel.muon.muon_updates): the attention projections and the MLP's, every routed expert's
+    and shared expert's; not the norms, biases or router, which AdamW keeps."""
+    h, d, a = model.hidden_size, model.head_size, model.num_attention_heads
+    if model.arch == "deepseek_v3":
+        attn = F.latent_projection_params(model) + a * model.v_head_dim * h
+    else:
+        attn = h * (a + 2 * model.kv_heads) * d + a * d * h
+    if moe:
+        return attn + 3 * h * model.expert_ffn_size * (model.num_experts + model.num_shared_experts)
+    return attn + (2 if model.arch == "gpt" else 3) * h * model.ffn_size

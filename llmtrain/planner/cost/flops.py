@@ -47,20 +47,12 @@ class LayerFlops:
 def layer_flops_per_token(model: ModelConfig, seq_length: int | None = None) -> LayerFlops:
     """Forward FLOPs of one layer per token, split into the projections, the attention core and the MLP."""
     s = seq_length or model.seq_length
-    h, d, a, kv, f = (
-        model.hidden_size,
-        model.head_size,
-        model.num_attention_heads,
-        model.kv_heads,
-        model.ffn_size,
-    )
-    mlp_mats = 3 if is_gated(model) else 2
-    mlp = 2.0 * mlp_mats * h * f
+    h, d, a, kv = model.hidden_size, model.head_size, model.num_attention_heads, model.kv_heads
+    mlp = _mlp_flops(model, moe=False)
     moe_layers = moe_layer_count(model)
     if moe_layers:
         # The mean layer's: the router's scores, then the top-k and the shared experts' gated MLPs.
-        active = model.num_experts_per_tok + model.num_shared_experts
-        moe = 2.0 * h * model.num_experts + 2.0 * 3 * h * model.expert_ffn_size * active
+        moe = _mlp_flops(model, moe=True)
         mlp = (mlp * (model.num_layers - moe_layers) + moe * moe_layers) / model.num_layers
     if model.arch == "deepseek_v3":
         qk, v = model.qk_nope_head_dim + model.qk_rope_head_dim, model.v_head_dim
@@ -128,8 +120,35 @@ def head_cost_in_layers(model: ModelConfig, seq_length: int | None = None) -> fl
 
 
 def forward_flops_per_token(model: ModelConfig, seq_length: int | None = None) -> float:
-    """Forward FLOPs per token of the whole model: all layers plus the logits."""
-    return model.num_layers * layer_flops_per_token(model, seq_length).total + logits_flops_per_token(model)
+    """Forward FLOPs per token of the whole model: all layers plus the logits, and the multi-token
+    prediction modules in training (mtp_flops_per_token)."""
+    main = model.num_layers * layer_flops_per_token(model, seq_length).total + logits_flops_per_token(model)
+    return main + mtp_flops_per_token(model, seq_length)
+
+
+def mtp_flops_per_token(model: ModelConfig, seq_length: int | None = None) -> float:
+    """Forward FLOPs per token of the model.mtp_layers multi-token prediction modules (llmtrain.models.mtp),
+    which every training forward runs on the full sequence: per depth eh_proj (2h -> h), one transformer
+    block (an MoE one where layer num_layers + depth is) and the shared output layer's logits."""
+    if not model.mtp_layers:
+        return 0.0
+    h = model.hidden_size
+    attention = layer_flops_per_token(model, seq_length)
+    attention_total = attention.total - attention.mlp
+    total = 0.0
+    for depth in range(model.mtp_layers):
+        moe = model.is_moe_layer(model.num_layers + depth)
+        total += 2.0 * 2 * h * h + attention_total + _mlp_flops(model, moe) + logits_flops_per_token(model)
+    return total
+
+
+def _mlp_flops(model: ModelConfig, moe: bool) -> float:
+    """Forward FLOPs per token of one dense MLP, or of an MoE one (router, top-k and shared experts)."""
+    h = model.hidden_size
+    if moe:
+        active = model.num_experts_per_tok + model.num_shared_experts
+        return 2.0 * h * model.num_experts + 2.0 * 3 * h * model.expert_ffn_size * active
+    return 2.0 * (3 if is_gated(model) else 2) * h * model.ffn_size
 
 
 def model_flops_per_token(model: ModelConfig, seq_length: int | None = None) -> float:
@@ -168,11 +187,14 @@ class ParamCounts:
     num_layers: int
     moe_extra: int = 0
     """What the MoE layers hold beyond a dense layer's per_layer (routers, experts, shared experts)."""
+    mtp: int = 0
+    """The multi-token prediction modules (model.mtp_layers): per depth two norms, eh_proj, a block (MoE
+    where layer num_layers + depth is) and its final norm; they share the embedding and head."""
 
     @property
     def total(self) -> int:
         body = self.num_layers * self.per_layer + self.moe_extra
-        return body + self.embedding + self.head + self.final_norm
+        return body + self.embedding + self.head + self.final_norm + self.mtp
 
 
 def parameter_counts(model: ModelConfig) -> ParamCounts:
@@ -201,9 +223,12 @@ def parameter_counts(model: ModelConfig) -> ParamCounts:
     moe_mlp = model.num_experts * h + 3 * h * model.expert_ffn_size * experts
     moe_layers = moe_layer_count(model)
     qk_norm = 2 * d if model.arch == "qwen3_moe" else 0
-    return ParamCounts(
-        attn + mlp + 2 * norm + qk_norm, embedding, head, norm, model.num_layers, moe_layers * (moe_mlp - mlp)
+    per_layer = attn + mlp + 2 * norm + qk_norm
+    mtp = sum(
+        3 * norm + 2 * h * h + per_layer + (moe_mlp - mlp if model.is_moe_layer(model.num_layers + k) else 0)
+        for k in range(model.mtp_layers)
     )
+    return ParamCounts(per_layer, embedding, head, norm, model.num_layers, moe_layers * (moe_mlp - mlp), mtp)
 
 
 def moe_layer_count(model: ModelConfig) -> int:

@@ -497,19 +497,27 @@ def rank_memory(
         mine = layout.rank_stages(r)
         layers = [stages[s] for s in mine]
         first, last = r == layout.stage_rank(0), r == layout.stage_rank(pp * v - 1)
+        # Multi-token prediction's modules on the last stage, split over TP as a layer is (eh_proj and their
+        # norms, replicated, are a rounding error beside the block), and with pp an embedding copy to embed
+        # with, unless the tied head's copy serves.
+        mtp = counts.mtp / tp if last else 0.0
         if pp == 1:
             params = model.num_layers * layer_p + (counts.embedding + counts.head + counts.final_norm) / tp
         else:
             head = (counts.head or model.vocab_size * h) / tp  # tied: a copy on the last stage
             params = sum(layers) * layer_p
             params += (counts.embedding / tp if first else 0.0) + (head + counts.final_norm if last else 0.0)
+            if mtp and counts.head and not first:
+                mtp += counts.embedding / tp
+        params += mtp
         held = inflight if first else peak_inflight_closed(layout.schedule, pp, num_micro, v, rank=r)
         owed = pending_weight_grads(layout.schedule, pp, num_micro, r, v)
         act = held * max(chunk_act[s] for s in mine) + owed * sum(layers) * wgrad
         if first:
             act += inflight * e * tok * h / sp_div  # the stage's input
         if last:
-            act += logits + owed * tok * (model.vocab_size / tp + h) * e
+            # Each multi-token prediction depth keeps logits of its own for its backward.
+            act += logits * (1 + model.mtp_layers) + owed * tok * (model.vocab_size / tp + h) * e
             act += layout.dp * e * tok * h if vocab_sharded else 0.0
         p2p = 0.0
         if pp > 1 and software.p2p_held_until_step_end:

@@ -34,7 +34,8 @@ class StepCollectives(CostBase):
         routed experts' gradients are all-reduced apart over the expert-data-parallel group (memory.
         expert_dp_size: tp x cp x dp / ep ranks) at zero 0, their shards exchanged there at zero 1 (gloo:
         sends to each peer), or gathered and reduce-scattered there as FSDP2 units of their own at zero 2/3,
-        and the gradient norm is summed over the world."""
+        and the gradient norm is summed over the world. With train.optimizer=muon the step adds the
+        all-reduce that assembles the stage's Muon matrices whole (collectives.muon_layer_parameters)."""
         m, tp, pp, v, dp, cp = self.w.model, layout.tp, layout.pp, layout.virtual_stages, layout.dp, layout.cp
         sp, e, b = layout.sequence_parallel, self.act_bytes, layout.micro_batch
         sizes = {"tp": tp, "cp": cp, "pp": pp, "dp": dp}
@@ -49,6 +50,7 @@ class StepCollectives(CostBase):
                 out[c] += times
 
         modes = layout.layer_modes(m.num_layers)
+        muon = 0  # the elements of the Muon matrices of this rank's stages, whole
         starts = list(itertools.accumulate(stages, initial=0))
         heads, kv = m.num_attention_heads // tp, max(m.kv_heads // tp, 1)
         numel = replicated = partial = kv_replicated = 0
@@ -71,6 +73,7 @@ class StepCollectives(CostBase):
                     numel += (moe_extra + (routed if ep == 1 else 0)) * n
                     partial += moe_partial * n
                     experts += (routed if ep > 1 else 0) * n
+            muon += sum(C.muon_layer_parameters(m, m.is_moe_layer(i)) for i in layers)
             if first:
                 add(emb.fwd + emb.bwd, num_micro)
             if last:
@@ -109,6 +112,11 @@ class StepCollectives(CostBase):
         norm_size = tp * pp * (dp * cp if sharded_norm else 1)
         if norm_size > 1:
             out[C.Comm("all_reduce", C.group_name(norm_dims, sizes), norm_size, 8)] += 1
+        muon_ranks = tp * cp * dp
+        if self.w.optimizer == "muon" and muon_ranks > 1:
+            # Muon assembles the stage's matrices whole by one fp32 all-reduce over its tp x cp x dp ranks
+            # (llmtrain.parallel.muon), each rank writing the pieces it owns into a zeroed buffer.
+            out[C.Comm("all_reduce", C.group_name(("tp", "cp", "dp"), sizes), muon_ranks, 4 * muon)] += 1
         edp = expert_dp_size(layout)
         # FSDP2's expert units reduce over the expert-DP ranks even without dense data parallelism (dp x cp
         # = 1 with EP inside TP).
