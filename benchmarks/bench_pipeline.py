@@ -4,15 +4,19 @@ For v = 1, v = 2 and the V placement (two chunks per rank, stages r and 2 pp - 1
 the same model and cuts the same chunks (balanced by FLOPs, as training does); our PipelineExecutor (1F1B,
 interleaved 1F1B and interleaved zero-bubble, ZB-V, DualPipeV, plus GPipe and ZB-H1) and torch's
 Schedule1F1B, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble and
-ScheduleDualPipeV then run the same micro-batches on those very modules, alternating step by step so both
-see the same machine load.
-Prints median step times and our/torch ratios, and for our schedules the bubble fraction measured from a
-per-action trace beside the one the simulator predicts replaying the traced durations with the measured
-dispatch overhead and transfer latency; "traced/bound" is the traced step over the schedule's compute
-bound (the simulated step with free transfers and no overhead), which no executor of that schedule can
-go below.
+ScheduleDualPipeV then run the same micro-batches on the same weights (each of our schedules on its own
+copy: a split-backward executor reroutes its stages' linear layers), alternating step by step so all see
+the same machine load.
+Prints three tables: median step times and peak memory per rank (resident memory above the step's start)
+with our/torch ratios; for our schedules the bubble of a traced step beside the simulator's replay of that
+same step (llmtrain.pipeline.replay: its own per-action durations, the measured dispatch overhead and
+transfer latency), and "traced/bound", the traced step over the schedule's compute bound (the replay with
+free transfers and no overhead), which no executor of that schedule can go below; and dualpipe_v's exposed
+communication (llmtrain.pipeline.comm_trace) with its transfers posted ahead, as run, against posted only
+when needed.
 
     python benchmarks/bench_pipeline.py --pp 2 --microbatches 8 --timeline bench_interleaved.png
+    python benchmarks/bench_pipeline.py --pp 4 --microbatches 8 --overlap-timeline dualpipe_v_overlap.png
 """
 
 from __future__ import annotations
