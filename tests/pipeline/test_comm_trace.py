@@ -1,6 +1,6 @@
 """The traced transfers' accounting (llmtrain.pipeline.comm_trace) on made-up events: what counts as exposed
-communication (waiting after the producer finished) and what as hidden, and the recorder's fields; and a traced
-gloo run of dualpipe_v records each of its transfers once. No timing is asserted."""
+communication (waiting after the producer finished) and what as hidden, and the recorder's fields; and a
+traced gloo run of dualpipe_v records each of its transfers once. No timing is asserted."""
 
 from __future__ import annotations
 
