@@ -4,15 +4,19 @@ For v = 1, v = 2 and the V placement (two chunks per rank, stages r and 2 pp - 1
 the same model and cuts the same chunks (balanced by FLOPs, as training does); our PipelineExecutor (1F1B,
 interleaved 1F1B and interleaved zero-bubble, ZB-V, DualPipeV, plus GPipe and ZB-H1) and torch's
 Schedule1F1B, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble and
-ScheduleDualPipeV then run the same micro-batches on those very modules, alternating step by step so both
-see the same machine load.
-Prints median step times and our/torch ratios, and for our schedules the bubble fraction measured from a
-per-action trace beside the one the simulator predicts replaying the traced durations with the measured
-dispatch overhead and transfer latency; "traced/bound" is the traced step over the schedule's compute
-bound (the simulated step with free transfers and no overhead), which no executor of that schedule can
-go below.
+ScheduleDualPipeV then run the same micro-batches on the same weights (each of our schedules on its own
+copy: a split-backward executor reroutes its stages' linear layers), alternating step by step so all see
+the same machine load.
+Prints three tables: median step times and peak memory per rank (resident memory above the step's start)
+with our/torch ratios; for our schedules the bubble of a traced step beside the simulator's replay of that
+same step (llmtrain.pipeline.replay: its own per-action durations, the measured dispatch overhead and
+transfer latency), and "traced/bound", the traced step over the schedule's compute bound (the replay with
+free transfers and no overhead), which no executor of that schedule can go below; and dualpipe_v's exposed
+communication (llmtrain.pipeline.comm_trace) with its transfers posted ahead, as run, against posted only
+when needed.
 
     python benchmarks/bench_pipeline.py --pp 2 --microbatches 8 --timeline bench_interleaved.png
+    python benchmarks/bench_pipeline.py --pp 4 --microbatches 8 --overlap-timeline dualpipe_v_overlap.png
 """
 
 from __future__ import annotations
@@ -31,11 +35,12 @@ import torch.nn.functional as F
 from llmtrain.config import ModelConfig, ParallelConfig
 from llmtrain.models import build
 from llmtrain.parallel import Topology
+from llmtrain.pipeline.comm_trace import CommEvent, exposed, hidden_receives, in_flight
 from llmtrain.pipeline.executor import PipelineExecutor
+from llmtrain.pipeline.replay import TOLERANCE, check_bubble, replay
 from llmtrain.pipeline.schedules import build_schedule
-from llmtrain.pipeline.simulator import SimulationResult, simulate
 from llmtrain.pipeline.stages import activation_shape, build_stages
-from llmtrain.pipeline.timeline import Span, bubble_fraction, render_png, save_trace
+from llmtrain.pipeline.timeline import Span, render_png, save_trace
 from llmtrain.planner.cost.flops import head_cost_in_layers
 
 
@@ -51,46 +56,27 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def _consecutive(spans: list[Span]) -> list[tuple[Span, Span]]:
-    """Every pair of computes that follow each other on one rank."""
-    pairs = []
-    for rank in {s.rank for s in spans}:
-        mine = sorted((s for s in spans if s.rank == rank), key=lambda s: s.start)
-        pairs += list(zip(mine, mine[1:], strict=False))
-    return pairs
+def _rss(field: str) -> int:
+    """A /proc/self/status memory figure of this process, in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
 
 
-def _transfer_latency(schedule, spans: list[Span]) -> float:
-    """Median delay from the end of a forward to the start of the next stage's forward on another rank,
-    where that rank sat idle waiting for it: the transfer time the simulator should charge."""
-    by_key = {(s.kind, s.microbatch, schedule.stage(s.rank, s.chunk)): s for s in spans}
-    previous_end = {(after.rank, after.start): before.end for before, after in _consecutive(spans)}
-    delays = []
-    for (kind, mb, stage), s in by_key.items():
-        producer = by_key.get((kind, mb, stage - 1)) if kind == "F" else None
-        if producer is None or producer.rank == s.rank:
-            continue
-        if previous_end.get((s.rank, s.start), 0.0) < producer.end < s.start:
-            delays.append(s.start - producer.end)
-    return statistics.median(delays) if delays else 0.0
-
-
-def _dispatch_overhead(spans: list[Span]) -> float:
-    """Median gap between two consecutive computes of a rank: the executor's own time per action (the
-    longer gaps, where a rank waited for data, are the minority the median ignores)."""
-    gaps = [after.start - before.end for before, after in _consecutive(spans)]
-    return statistics.median(gaps) if gaps else 0.0
-
-
-def _simulate(schedule, spans: list[Span], free_transfers: bool = False) -> SimulationResult:
-    """The simulator's replay of this schedule with every action's traced duration, the measured
-    per-action dispatch overhead and the transfer latency beyond it; with ``free_transfers`` both are zero,
-    which gives the compute-bound step time no executor of this schedule can beat on these durations."""
-    durations = {(s.rank, s.kind, s.microbatch, s.chunk): s.end - s.start for s in spans}
-    overhead = 0.0 if free_transfers else _dispatch_overhead(spans)
-    p2p = 0.0 if free_transfers else max(_transfer_latency(schedule, spans) - overhead, 0.0)
-    # The tables are unused (every action has its own duration) but must be well-formed.
-    return simulate(schedule, 1.0, 2.0, weight_grad=1.0, p2p=p2p, overhead=overhead, action_costs=durations)
+def _peak_step_memory(fn) -> int:
+    """Bytes the process's resident memory rose above its level at the step's start, at its peak (the
+    kernel's high-water mark, reset by /proc/self/clear_refs): activations, the weight-gradient stash,
+    transfer buffers and gradients alike. main() sets glibc's mmap threshold so freed tensors leave RSS."""
+    dist.barrier()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    base = _rss("VmRSS")
+    fn()
+    peak = _rss("VmHWM") - base
+    dist.barrier()
+    return peak
 
 
 CONFIGS = [
@@ -114,6 +100,8 @@ ROWS = [
     ("zb_h1", None),
 ]
 """Printed rows: our schedule and torch's of the same order (None: torch has none)."""
+NO_OVERLAP = "dualpipe_v, no overlap"
+"""dualpipe_v with every receive posted only when its compute needs it (lookahead 0), nothing overlapped."""
 
 
 def _worker(rank: int, world: int, store: str, args: argparse.Namespace, results: dict) -> None:
@@ -139,9 +127,14 @@ def _worker(rank: int, world: int, store: str, args: argparse.Namespace, results
     shape = activation_shape(b, cfg.seq_length, cfg.hidden_size)
     out: dict[str, object] = {}
     for v, v_shape, ours_names, theirs_names in CONFIGS:
-        torch.manual_seed(1234)
-        # The split training uses: layers balanced against the output layer's FLOPs.
-        stages = build_stages(build(cfg), topo, v, head_cost=head_cost_in_layers(cfg), v_shape=v_shape)
+
+        def fresh(v: int = v, v_shape: bool = v_shape):
+            # The split training uses: layers balanced against the output layer's FLOPs. Every schedule gets
+            # its own copy of the same weights: a split-backward executor reroutes its stages' linear layers.
+            torch.manual_seed(1234)
+            return build_stages(build(cfg), topo, v, head_cost=head_cost_in_layers(cfg), v_shape=v_shape)
+
+        stages = fresh()
         torch_stages = [
             PipelineStage(chunk, chunk.stage, world * v, torch.device("cpu"), group=topo.pp_group)
             for chunk in stages.chunks
@@ -157,50 +150,68 @@ def _worker(rank: int, world: int, store: str, args: argparse.Namespace, results
                 theirs.step(**kwargs)
 
         executors = {
-            name: PipelineExecutor(stages, build_schedule(name, world, m, v), topo, shape)
+            name: PipelineExecutor(fresh(), build_schedule(name, world, m, v), topo, shape)
             for name in ours_names
         }
-        runs = {name: (lambda ex=ex: ex.run(micro)) for name, ex in executors.items()}
+        if "dualpipe_v" in ours_names:
+            # The same step with each receive posted only when its compute needs it: nothing overlaps.
+            executors[NO_OVERLAP] = PipelineExecutor(
+                fresh(), build_schedule("dualpipe_v", world, m, v), topo, shape, lookahead=0
+            )
+        runs = {name: (ex.stages, lambda ex=ex: ex.run(micro)) for name, ex in executors.items()}
         for cls_name in theirs_names:
             cls = getattr(torch_schedules, cls_name)
             theirs = cls(torch_stages[0] if v == 1 else torch_stages, m, loss_fn=_loss)
-            runs[cls_name] = lambda theirs=theirs: torch_step(theirs)
+            runs[cls_name] = (stages, lambda theirs=theirs: torch_step(theirs))
         times: dict[str, list[float]] = {name: [] for name in runs}
         order = list(runs)
         for step in range(args.warmup + args.steps):
             # Rotate who goes first, so drifting machine load favours no one.
             for name in order[step % len(order) :] + order[: step % len(order)]:
-                stages.zero_grad(set_to_none=True)
-                t = _timed(runs[name])
+                runs[name][0].zero_grad(set_to_none=True)
+                t = _timed(runs[name][1])
                 if step >= args.warmup:
                     times[name].append(t)
+        memory = {}
+        for name, (owner, fn) in runs.items():
+            owner.zero_grad(set_to_none=True)
+            peak: list = [None] * world
+            dist.all_gather_object(peak, _peak_step_memory(fn))
+            memory[name] = peak
         for name, ex in executors.items():
-            traced = []
+            traced, comms = [], []
             for _ in range(args.traced_steps):
-                stages.zero_grad(set_to_none=True)
+                ex.stages.zero_grad(set_to_none=True)
                 dist.barrier()
                 ex.run(micro, trace=True)
                 gathered: list = [None] * world
-                dist.all_gather_object(gathered, ex.trace)
-                traced.append([Span(**e) for trace in gathered for e in trace])
+                dist.all_gather_object(gathered, (ex.trace, ex.comm_trace))
+                traced.append([Span(**e) for trace, _ in gathered for e in trace])
+                comms.append([CommEvent(**e) for _, trace in gathered for e in trace])
+            checks = [check_bubble(ex.schedule, spans) for spans in traced]
             out[name] = {
                 "time": statistics.median(times[name]),
                 "best": min(times[name]),
+                "memory": memory[name],
                 # Each traced step against its own replay; the median over the traced steps, as for times.
-                "measured_bubble": statistics.median(bubble_fraction(spans) for spans in traced),
-                "simulated_bubble": statistics.median(
-                    _simulate(ex.schedule, spans).bubble_fraction for spans in traced
-                ),
+                **{
+                    key: statistics.median(getattr(c, key) for c in checks)
+                    for key in ("measured", "simulated", "relative_error", "step_error", "overhead", "p2p")
+                },
                 # How close the traced steps came to the compute bound of their schedule.
                 "traced/bound": statistics.median(
-                    (max(s.end for s in spans) - min(s.start for s in spans))
-                    / _simulate(ex.schedule, spans, free_transfers=True).step_time
-                    for spans in traced
+                    c.traced_step / replay(ex.schedule, spans, free_transfers=True).step_time
+                    for c, spans in zip(checks, traced, strict=True)
                 ),
+                "exposed": statistics.median(
+                    exposed(ex.schedule, spans, events) for spans, events in zip(traced, comms, strict=True)
+                ),
+                "hidden": [sum(n) for n in zip(*(hidden_receives(events) for events in comms), strict=True)],
                 "spans": traced[-1],
+                "comms": comms[-1],
             }
         for cls_name in theirs_names:
-            out[cls_name] = (statistics.median(times[cls_name]), min(times[cls_name]))
+            out[cls_name] = (statistics.median(times[cls_name]), min(times[cls_name]), memory[cls_name])
     if rank == 0:
         results.update(out)
     dist.destroy_process_group()
@@ -224,9 +235,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--timeline", help="PNG of the traced interleaved run")
     parser.add_argument(
+        "--overlap-timeline", help="PNG of the traced dualpipe_v run with its receives in flight (red)"
+    )
+    parser.add_argument(
         "--trace-out", help="trace JSON of the interleaved run (for tools/show_schedule.py --trace)"
     )
     args = parser.parse_args(argv)
+    # glibc returns freed blocks above 64 KiB to the kernel at once, so resident memory follows live tensors.
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
     with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
         results = manager.dict()
         mp.spawn(
@@ -237,30 +253,74 @@ def main(argv: list[str] | None = None) -> None:
         f"pp={args.pp} microbatches={args.microbatches} micro_batch_size={args.micro_batch_size} "
         f"layers={args.layers} hidden={args.hidden} seq={args.seq} threads/rank={args.threads} (gloo, CPU)"
     )
+    mib = 2**20
     print(
-        f"{'schedule':<18}{'median s':>10}{'best s':>9}{'torch med':>10}{'torch best':>11}{'ratio med':>10}"
-        f"{'ratio best':>11}{'bubble meas.':>14}{'bubble sim.':>13}{'traced/bound':>14}"
+        "\nstep time (median and best of the timed steps) and peak memory per rank (resident memory above the"
+        " step's start, MiB; the fullest rank); ratios are ours over torch's, memory's the largest per-rank"
+        " ratio"
+    )
+    print(
+        f"{'schedule':<24}{'median s':>9}{'best s':>8}{'torch med':>10}{'torch best':>11}{'ratio med':>10}"
+        f"{'ratio best':>11}{'peak MiB':>9}{'torch MiB':>10}{'mem ratio':>10}"
     )
     for name, torch_key in ROWS:
         row = r[name]
-        line = f"{name:<18}{row['time']:10.4f}{row['best']:9.4f}"
+        line = f"{name:<24}{row['time']:9.4f}{row['best']:8.4f}"
         if torch_key:
-            med, best = r[torch_key]
+            med, best, mem = r[torch_key]
+            ratio = max(ours / theirs for ours, theirs in zip(row["memory"], mem, strict=True))
             line += f"{med:10.4f}{best:11.4f}{row['time'] / med:10.3f}{row['best'] / best:11.3f}"
+            line += f"{max(row['memory']) / mib:9.1f}{max(mem) / mib:10.1f}{ratio:10.3f}"
         else:
-            line += " " * 42
+            line += " " * 42 + f"{max(row['memory']) / mib:9.1f}"
+        print(line)
+    print(
+        f"\nbubble: measured (the traced step) against simulated (the simulator replaying that step's own"
+        f" per-action durations, host overhead and transfer latency); within {TOLERANCE:.0%} means"
+        " |measured - simulated| / simulated; step error is the same for the step times"
+    )
+    print(
+        f"{'schedule':<24}{'measured':>9}{'simulated':>10}{'rel. error':>11}{'within':>7}{'step error':>11}"
+        f"{'overhead ms':>12}{'p2p ms':>8}{'traced/bound':>13}"
+    )
+    for name, _ in ROWS:
+        row = r[name]
         print(
-            line + f"{row['measured_bubble']:14.3f}{row['simulated_bubble']:13.3f}{row['traced/bound']:14.3f}"
+            f"{name:<24}{row['measured']:9.3f}{row['simulated']:10.3f}{row['relative_error']:11.3f}"
+            f"{'yes' if row['relative_error'] <= TOLERANCE else 'no':>7}{row['step_error']:11.3f}"
+            f"{1e3 * row['overhead']:12.2f}{1e3 * row['p2p']:8.2f}{row['traced/bound']:13.3f}"
         )
+    print(
+        "\ndualpipe_v transfers: posted asynchronously ahead of the computes that need them (as run) against"
+        " posted only when needed (lookahead 0); exposed = seconds ranks waited for received data after its"
+        " producer had computed it, per step (summed over ranks, median of the traced steps); hidden ="
+        " receives complete before their compute needed them (all traced steps)"
+    )
+    print(f"{'schedule':<24}{'median s':>9}{'exposed s':>10}{'hidden':>12}")
+    for name in ("dualpipe_v", NO_OVERLAP):
+        row = r[name]
+        inside, total = row["hidden"]
+        print(f"{name:<24}{row['time']:9.4f}{row['exposed']:10.4f}{f'{inside}/{total}':>12}")
     if args.timeline:
         spans = r["interleaved_1f1b"]["spans"]
         title = (
             f"interleaved_1f1b pp={args.pp} m={args.microbatches} v=2 (traced, gloo)  bubble "
-            f"{r['interleaved_1f1b']['measured_bubble']:.1%}, "
-            f"simulated {r['interleaved_1f1b']['simulated_bubble']:.1%}"
+            f"{r['interleaved_1f1b']['measured']:.1%}, simulated {r['interleaved_1f1b']['simulated']:.1%}"
         )
         render_png(spans, args.timeline, title, "seconds")
         print(f"wrote {args.timeline}")
+    if args.overlap_timeline:
+        row = r["dualpipe_v"]
+        receives = in_flight(
+            build_schedule("dualpipe_v", args.pp, args.microbatches, 2), row["spans"], row["comms"]
+        )
+        inside, total = row["hidden"]
+        title = (
+            f"dualpipe_v pp={args.pp} m={args.microbatches} (traced); receives in flight, posted to done:"
+            f" {inside}/{total} there before needed"
+        )
+        render_png(row["spans"], args.overlap_timeline, title, "seconds", transfers=receives)
+        print(f"wrote {args.overlap_timeline}")
     if args.trace_out:
         save_trace(r["interleaved_1f1b"]["spans"], args.trace_out)
         print(f"wrote {args.trace_out}")

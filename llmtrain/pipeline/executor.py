@@ -40,6 +40,7 @@ from llmtrain.parallel.materialize import is_meta, materialize
 from llmtrain.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, gather_sequence
 from llmtrain.parallel.topology import Topology
 from llmtrain.parallel.zero import apply_data_parallel, grad_sync
+from llmtrain.pipeline.comm_trace import CommTrace
 from llmtrain.pipeline.router_stats import PipelineRouter
 from llmtrain.pipeline.schedules import (
     RECV_B,
@@ -244,6 +245,9 @@ class PipelineExecutor:
                 "NCCL cannot match; use a number of micro-batches that is a multiple of parallel.pp"
             )
         self.trace: list[dict] | None = None
+        self.comm_trace: list[dict] | None = None
+        """A traced run's transfers (llmtrain.pipeline.comm_trace.CommEvent fields); None on NCCL, whose
+        batches complete as one."""
         self._loss_scale = 1.0
         # The actions that complete a chunk's gradients: data-parallel reduction runs with them. Flat
         # buffers (zero 0/1) reduce each parameter once its last gradient is in, so the last action of each
@@ -325,8 +329,9 @@ class PipelineExecutor:
     ) -> torch.Tensor:
         """Forward and backward of every micro-batch ((b, s+1) token ids: inputs [:, :-1], labels [:, 1:]);
         returns the mean loss (0-d fp32 tensor, on every pipeline rank). ``trace`` records per-action
-        start/end times in ``self.trace`` (the format of ``timeline.load_trace``); ``loss_scale`` multiplies
-        the loss before backward (fp16)."""
+        start/end times in ``self.trace`` (the format of ``timeline.load_trace``) and each transfer's posted,
+        done and waited times in ``self.comm_trace``; ``loss_scale`` multiplies the loss before backward
+        (fp16)."""
         self._loss_scale = loss_scale
         return self._run(micro_batches, forward_only=False, trace=trace)
 
@@ -353,6 +358,7 @@ class PipelineExecutor:
         losses: list[torch.Tensor] = []
         depths: list[torch.Tensor] = []  # multi-token prediction's cross-entropy per depth, per micro-batch
         self.trace = [] if trace else None
+        comms = CommTrace(pp_rank) if trace and not self.coalesce_transfers else None
         router = None if forward_only else self.router
         if router is not None:
             router.start(self._loss_scale / m)
@@ -362,6 +368,7 @@ class PipelineExecutor:
         computes = [i for i, a in enumerate(actions) if a.is_compute]
         ops: list[dist.P2POp] = []
         op_recv: list[int | None] = []  # the action index of each receive op, None for sends
+        op_action: list[int] = []  # the action index of each op
         recv_bufs: dict[int, torch.Tensor] = {}
         recv_works: dict[int, Any] = {}
         posted = 0  # receives of actions[:posted] are posted
@@ -376,6 +383,7 @@ class PipelineExecutor:
                         dist.P2POp(dist.irecv, buf, self._global(a.peer), tag=self._tag(a, a_stage(a)))
                     )
                     op_recv.append(j)
+                    op_action.append(j)
                     recv_bufs[j] = buf
             posted = max(posted, limit)
 
@@ -389,9 +397,11 @@ class PipelineExecutor:
                 # bookkeeping (0.5 vs 0.33 ms per exchange of one activation, measured).
                 works = [op.op(op.tensor, op.peer, op.group, op.tag) for op in ops]
             if len(works) == len(ops):
-                for j, work in zip(op_recv, works, strict=True):
+                for j, index, work in zip(op_recv, op_action, works, strict=True):
+                    if comms is not None:
+                        comms.posted(index, actions[index])
                     if j is None:
-                        pending_sends.append(work)
+                        pending_sends.append((index, work))
                     else:
                         recv_works[j] = work
             else:
@@ -400,6 +410,7 @@ class PipelineExecutor:
                     work.wait()
             ops.clear()
             op_recv.clear()
+            op_action.clear()
 
         def a_stage(a: Action) -> int:
             return s.stage(pp_rank, a.chunk)
@@ -409,10 +420,11 @@ class PipelineExecutor:
             a = actions[i]
             key = (a.microbatch, a.chunk)
             # The transfers between the previous compute and this one: its sends, this one's receives.
-            for t in actions[previous + 1 : i]:
-                if t.kind in (SEND_F, SEND_B):
-                    ops.append(self._send_op(t, outputs, inputs))
+            for j in range(previous + 1, i):
+                if actions[j].kind in (SEND_F, SEND_B):
+                    ops.append(self._send_op(actions[j], outputs, inputs))
                     op_recv.append(None)
+                    op_action.append(j)
             # Receives are posted `lookahead` computes ahead, so transfers overlap compute.
             ahead = k + self.lookahead
             post_receives(max(i, computes[ahead] if ahead < len(computes) else len(actions)))
@@ -424,7 +436,10 @@ class PipelineExecutor:
                     if work is not None:
                         detail = f"{t.kind} mb={t.microbatch} chunk={t.chunk} from pp rank {t.peer}"
                         with self.topo.watchdog.waiting("pp", "recv", detail, peer=self._global(t.peer)):
-                            work.wait()
+                            if comms is not None:
+                                comms.wait(j, work)
+                            else:
+                                work.wait()
                     store = inputs if t.kind == RECV_F else grads_in
                     store[(t.microbatch, t.chunk)] = recv_bufs.pop(j)
             previous = i
@@ -469,14 +484,19 @@ class PipelineExecutor:
                         "end": time.perf_counter(),
                     }
                 )
-        for t in actions[previous + 1 :]:
-            if t.kind in (SEND_F, SEND_B):
-                ops.append(self._send_op(t, outputs, inputs))
+        for j in range(previous + 1, len(actions)):
+            if actions[j].kind in (SEND_F, SEND_B):
+                ops.append(self._send_op(actions[j], outputs, inputs))
                 op_recv.append(None)
+                op_action.append(j)
         flush()
         with self.topo.watchdog.waiting("pp", "send", f"{len(pending_sends)} sends at the end of the step"):
-            for work in pending_sends:
-                work.wait()
+            for index, work in pending_sends:
+                if comms is not None:
+                    comms.wait(index, work)
+                else:
+                    work.wait()
+        self.comm_trace = comms.events if comms is not None else None
         if not forward_only:
             self.stages.sync_tied_grads()
         loss = self._mean_loss(losses, depths, m, forward_only)

@@ -110,9 +110,15 @@ def _shade(colour: str, chunk: int, chunks: int) -> tuple[float, float, float]:
     return (rgb[0] * factor, rgb[1] * factor, rgb[2] * factor)
 
 
-def render_png(spans: list[Span], path: str | Path, title: str, time_unit: str = "time") -> None:
+def render_png(
+    spans: list[Span],
+    path: str | Path,
+    title: str,
+    time_unit: str = "time",
+    transfers: list[tuple[int, float, float]] | None = None,
+) -> None:
     """Draw spans as a timeline: ranks as rows (rank 0 on top), one coloured block per action, labelled with
-    its micro-batch number."""
+    its micro-batch number; ``transfers`` (rank, start, end) as thin red lines under their rank's row."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -142,6 +148,9 @@ def render_png(spans: list[Span], path: str | Path, title: str, time_unit: str =
                 fontsize=7,
                 color="white",
             )
+    for rank, start, end in transfers or []:
+        y = ranks.index(rank) + 0.46
+        ax.plot([start - t0, end - t0], [y, y], color="#d62728", linewidth=1.2, solid_capstyle="butt")
     ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
     ax.invert_yaxis()
     ax.set_xlim(0, t1 - t0)
@@ -150,6 +159,8 @@ def render_png(spans: list[Span], path: str | Path, title: str, time_unit: str =
     kinds = [k for k in _COLOURS if any(s.kind == k for s in spans)]
     names = {"F": "forward", "B": "backward", "I": "input grad", "W": "weight grad"}
     handles = [Patch(color=_COLOURS[k], label=names[k]) for k in kinds]
+    if transfers:
+        handles.append(Patch(color="#d62728", label="transfer in flight"))
     if chunks > 1:
         handles.append(Patch(color="#555555", label=f"darker = later chunk (of {chunks})"))
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.18 - 0.1 / len(ranks)), ncol=5)
