@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from llmtrain.checkpoint import Checkpointer
+from llmtrain.checkpoint import Checkpointer, CheckpointError
 from llmtrain.checkpoint.manager import last_good_checkpoint, verify
 from llmtrain.config import ConfigError, load
 from llmtrain.faults import ENV
@@ -134,34 +134,104 @@ SKIPPED = {
     "prepare": ".tmp_step_4 (a save interrupted before it was published)",
     "publish": "step_4 (latest names step_2: this save did not complete)",
 }
+# The kills of a chain share one run: the launch that resumes after a kill is the launch the next kill
+# stops (a launch resumed from step_2 saves step 4 again), and a launch without a fault ends the chain; a
+# torchrun launch costs more than all its steps. Each kill meets what a fresh run killed there leaves (the
+# run at step 4 with step_2 saved, keep=1, the debris of the kill before, which the original test's own
+# resume also met), and each resume is checked as it was alone: its start line, and every step every
+# launch logged against the run without a fault. A counted kill resumes from step_4, which saves no step 4
+# again, so it ends its chain.
+# Chains of three kills at most: a chain runs within the test that first asks for it (pytest's timeout).
+CHAINS = [
+    [("sync", "prepare", 0), ("sync", "shards", 1), ("sync", "metadata", 0)],
+    [("sync", "local_files", 1), ("sync", "manifest", 0), ("sync", "latest", 0)],
+    [("sync", "publish", 0), ("sync", "prune", 0)],
+    [("async", "stage", 1), ("async", "shards", 0), ("async", "publish", 0)],
+]
+assert sorted(kill for chain in CHAINS for kill in chain) == sorted(KILLS)
+
+
+def _start_or_error(result: subprocess.CompletedProcess) -> str:
+    """The launch's start line, or its stderr when it printed none (for the assertion to show)."""
+    return next((line for line in result.stdout.splitlines() if line.startswith("start ")), result.stderr)
+
+
+def _run_chain(out: Path, chain: list[tuple[str, str, int]]) -> dict:
+    """The launches of `chain` in one output folder: what each kill left (checked before the next launch)
+    and the start line of the launch after it; the clean launch that ends the chain; every launch's rows."""
+    overrides = (*TWO_RANKS, f"checkpoint.async_save={str(chain[0][0] == 'async').lower()}")
+    root = out / "checkpoints"
+    kills: dict[str, dict] = {}
+    for _, phase, rank in chain:
+        # A rendezvous port of its own for each launch: one found free minutes before may be taken since.
+        command = torchrun_command(2, out, *overrides)
+        killed = _run(command, faults=f"kill_during_save:phase={phase}:rank={rank}:step=4")
+        if kills:  # this launch resumed after the kill before it
+            kills[next(reversed(kills))]["start"] = _start_or_error(killed)
+        good = root / ("step_4" if phase in COUNTED else "step_2")
+        try:
+            verify(good)
+            damage = None
+        except CheckpointError as err:
+            damage = str(err)
+        kills[phase] = {"killed": killed, "good": good, "last_good": last_good_checkpoint(root)[0]}
+        kills[phase]["damage"] = damage
+    again = _run(torchrun_command(2, out, *overrides))
+    kills[next(reversed(kills))]["start"] = _start_or_error(again)
+    return {
+        "kills": kills,
+        "again": again,
+        "rows": [(r["step"], r["loss"]) for r in read_rows(out) if "loss" in r],
+        "left": sorted(p.name for p in root.iterdir()),
+    }
+
+
+@pytest.fixture(scope="module")
+def chains(tmp_path_factory: pytest.TempPathFactory):
+    """The chain of a kill, run at the first request for any of its kills (a chain that fails fails each of
+    its kills' tests with the same error, without running again)."""
+    done: dict[int, dict | Exception] = {}
+
+    def of(kill: tuple[str, str, int]) -> dict:
+        index = next(i for i, chain in enumerate(CHAINS) if kill in chain)
+        if index not in done:
+            try:
+                done[index] = _run_chain(tmp_path_factory.mktemp(f"chain{index}") / "run", CHAINS[index])
+            except Exception as err:
+                done[index] = err
+                raise
+        outcome = done[index]
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    return of
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("mode", "phase", "rank"), KILLS, ids=[f"{m}-{p}-rank{r}" for m, p, r in KILLS])
 def test_kill_during_save_resumes_from_the_last_good_checkpoint(
-    tmp_path: Path, two_rank_reference: dict[int, float], mode: str, phase: str, rank: int
+    chains, two_rank_reference: dict[int, float], mode: str, phase: str, rank: int
 ) -> None:
-    out = tmp_path / "run"
-    command = torchrun_command(2, out, *TWO_RANKS, f"checkpoint.async_save={str(mode == 'async').lower()}")
-    killed = _run(command, faults=f"kill_during_save:phase={phase}:rank={rank}:step=4")
+    chain = chains((mode, phase, rank))
+    kill = chain["kills"][phase]
+    killed = kill["killed"]
     assert killed.returncode != 0 and "Signal 9 (SIGKILL) received" in killed.stderr, killed.stderr
-    root = out / "checkpoints"
-    good = root / ("step_4" if phase in COUNTED else "step_2")
-    assert last_good_checkpoint(root)[0] == good
-    verify(good)
+    good = kill["good"]
+    assert kill["last_good"] == good
+    assert kill["damage"] is None, kill["damage"]  # verify(good)
 
-    again = _run(command)
-    assert again.returncode == 0, again.stderr
-    start = _start_line(again.stdout)
+    assert chain["again"].returncode == 0, chain["again"].stderr
+    start = kill["start"]
     assert f"resumed from {good} at step {good.name[5:]}" in start, start
     if phase != "stage":  # a kill in staging may or may not come before rank 0 creates .tmp_step_4
         skipped = "" if phase in COUNTED else f"; skipped {SKIPPED.get(phase, SKIPPED['prepare'])}"
         assert start.endswith(f"{skipped}; training to step 6"), start
-    assert _losses(out) == two_rank_reference
-    assert sorted(p.name for p in root.iterdir()) == [
-        "latest",
-        "step_6",
-    ]  # the debris went with the next save
+    # Every launch of the chain logged the losses of the run without a fault (a resume that went wrong
+    # shows in its own launch's rows, even where a later launch redid the step), and the last reached 6.
+    assert all(loss == two_rank_reference[step] for step, loss in chain["rows"]), chain["rows"]
+    assert {step for step, _ in chain["rows"]} == set(two_rank_reference)
+    assert chain["left"] == ["latest", "step_6"]  # the debris went with the next save
 
 
 def _kill_during_swap(out: str) -> None:

@@ -183,13 +183,26 @@ def _same_biases(got, want):
     return got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
 
+Z_LOSS = "model.router_z_loss_coef=0.01"
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """The 2-process runs of the score-bias tests, dp=2 and pp=2, in turn in one spawned gloo group (starting
+    two processes costs more than both runs); called with a case's name and its output folder."""
+    from tests.parallel._dist import SpawnedCases
+
+    root = tmp_path_factory.mktemp("two_ranks")
+    cases = {"dp2": (2, (str(root / "dp2"),)), "pp2": (2, (str(root / "pp2"), "parallel.pp=2", Z_LOSS))}
+    spawned = SpawnedCases(_bias_worker, cases)
+    return lambda name: (spawned(name), root / name)
+
+
 @pytest.mark.slow
-def test_score_bias_update_agrees_over_data_parallel_replicas(tmp_path):
+def test_score_bias_update_agrees_over_data_parallel_replicas(tmp_path, two_ranks):
     """dp=2: each replica routes its half of the batch, and the update follows the load summed over both, so
     the replicas keep one bias, the one a single process makes from the whole batch."""
-    from tests.parallel._dist import spawn
-
-    two = spawn(2, _bias_worker, str(tmp_path / "dp2"))
+    two, _ = two_ranks("dp2")
     one = _bias_worker(0, 1, str(tmp_path / "dp1"))
     assert any(b.any() for b in one.values())
     for replica in two:
@@ -197,18 +210,15 @@ def test_score_bias_update_agrees_over_data_parallel_replicas(tmp_path):
 
 
 @pytest.mark.slow
-def test_score_bias_update_and_router_figures_under_pipeline_stages(tmp_path):
+def test_score_bias_update_and_router_figures_under_pipeline_stages(tmp_path, two_ranks):
     """pp=2 (one MoE layer per stage, z-loss on): each stage moves its own layers' biases as one process
     does, and rank 0 logs every layer's router figures, the whole model's aux and z losses included."""
-    from tests.parallel._dist import spawn
-
-    z = "model.router_z_loss_coef=0.01"
-    stages = spawn(2, _bias_worker, str(tmp_path / "pp2"), "parallel.pp=2", z)
-    one = _bias_worker(0, 1, str(tmp_path / "pp1"), z)
+    stages, pp2 = two_ranks("pp2")
+    one = _bias_worker(0, 1, str(tmp_path / "pp1"), Z_LOSS)
     assert any(b.any() for b in one.values()) and len(one) == 2
     assert not stages[0].keys() & stages[1].keys()
     assert _same_biases({**stages[0], **stages[1]}, one)
-    piped, single = read_metrics(tmp_path / "pp2"), read_metrics(tmp_path / "pp1")
+    piped, single = read_metrics(pp2), read_metrics(tmp_path / "pp1")
     assert [e["step"] for e in piped] == [e["step"] for e in single]
     for a, b in zip(piped, single, strict=True):
         assert a["expert_load_layers"] == b["expert_load_layers"]
