@@ -128,9 +128,9 @@ def test_enumeration_covers_every_split_and_count():
 # each global move judged with the recomputation it arrives with (the descent before 003e70d), missed on 12
 # seeds by 0.1-16%: here all but 152 and 178 (13,000 and 30,000 plans to enumerate; 57 and 86 miss by more)
 # and 2 (the test above). "one descent": one start instead of SEEDS restarts, missed on the 9 seeds below by
-# 0.5-8% (all on one GPU). On the other 179 seeds the three
-# descents agree, so these catch a regression of either kind at a tenth of the cost of the 100 problems
-# benchmarks/bench_planner_search.py keeps for the gap statistics (100/100 exact when written).
+# 0.5-8% (all on one GPU). On the other 179 seeds the three descents agree, so these catch a regression of
+# either kind at a tenth of the cost of the 100 problems benchmarks/bench_planner_search.py keeps for the gap
+# statistics (100/100 exact when written).
 HARD_SEEDS = {
     "unsettled": (22, 46, 49, 57, 86, 111, 141, 158, 176),
     "one descent": (16, 59, 70, 76, 79, 95, 96, 119, 166),
