@@ -18,7 +18,7 @@ from llmtrain.planner.search.per_layer import (
     search_per_layer,
 )
 from llmtrain.planner.search.uniform import build_space
-from llmtrain.planner.validation.per_layer import compare, gap_statistics, random_problem
+from llmtrain.planner.validation.per_layer import compare, random_problem
 
 H100 = load_cluster("h100-80gb")
 LLAMA = ModelConfig(
@@ -105,7 +105,8 @@ def test_descent_beats_the_uniform_layout_where_memory_sits_between_its_modes():
 
 
 def test_descent_matches_the_enumeration_on_one_problem_and_evaluates_less():
-    work, view, name = random_problem(random.Random(3))
+    # Seed 2: a problem the descent missed by 3% before each global move settled its recomputation.
+    work, view, name = random_problem(random.Random(2))
     gap = compare(work, view, name)
     assert gap is not None and gap.gap == pytest.approx(0.0, abs=1e-12)
     assert gap.evaluated < gap.enumerated
@@ -122,20 +123,25 @@ def test_enumeration_covers_every_split_and_count():
     assert all(search.eval(p) is not None for p in plans)
 
 
-@pytest.mark.slow  # 100 problems each enumerated whole (~5,600 plans each): about a CPU minute
-def test_descent_against_exhaustive_search_on_100_random_problems():
-    gaps, stats = gap_statistics(100, seed=0)
-    print(
-        f"\nper-layer descent vs exhaustive over {stats['problems']} problems: mean gap "
-        f"{100 * stats['mean_gap']:.3f}%, max {100 * stats['max_gap']:.2f}%, "
-        f"exact {100 * stats['exact_share']:.0f}%, {stats['mean_evaluated']:.0f} plans evaluated against "
-        f"{stats['mean_enumerated']:.0f} enumerated"
-    )
-    # The enumeration holds every plan the descent can reach: the descent is never better.
-    assert min(g.gap for g in gaps) >= -1e-12
-    # Coordinate descent is a heuristic: an optimum needing two coordinates changed at once (a micro-batch
-    # or tp change that only pays with the recomputation re-chosen) is why each global move is judged with
-    # its recomputation settled. Measured: 100 of 100 exact (92 before settling, misses up to 4% slower);
-    # these bounds catch a regression, not noise (the problems are seeded).
-    assert stats["exact_share"] >= 0.95
-    assert stats["mean_gap"] <= 0.005
+# The problems where a weaker descent misses the optimum: seeds of random_problem, found by running seeds
+# 0-199 (something fits in all 200) with the descent crippled two ways against the enumeration. "unsettled":
+# each global move judged with the recomputation it arrives with (the descent before 003e70d), missed on 12
+# seeds by 0.1-16%: here all but 152 and 178 (13,000 and 30,000 plans to enumerate; 57 and 86 miss by more)
+# and 2 (the test above). "one descent": one start instead of SEEDS restarts, missed on the 9 seeds below by
+# 0.5-8% (all on one GPU). On the other 179 seeds the three descents agree, so these catch a regression of
+# either kind at a tenth of the cost of the 100 problems benchmarks/bench_planner_search.py keeps for the gap
+# statistics (100/100 exact when written).
+HARD_SEEDS = {
+    "unsettled": (22, 46, 49, 57, 86, 111, 141, 158, 176),
+    "one descent": (16, 59, 70, 76, 79, 95, 96, 119, 166),
+}
+
+
+@pytest.mark.slow  # the problems each enumerated whole (up to ~19,000 plans): about ten CPU seconds
+@pytest.mark.parametrize("seed", [s for seeds in HARD_SEEDS.values() for s in seeds])
+def test_descent_finds_the_enumerated_optimum_where_a_weaker_descent_misses_it(seed):
+    gap = compare(*random_problem(random.Random(seed)))
+    assert gap is not None, seed
+    # The enumeration holds every plan the descent can reach: never better; and exact, as on every seed
+    # scanned (the same sums: a few fp64 roundings apart at most).
+    assert gap.gap == pytest.approx(0.0, abs=1e-12), (gap.problem, gap.gap)

@@ -42,9 +42,14 @@ def gpt(layers, hidden, heads, seq=2048, vocab=51200):
     )
 
 
+# One node with every sharding but hybrid; the megatron_2021 software (two sharding choices) on GQA; and four
+# nodes with every sharding, hybrid included, where the optimum shards the gradients (zero 2). In all three
+# the optimum is pure data parallelism (tp = pp = 1), reached by the first descent; the enumeration is what
+# proves no other layout beats it. gpt(24, 2048, 16) on 16 GPUs (60,000 combinations) was a fourth case: the
+# same software, multi-node space and optimum shape as the 32-GPU one, zero 1 as on one node: it caught
+# nothing the other three do not, at a third of the time.
 SMALL_SPACES = [
     (gpt(8, 1024, 16, 1024), 64, 8, None),
-    (gpt(24, 2048, 16), 256, 16, None),
     (
         ModelConfig(
             arch="llama",
@@ -63,7 +68,7 @@ SMALL_SPACES = [
 ]
 
 
-@pytest.mark.slow  # multi-second (up to 9 s a case on two idle cores): runs in CI, not in -m 'not slow'
+@pytest.mark.slow  # 11,000-65,000 combinations enumerated a case: runs in CI, not in -m 'not slow'
 @pytest.mark.parametrize("model,batch,gpus,software", SMALL_SPACES)
 def test_coordinate_descent_finds_the_exhaustive_optimum(model, batch, gpus, software):
     work = Workload(model, batch, "bf16")
