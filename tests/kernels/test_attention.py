@@ -103,18 +103,31 @@ def _one_config(kernel, config):
     return lambda device: triton.autotune(configs=[config], key=attention._KEY)(kernel)
 
 
+def _distinct(configs):
+    """The configs that compute differently where the test runs. Interpreted, a config is its block shape
+    only: the interpreter runs a program's block as whole-array numpy ops, so num_warps and num_stages
+    (threads per program, software pipelining) change nothing; of configs sharing a (BLOCK_M, BLOCK_N),
+    the first stands for them all. Compiled, every config is its own code."""
+    if not INTERPRETED:
+        return configs
+    shapes = {}
+    for config in configs:
+        shapes.setdefault((config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]), config)
+    return list(shapes.values())
+
+
+# Per kernel, the configs that compute differently here; the tests below run index i with the i-th of each.
+KERNEL_CONFIGS = [_distinct(c) for c in (attention.FWD_CONFIGS, attention.DKDV_CONFIGS, attention.DQ_CONFIGS)]
+CONFIG_INDICES = range(max(map(len, KERNEL_CONFIGS)))
+
+
 def _one_config_each(index, monkeypatch):
-    """Every attention kernel launched with its index-th config only (cycling through shorter lists)."""
-    pick = lambda configs: configs[index % len(configs)]
-    monkeypatch.setattr(
-        attention, "_FWD", _one_config(attention._attn_fwd_kernel, pick(attention.FWD_CONFIGS))
-    )
-    monkeypatch.setattr(
-        attention, "_DKDV", _one_config(attention._attn_bwd_dkdv_kernel, pick(attention.DKDV_CONFIGS))
-    )
-    monkeypatch.setattr(
-        attention, "_DQ", _one_config(attention._attn_bwd_dq_kernel, pick(attention.DQ_CONFIGS))
-    )
+    """Every attention kernel launched with its index-th distinct config only (cycling through shorter
+    lists), so that every block shape of every kernel runs at some index."""
+    fwd, dkdv, dq = (configs[index % len(configs)] for configs in KERNEL_CONFIGS)
+    monkeypatch.setattr(attention, "_FWD", _one_config(attention._attn_fwd_kernel, fwd))
+    monkeypatch.setattr(attention, "_DKDV", _one_config(attention._attn_bwd_dkdv_kernel, dkdv))
+    monkeypatch.setattr(attention, "_DQ", _one_config(attention._attn_bwd_dq_kernel, dq))
 
 
 # Interpreted, fp16 tiles are upcast to fp32 (the fp32 case already covers that arithmetic); compiled, every
@@ -122,7 +135,7 @@ def _one_config_each(index, monkeypatch):
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32] if INTERPRETED else DTYPES)
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("index", range(max(map(len, (attention.FWD_CONFIGS, attention.DKDV_CONFIGS)))))
+@pytest.mark.parametrize("index", CONFIG_INDICES)
 def test_every_autotune_config_is_correct(index, causal, dtype, monkeypatch):
     """Autotuning may pick any config, and the interpreter otherwise runs only the first: each block shape
     (BLOCK_M below, equal to and above BLOCK_N; several blocks, a causal diagonal that straddles blocks, a
@@ -138,10 +151,13 @@ def test_every_autotune_config_is_correct(index, causal, dtype, monkeypatch):
 
 
 def _check_one_config(causal, dtype):
+    # Two query heads sharing one kv head: a GQA group, so dK/dV still sum over it. Block shapes decide
+    # the row/column tiling of each (batch, head) program alike; the head-to-kv-head mapping itself is
+    # config-independent and checked over more heads by test_flash_attention_matches_sdpa.
     for seq, dim in ((200, 128), (131, 40)):
-        q = randn(1, 4, seq, dim, dtype=dtype)
-        k = randn(1, 2, seq, dim, dtype=dtype)
-        v = randn(1, 2, seq, dim, dtype=dtype)
+        q = randn(1, 2, seq, dim, dtype=dtype)
+        k = randn(1, 1, seq, dim, dtype=dtype)
+        v = randn(1, 1, seq, dim, dtype=dtype)
         got, got_g = forward_backward(
             lambda q, k, v: kernels.flash_attention(q, k, v, causal=causal, impl="triton"), [q, k, v]
         )
@@ -270,7 +286,7 @@ def test_cpu_attention_blocks_run_the_fused_kernel(monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("index", range(max(map(len, (attention.FWD_CONFIGS, attention.DKDV_CONFIGS)))))
+@pytest.mark.parametrize("index", CONFIG_INDICES)
 def test_every_autotune_config_gets_block_offsets_right(index, monkeypatch):
     """The stage bounds shifted by the block offsets, for every block shape autotuning may pick (fp32)."""
     _one_config_each(index, monkeypatch)

@@ -253,3 +253,9 @@ class SpawnedCases:
         if isinstance(outcome, Exception):
             raise outcome
         return outcome[name]
+
+
+def call(rank: int, world: int, fn: Callable[..., Any], *args: Any) -> Any:
+    """fn(rank, world, *args): as SpawnedCases's function, runs checks of different functions as cases of
+    one process group (a case's args then start with its function)."""
+    return fn(rank, world, *args)

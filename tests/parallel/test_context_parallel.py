@@ -4,7 +4,6 @@ training like one process, and the config errors of impossible splits."""
 
 from __future__ import annotations
 
-import functools
 import re
 from typing import Any
 
@@ -17,7 +16,7 @@ from llmtrain.parallel import Topology
 from llmtrain.parallel.context_parallel import all_to_all_attention, ring_attention
 from llmtrain.parallel.context_split import ContextSplit, local_positions, merge_sequence, split_sequence
 from tests.models._packed import assert_packed_documents_equal_separate_runs
-from tests.parallel._dist import batches, parallel_run, spawn, tiny_job
+from tests.parallel._dist import SpawnedCases, batches, call, parallel_run, tiny_job
 from tests.parallel._reference import LR, Layout, torch_reference, train_layouts
 
 
@@ -106,15 +105,10 @@ def _attention_against_full(rank: int, world: int) -> list[str]:
     return failures
 
 
-@functools.cache
-def _attention_results(world: int) -> list[list[str]]:
-    return spawn(world, _attention_against_full)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
-def test_cp_attention_matches_full_attention_in_float64(world: int) -> None:
-    failures = [f for r in _attention_results(world) for f in r]
+def test_cp_attention_matches_full_attention_in_float64(world: int, spawned: SpawnedCases) -> None:
+    failures = [f for r in spawned(f"attention {world}") for f in r]
     assert not failures, "\n".join(failures)
 
 
@@ -172,35 +166,49 @@ def _fsdp_mesh(name: str, job: JobConfig, topo: Topology, run: dict[str, Any]) -
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
-def test_cp_layouts_train_like_one_process(world: int) -> None:
-    failures = [f for r in spawn(world, train_layouts, _adamw(LAYOUTS[world])) for f in r]
+def test_cp_layouts_train_like_one_process(world: int, spawned: SpawnedCases) -> None:
+    failures = [f for r in spawned(f"layouts {world}") for f in r]
     assert not failures, "\n".join(failures)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
-def test_cp_with_zero_2_and_3_trains_like_one_process(world: int) -> None:
-    failures = [f for r in spawn(world, train_layouts, _adamw(FSDP_LAYOUTS[world]), _fsdp_mesh) for f in r]
+def test_cp_with_zero_2_and_3_trains_like_one_process(world: int, spawned: SpawnedCases) -> None:
+    failures = [f for r in spawned(f"fsdp {world}") for f in r]
     assert not failures, "\n".join(failures)
 
 
 def _train_ring_with_triton(rank: int, world: int) -> list[str]:
     # Ring attention's blocks (and every other op) in the Triton kernels, interpreted: 2 steps suffice to
-    # carry the attention gradients into the weights and back into a second forward.
-    job = tiny_job("llama", cp=2, kernels="triton")
+    # carry the attention gradients into the weights and back into a second forward. One micro-batch a
+    # step (global batch 2): the kernels see each micro-batch alike, and accumulation over micro-batches
+    # under ring CP is checked by the PyTorch layouts of test_cp_layouts_train_like_one_process.
+    job = tiny_job("llama", cp=2, kernels="triton", global_batch_size=2)
     data = batches(job, 2)
     run = parallel_run(job, Topology(job.parallel, world, rank), data, LR)
     if rank != 0:
         return []
-    ref = torch_reference(tiny_job("llama"), data, LR)
+    ref = torch_reference(tiny_job("llama", global_batch_size=2), data, LR)
     return ref.check("llama cp=2 kernels=triton", run["losses"], run["grad_norms"], run["state"])
 
 
+@pytest.fixture(scope="module")
+def spawned() -> SpawnedCases:
+    """Every multi-process check of this module, run as cases of one gloo group per world size (starting
+    the processes costs more than most checks here)."""
+    cases: dict[str, tuple[int, tuple]] = {"ring triton 2": (2, (_train_ring_with_triton,))}
+    for world in (2, 4):
+        cases[f"attention {world}"] = (world, (_attention_against_full,))
+        cases[f"layouts {world}"] = (world, (train_layouts, _adamw(LAYOUTS[world])))
+        cases[f"fsdp {world}"] = (world, (train_layouts, _adamw(FSDP_LAYOUTS[world]), _fsdp_mesh))
+    return SpawnedCases(call, cases)
+
+
 @pytest.mark.slow
-def test_ring_with_triton_kernels_trains_like_one_process() -> None:
+def test_ring_with_triton_kernels_trains_like_one_process(spawned: SpawnedCases) -> None:
     """model.kernels=triton with parallel.cp_comm=ring: within the fp32 bounds of the float64 one-process
     run (tests/parallel/_reference.py), as the PyTorch ring layouts above."""
-    failures = [f for r in spawn(2, _train_ring_with_triton) for f in r]
+    failures = [f for r in spawned("ring triton 2") for f in r]
     assert not failures, "\n".join(failures)
 
 

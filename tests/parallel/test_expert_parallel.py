@@ -13,7 +13,7 @@ import torch
 from llmtrain.config import ConfigError, JobConfig, ModelConfig, load, validate_world
 from llmtrain.models.moe import MoEMLP
 from llmtrain.parallel import Topology, apply_ep
-from tests.parallel._dist import batches, spawn, tiny_job
+from tests.parallel._dist import SpawnedCases, batches, call, tiny_job
 from tests.parallel._reference import LR, Layout, train_layouts
 from tests.parallel._resume import build_as_training, resume_failures, save, train_steps
 
@@ -91,9 +91,27 @@ def _groups(rank: int, world: int) -> dict[tuple[int, ...], tuple[list[int], lis
     return facts
 
 
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory: pytest.TempPathFactory) -> SpawnedCases:
+    """Every multi-process check of this module, run as cases of one gloo group per world size (starting
+    the processes costs more than most checks here)."""
+    tmp = str(tmp_path_factory.mktemp("ep_resume"))
+    return SpawnedCases(
+        call,
+        {
+            "groups": (4, (_groups,)),
+            "dispatch 2": (2, (_dispatch_against_one_process,)),
+            "dispatch 4": (4, (_dispatch_against_one_process,)),
+            "layouts 2": (2, (train_layouts, LAYOUTS[2])),
+            "layouts 4": (4, (train_layouts, LAYOUTS[4])),
+            "resume": (2, (_resume_across_ep, tmp)),
+        },
+    )
+
+
 @pytest.mark.slow
-def test_ep_groups_are_carved_out_of_tp_x_cp_x_dp() -> None:
-    facts = spawn(4, _groups)
+def test_ep_groups_are_carved_out_of_tp_x_cp_x_dp(spawned: SpawnedCases) -> None:
+    facts = spawned("groups")
     for layout, want in GROUPS.items():
         assert [f[layout] for f in facts] == want, layout
 
@@ -166,8 +184,8 @@ def _dispatch_against_one_process(rank: int, world: int) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
-def test_dispatch_matches_one_process_in_float64(world: int) -> None:
-    failures = [f for r in spawn(world, _dispatch_against_one_process) for f in r]
+def test_dispatch_matches_one_process_in_float64(world: int, spawned: SpawnedCases) -> None:
+    failures = [f for r in spawned(f"dispatch {world}") for f in r]
     assert not failures, "\n".join(failures)
 
 
@@ -226,8 +244,8 @@ LAYOUTS = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
-def test_ep_layouts_train_like_one_process(world: int) -> None:
-    failures = [f for r in spawn(world, train_layouts, LAYOUTS[world]) for f in r]
+def test_ep_layouts_train_like_one_process(world: int, spawned: SpawnedCases) -> None:
+    failures = [f for r in spawned(f"layouts {world}") for f in r]
     assert not failures, "\n".join(failures)
 
 
@@ -316,9 +334,9 @@ def _resume_across_ep(rank: int, world: int, tmp: str) -> list[str]:
 
 
 @pytest.mark.slow
-def test_checkpoints_move_between_ep_layouts(tmp_path: Path) -> None:
+def test_checkpoints_move_between_ep_layouts(spawned: SpawnedCases) -> None:
     """Checkpoints move around ep=1 -> ep=2 (dp=2, ZeRO-1) -> ep=2 cp=2 (EP spanning the CP ranks, dp=1)
     -> ep=1, expert shards saved at their global place: each resumed run holds the same state and continues
     the uninterrupted run's loss curve (fp32, worst relative gap ISSUE_GAP)."""
-    failures = [f for r in spawn(2, _resume_across_ep, str(tmp_path)) for f in r]
+    failures = [f for r in spawned("resume") for f in r]
     assert not failures, "\n".join(failures)

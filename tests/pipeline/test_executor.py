@@ -112,24 +112,27 @@ def check(case: str, job: JobConfig, result: dict) -> None:
 
 
 def _worker(rank: int, world: int, store: str, cases: list, refs: list, results: dict) -> None:
+    """Runs the cases in turn; records per case the failures of its checks on this rank (an empty list:
+    it passed), or the traceback of an error, which ends the run."""
     try:
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+        failures = {}
         for args, ref in zip(cases, refs, strict=True):
             job = make_job(*args)
             result = run(job, Topology(job.parallel, world, rank))
-            failures = ref.check(
+            failures[args] = ref.check(
                 f"{args} rank {rank}", result["losses"], result["grad_norms"], result["state"]
             )
-            assert not failures, "\n".join(failures)
             if job.parallel.stage_layers:  # this rank's chunks hold the layers the config gives them
                 held = [sorted(map(int, chunk.layers)) for chunk in result["model"].chunks]
                 sizes, pp = job.parallel.stage_layers, job.parallel.pp
                 starts = [sum(sizes[:c]) for c in range(len(sizes))]
                 mine = range(rank % pp, len(sizes), pp)  # tp=dp=1 in these cases
-                assert held == [list(range(starts[c], starts[c] + sizes[c])) for c in mine], held
+                if held != [list(range(starts[c], starts[c] + sizes[c])) for c in mine]:
+                    failures[args].append(f"{args} rank {rank}: stages hold layers {held}")
             dist.barrier()
-        results[rank] = "ok"
+        results[rank] = failures
     except Exception:
         results[rank] = traceback.format_exc()
     finally:
@@ -137,14 +140,26 @@ def _worker(rank: int, world: int, store: str, cases: list, refs: list, results:
             dist.destroy_process_group()
 
 
-def run_world(world: int, cases: list) -> None:
+@functools.cache
+def _world_results(world: int) -> dict[int, dict | str]:
+    """Every case of this module at `world` processes (WORLD_CASES), run in one gloo group: starting the
+    processes and the group costs more than a case. Each rank's per-case failures, or its error."""
+    cases = WORLD_CASES[world]
     refs = [reference(case[0], case[1], make_job(*case).train.global_batch_size) for case in cases]
     with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
         results = manager.dict()
         store = os.path.join(tmp, "store")
         mp.spawn(_worker, args=(world, store, cases, refs, results), nprocs=world, join=True)
-        failures = {r: results.get(r, "no result") for r in range(world) if results.get(r) != "ok"}
-        assert not failures, "\n".join(f"rank {r}:\n{msg}" for r, msg in failures.items())
+        return {r: results.get(r, "no result") for r in range(world)}
+
+
+def run_world(world: int, cases: list) -> None:
+    """The cases (each in WORLD_CASES[world]) matched one process on every rank."""
+    results = _world_results(world)
+    errors = {r: msg for r, msg in results.items() if isinstance(msg, str)}
+    assert not errors, "\n".join(f"rank {r}:\n{msg}" for r, msg in errors.items())
+    failures = [f for case in cases for r in range(world) for f in results[r][case]]
+    assert not failures, "\n".join(failures)
 
 
 SCHEDULES_V = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1)]
@@ -167,9 +182,7 @@ def arch_of(layout: tuple[int, int, int], schedule: int) -> str:
     return ARCHS[(ORDER.index(layout) + schedule) % len(ARCHS)]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("world", sorted(LAYOUTS))
-def test_every_arch_layout_and_schedule_matches_one_process(world):
+def arch_layout_cases(world: int) -> list[tuple]:
     # gpt: biases (deferred in W), learned positions, tied embeddings (a copy on each end stage);
     # llama: untied head, grouped-query attention; ernie: tied, interleaved rotary. Two layers per chunk of
     # the interleaved schedule's largest split. Sequence parallelism rides along with zero-bubble under TP.
@@ -198,7 +211,13 @@ def test_every_arch_layout_and_schedule_matches_one_process(world):
             strict=True,
         )
     ]
-    run_world(world, cases)
+    return cases
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", sorted(LAYOUTS))
+def test_every_arch_layout_and_schedule_matches_one_process(world):
+    run_world(world, arch_layout_cases(world))
 
 
 # The V-shaped and interleaved zero-bubble schedules (issue 35), as few cases as cover each feature, at most
@@ -234,6 +253,18 @@ V_CASES = {
 @pytest.mark.parametrize("world", sorted(V_CASES))
 def test_v_and_interleaved_zero_bubble_schedules_match_one_process(world):
     run_world(world, V_CASES[world])
+
+
+# parallel.stage_layers and model.recompute_layers, as tools/plan.py --per-layer writes them.
+MIXED = ("full", "none", "selective", "none", "full", "none")
+PLANNED_CASES = [
+    ("llama", 6, 1, 2, 1, "1f1b", 1, False, 0, (5, 1), MIXED),
+    ("gpt", 6, 1, 2, 1, "interleaved_1f1b", 2, False, 0, (1, 3, 1, 1), MIXED),
+]
+WORLD_CASES = {
+    world: arch_layout_cases(world) + V_CASES.get(world, []) + (PLANNED_CASES if world == 2 else [])
+    for world in sorted(LAYOUTS)
+}
 
 
 class GradientArrivals:
@@ -344,9 +375,7 @@ def test_zero_bubble_defers_tensor_parallel_weight_gradients():
 @pytest.mark.slow  # two gloo processes
 def test_a_planned_split_and_per_layer_recomputation_train_like_one_process():
     """parallel.stage_layers and model.recompute_layers, as tools/plan.py --per-layer writes them."""
-    mixed = ("full", "none", "selective", "none", "full", "none")
-    run_world(2, [("llama", 6, 1, 2, 1, "1f1b", 1, False, 0, (5, 1), mixed),
-                  ("gpt", 6, 1, 2, 1, "interleaved_1f1b", 2, False, 0, (1, 3, 1, 1), mixed)])  # fmt: skip
+    run_world(2, PLANNED_CASES)
 
 
 def test_partition_layers_even_and_balanced():
