@@ -367,3 +367,21 @@ def test_mtp_modules_on_the_last_stage():
     without, with_mtp = last(TINY), last(mtp)
     assert with_mtp.params - without.params == 4 * (extra + EMBEDDING)
     assert with_mtp.activations > without.activations
+
+
+def test_an_moe_mtp_blocks_routed_experts_are_divided_over_ep():
+    # deepseek-v3-small's MTP block is an MoE one: its routed experts (8 gated MLPs of expert_ffn_size) join
+    # the last stage's expert state, divided over ep as a layer's are; the rest of the block is not. So the
+    # block adds exactly half its routed experts' bytes less at ep=2 than at ep=1 (fp32: 4 bytes a parameter).
+    model = load(CONFIGS / "deepseek-v3-small.yaml").model
+    routed = model.num_experts * 3 * model.hidden_size * model.expert_ffn_size
+
+    def added_by_mtp(ep: int) -> float:
+        layout = Layout(tp=1, pp=1, dp=2, micro_batch=1, ep=ep)
+        with_mtp, without = (
+            rank_memory(m, "fp32", layout, Software(), inflight=1, num_micro=4, reserved_bytes=0.0).params
+            for m in (model, replace(model, mtp_layers=0))
+        )
+        return with_mtp - without
+
+    assert added_by_mtp(1) - added_by_mtp(2) == 4 * routed / 2

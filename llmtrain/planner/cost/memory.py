@@ -491,6 +491,10 @@ def rank_memory(
     # its share of the group's, as many as its own would be.
     vocab_sharded = edges_vocab_sharded(layout, model)
 
+    # The routed experts of the multi-token prediction blocks that are MoE ones (gated, as expert_parameters).
+    moe_depths = sum(model.is_moe_layer(model.num_layers + k) for k in range(model.mtp_layers))
+    mtp_routed = moe_depths * model.num_experts * 3 * h * model.expert_ffn_size
+
     def rank_parts(r: int) -> tuple[float, float, float, float, float]:
         """(replicated parameters, routed experts' parameters, activation bytes, pipeline transfers held
         until the step's end, the layers' replicated parameters) of pipeline rank r."""
@@ -498,9 +502,9 @@ def rank_memory(
         layers = [stages[s] for s in mine]
         first, last = r == layout.stage_rank(0), r == layout.stage_rank(pp * v - 1)
         # Multi-token prediction's modules on the last stage, split over TP as a layer is (eh_proj and their
-        # norms, replicated, are a rounding error beside the block), and with pp an embedding copy to embed
-        # with, unless the tied head's copy serves.
-        mtp = counts.mtp / tp if last else 0.0
+        # norms, replicated, are a rounding error beside the block) and an MoE block's routed experts over ep
+        # as a layer's are, and with pp an embedding copy to embed with, unless the tied head's copy serves.
+        mtp = (counts.mtp - mtp_routed) / tp if last else 0.0
         if pp == 1:
             params = model.num_layers * layer_p + (counts.embedding + counts.head + counts.final_norm) / tp
         else:
@@ -522,7 +526,13 @@ def rank_memory(
         p2p = 0.0
         if pp > 1 and software.p2p_held_until_step_end:
             p2p = p2p_transfers_held(layout, num_micro, r) * e * tok * h / sp_div
-        return params, sum(layers) * layer_x, act, p2p, sum(layers) * layer_p
+        return (
+            params,
+            sum(layers) * layer_x + (mtp_routed / layout.ep if last else 0.0),
+            act,
+            p2p,
+            sum(layers) * layer_p,
+        )
 
     # Under the trainer's split the first (most in flight) or the last rank (output layer) is the fullest;
     # a split of the layout's own, or per-layer recomputation, may make any rank the fullest.
