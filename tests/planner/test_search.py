@@ -107,6 +107,7 @@ def test_fixed_settings_are_respected():
         parse_fixed("train.lr=0.1")
 
 
+@pytest.mark.slow  # about 10 s of descent on 2 cores: with the multi-second tests
 def test_trillion_parameters_on_3072_gpus_plans_by_descent_over_a_small_part_of_the_space(monkeypatch):
     """The search stays interactive (benchmarks/bench_planner_search.py times it) by evaluating few layouts:
     counted, not timed, so a loaded machine cannot fail it and a search that blows up still does."""
