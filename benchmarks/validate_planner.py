@@ -134,6 +134,18 @@ def measure_step_time(layout: Layout, steps: int, warmup: int, output_dir: Path)
     return median_step_time((output_dir / "metrics.jsonl").read_text().splitlines(), warmup)
 
 
+def recipe_progress():
+    """A line on stderr per published row as it is priced and searched (the whole table takes minutes)."""
+    start = time.monotonic()
+
+    def line(i: int, n: int, recipe: Recipe) -> None:
+        what = f"skipped ({recipe.skipped})" if recipe.skipped else "evaluated"
+        print(f"[validate] row {i}/{n} {recipe.table}: {recipe.label()} {what}, "
+              f"{time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)  # fmt: skip
+
+    return line
+
+
 def local_cluster(cluster_file: str | None) -> Cluster:
     """The cluster of this machine: the file given (tools/calibrate.py's), else a profile measured now."""
     from llmtrain.planner import cluster_from_dict, load_cluster
@@ -218,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         results = validate_megatron(args.cluster, args.reference)
         tables = tuple(t for t in args.tables.split(",") if t)
-        recipes = [] if args.no_recipes else validate_recipes(tables)
+        recipes = [] if args.no_recipes else validate_recipes(tables, on_row=recipe_progress())
         # Before the Megatron table and minutes of runs: a bad --local-cluster fails at once.
         cluster = local_cluster(args.local_cluster) if args.local else None
     except ConfigError as err:

@@ -237,3 +237,16 @@ def test_a_layout_the_planner_rejects_is_named_not_scored():
         "the planner rejects the published layout: "
         "train.micro_batch_size=3 does not divide global_batch/dp = 1"
     )
+
+
+def test_each_row_is_reported_as_it_is_done():
+    # validate_planner prints a progress line per row from on_row: called once per row, in order, after the
+    # row is evaluated (its prediction set) or skipped (its reason set).
+    seen = []
+    recipes = validate_recipes(
+        ("torchtitan_a100",),
+        search_best=False,
+        on_row=lambda i, n, r: seen.append((i, n, r, r.published is not None or bool(r.skipped))),
+    )
+    assert [(i, n) for i, n, _, _ in seen] == [(i, len(recipes)) for i in range(1, len(recipes) + 1)]
+    assert [r for _, _, r, _ in seen] == recipes and all(done for *_, done in seen)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import csv
 import functools
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
@@ -301,15 +302,22 @@ def tuned_tables(clusters: list[str]) -> dict[str, list[str]]:
     return out
 
 
-def validate_recipes(tables: tuple[str, ...] = TABLES, search_best: bool = True) -> list[Recipe]:
-    """Every row of `tables`: evaluated, or kept with the reason it is not."""
+def validate_recipes(
+    tables: tuple[str, ...] = TABLES,
+    search_best: bool = True,
+    on_row: Callable[[int, int, Recipe], None] | None = None,
+) -> list[Recipe]:
+    """Every row of `tables`: evaluated, or kept with the reason it is not. `on_row(i, n, recipe)` after each
+    of the n rows (the planner's own search makes a row take seconds to minutes: a caller shows progress)."""
     recipes = [express(t, row) for t in tables for row in load_recipes(t)]
     presets = sorted({r.row["cluster"] for r in recipes if not r.skipped})
     tuned = tuned_tables(presets)
-    for recipe in recipes:
+    for i, recipe in enumerate(recipes, 1):
         recipe.tuned = recipe.table in tuned
         if not recipe.skipped:
             evaluate(recipe, search_best)
+        if on_row is not None:
+            on_row(i, len(recipes), recipe)
     return recipes
 
 
