@@ -42,6 +42,7 @@ from llmtrain.parallel.comm import (
     reduce_scatter_single,
 )
 from llmtrain.parallel.expert_parallel import is_expert
+from llmtrain.parallel.param_layout import named_parameters_once
 from llmtrain.parallel.topology import Topology
 from llmtrain.precision import torch_dtype
 
@@ -123,12 +124,7 @@ class GradBuffers:
         # than gloo's collectives (llmtrain.parallel.comm.exchange_shards). NCCL uses the native ones.
         self.native_shard_comm = self.dense.size > 1 and dist.get_backend(self.dense.group) != "gloo"
         self.sync_enabled = True
-        names: dict[int, str] = {}
-        # PipelineStages registers its tied embedding as `tied_param` too, which named_parameters lists
-        # first: the chunk's name is the one that says what it is (Muon leaves embeddings to AdamW).
-        for name, p in model.named_parameters(remove_duplicate=False):
-            if name != "tied_param":
-                names.setdefault(id(p), name)
+        names = {id(p): name for name, p in named_parameters_once(model)}
         seen: set[int] = set()
         params = []
         for p in model.parameters():

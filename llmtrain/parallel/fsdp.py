@@ -57,6 +57,7 @@ from llmtrain.parallel.dtensor_shards import local_tensor
 from llmtrain.parallel.fsdp_comm import use_shard_exchange
 from llmtrain.parallel.muon import MuonAdamW, fsdp_matrices, stage_group
 from llmtrain.parallel.optimizer import LossScaledOptimizer, MakeOptimizer, make_param_groups
+from llmtrain.parallel.param_layout import named_parameters_once
 from llmtrain.parallel.tensor_parallel import reduce_tp_grads
 from llmtrain.parallel.topology import Topology
 from llmtrain.parallel.vocab_sharded import VocabShardedEdges
@@ -330,13 +331,7 @@ class FSDPOptimizer(LossScaledOptimizer):
         ]
         # Each rank's shards are distinct across the DP mesh and TP/PP ranks hold different parameters.
         self._norm_group, self._norm_ranks = None, topo.world_size
-        # Under the chunks' names, not PipelineStages' `tied_param` (listed first): Muon leaves embeddings
-        # to AdamW.
-        named, seen = [], set()
-        for name, p in model.named_parameters(remove_duplicate=False):
-            if name != "tied_param" and id(p) not in seen:
-                seen.add(id(p))
-                named.append((name, p))
+        named = named_parameters_once(model)
         matrices = fsdp_matrices(named, topo) if job.train.optimizer == "muon" else []
         muon = {id(m.key) for m in matrices}
         groups = make_param_groups([(n, p) for n, p in named if id(p) not in muon], job.train.weight_decay)

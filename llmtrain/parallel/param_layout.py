@@ -224,6 +224,19 @@ class ModelTensor:
         return self.layout.holds_origin() and not self.shard_start
 
 
+def named_parameters_once(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """Each parameter once, under the name that says what it is: PipelineStages also registers its tied
+    embedding as `tied_param`, which named_parameters lists first, so the chunk's name is kept instead
+    (Muon tells embeddings from matrices by name); a tied head's second name is dropped, as
+    named_parameters does."""
+    named, seen = [], set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if name != "tied_param" and id(p) not in seen:
+            seen.add(id(p))
+            named.append((name, p))
+    return named
+
+
 def describe_model(model: nn.Module, topo: Any, tied: bool) -> dict[str, ModelTensor]:
     """This rank's parameters and persistent buffers under their single-process names, with layouts.
 
