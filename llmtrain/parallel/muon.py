@@ -2,8 +2,12 @@
 
 Which parameters Muon updates (`muon_updates`): every 2-D matrix of the blocks (attention, MLP, shared
 experts, MLA's projections) and every routed expert's matrix (a stacked (experts, rows, cols) tensor is
-orthogonalised expert by expert); AdamW keeps the token and position embeddings, the output layer, norms,
-biases and the router, as Keller Jordan's and Moonlight's recipes do. Any other shape is refused.
+orthogonalised expert by expert); a fused SwiGLU `gate_up_proj` is orthogonalised as its two matrices, gate
+and up, each alone and with its own shape's learning-rate adjustment (`fused_parts`), as the recipes' separate
+w1 and w3 are (one [2 ffn, hidden] matrix would be another update, and its larger shape would scale the
+learning rate by up to sqrt(2) under either adjustment). AdamW keeps the token and position embeddings, the
+output layer, norms, biases and the router, as Keller Jordan's and Moonlight's recipes do. Any other shape
+is refused.
 
 The update is torch.optim.Muon's (torch 2.13), step for step: momentum ``buf.lerp_(g, 1 - mu)``, the
 Nesterov look-ahead ``g.lerp(buf, mu)``, torch's own Newton-Schulz iteration (`_zeropower_via_newtonschulz`,
@@ -64,6 +68,16 @@ def muon_updates(name: str, shape: Sequence[int]) -> bool:
     )
 
 
+FUSED_PARTS = {"gate_up_proj": 2}
+"""Parameters (by module name) that fuse several matrices along their rows: how many, each orthogonalised
+alone (SwiGLU's gate and up: llmtrain.models.layers and the MoE experts)."""
+
+
+def fused_parts(name: str) -> int:
+    """Into how many row blocks of equal size Muon splits the parameter `name` before orthogonalising."""
+    return next((n for part, n in FUSED_PARTS.items() if f".{part}" in f".{name}"), 1)
+
+
 @dataclass(eq=False)
 class MuonMatrix:
     """One Muon parameter of the pipeline stage and this rank's part of it."""
@@ -78,6 +92,8 @@ class MuonMatrix:
     """This rank's pieces (views with their offsets in the whole tensor) of a tensor shaped like `key`."""
     write: bool = False
     """Whether this rank writes its pieces into the whole matrix (one writer per element)."""
+    parts: int = 1
+    """Row blocks orthogonalised apart (fused_parts)."""
 
     @property
     def numel(self) -> int:
@@ -113,7 +129,7 @@ def flat_matrices(buffers: Any, masters: list[torch.Tensor], topo: Topology) -> 
         layout = tp_layout(name, p, topo.tp, topo.tp_rank)
         if not muon_updates(name, layout.global_shape):
             continue
-        m = MuonMatrix(name, layout.global_shape, offset)
+        m = MuonMatrix(name, layout.global_shape, offset, parts=fused_parts(name))
         offset += m.numel
         if p in held:
             m.key, start = held[p]
@@ -134,7 +150,15 @@ def fsdp_matrices(named: list[tuple[str, torch.Tensor]], topo: Topology) -> list
         start, replica = shard_position(p)
         shard = ModelTensor(p, layout, start, replica)
         matrices.append(
-            MuonMatrix(name, layout.global_shape, offset, p, shard.pieces, layout.writer and replica == 0)
+            MuonMatrix(
+                name,
+                layout.global_shape,
+                offset,
+                p,
+                shard.pieces,
+                layout.writer and replica == 0,
+                fused_parts(name),
+            )
         )
         offset += matrices[-1].numel
     return matrices
@@ -217,15 +241,18 @@ class MuonAdamW(torch.optim.Optimizer):
         if self.comm_size > 1:
             comm.all_reduce(whole, group=self.comm_group, detail="Muon's whole matrices")
 
-        def orthogonal(x: torch.Tensor) -> torch.Tensor:
-            return _zeropower_via_newtonschulz(x, group["ns_coefficients"], group["ns_steps"], group["eps"])
+        def orthogonal(x: torch.Tensor, parts: int) -> torch.Tensor:
+            args = (group["ns_coefficients"], group["ns_steps"], group["eps"])
+            if parts == 1:
+                return _zeropower_via_newtonschulz(x, *args)
+            return torch.cat([_zeropower_via_newtonschulz(block, *args) for block in x.chunk(parts)])
 
         for m, update in updates:
             matrix = self._whole(whole, m)
             out = torch.empty_like(update)
             pieces = m.pieces(out)
             if matrix.ndim == 2:
-                result = orthogonal(matrix)
+                result = orthogonal(matrix, m.parts)
                 for piece in pieces:
                     piece.tensor.copy_(result[_rect(piece)])
             else:  # routed experts: each expert's matrix alone, only the experts this rank holds rows of
@@ -234,12 +261,13 @@ class MuonAdamW(torch.optim.Optimizer):
                     first, count = piece.offsets[0], piece.tensor.shape[0]
                     for e in range(first, first + count):
                         if e not in done:
-                            done[e] = orthogonal(matrix[e])
+                            done[e] = orthogonal(matrix[e], m.parts)
                         piece.tensor[e - first].copy_(done[e][_rect(piece, skip=1)])
-            matrix_shape = m.global_shape[-2:]
+            rows, cols = m.global_shape[-2:]
             param = local_tensor(m.key)
             param.mul_(1 - lr * group["weight_decay"])
-            param.add_(out, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], torch.Size(matrix_shape)))
+            adjusted = _adjust_lr(lr, group["adjust_lr_fn"], torch.Size((rows // m.parts, cols)))
+            param.add_(out, alpha=-adjusted)
 
     @staticmethod
     def _whole(flat: torch.Tensor, m: MuonMatrix) -> torch.Tensor:

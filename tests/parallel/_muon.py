@@ -7,33 +7,37 @@ from typing import Any
 import torch
 
 from llmtrain.config import JobConfig
-from llmtrain.parallel.muon import muon_updates
+from llmtrain.parallel.muon import fused_parts
 from llmtrain.parallel.optimizer import no_weight_decay
 
 
-def shape_of(parts: list[torch.nn.Parameter]) -> tuple[int, ...]:
-    """The shape of a parameter kept as `parts` (one per expert of a 3-D stack, else itself alone)."""
-    return tuple(parts[0].shape) if len(parts) == 1 else (len(parts), *parts[0].shape)
+def muon_blocks(name: str, tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The 2-D matrices torch.optim.Muon takes for the parameter `name` (views, in row-major order, so that
+    torch.cat of them viewed as `tensor`'s shape is the parameter): one per expert of a stack, and each of
+    them split into its fused parts (llmtrain.parallel.muon.fused_parts: SwiGLU's gate and up)."""
+    matrices = list(tensor) if tensor.ndim == 3 else [tensor]
+    return [block for m in matrices for block in m.chunk(fused_parts(name))]
 
 
 def torch_pair(
-    job: JobConfig, named: dict[str, list[torch.nn.Parameter]], **adamw_options: Any
+    job: JobConfig,
+    adamw_params: dict[str, torch.nn.Parameter],
+    muon_leaves: list[torch.nn.Parameter],
+    **adamw_options: Any,
 ) -> tuple[torch.optim.AdamW, torch.optim.Muon]:
-    """torch.optim.AdamW over the AdamW parameters (llmtrain's decay groups; `adamw_options` such as fused)
-    and torch.optim.Muon over the Muon ones, from the job's hyperparameters. torch.optim.Muon takes 2-D
-    parameters only: `named` keeps each parameter as a list of parts, a stack of experts one part per
-    expert."""
+    """torch.optim.AdamW over `adamw_params` (llmtrain's decay groups; `adamw_options` such as fused) and
+    torch.optim.Muon over `muon_leaves` (2-D leaves: muon_blocks of each Muon parameter), from the job's
+    hyperparameters."""
     t = job.train
-    muon = [e for n, parts in named.items() if muon_updates(n, shape_of(parts)) for e in parts]
-    rest = {n: parts[0] for n, parts in named.items() if not muon_updates(n, shape_of(parts))}
+    decay = [p for n, p in adamw_params.items() if not no_weight_decay(n, p)]
     groups = [
-        {"params": [p for n, p in rest.items() if not no_weight_decay(n, p)], "weight_decay": t.weight_decay},
-        {"params": [p for n, p in rest.items() if no_weight_decay(n, p)], "weight_decay": 0.0},
+        {"params": decay, "weight_decay": t.weight_decay},
+        {"params": [p for n, p in adamw_params.items() if no_weight_decay(n, p)], "weight_decay": 0.0},
     ]
     betas = (t.adam_beta1, t.adam_beta2)
     adamw = torch.optim.AdamW(groups, lr=t.lr, betas=betas, eps=t.adam_eps, **adamw_options)
     ref_muon = torch.optim.Muon(
-        muon,
+        muon_leaves,
         lr=t.muon_lr or t.lr,
         weight_decay=t.weight_decay if t.muon_weight_decay is None else t.muon_weight_decay,
         momentum=t.muon_momentum,

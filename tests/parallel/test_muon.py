@@ -9,9 +9,9 @@ import torch
 from llmtrain import models
 from llmtrain.errors import UserError
 from llmtrain.parallel import Topology, build_optimizer, parallelize
-from llmtrain.parallel.muon import muon_updates
+from llmtrain.parallel.muon import fused_parts, muon_updates
 from tests.parallel._dist import tiny_job
-from tests.parallel._muon import torch_pair
+from tests.parallel._muon import muon_blocks, torch_pair
 
 
 @pytest.mark.parametrize(
@@ -31,28 +31,36 @@ def test_one_process_equals_torch_muon(arch: str, settings: dict) -> None:
     model = parallelize(models.empty_model(job.model, device="meta"), topo, job)
     opt = build_optimizer(model, topo, job)
     named = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    muon = {n for n, p in named.items() if muon_updates(n, p.shape)}
+    # torch's references: a clone of each AdamW parameter, and Muon's 2-D blocks as leaves of their own.
     ref = {
-        n: [torch.nn.Parameter(e.clone()) for e in p.detach()]
-        if p.ndim == 3
+        n: [torch.nn.Parameter(b.clone()) for b in muon_blocks(n, p.detach())]
+        if n in muon
         else [torch.nn.Parameter(p.detach().clone())]
         for n, p in named.items()
     }
     defaults = opt.optimizer.adamw.defaults
-    adamw, ref_muon = torch_pair(job, ref, fused=defaults.get("fused"), foreach=defaults.get("foreach"))
-    assert {id(p) for g in ref_muon.param_groups for p in g["params"]}, "no parameter went to Muon"
+    adamw, ref_muon = torch_pair(
+        job,
+        {n: parts[0] for n, parts in ref.items() if n not in muon},
+        [leaf for n in muon for leaf in ref[n]],
+        fused=defaults.get("fused"),
+        foreach=defaults.get("foreach"),
+    )
+    assert muon, "no parameter went to Muon"
     g = torch.Generator().manual_seed(0)
     for _ in range(3):
         opt.zero_grad()
         for n, p in named.items():
             grad = torch.randn(p.shape, generator=g) * 0.01
             p.main_grad.copy_(grad)
-            for part, part_grad in zip(ref[n], grad if p.ndim == 3 else [grad], strict=True):
+            for part, part_grad in zip(ref[n], muon_blocks(n, grad) if n in muon else [grad], strict=True):
                 part.grad = part_grad.clone()
         opt.step(job.train.lr)
         adamw.step()
         ref_muon.step()
     for n, p in named.items():
-        assert torch.equal(p.detach(), torch.stack(ref[n]).view(p.shape).detach()), n
+        assert torch.equal(p.detach(), torch.cat(ref[n]).view(p.shape).detach()), n
     assert {k for s in opt.optimizer.state.values() for k in s} == {
         "momentum_buffer",
         "exp_avg",
@@ -71,6 +79,10 @@ def test_split_follows_the_rule() -> None:
     assert "layers.1.mlp.shared_experts.down_proj.weight" in muon
     for name in ("embed_tokens.weight", "lm_head.weight", "layers.1.mlp.router.weight", "final_norm.weight"):
         assert name not in muon
+    # SwiGLU's fused gate and up are orthogonalised apart, as the recipes' separate w1 and w3.
+    assert fused_parts("layers.1.mlp.experts.gate_up_proj") == 2
+    assert fused_parts("layers.1.mlp.shared_experts.gate_up_proj.weight") == 2
+    assert fused_parts("layers.0.mlp.down_proj.weight") == fused_parts("layers.1.attn.kv_b_proj.weight") == 1
     gpt = models.build(tiny_job("gpt").model)
     assert not {n for n, p in gpt.named_parameters() if muon_updates(n, p.shape) and "embed" in n}
 

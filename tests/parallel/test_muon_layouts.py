@@ -4,22 +4,21 @@ pp=2), and its momentum state moves between
 layouts through a checkpoint. All cases run in one 4-process gloo group.
 
 The reference is plain torch on one process in fp32: the model, torch.optim.AdamW over the AdamW parameters
-and torch.optim.Muon over the Muon ones (a stack of experts one expert at a time, as torch.optim.Muon takes
-2-D parameters only), clip_grad_norm_. Our layouts reduce gradients in other orders, so they differ from it by
-fp32 rounding (relative ~1e-7), and Muon casts its input to bf16 before Newton-Schulz: where fp32 rounding
-moves an element across a bf16 rounding boundary, that element of the input changes by one bf16 ulp
-(2**-8 relative). How much that moves the orthogonalised update depends on the matrix (Newton-Schulz's
-slope near a small singular value is a = 3.4445 per iteration, a**5 ~ 490 over five), so the reference
-measures it at every step: Newton-Schulz of its own input with every element moved by one ulp in a random
-direction (_flip_sensitivity), more than the few flips rounding causes; a Muon weight may be off by twice
-that times the step's adjusted lr, per step, plus fp32 rounding of the weight. Orthogonalising shards instead
-of whole matrices errs by over 16 times 2**-5 of the largest update
-(tests/parallel/test_muon.py::test_orthogonalising_shards_is_far_from_the_whole). The AdamW parameters may
-be off by 2**-5 of their tensor's largest update per step: their gradients carry the Muon weights'
-differences of earlier steps, and Adam's normalisation passes a gradient's relative error on (an embedding
-row that nearly cancels has a large one); ADAM_EPS bounds what a gradient far below it can do. On this
-machine the worst weight sat at a quarter of its bound. Losses and gradient norms meet the issues'
-relative gap ISSUE_GAP.
+and torch.optim.Muon over the Muon ones (a stack of experts one expert at a time, a fused gate_up_proj as gate
+and up, as torch.optim.Muon takes 2-D parameters only), clip_grad_norm_. Our layouts reduce gradients in other
+orders, so they differ from it by fp32 rounding (relative ~1e-7), and Muon casts its input to bf16 before
+Newton-Schulz: where fp32 rounding moves an element across a bf16 rounding boundary, that element of the input
+changes by one bf16 ulp (2**-8 relative). How much that moves the orthogonalised update depends on the matrix
+(Newton-Schulz's slope near a small singular value is a = 3.4445 per iteration, a**5 ~ 490 over five), so the
+reference measures it at every step: Newton-Schulz of its own input with every element moved by one ulp in a
+random direction (_flip_sensitivity), more than the few flips rounding causes; a Muon weight may be off by
+twice that times the step's adjusted lr, per step, plus fp32 rounding of the weight. Orthogonalising shards
+instead of whole matrices errs by over 16 times 2**-5 of the largest update
+(tests/parallel/test_muon.py::test_orthogonalising_shards_is_far_from_the_whole). The AdamW parameters may be
+off by 2**-5 of their tensor's largest update per step: their gradients carry the Muon weights' differences of
+earlier steps, and Adam's normalisation passes a gradient's relative error on (an embedding row that nearly
+cancels has a large one); ADAM_EPS bounds what a gradient far below it can do. On this machine the worst
+weight sat at a quarter of its bound. Losses and gradient norms meet the issues' relative gap ISSUE_GAP.
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ from llmtrain.checkpoint.convert import read_full
 from llmtrain.parallel import Topology
 from llmtrain.parallel.muon import muon_updates
 from tests.parallel._dist import batches, parallel_run, spawn, tiny_job
-from tests.parallel._muon import torch_pair
+from tests.parallel._muon import muon_blocks, torch_pair
 from tests.parallel._reference import ISSUE_GAP, U32, worst_gap
 from tests.parallel._resume import build_as_training, resume_failures, save, train_steps
 
@@ -91,12 +90,14 @@ def _reference(arch: str, data: list[torch.Tensor], mtp_layers: int = 0) -> dict
     model = models.build(job.model)
     named = {n: p for n, p in model.named_parameters() if p.requires_grad}
     muon = {n: p for n, p in named.items() if muon_updates(n, p.shape)}
-    # torch.optim.Muon over 2-D leaves: a matrix itself, or one leaf per expert copied in and out.
-    leaves = {
-        n: [torch.nn.Parameter(m.detach().clone()) for m in (p if p.ndim == 3 else [p])]
-        for n, p in muon.items()
-    }
-    adamw, ref_muon = torch_pair(job, {n: leaves.get(n, [p]) for n, p in named.items()})
+    # torch.optim.Muon over 2-D leaves (muon_blocks: a matrix, one per expert, gate and up apart), copied in
+    # and out.
+    leaves = {n: [torch.nn.Parameter(b.detach().clone()) for b in muon_blocks(n, p)] for n, p in muon.items()}
+    adamw, ref_muon = torch_pair(
+        job,
+        {n: p for n, p in named.items() if n not in muon},
+        [leaf for parts in leaves.values() for leaf in parts],
+    )
     bounds = {n: torch.zeros_like(p) for n, p in named.items()}
     g = torch.Generator().manual_seed(7)
     losses, norms = [], []
@@ -110,15 +111,13 @@ def _reference(arch: str, data: list[torch.Tensor], mtp_layers: int = 0) -> dict
         before = {n: p.detach().clone() for n, p in named.items()}
         adamw.step()
         for n, p in muon.items():
-            for leaf, value, grad in zip(
-                leaves[n], p if p.ndim == 3 else [p], p.grad if p.ndim == 3 else [p.grad], strict=True
-            ):
+            for leaf, value, grad in zip(leaves[n], muon_blocks(n, p), muon_blocks(n, p.grad), strict=True):
                 leaf.data.copy_(value.detach())
                 leaf.grad = grad.clone()
         ref_muon.step()
         with torch.no_grad():
             for n, p in muon.items():
-                p.copy_(torch.stack([leaf for leaf in leaves[n]]).view(p.shape))
+                p.copy_(torch.cat(leaves[n]).view(p.shape))
                 sensitivity = [_flip_sensitivity(leaf, ref_muon, g) for leaf in leaves[n]]
                 adjusted = _adjust_lr(LR, t.muon_adjust_lr, leaves[n][0].shape)
                 bounds[n] += FLIP_MARGIN * adjusted * max(sensitivity)
