@@ -128,6 +128,8 @@ class Estimate:
     """The part of `compute` that re-runs forwards for activation recomputation (busiest rank)."""
     pp_p2p: float = 0.0
     """The part of `pp_bubble` that point-to-point transfers add (the rest is fill and drain)."""
+    float8_gather: bool = False
+    """ZeRO-3 gathers the float8 linears' weights in float8, 1 byte an element (train.fp8_all_gather)."""
 
     @property
     def memory_gb(self) -> float:
@@ -407,6 +409,7 @@ class CostModel(LayerTime, DataParallelTime, StepCollectives):
             simulated=pipe.simulated,
             cp_comm=cp_total,
             ep_comm=ep_total + shared,
+            float8_gather=self.float8_gathered(layout),
         )
 
     def _ep_link_sharing(self, layout: Layout, ep_total: float, hidden_dp: float, window: float) -> float:
