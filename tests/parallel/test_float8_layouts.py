@@ -176,7 +176,11 @@ def _summary(run: dict) -> dict:
 
 def _layout(rank: int, world: int, arch: str, overrides: dict) -> dict | None:
     job = tiny_job(arch, precision="fp8", **overrides)
-    run = _summary(parallel_run(job, Topology(job.parallel, world, rank), _data(job), LR))
+    full = parallel_run(job, Topology(job.parallel, world, rank), _data(job), LR)
+    if job.train.fp8_all_gather:  # the float8 linears' weights are torchao's float8-all-gather shards
+        locals_ = [type(getattr(p, "_local_tensor", p)).__name__ for p in full["model"].parameters()]
+        assert locals_.count("WeightWithDynamicFloat8CastTensor") == 6 * job.model.num_layers, locals_
+    run = _summary(full)
     if rank != 0:
         return None
     m, t = job.model, job.train
