@@ -16,14 +16,14 @@ import pytest
 from torch import nn
 
 from llmtrain import models
+from llmtrain.planner import CostModel, Workload, load_cluster
 from llmtrain.planner.cost.collectives import Comm
+from llmtrain.planner.cost.layout import layout_of_job
+from llmtrain.planner.report.explain import part_kinds
 from tests.parallel._dist import SpawnedCases, tiny_job
 from tests.planner.test_collectives import _check, _traced_step
 
-pytestmark = [
-    pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="needs torchao"),
-    pytest.mark.slow,
-]
+needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="needs torchao")
 
 DP = 2
 OVERRIDES = dict(precision="fp8", dp=DP, zero_stage=3)
@@ -43,6 +43,8 @@ def _block_gather_bytes(fp8: bool) -> int:
     return (linear * (1 if fp8 else 2) + 2 * rest) // DP
 
 
+@needs_torchao
+@pytest.mark.slow
 def test_fp8_all_gather_moves_one_byte_a_weight(traced: SpawnedCases) -> None:
     ranks = traced("fp8-zero3")
     num_layers = tiny_job("llama").model.num_layers
@@ -56,5 +58,23 @@ def test_fp8_all_gather_moves_one_byte_a_weight(traced: SpawnedCases) -> None:
         assert counts[Comm("all_reduce", "dp", DP, 4 * 6 * num_layers)] == 1, sorted(counts.items(), key=str)
 
 
+@needs_torchao
+@pytest.mark.slow
 def test_planner_counts_the_fp8_all_gather(traced: SpawnedCases) -> None:
     _check(traced("fp8-zero3"), "llama", DP, OVERRIDES, bucket_slack=None)
+
+
+def test_planner_prices_and_names_the_fp8_all_gather() -> None:
+    """On an H100 node: the float8 gathers cost less time and gathered memory than bf16 ones, and the
+    --evaluate report's DP line says the weights travel in float8."""
+    estimates = {}
+    for wanted in (None, False):
+        job = tiny_job("llama", **OVERRIDES, fp8_all_gather=wanted)
+        view = load_cluster("h100-80gb").view(DP)
+        estimates[wanted] = CostModel(Workload.from_job(job), view).evaluate(layout_of_job(job, DP))
+    on, off = estimates[None], estimates[False]
+    assert on.float8_gather and not off.float8_gather
+    assert on.dp_comm < off.dp_comm
+    assert on.memory["gathered"] < off.memory["gathered"]
+    assert "in float8" in part_kinds(on.layout, view, on.float8_gather)["dp"]
+    assert "float8" not in part_kinds(off.layout, view, off.float8_gather)["dp"]
