@@ -120,3 +120,14 @@ def test_fp8_without_torchao_is_rejected(monkeypatch: pytest.MonkeyPatch) -> Non
     )
     with pytest.raises(ConfigError, match=r"needs torchao \(pip install 'llmtrain\[fp8\]'\)"):
         validate(tiny_job("llama", precision="fp8"))
+
+
+def test_startup_block_names_the_recipe_the_float8_gather_and_the_experts_fallback() -> None:
+    from llmtrain.training.run import _float8_note
+
+    dense = tiny_job("llama", precision="fp8", dp=2, zero_stage=3)
+    assert _float8_note(dense) == " (recipe tensorwise; ZeRO-3 weight all-gather in float8)"
+    assert _float8_note(tiny_job("mixtral", precision="fp8", fp8_recipe="rowwise")) == (
+        " (recipe rowwise; routed experts' grouped GEMM in bf16 (the fallback))"
+    )
+    assert _float8_note(tiny_job("llama", precision="bf16")) == ""
