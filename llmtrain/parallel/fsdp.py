@@ -36,6 +36,10 @@ Both are a plain sum then a division of the shard by dp (``set_gradient_divide_f
 ``set_force_sum_reduction_for_comms``): gloo has no PREMUL_SUM, and the division touches 1/shards of the
 gradient. An expert-DP mesh of one rank (ep = tp x cp x dp) reduces nothing: its gradient is only divided.
 
+Under train.fp8_all_gather (llmtrain.config.engine_rules.float8_all_gather) the float8 linears' weights are
+torchao's float8-all-gather parameters before fully_shard, so ZeRO-3 gathers them as float8 bytes, and
+FSDPOptimizer sets their scales after each step (llmtrain.parallel.float8_gather).
+
 Where llmtrain.config.vocab_sharding allows it, the embedding and the output layer are never gathered in
 training: each rank works on its vocabulary rows for the whole shard group's tokens
 (llmtrain.parallel.vocab_sharded).
