@@ -114,8 +114,45 @@ def async_io_available() -> bool:
 FP8_MULTIPLE = 16
 
 
+def float8_all_gather_blocker(
+    precision: str, fp8_recipe: str, zero_stage: int, tp: int, engine: str = "llmtrain"
+) -> str:
+    """What keeps ZeRO-3's weight all-gathers from running in float8 (torchao's FSDP2 float8 all-gather,
+    llmtrain.parallel.float8_gather), as 'field=needed (got value)', or '' when they can: the weight's one
+    scale must be over the whole tensor, which the FSDP mesh holds only without TP, and only tensorwise
+    scaling has one."""
+    for name, value, needed in (
+        ("train.precision", precision, "fp8"),
+        ("train.fp8_recipe", fp8_recipe, "tensorwise"),
+        ("parallel.zero_stage", zero_stage, 3),
+        ("parallel.tp", tp, 1),
+        ("parallel.engine", engine, "llmtrain"),
+    ):
+        if value != needed:
+            return f"{name}={needed} (got {value})"
+    return ""
+
+
+def float8_all_gather(job: JobConfig) -> bool:
+    """Whether ZeRO-3 gathers the float8 linears' weights in float8 (train.fp8_all_gather; null: wherever
+    it applies, as torchtitan recommends it with tensorwise scaling under FSDP2)."""
+    return job.train.fp8_all_gather is not False and not _job_blocker(job)
+
+
+def _job_blocker(job: JobConfig) -> str:
+    p, t = job.parallel, job.train
+    return float8_all_gather_blocker(t.precision, t.fp8_recipe, p.zero_stage, p.tp, p.engine)
+
+
 def float8_problem(job: JobConfig) -> str:
     """Why `job` cannot train with train.precision=fp8 (llmtrain.parallel.float8), or '' when it can."""
+    if job.train.fp8_all_gather:
+        blocker = _job_blocker(job)
+        if blocker:
+            return (
+                f"train.fp8_all_gather=true (float8 weight all-gather under ZeRO-3) needs {blocker}; "
+                "set train.fp8_all_gather=null (on where it applies) or false"
+            )
     if job.train.precision != "fp8":
         return ""
     m, p, t = job.model, job.parallel, job.train

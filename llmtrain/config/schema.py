@@ -335,6 +335,8 @@ class TrainConfig:
     """torchao float8 scaling under precision=fp8: tensorwise (a scale per tensor) or rowwise (per row)."""
     fp8_filter: Fp8Filter = "all"
     """Which block linears run fp8: all, or auto (not the shapes torchao finds slower in fp8 on H100)."""
+    fp8_all_gather: bool | None = None
+    """ZeRO-3 all-gathers fp8 weights (1 byte each, torchao); null: on where it applies (tensorwise, tp 1)."""
 
 
 @dataclass

@@ -36,6 +36,10 @@ Both are a plain sum then a division of the shard by dp (``set_gradient_divide_f
 ``set_force_sum_reduction_for_comms``): gloo has no PREMUL_SUM, and the division touches 1/shards of the
 gradient. An expert-DP mesh of one rank (ep = tp x cp x dp) reduces nothing: its gradient is only divided.
 
+Under train.fp8_all_gather (llmtrain.config.engine_rules.float8_all_gather) the float8 linears' weights are
+torchao's float8-all-gather parameters before fully_shard, so ZeRO-3 gathers them as float8 bytes, and
+FSDPOptimizer sets their scales after each step (llmtrain.parallel.float8_gather).
+
 Where llmtrain.config.vocab_sharding allows it, the embedding and the output layer are never gathered in
 training: each rank works on its vocabulary rows for the whole shard group's tokens
 (llmtrain.parallel.vocab_sharded).
@@ -51,9 +55,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from llmtrain.config.engine_rules import float8_all_gather
 from llmtrain.config.schema import JobConfig
 from llmtrain.config.vocab_sharding import vocab_sharded_edges
 from llmtrain.parallel.dtensor_shards import local_tensor
+from llmtrain.parallel.float8_gather import precompute_weight_scales, wrap_float8_weights
 from llmtrain.parallel.fsdp_comm import use_shard_exchange
 from llmtrain.parallel.muon import MuonAdamW, fsdp_matrices, stage_group
 from llmtrain.parallel.optimizer import LossScaledOptimizer, MakeOptimizer, make_param_groups
@@ -174,6 +180,8 @@ def apply_fsdp(model: nn.Module, topo: Topology, job: JobConfig) -> nn.Module:
         param_dtype=None if dtype == torch.float32 else dtype, reduce_dtype=torch.float32
     )
     mesh = dp_mesh(topo, dp_shard_size(job, topo.dp))
+    if float8_all_gather(job):  # train.fp8_all_gather: the float8 linears' weights gathered in float8
+        wrap_float8_weights(model)
     named = list(model.named_parameters(remove_duplicate=False))
     attributes = {name: {a: getattr(p, a) for a in PARAM_ATTRIBUTES if hasattr(p, a)} for name, p in named}
     tied_name = None
@@ -361,4 +369,5 @@ class FSDPOptimizer(LossScaledOptimizer):
             reduce_tp_grads(self._tp_reduced, self.topo, lambda p: local_tensor(p.grad))
 
     def _publish(self) -> None:
+        precompute_weight_scales(self.model)  # the float8-gathered weights' scales (train.fp8_all_gather)
         gather_after_step(self.model)

@@ -73,11 +73,11 @@ class Float8Gemms(LinearGemms):
         """``t`` (2-D) as a Float8TrainingTensor; ``groups``: those splitting its dims 0 and 1; ``dim``: the
         dim a rowwise amax is taken over (torchao's axiswise_dim; unused by tensorwise scaling)."""
         from torchao.float8.config import ScalingGranularity, ScalingType
-        from torchao.float8.float8_training_tensor import hp_tensor_and_scale_to_float8
+        from torchao.float8.float8_training_tensor import Float8TrainingTensor, hp_tensor_and_scale_to_float8
         from torchao.float8.float8_utils import amax_to_scale, tensor_to_amax
 
-        if cast.scaling_type is ScalingType.DISABLED:
-            return t
+        if cast.scaling_type is ScalingType.DISABLED or isinstance(t, Float8TrainingTensor):
+            return t  # (a weight FSDP2 gathered in float8 already, llmtrain.parallel.float8_gather)
         rowwise = cast.scaling_granularity is ScalingGranularity.AXISWISE
         axis = dim if rowwise else None
         amax = tensor_to_amax(t, scaling_granularity=cast.scaling_granularity, axiswise_dim=axis)

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from llmtrain.config import ConfigError, JobConfig, with_overrides
+from llmtrain.config.engine_rules import float8_all_gather
 from llmtrain.errors import UserError
 from llmtrain.parallel.topology import Topology
 from llmtrain.parallel.watchdog import install_excepthook
@@ -187,6 +188,20 @@ def _restore(trainer: Trainer, launch: Launch, job: JobConfig, topo: Topology) -
     trainer.checkpointer.last_good = None  # the conversion is gone: no checkpoint of this run exists yet
 
 
+def _float8_note(job: JobConfig) -> str:
+    """Under fp8: the recipe, whether ZeRO-3 gathers the weights in float8, and (MoE) that the experts'
+    grouped GEMM stays bf16 (llmtrain.parallel.float8: no float8 grouped GEMM is wired in)."""
+    t = job.train
+    if t.precision != "fp8":
+        return ""
+    notes = [f"recipe {t.fp8_recipe}"]
+    if float8_all_gather(job):
+        notes.append("ZeRO-3 weight all-gather in float8")
+    if job.model.is_moe:
+        notes.append("routed experts' grouped GEMM in bf16 (the fallback)")
+    return f" ({'; '.join(notes)})"
+
+
 def startup_block(job: JobConfig, topo: Topology, launch: Launch) -> str:
     """What rank 0 prints before the first step: the model, layout, batch, precision, output and start."""
     import kernels
@@ -229,7 +244,7 @@ def startup_block(job: JobConfig, topo: Topology, launch: Launch) -> str:
             f"{t.global_batch_size} samples x {m.seq_length} tokens = "
             f"{t.global_batch_size * m.seq_length:,} tokens per step",
         ),
-        ("precision", f"{t.precision}, kernels {kernel} (model.kernels={m.kernels})"),
+        ("precision", f"{t.precision}{_float8_note(job)}, kernels {kernel} (model.kernels={m.kernels})"),
         (
             "output",
             f"{launch.output_dir} (segment {launch.segment}, config {os.path.basename(launch.config_file)}); "

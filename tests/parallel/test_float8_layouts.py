@@ -21,6 +21,12 @@ probability about 1/16, an effect of float8's rounding. Over the steps Adam ampl
 tp=2 to twice bf16's own rounding gap). So each layout's losses, gradient norms and weights may sit from
 the one-process fp8 run at most twice as far as that run sits from the one-process bf16 run; a missing
 or wrong scale, a gradient off by a factor or a shard left unreduced moves them by O(1).
+
+ZeRO-3 with the float8 weight all-gather (train.fp8_all_gather, llmtrain.parallel.float8_gather) casts the
+fp32 master shard to e4m3 directly, with the amax of the fp32 weight, where one process casts its bf16
+rounding: the value cast is at most one bf16 rounding (2^-8) away, so an element's e4m3 rounding moves by
+a step (2^-4) with probability about 1/16 -- the same effect as the bf16 input one ulp off above, so the
+same bound holds (tests/planner/test_fp8_collectives.py checks that the gather moves 1 byte a weight).
 """
 
 from __future__ import annotations
@@ -64,7 +70,7 @@ LAYOUTS: dict[int, list[tuple[str, dict]]] = {
         ("llama", dict(tp=2, sequence_parallel=True, mtp_layers=1)),  # multi-token prediction's module too
     ],
     4: [
-        ("llama", dict(dp=4, zero_stage=3)),
+        ("llama", dict(dp=4, zero_stage=3, fp8_all_gather=True)),  # weights gathered in float8
         ("llama", dict(tp=2, pp=2, sequence_parallel=True, schedule="zb_h1")),
         ("llama", dict(tp=2, dp=2, zero_stage=3, sequence_parallel=True)),
     ],
@@ -170,7 +176,11 @@ def _summary(run: dict) -> dict:
 
 def _layout(rank: int, world: int, arch: str, overrides: dict) -> dict | None:
     job = tiny_job(arch, precision="fp8", **overrides)
-    run = _summary(parallel_run(job, Topology(job.parallel, world, rank), _data(job), LR))
+    full = parallel_run(job, Topology(job.parallel, world, rank), _data(job), LR)
+    if job.train.fp8_all_gather:  # the float8 linears' weights are torchao's float8-all-gather shards
+        locals_ = [type(getattr(p, "_local_tensor", p)).__name__ for p in full["model"].parameters()]
+        assert locals_.count("WeightWithDynamicFloat8CastTensor") == 6 * job.model.num_layers, locals_
+    run = _summary(full)
     if rank != 0:
         return None
     m, t = job.model, job.train

@@ -16,6 +16,7 @@ from torch import nn
 
 from llmtrain import models
 from llmtrain.config import ConfigError, validate
+from llmtrain.config.engine_rules import float8_all_gather
 from llmtrain.parallel import Topology
 from llmtrain.parallel.float8 import apply_float8
 from tests.parallel._dist import batches, parallel_run, tiny_job
@@ -82,11 +83,34 @@ def test_fp8_loss_curve_tracks_bf16() -> None:
         (dict(tp=8, num_attention_heads=8), r"model.num_attention_heads x head size / parallel.tp"),
         (dict(cp=2, micro_batch_size=1), r"got 8;"),  # 16 tokens over 2 CP ranks
         (dict(seq_length=15), r"micro_batch_size x model.seq_length / parallel.cp \(tokens per GEMM\)"),
+        # The float8 weight all-gather: one tensorwise scale over the whole weight, gathered by ZeRO-3.
+        (dict(fp8_all_gather=True, dp=2, zero_stage=1), r"needs parallel.zero_stage=3 \(got 1\)"),
+        (dict(fp8_all_gather=True, dp=2, zero_stage=3, fp8_recipe="rowwise"), r"fp8_recipe=tensorwise"),
+        (dict(fp8_all_gather=True, tp=2, dp=2, zero_stage=3), r"needs parallel.tp=1 \(got 2\)"),
     ],
 )
 def test_unsupported_fp8_layouts_are_rejected_at_config_time(overrides: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         validate(tiny_job("llama", precision="fp8", **overrides))
+
+
+def test_fp8_all_gather_needs_fp8() -> None:
+    with pytest.raises(
+        ConfigError, match=r"train.fp8_all_gather=true .* needs train.precision=fp8 \(got bf16\)"
+    ):
+        validate(tiny_job("llama", precision="bf16", fp8_all_gather=True, dp=2, zero_stage=3))
+
+
+def test_fp8_all_gather_defaults_on_where_it_applies() -> None:
+    # torchtitan's recipe: tensorwise float8 under FSDP2 gathers in float8; off elsewhere, or when asked.
+    def on(**overrides: object) -> bool:
+        return float8_all_gather(tiny_job("llama", precision="fp8", **overrides))
+
+    assert on(dp=2, zero_stage=3)
+    assert not on(dp=2, zero_stage=3, fp8_all_gather=False)
+    assert not on(dp=2, zero_stage=3, fp8_recipe="rowwise")
+    assert not on(dp=2, zero_stage=2)
+    assert not on(tp=2, dp=2, zero_stage=3)
 
 
 def test_fp8_without_torchao_is_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -96,3 +120,14 @@ def test_fp8_without_torchao_is_rejected(monkeypatch: pytest.MonkeyPatch) -> Non
     )
     with pytest.raises(ConfigError, match=r"needs torchao \(pip install 'llmtrain\[fp8\]'\)"):
         validate(tiny_job("llama", precision="fp8"))
+
+
+def test_startup_block_names_the_recipe_the_float8_gather_and_the_experts_fallback() -> None:
+    from llmtrain.training.run import _float8_note
+
+    dense = tiny_job("llama", precision="fp8", dp=2, zero_stage=3)
+    assert _float8_note(dense) == " (recipe tensorwise; ZeRO-3 weight all-gather in float8)"
+    assert _float8_note(tiny_job("mixtral", precision="fp8", fp8_recipe="rowwise")) == (
+        " (recipe rowwise; routed experts' grouped GEMM in bf16 (the fallback))"
+    )
+    assert _float8_note(tiny_job("llama", precision="bf16")) == ""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 
+from llmtrain.config.engine_rules import float8_all_gather_blocker
 from llmtrain.planner.cluster.hardware import ClusterView
 from llmtrain.planner.cost import collectives as C
 from llmtrain.planner.cost import flops as F
@@ -62,6 +63,12 @@ class CostBase:
         chunks = layout.pp * layout.virtual_stages
         return layout.stage_layers or stage_layers(self.w.model, chunks, self.sw.balance_stages)
 
+    def _chunk_span(self, layout: Layout, chunk: int) -> tuple[int, int]:
+        """The first layer of model chunk ``chunk`` and the one after its last."""
+        stages = self.chunk_layers(layout)
+        start = sum(stages[:chunk])
+        return start, start + stages[chunk]
+
     def rank_modes(self, layout: Layout) -> list[Counter[str]]:
         """Per pipeline rank, how many of its layers (over all its chunks) run each recompute mode."""
         pp, stages = layout.pp, self.chunk_layers(layout)
@@ -79,28 +86,41 @@ class CostBase:
         """The EP and expert-DP groups' strides on this cluster (collectives.expert_group_strides)."""
         return C.expert_group_strides(layout.tp, layout.cp, layout.dp, layout.ep, self.c.devices_per_node)
 
-    def _fsdp_units(self, layout: Layout, pp_rank: int) -> list[tuple[int, bool, bool]]:
-        """(parameters, reshard after forward, expert) of each FSDP2 unit of a rank (llmtrain.parallel.fsdp):
-        every block (resharded at zero 3), under EP a MoE block's routed experts as a unit of their own on
-        the expert-data-parallel mesh (expert true), the embedding (idem) and the final norm with the output
-        layer as units of their own unless tied in one chunk, and the root with what is left (kept
-        gathered)."""
+    def float8_gathered(self, layout: Layout) -> bool:
+        """Whether ZeRO-3 gathers the float8 linears' weights in float8 (train.fp8_all_gather, as
+        llmtrain.config.engine_rules.float8_all_gather decides it for a job)."""
+        engine = "deepspeed" if layout.offload != "none" else "llmtrain"
+        blocker = float8_all_gather_blocker(
+            self.prec, self.w.fp8_recipe, layout.zero_stage, layout.tp, engine
+        )
+        return self.w.fp8_all_gather is not False and not blocker
+
+    def _fsdp_units(self, layout: Layout, pp_rank: int) -> list[tuple[int, bool, bool, int]]:
+        """(parameters, reshard after forward, expert, of them gathered in float8) of each FSDP2 unit of a
+        rank (llmtrain.parallel.fsdp): every block (resharded at zero 3), under EP a MoE block's routed
+        experts as a unit of their own on the expert-data-parallel mesh (expert true), the embedding (idem)
+        and the final norm with the output layer as units of their own unless tied in one chunk, and the
+        root with what is left (kept gathered). The float8 part: a block's float8 linears' weights under
+        train.fp8_all_gather (collectives.float8_layer_weights), 0 elsewhere."""
         m, tp, pp, v, ep = self.w.model, layout.tp, layout.pp, layout.virtual_stages, layout.ep
         z3 = layout.zero_stage == 3
         stages = self.chunk_layers(layout)
         starts = list(itertools.accumulate(stages, initial=0))
         dense = C.rank_parameters(m, tp, 1, False, False)[0]
         moe_extra, routed, _ = C.moe_layer_parameters(m, tp, ep)
+        gathered8 = self.float8_gathered(layout)
 
-        def blocks(stage: int) -> list[tuple[int, bool, bool]]:
+        def blocks(stage: int) -> list[tuple[int, bool, bool, int]]:
             out = []
             for i in range(starts[stage], starts[stage + 1]):
-                if not m.is_moe_layer(i):
-                    out.append((dense, z3, False))
+                moe = m.is_moe_layer(i)
+                f8 = C.float8_layer_weights(m, moe)[1] if gathered8 else 0
+                if not moe:
+                    out.append((dense, z3, False, f8))
                 elif ep > 1:
-                    out += [(dense + moe_extra, z3, False), (routed, z3, True)]
+                    out += [(dense + moe_extra, z3, False, f8), (routed, z3, True, 0)]
                 else:
-                    out.append((dense + moe_extra + routed, z3, False))
+                    out.append((dense + moe_extra + routed, z3, False, f8))
             return out
 
         embedding = m.vocab_size // tp * m.hidden_size
@@ -109,18 +129,18 @@ class CostBase:
         if edges_vocab_sharded(layout, m):
             # One chunk; the embedding and head are units that are never gathered, whose gradients land on
             # their shards (collectives.vocab_sharded_edges): the root keeps the final norm.
-            return [*blocks(0), (norm + positions, False, False)]
-        units: list[tuple[int, bool, bool]] = []
+            return [*blocks(0), (norm + positions, False, False, 0)]
+        units: list[tuple[int, bool, bool, int]] = []
         for stage in layout.rank_stages(pp_rank):
             first, last = stage == 0, stage == pp * v - 1
             units += blocks(stage)
             if first and last and m.tied_embeddings:
-                units.append((embedding + positions + norm, False, False))
+                units.append((embedding + positions + norm, False, False, 0))
                 continue
             if first:
-                units.append((embedding, z3, False))
+                units.append((embedding, z3, False, 0))
             if last:
-                units.append((norm + embedding, False, False))
+                units.append((norm + embedding, False, False, 0))
             if first and positions:
-                units.append((positions, False, False))
+                units.append((positions, False, False, 0))
         return units

@@ -334,6 +334,28 @@ def _dense_mlp_parameters(model: ModelConfig, tp: int) -> int:
     return (3 if gated else 2) * h * f // tp + (((2 if gated else 1) * f // tp) if model.bias else 0)
 
 
+FLOAT8_SCALE_BYTES = 4
+"""A float8 weight's scale (fp32): all-reduced (its amax, MAX) once a step under train.fp8_all_gather."""
+
+
+def float8_layer_weights(model: ModelConfig, moe: bool) -> tuple[int, int]:
+    """(linear layers, weight elements) of one layer that llmtrain.parallel.float8 runs in float8, whole
+    (tp 1): the attention projections, and the dense MLP or a MoE layer's shared experts (the router and
+    the routed experts' grouped GEMM stay bf16; biases and norms are not GEMM operands). All of them, as
+    train.fp8_filter=all converts them (the cost model does not model the auto filter)."""
+    h = model.hidden_size
+    if model.arch == "deepseek_v3":
+        linears = 5 if model.q_lora_rank else 4
+        attn = F.latent_attention_parameters(model) - model.kv_lora_rank - (model.q_lora_rank or 0)
+    else:
+        linears = 4
+        attn = 2 * model.num_attention_heads * model.head_size * h + 2 * model.kv_heads * model.head_size * h
+    if not moe:
+        return linears + 2, attn + (3 if model.arch != "gpt" else 2) * h * model.ffn_size
+    shared = model.num_shared_experts * 3 * h * model.expert_ffn_size
+    return linears + (2 if shared else 0), attn + shared
+
+
 def moe_layer_parameters(model: ModelConfig, tp: int, ep: int) -> tuple[int, int, int]:
     """(parameters beyond the dense layer rank_parameters counts, routed experts, gradients summed over TP)
     of one MoE layer on one rank: the router and shared experts (gated, no biases) in place of the dense

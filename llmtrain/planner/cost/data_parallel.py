@@ -49,14 +49,15 @@ class DataParallelTime(CostBase):
             # the framework's per-call host time) scale with the units, not with the bytes alone.
             # Expert units on their own mesh (the expert-data-parallel group: collectives._dp_collectives).
             units = [
-                (n, 2 if reshard else 1, (xshard, xstride) if expert else (shard, tp))
-                for n, reshard, expert in self._fsdp_units(layout, 0)
+                (n, 2 if reshard else 1, (xshard, xstride) if expert else (shard, tp), f8)
+                for n, reshard, expert, f8 in self._fsdp_units(layout, 0)
             ]
-            reduce = sum(self.c.reduce_scatter(n * g, *where) for n, _, where in units)
-            # Per gather round (a micro-batch's forward, at zero 3 also its backward), as `gathers` counts.
-            gather = sum(k * self.c.all_gather(n * e, *where) for n, k, where in units)
+            reduce = sum(self.c.reduce_scatter(n * g, *where) for n, _, where, _ in units)
+            # Per gather round (a micro-batch's forward, at zero 3 also its backward), as `gathers` counts;
+            # train.fp8_all_gather's float8 weights at 1 byte an element.
+            gather = sum(k * self.c.all_gather((n - f8) * e + f8, *where) for n, k, where, f8 in units)
             gather /= 2 if z == 3 else 1
-            calls = sum((reductions + num_micro * k) * (where[0] > 1) for _, k, where in units)
+            calls = sum((reductions + num_micro * k) * (where[0] > 1) for _, k, where, _ in units)
         else:
             reduce = self.c.reduce_scatter(params * g, shard, tp)
             gather = self.c.all_gather(params * e, shard, tp)

@@ -215,6 +215,10 @@ class Workload:
     dp_bucket_mb: float = 25.0
     optimizer: str = "adamw"
     """train.optimizer: adamw, or muon (one momentum buffer and a whole-matrix all-reduce for the blocks)."""
+    fp8_recipe: str = "tensorwise"
+    """train.fp8_recipe under precision fp8."""
+    fp8_all_gather: bool | None = None
+    """train.fp8_all_gather: ZeRO-3 gathers the float8 linears' weights in float8 (null: where it applies)."""
 
     @property
     def seq(self) -> int:
@@ -229,6 +233,8 @@ class Workload:
             precision=job.train.precision,
             dp_bucket_mb=job.parallel.dp_bucket_mb,
             optimizer=job.train.optimizer,
+            fp8_recipe=job.train.fp8_recipe,
+            fp8_all_gather=job.train.fp8_all_gather,
         )
 
 

@@ -418,13 +418,15 @@ def rank_memory(
     bucket_bytes: float = 25 * 2**20,
     counts: F.ParamCounts | None = None,
     optimizer: str = "adamw",
+    float8_layer: float = 0.0,
 ) -> MemoryBreakdown:
     """Bytes on the fullest rank of `layout` (the first pipeline rank, or the last when its output layer and
     logits dominate; any rank under the layout's own stage split or per-layer recomputation), with the
     highest startup peak of them; `inflight` is the schedule's peak of
     micro-batches in flight on the first rank; `bucket_bytes` the data-parallel bucket (parallel.dp_bucket_mb,
     counted in fp32 bytes); `counts` the model's parameter counts (given: not counted again); `optimizer`
-    train.optimizer (muon: see the module docstring)."""
+    train.optimizer (muon: see the module docstring); `float8_layer` the mean layer's weight elements
+    gathered in float8, 1 byte each (train.fp8_all_gather)."""
     e = 4 if precision == "fp32" else 2
     counts = counts or F.parameter_counts(model)
     tp, pp, v, b = layout.tp, layout.pp, layout.virtual_stages, layout.micro_batch
@@ -555,6 +557,9 @@ def rank_memory(
         # At the peak (the backward's start, in the output layer) the prefetched block is the last layer.
         prefetched = software.zero3_prefetch * counts.per_layer / tp
         gathered = e * (largest + prefetched) + software.grad_bytes * largest
+        # train.fp8_all_gather: the gathered blocks' float8 linears' weights take 1 byte an element.
+        blocks = software.zero3_prefetch + (largest == layer_p + layer_x)
+        gathered -= (e - 1) * float8_layer * blocks
     elif layout.zero_stage == 2:
         gathered = software.grad_bytes * largest
     else:

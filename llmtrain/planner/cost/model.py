@@ -70,6 +70,7 @@ from llmtrain.config.validate import (
     tensor_parallel_problem,
 )
 from llmtrain.planner.cluster.hardware import ClusterView
+from llmtrain.planner.cost import collectives as C
 from llmtrain.planner.cost import flops as F
 from llmtrain.planner.cost.data_parallel import DataParallelTime
 from llmtrain.planner.cost.layer_time import LayerTime, PassCosts
@@ -128,6 +129,8 @@ class Estimate:
     """The part of `compute` that re-runs forwards for activation recomputation (busiest rank)."""
     pp_p2p: float = 0.0
     """The part of `pp_bubble` that point-to-point transfers add (the rest is fill and drain)."""
+    float8_gather: bool = False
+    """ZeRO-3 gathers the float8 linears' weights in float8, 1 byte an element (train.fp8_all_gather)."""
 
     @property
     def memory_gb(self) -> float:
@@ -199,6 +202,16 @@ class CostModel(LayerTime, DataParallelTime, StepCollectives):
             bucket_bytes=self.w.dp_bucket_mb * 2**20,
             counts=self.params,
             optimizer=self.w.optimizer,
+            float8_layer=self._float8_layer(layout),
+        )
+
+    def _float8_layer(self, layout: Layout) -> float:
+        """The mean layer's weight elements ZeRO-3 gathers in float8 (train.fp8_all_gather), else 0."""
+        if not self.float8_gathered(layout):
+            return 0.0
+        m = self.w.model
+        return (
+            sum(C.float8_layer_weights(m, m.is_moe_layer(i))[1] for i in range(m.num_layers)) / m.num_layers
         )
 
     # ------------------------------------------------------------------------------------ evaluate
@@ -407,6 +420,7 @@ class CostModel(LayerTime, DataParallelTime, StepCollectives):
             simulated=pipe.simulated,
             cp_comm=cp_total,
             ep_comm=ep_total + shared,
+            float8_gather=self.float8_gathered(layout),
         )
 
     def _ep_link_sharing(self, layout: Layout, ep_total: float, hidden_dp: float, window: float) -> float:

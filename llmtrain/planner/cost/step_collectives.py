@@ -148,7 +148,9 @@ class StepCollectives(CostBase):
         grad_reduce=step once per step: sync is off for every micro-batch but the last). On gloo both stages
         do it by point-to-point exchange of the shards with each peer (Software.gloo_shard_exchange). The
         group is dp x cp (the CP ranks hold the same parameters); the gloo exchange's sends are named by
-        the dimensions in which each peer differs."""
+        the dimensions in which each peer differs. Under train.fp8_all_gather a block's float8 linears'
+        weights travel as 1 byte an element, and each step all-reduces (MAX) the amaxes of the rank's
+        float8 weights in one fp32 collective (llmtrain.parallel.float8_gather)."""
         g, e, cp = self.sw.grad_bytes, self.act_bytes, layout.cp
         dp = layout.dp * cp
         sizes = {"cp": cp, "dp": layout.dp}
@@ -162,11 +164,26 @@ class StepCollectives(CostBase):
         if layout.zero_stage == 1:
             pieces = [(bucket * e, bucket * g, count, count, False)]
         else:
+            units = self._fsdp_units(layout, pp_rank)
             pieces = [
-                (unit * e, unit * 4, num_micro * (2 if reshard else 1), layout.reductions(num_micro), expert)
-                for unit, reshard, expert in self._fsdp_units(layout, pp_rank)
+                (
+                    (unit - f8) * e + f8,
+                    unit * 4,
+                    num_micro * (2 if reshard else 1),
+                    layout.reductions(num_micro),
+                    expert,
+                )
+                for unit, reshard, expert, f8 in units
             ]
         out: Counter[C.Comm] = Counter()
+        if layout.zero_stage >= 2 and self.float8_gathered(layout) and dp > 1:
+            m = self.w.model
+            linears = sum(
+                C.float8_layer_weights(m, m.is_moe_layer(i))[0]
+                for stage in layout.rank_stages(pp_rank)
+                for i in range(*self._chunk_span(layout, stage))
+            )
+            out[C.Comm("all_reduce", group, dp, linears * C.FLOAT8_SCALE_BYTES)] += 1
         if layout.zero_stage == 0:
             out[C.Comm("all_reduce", group, dp, bucket * g)] = count
         elif self.sw.gloo_shard_exchange:

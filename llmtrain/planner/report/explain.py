@@ -51,8 +51,9 @@ def time_parts(est: Estimate) -> dict[str, float]:
     }
 
 
-def part_kinds(layout: Layout, view: ClusterView) -> dict[str, str]:
-    """What each communication part is, for this layout: collective kinds and the links they cross."""
+def part_kinds(layout: Layout, view: ClusterView, float8_gather: bool = False) -> dict[str, str]:
+    """What each communication part is, for this layout: collective kinds and the links they cross;
+    ``float8_gather``: ZeRO-3's parameter gathers carry the float8 linears' weights in float8."""
     link = lambda size, stride=1: "across nodes" if view.spans_nodes(size, stride) else "inside a node"  # noqa: E731
     tp = "all-gather + reduce-scatter (SP)" if layout.sequence_parallel else "all-reduce"
     dp = {
@@ -61,6 +62,8 @@ def part_kinds(layout: Layout, view: ClusterView) -> dict[str, str]:
         2: "gradient reduce-scatter + parameter gathers per micro-batch",
         3: "gradient reduce-scatter + parameter gathers per micro-batch, forward and backward",
     }[layout.zero_stage]
+    if float8_gather:
+        dp += " (block linears' weights in float8: 1 byte each)"
     if layout.offload != "none":
         dp += ", host transfers"
     cp = "ring K/V sends" if layout.cp_comm == "ring" else "q/k/v/output all-to-alls"
@@ -93,7 +96,7 @@ def why_not(est: Estimate, chosen: Estimate, view: ClusterView) -> str:
     extra = est.step_time - chosen.step_time
     if extra <= 0:
         return f"{extra:+.3f} s: as fast (ranked after it on ties)"
-    kinds = part_kinds(est.layout, view)
+    kinds = part_kinds(est.layout, view, est.float8_gather)
     deltas = sorted(((mine[k] - theirs[k], k) for k in PART_LABELS), reverse=True)
     named = [
         f"{d:+.3f} s {kinds.get(k) or PART_LABELS[k]}"
@@ -202,7 +205,9 @@ def explain(result: PlanResult, view: ClusterView, runners_up: int = 5, misfits:
                 picked.append(est)
     others = [(e, why_not(e, chosen, view)) for e in picked]
     schedules = _schedule_alternatives(result, chosen) if chosen.layout.pp > 1 else []
-    return Explanation(chosen, time_parts(chosen), part_kinds(chosen.layout, view), others, schedules)
+    return Explanation(
+        chosen, time_parts(chosen), part_kinds(chosen.layout, view, chosen.float8_gather), others, schedules
+    )
 
 
 def format_explanation(expl: Explanation, precision: str, device: str) -> str:
