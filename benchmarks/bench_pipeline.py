@@ -188,7 +188,9 @@ def _worker(rank: int, world: int, store: str, args: argparse.Namespace, results
                 dist.all_gather_object(gathered, (ex.trace, ex.comm_trace))
                 traced.append([Span(**e) for trace, _ in gathered for e in trace])
                 comms.append([CommEvent(**e) for _, trace in gathered for e in trace])
-            checks = [check_bubble(ex.schedule, spans) for spans in traced]
+            checks = [
+                check_bubble(ex.schedule, spans, events) for spans, events in zip(traced, comms, strict=True)
+            ]
             out[name] = {
                 "time": statistics.median(times[name]),
                 "best": min(times[name]),
@@ -196,7 +198,15 @@ def _worker(rank: int, world: int, store: str, args: argparse.Namespace, results
                 # Each traced step against its own replay; the median over the traced steps, as for times.
                 **{
                     key: statistics.median(getattr(c, key) for c in checks)
-                    for key in ("measured", "simulated", "relative_error", "step_error", "overhead", "p2p")
+                    for key in (
+                        "measured",
+                        "simulated",
+                        "relative_error",
+                        "step_error",
+                        "overhead",
+                        "p2p",
+                        "p2p_backward",
+                    )
                 },
                 # How close the traced steps came to the compute bound of their schedule.
                 "traced/bound": statistics.median(
@@ -281,14 +291,15 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(
         f"{'schedule':<24}{'measured':>9}{'simulated':>10}{'rel. error':>11}{'within':>7}{'step error':>11}"
-        f"{'overhead ms':>12}{'p2p ms':>8}{'traced/bound':>13}"
+        f"{'overhead ms':>12}{'p2p F ms':>9}{'p2p B ms':>9}{'traced/bound':>13}"
     )
     for name, _ in ROWS:
         row = r[name]
         print(
             f"{name:<24}{row['measured']:9.3f}{row['simulated']:10.3f}{row['relative_error']:11.3f}"
             f"{'yes' if row['relative_error'] <= TOLERANCE else 'no':>7}{row['step_error']:11.3f}"
-            f"{1e3 * row['overhead']:12.2f}{1e3 * row['p2p']:8.2f}{row['traced/bound']:13.3f}"
+            f"{1e3 * row['overhead']:12.2f}{1e3 * row['p2p']:9.2f}{1e3 * row['p2p_backward']:9.2f}"
+            f"{row['traced/bound']:13.3f}"
         )
     print(
         "\ndualpipe_v transfers: posted asynchronously ahead of the computes that need them (as run) against"
