@@ -17,6 +17,7 @@ when needed.
 
     python benchmarks/bench_pipeline.py --pp 2 --microbatches 8 --timeline bench_interleaved.png
     python benchmarks/bench_pipeline.py --pp 4 --microbatches 8 --overlap-timeline dualpipe_v_overlap.png
+    python benchmarks/bench_pipeline.py --pp 4 --microbatches 8 --v-only
 """
 
 from __future__ import annotations
@@ -90,6 +91,8 @@ CONFIGS = [
     (2, True, ["zb_v", "dualpipe_v"], ["ScheduleZBVZeroBubble", "ScheduleDualPipeV"]),
 ]
 """(chunks per rank, V placement, our schedules, torch's) run on one set of stages each."""
+V_CONFIGS = [(2, False, ["interleaved_zb"], ["ScheduleInterleavedZeroBubble"]), CONFIGS[2]]
+"""``--v-only``: the three zero-bubble pairs of issue 35 against torch's, nothing else."""
 ROWS = [
     ("1f1b", "Schedule1F1B"),
     ("interleaved_1f1b", "ScheduleInterleaved1F1B"),
@@ -126,7 +129,7 @@ def _worker(rank: int, world: int, store: str, args: argparse.Namespace, results
     micro = list(batch.split(b))
     shape = activation_shape(b, cfg.seq_length, cfg.hidden_size)
     out: dict[str, object] = {}
-    for v, v_shape, ours_names, theirs_names in CONFIGS:
+    for v, v_shape, ours_names, theirs_names in V_CONFIGS if args.v_only else CONFIGS:
 
         def fresh(v: int = v, v_shape: bool = v_shape):
             # The split training uses: layers balanced against the output layer's FLOPs. Every schedule gets
@@ -153,7 +156,7 @@ def _worker(rank: int, world: int, store: str, args: argparse.Namespace, results
             name: PipelineExecutor(fresh(), build_schedule(name, world, m, v), topo, shape)
             for name in ours_names
         }
-        if "dualpipe_v" in ours_names:
+        if "dualpipe_v" in ours_names and not args.v_only:
             # The same step with each receive posted only when its compute needs it: nothing overlaps.
             executors[NO_OVERLAP] = PipelineExecutor(
                 fresh(), build_schedule("dualpipe_v", world, m, v), topo, shape, lookahead=0
@@ -188,7 +191,9 @@ def _worker(rank: int, world: int, store: str, args: argparse.Namespace, results
                 dist.all_gather_object(gathered, (ex.trace, ex.comm_trace))
                 traced.append([Span(**e) for trace, _ in gathered for e in trace])
                 comms.append([CommEvent(**e) for _, trace in gathered for e in trace])
-            checks = [check_bubble(ex.schedule, spans) for spans in traced]
+            checks = [
+                check_bubble(ex.schedule, spans, events) for spans, events in zip(traced, comms, strict=True)
+            ]
             out[name] = {
                 "time": statistics.median(times[name]),
                 "best": min(times[name]),
@@ -196,7 +201,15 @@ def _worker(rank: int, world: int, store: str, args: argparse.Namespace, results
                 # Each traced step against its own replay; the median over the traced steps, as for times.
                 **{
                     key: statistics.median(getattr(c, key) for c in checks)
-                    for key in ("measured", "simulated", "relative_error", "step_error", "overhead", "p2p")
+                    for key in (
+                        "measured",
+                        "simulated",
+                        "relative_error",
+                        "step_error",
+                        "overhead",
+                        "p2p",
+                        "p2p_backward",
+                    )
                 },
                 # How close the traced steps came to the compute bound of their schedule.
                 "traced/bound": statistics.median(
@@ -217,6 +230,21 @@ def _worker(rank: int, world: int, store: str, args: argparse.Namespace, results
     dist.destroy_process_group()
 
 
+def _print_overlap(r: dict) -> None:
+    """The table of dualpipe_v's exposed communication with and without its transfers posted ahead."""
+    print(
+        "\ndualpipe_v transfers: posted asynchronously ahead of the computes that need them (as run) against"
+        " posted only when needed (lookahead 0); exposed = seconds ranks waited for received data after its"
+        " producer had computed it, per step (summed over ranks, median of the traced steps); hidden ="
+        " receives complete before their compute needed them (all traced steps)"
+    )
+    print(f"{'schedule':<24}{'median s':>9}{'exposed s':>10}{'hidden':>12}")
+    for name in ("dualpipe_v", NO_OVERLAP):
+        row = r[name]
+        inside, total = row["hidden"]
+        print(f"{name:<24}{row['time']:9.4f}{row['exposed']:10.4f}{f'{inside}/{total}':>12}")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Parse arguments, run the comparison on `--pp` gloo processes and print the table."""
     parser = argparse.ArgumentParser(
@@ -233,6 +261,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--traced-steps", type=int, default=5, help="traced steps per schedule (bubble)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    parser.add_argument(
+        "--v-only",
+        action="store_true",
+        help="only interleaved_zb, zb_v and dualpipe_v against torch's schedules of the same order (minutes)",
+    )
     parser.add_argument("--timeline", help="PNG of the traced interleaved run")
     parser.add_argument(
         "--overlap-timeline", help="PNG of the traced dualpipe_v run with its receives in flight (red)"
@@ -241,6 +274,8 @@ def main(argv: list[str] | None = None) -> None:
         "--trace-out", help="trace JSON of the interleaved run (for tools/show_schedule.py --trace)"
     )
     args = parser.parse_args(argv)
+    if args.v_only and (args.timeline or args.trace_out):
+        parser.error("--timeline and --trace-out draw interleaved_1f1b, which --v-only does not run")
     # glibc returns freed blocks above 64 KiB to the kernel at once, so resident memory follows live tensors.
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
     with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
@@ -263,7 +298,8 @@ def main(argv: list[str] | None = None) -> None:
         f"{'schedule':<24}{'median s':>9}{'best s':>8}{'torch med':>10}{'torch best':>11}{'ratio med':>10}"
         f"{'ratio best':>11}{'peak MiB':>9}{'torch MiB':>10}{'mem ratio':>10}"
     )
-    for name, torch_key in ROWS:
+    rows = [(name, torch_key) for name, torch_key in ROWS if name in r]
+    for name, torch_key in rows:
         row = r[name]
         line = f"{name:<24}{row['time']:9.4f}{row['best']:8.4f}"
         if torch_key:
@@ -281,26 +317,18 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(
         f"{'schedule':<24}{'measured':>9}{'simulated':>10}{'rel. error':>11}{'within':>7}{'step error':>11}"
-        f"{'overhead ms':>12}{'p2p ms':>8}{'traced/bound':>13}"
+        f"{'overhead ms':>12}{'p2p F ms':>9}{'p2p B ms':>9}{'traced/bound':>13}"
     )
-    for name, _ in ROWS:
+    for name, _ in rows:
         row = r[name]
         print(
             f"{name:<24}{row['measured']:9.3f}{row['simulated']:10.3f}{row['relative_error']:11.3f}"
             f"{'yes' if row['relative_error'] <= TOLERANCE else 'no':>7}{row['step_error']:11.3f}"
-            f"{1e3 * row['overhead']:12.2f}{1e3 * row['p2p']:8.2f}{row['traced/bound']:13.3f}"
+            f"{1e3 * row['overhead']:12.2f}{1e3 * row['p2p']:9.2f}{1e3 * row['p2p_backward']:9.2f}"
+            f"{row['traced/bound']:13.3f}"
         )
-    print(
-        "\ndualpipe_v transfers: posted asynchronously ahead of the computes that need them (as run) against"
-        " posted only when needed (lookahead 0); exposed = seconds ranks waited for received data after its"
-        " producer had computed it, per step (summed over ranks, median of the traced steps); hidden ="
-        " receives complete before their compute needed them (all traced steps)"
-    )
-    print(f"{'schedule':<24}{'median s':>9}{'exposed s':>10}{'hidden':>12}")
-    for name in ("dualpipe_v", NO_OVERLAP):
-        row = r[name]
-        inside, total = row["hidden"]
-        print(f"{name:<24}{row['time']:9.4f}{row['exposed']:10.4f}{f'{inside}/{total}':>12}")
+    if NO_OVERLAP in r:
+        _print_overlap(r)
     if args.timeline:
         spans = r["interleaved_1f1b"]["spans"]
         title = (

@@ -4,8 +4,10 @@ Pure Python (no torch), shared with the planner.
 
 Execution model. Every rank runs its actions in order. A compute action starts when the rank is free and
 takes its cost. A send is asynchronous: it costs the sender nothing and its data reaches the peer ``p2p``
-time units later. A receive blocks the rank until the data has arrived. Costs are per chunk, i.e. for
-``1 / virtual_stages`` of a rank's layers.
+time units later. A receive blocks the rank's next compute until the data has arrived. The executor's host
+time between two computes (``overhead``: posting transfers, bookkeeping) runs before it waits for that data,
+so a compute starts at the later of the previous compute's end plus ``overhead`` and its data's arrival.
+Costs are per chunk, i.e. for ``1 / virtual_stages`` of a rank's layers.
 
 Bubble fraction (Narayanan et al. 2021, the ``(p-1)/m`` of 1F1B): idle time over useful compute time,
 ``(pp * step_time - sum of busy time) / sum of busy time``. ``idle_fraction`` is the share of the step that
@@ -207,13 +209,17 @@ def simulate(
     p2p: Cost = 0.0,
     overhead: float = 0.0,
     action_costs: dict[tuple[int, str, int, int], float] | None = None,
+    transfer_costs: Mapping[tuple[str, int, int], float] | None = None,
 ) -> SimulationResult:
     """Replay ``schedule``; ``backward`` is the full backward (I + W), ``weight_grad`` the W part of it
     (default half of backward) used by split-backward schedules, ``p2p`` the latency of a send from (rank,
     chunk), ``overhead`` the host time a rank spends between two of its computes (posting transfers,
-    bookkeeping): idle time, so it counts in the bubble. Costs: a float, a [rank][chunk] table or a
-    {(rank, chunk): cost} map. ``action_costs`` {(rank, kind, micro-batch, chunk): cost} gives single
-    actions their own durations over the tables' (replaying a traced run action by action).
+    bookkeeping) before it waits for the compute's data, so the two overlap: idle time, in the bubble.
+    Costs: a float, a [rank][chunk] table or a {(rank, chunk): cost} map. ``action_costs`` {(rank, kind,
+    micro-batch, chunk): cost} gives single actions their own durations over the tables' (replaying a
+    traced run action by action);
+    ``transfer_costs`` {(direction "F" or "B", micro-batch, receiving stage): latency} gives single transfers
+    their own latency over ``p2p``'s.
     Raises ScheduleError on an incomplete schedule, a dependency violation or a deadlock."""
     check_complete(schedule)
     pp, v = schedule.pp, schedule.virtual_stages
@@ -242,6 +248,7 @@ def simulate(
     done: list[set[tuple[str, int, int]]] = [set() for _ in range(pp)]
     received: list[set[tuple[str, int]]] = [set() for _ in range(pp)]
     clock = [0.0] * pp
+    data = [0.0] * pp  # when the data of the rank's next compute has arrived
     busy = [0.0] * pp
     pos = [0] * pp
     events: list[Event] = []
@@ -258,9 +265,10 @@ def simulate(
                     key = (a.kind[-1], a.microbatch, stage)
                     if key not in arrivals:
                         break  # blocked: the peer has not sent yet
-                    clock[rank] = max(clock[rank], arrivals[key])
+                    data[rank] = max(data[rank], arrivals[key])
                     received[rank].add((a.kind[-1], a.microbatch * v + a.chunk))
-                    events.append(Event(rank, a, clock[rank], clock[rank]))
+                    at = max(clock[rank], arrivals[key])
+                    events.append(Event(rank, a, at, at))
                 elif a.kind in (SEND_F, SEND_B):
                     produced = (F,) if a.kind == SEND_F else (I, B)
                     if not any((k, a.microbatch, a.chunk) in done[rank] for k in produced):
@@ -269,11 +277,15 @@ def simulate(
                             f"{'/'.join(produced)}{a.microbatch}.{a.chunk}"
                         )
                     dst = stage + 1 if a.kind == SEND_F else stage - 1
-                    arrivals[(a.kind[-1], a.microbatch, dst)] = clock[rank] + lat(rank, a.chunk)
+                    key = (a.kind[-1], a.microbatch, dst)
+                    own = transfer_costs.get(key) if transfer_costs else None
+                    arrivals[key] = clock[rank] + (lat(rank, a.chunk) if own is None else own)
                     events.append(Event(rank, a, clock[rank], clock[rank]))
                 else:
                     _check_inputs(schedule, rank, a, stage, last, done, received)
-                    start = clock[rank] + (overhead if done[rank] else 0.0)
+                    # The host work runs while the data is in flight: the executor posts its transfers, then
+                    # waits for the receives of this compute.
+                    start = max(clock[rank] + (overhead if done[rank] else 0.0), data[rank])
                     clock[rank] = start + duration(rank, a)
                     busy[rank] += clock[rank] - start
                     done[rank].add((a.kind, a.microbatch, a.chunk))

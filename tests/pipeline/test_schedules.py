@@ -208,10 +208,15 @@ def test_dispatch_overhead_is_idle_time_before_every_compute_but_a_ranks_first()
     one = simulate(build_schedule("gpipe", 1, 3), 1.0, 2.0, overhead=0.1)
     assert one.step_time == pytest.approx(9.0 + 5 * 0.1)
     assert one.busy == [pytest.approx(9.0)]
-    # A single micro-batch through p ranks: a rank's first compute pays none, its second (the backward) one.
+    # A single micro-batch through p ranks: a rank's first compute pays none. Its second (the backward)
+    # pays it only on the last rank, whose backward follows its forward at once; the others wait for their
+    # output gradient, and the executor does its host work (posting transfers) before that wait, so it hides.
     p = 4
     walk = simulate(build_schedule("1f1b", p, 1), 1.0, 2.0, overhead=0.1)
-    assert walk.step_time == pytest.approx(p * 3.0 + p * 0.1)
+    assert walk.step_time == pytest.approx(p * 3.0 + 0.1)
+    # Once the wait is shorter than the host work, the host work shows: 0.1 beyond a transfer of 0.04.
+    slow = simulate(build_schedule("1f1b", p, 1), 1.0, 2.0, p2p=0.04, overhead=0.1)
+    assert slow.step_time == pytest.approx(p * 3.0 + 2 * (p - 1) * 0.04 + 0.1)
 
 
 def test_action_costs_replay_single_actions():
