@@ -19,6 +19,7 @@ import torch
 from llmtrain.checkpoint import Checkpointer, CheckpointError
 from llmtrain.checkpoint.convert import import_model, to_hf
 from llmtrain.checkpoint.manager import read_meta, resolve, saved_model_config, verify
+from llmtrain.cli import run_tool
 from llmtrain.config import ModelConfig
 from llmtrain.errors import UserError
 from llmtrain.models import build, save_pretrained
@@ -125,8 +126,32 @@ def _tool(*args: str, debug_env: bool = False) -> subprocess.CompletedProcess[st
     )
 
 
+def _load_tool():
+    spec = importlib.util.spec_from_file_location("convert_checkpoint_tool", TOOL)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    return tool
+
+
+def _tool_here(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *args: str) -> tuple:
+    """The tool's `run_tool(main)` as its __main__ runs it, in this interpreter: (exit code, stderr). An
+    exception other than a user error escapes to the test (where a subprocess would print its traceback)."""
+    monkeypatch.setattr(sys, "argv", [str(TOOL), *args])
+    with pytest.raises(SystemExit) as exited:
+        run_tool(_load_tool().main)
+    return exited.value.code, capsys.readouterr().err
+
+
+def _one_line(code: object, stderr: str, message: str) -> None:
+    assert code == 2, (code, stderr)
+    assert stderr.startswith("convert_checkpoint: error: ") and message in stderr, stderr
+    assert stderr.count("\n") == 1 and "Traceback" not in stderr
+
+
 @pytest.mark.slow
-def test_tool_errors_are_one_line_without_traceback(checkpoint: Path, hf_dir: Path, tmp_path: Path) -> None:
+def test_tool_errors_are_one_line_without_traceback(
+    checkpoint: Path, hf_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
     step = checkpoint / "checkpoints" / "step_1"
     shard = step / "__0_0.distcp"
     corrupt = bytearray(shard.read_bytes())
@@ -144,20 +169,28 @@ def test_tool_errors_are_one_line_without_traceback(checkpoint: Path, hf_dir: Pa
         (["llmtrain-to-hf", "--input", str(checkpoint), "--output", str(tmp_path / "o")],
          "__0_0.distcp is corrupt"),
     ]  # fmt: skip
+    # Each case through the tool's own main and run_tool in this process (a tool subprocess costs seconds of
+    # imports each): the exit code, the one line and its text are what a user sees. The last case (the
+    # deepest: it loads and verifies the shard) also runs as a real subprocess, end to end: no traceback
+    # reaches stderr from anywhere in the tool, its imports included.
     for args, message in cases:
         if "corrupt" in message:
             shard.write_bytes(bytes(corrupt))
-        result = _tool(*args)
-        assert result.returncode == 2, result
-        assert result.stderr.startswith("convert_checkpoint: error: ") and message in result.stderr, (
-            result.stderr
-        )
-        assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+        monkeypatch.delenv("LLMTRAIN_DEBUG", raising=False)
+        monkeypatch.delenv("RANK", raising=False)
+        _one_line(*_tool_here(monkeypatch, capsys, *args), message)
         assert not (tmp_path / "o").exists()
-    for debug in (["--debug"], []):
-        result = _tool("inspect", "--input", str(tmp_path / "nowhere"), *debug, debug_env=not debug)
-        assert result.returncode == 1 and "Traceback" in result.stderr
-        assert "CheckpointError: checkpoint" in result.stderr and "does not exist" in result.stderr
+    result = _tool(*cases[-1][0])
+    _one_line(result.returncode, result.stderr, cases[-1][1])
+    assert not (tmp_path / "o").exists()
+    # Asked for, the traceback is shown: by --debug (in this process, the error escapes run_tool, which a
+    # subprocess prints as a traceback with exit code 1) and by LLMTRAIN_DEBUG=1 (a real subprocess).
+    monkeypatch.setattr(sys, "argv", [str(TOOL), "inspect", "--input", str(tmp_path / "nowhere"), "--debug"])
+    with pytest.raises(CheckpointError, match="checkpoint .* does not exist"):
+        run_tool(_load_tool().main)
+    result = _tool("inspect", "--input", str(tmp_path / "nowhere"), debug_env=True)
+    assert result.returncode == 1 and "Traceback" in result.stderr
+    assert "CheckpointError: checkpoint" in result.stderr and "does not exist" in result.stderr
 
 
 def test_help_answers_at_once_without_importing_torch() -> None:
@@ -173,9 +206,7 @@ def test_conversion_never_replaces_an_existing_output_without_overwrite(
     checkpoint: Path, tmp_path: Path
 ) -> None:
     """An earlier export may have been edited or shipped since: a rerun must not silently replace it."""
-    spec = importlib.util.spec_from_file_location("convert_checkpoint_tool", TOOL)
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = _load_tool()
     out = tmp_path / "hf"
     assert tool.main(["llmtrain-to-hf", "--input", str(checkpoint), "--output", str(out)]) == 0
     (out / "README.md").write_text("my model card")
