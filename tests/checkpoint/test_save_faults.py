@@ -189,19 +189,20 @@ def _run_chain(out: Path, chain: list[tuple[str, str, int]]) -> dict:
 @pytest.fixture(scope="module")
 def chains(tmp_path_factory: pytest.TempPathFactory):
     """The chain of a kill, run at the first request for any of its kills (a chain that fails fails each of
-    its kills' tests with the same error, without running again)."""
-    done: dict[int, dict | Exception] = {}
+    its kills' tests with the same error, without running again; also when pytest-timeout stops it, whose
+    failure is a BaseException: otherwise the next kill's test would start the chain over)."""
+    done: dict[int, dict | BaseException] = {}
 
     def of(kill: tuple[str, str, int]) -> dict:
         index = next(i for i, chain in enumerate(CHAINS) if kill in chain)
         if index not in done:
             try:
                 done[index] = _run_chain(tmp_path_factory.mktemp(f"chain{index}") / "run", CHAINS[index])
-            except Exception as err:
+            except BaseException as err:
                 done[index] = err
                 raise
         outcome = done[index]
-        if isinstance(outcome, Exception):
+        if isinstance(outcome, BaseException):
             raise outcome
         return outcome
 
