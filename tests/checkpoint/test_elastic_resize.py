@@ -57,10 +57,11 @@ links:
   intra_node: {bandwidth_gbs: 2.0, latency_us: 60, efficiency: 1.0}
   inter_node: {bandwidth_gbs: 2.0, latency_us: 60, efficiency: 1.0}
 """
-# Small rendezvous timeouts so that a change of membership settles in seconds: a round closes 5 s after
-# the first agent joins (time for the second to join too); a crashed agent stops counting 5 s after its
-# last heartbeat.
-RDZV_CONF = "last_call_timeout=5,join_timeout=120,keep_alive_interval=1,keep_alive_max_attempt=5"
+# Small rendezvous timeouts so that a change of membership settles in seconds: a round with both agents
+# closes at once; one with a single agent closes 15 s after it joined (time for the other to join too: at
+# 5 s, on a loaded machine the second agent, still importing torch, missed the first round and the job
+# started at world size 2); a crashed agent stops counting 5 s after its last heartbeat.
+RDZV_CONF = "last_call_timeout=15,join_timeout=120,keep_alive_interval=1,keep_alive_max_attempt=5"
 
 
 def _free_port() -> int:
