@@ -7,6 +7,7 @@ themselves (a checkpoint re-saved by another layout holds bitwise the same model
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -56,11 +57,6 @@ def _round_trips(rank: int, tmp: str) -> None:
             assert torch.equal(loaded[name], value), name
 
 
-@pytest.mark.slow
-def test_zero3_checkpoints_load_on_other_layouts() -> None:
-    _spawn(_round_trips, lambda tmp: None)
-
-
 def _cp_round_trip(rank: int, tmp: str) -> None:
     """ZeRO-3 sharded over cp=2 x dp=2 saves; ZeRO-3 over dp=4 loads it and continues like the saver, and
     its re-save holds bitwise the same tensors (CP ranks' shards are parts of the state, not copies)."""
@@ -81,6 +77,40 @@ def _cp_round_trip(rank: int, tmp: str) -> None:
             assert torch.equal(value, again[key]), f"{key} differs after loading cp=2 dp=2 at dp=4"
 
 
+def _both(rank: int, tmp: str) -> None:
+    """Both round trips in one process group, each in its own folder: starting 4 processes (torch and
+    DTensor imported in each, ~6 CPU-s a process) costs as much as a round trip. A rank that fails leaves
+    the group, which fails its peers' next collective: the first failure stops the group and fails both
+    tests with its traceback."""
+    for name, check in (("round_trips", _round_trips), ("cp", _cp_round_trip)):
+        folder = Path(tmp, name)
+        folder.mkdir(exist_ok=True)
+        check(rank, str(folder))
+
+
+@pytest.fixture(scope="module")
+def round_trips() -> Callable[[], None]:
+    """Spawns the group at the first test that asks; both tests then raise its error or pass."""
+    outcome: list[BaseException | None] = []
+
+    def result() -> None:
+        if not outcome:
+            try:
+                _spawn(_both, lambda tmp: None)
+                outcome.append(None)
+            except AssertionError as err:
+                outcome.append(err)
+        if outcome[0] is not None:
+            raise outcome[0]
+
+    return result
+
+
 @pytest.mark.slow
-def test_zero3_over_cp_checkpoints_load_without_cp() -> None:
-    _spawn(_cp_round_trip, lambda tmp: None)
+def test_zero3_checkpoints_load_on_other_layouts(round_trips: Callable[[], None]) -> None:
+    round_trips()
+
+
+@pytest.mark.slow
+def test_zero3_over_cp_checkpoints_load_without_cp(round_trips: Callable[[], None]) -> None:
+    round_trips()

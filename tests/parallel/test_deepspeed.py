@@ -20,7 +20,7 @@ import torch
 
 from llmtrain.config import ConfigError, load
 from llmtrain.parallel import Topology
-from tests.parallel._dist import batches, parallel_run, spawn, tiny_job
+from tests.parallel._dist import SpawnedCases, batches, call, parallel_run, tiny_job
 from tests.parallel._reference import Reference, torch_reference
 
 STEPS = 4
@@ -193,12 +193,23 @@ def _equivalence(rank: int, world: int) -> tuple[list[str], list[str]]:
     return failures, gaps
 
 
+@pytest.fixture(scope="module")
+def deepspeed_runs(deepspeed_extensions, tmp_path_factory) -> SpawnedCases:
+    """The in-process DeepSpeed runs of this module as cases of one 2-process gloo group: each process
+    imports torch and DeepSpeed once (~10 CPU-s a process) for the equivalence, skipped-step and (where
+    libaio lets the async_io op build) NVMe checks, whose tests assert on the recorded failures."""
+    cases = {"equivalence": (2, (_equivalence,)), "skipping": (2, (_skipping,))}
+    if _engine_rules().async_io_available():
+        cases["nvme"] = (2, (_nvme_equivalence, str(tmp_path_factory.mktemp("nvme"))))
+    return SpawnedCases(call, cases)
+
+
 @needs_deepspeed
 @pytest.mark.slow
-def test_deepspeed_offload_trains_like_one_process(deepspeed_extensions):
+def test_deepspeed_offload_trains_like_one_process(deepspeed_runs):
     """fp32, dp=2, 4 steps with 2 micro-batches each and clipping: every DeepSpeed layout's losses,
     gradient norms and final weights lie within the float64 reference's fp32 bounds, like llmtrain's."""
-    failures, gaps = spawn(2, _equivalence)[0]
+    failures, gaps = deepspeed_runs("equivalence")[0]
     print("\n".join(gaps))
     assert not failures, "\n".join(failures)
 
@@ -217,13 +228,13 @@ def _nvme_equivalence(rank: int, world: int, nvme_path: str) -> list[str]:
 
 @needs_deepspeed
 @pytest.mark.slow
-def test_nvme_offload_trains_like_one_process(tmp_path, deepspeed_extensions):
+def test_nvme_offload_trains_like_one_process(deepspeed_runs):
     """Optimizer and parameters swapped to files under nvme_path train within the same float64 bounds as
     the CPU-offloaded and non-offloaded runs (test_deepspeed_offload_trains_like_one_process). Skipped
     where DeepSpeed's async_io op cannot build (no libaio), which config validation refuses anyway."""
-    if not _engine_rules().async_io_available():
+    if "nvme" not in deepspeed_runs.cases:
         pytest.skip("DeepSpeed's async_io op needs libaio: apt install libaio-dev")
-    failures = spawn(2, _nvme_equivalence, str(tmp_path))[0]
+    failures = deepspeed_runs("nvme")[0]
     assert not failures, "\n".join(failures)
 
 
@@ -246,11 +257,11 @@ def _skipping(rank: int, world: int) -> list[str]:
 
 @needs_deepspeed
 @pytest.mark.slow
-def test_skipped_step_changes_nothing(deepspeed_extensions):
+def test_skipped_step_changes_nothing(deepspeed_runs):
     """A step the trainer skips leaves weights and Adam's moments as they were: the run over batches
     1, 2, 3 skipping 2 equals the reference over batches 1 and 3 (an applied or half-applied update would
     move the weights by ~lr, against bounds of ~1e-9)."""
-    failures = spawn(2, _skipping)[0]
+    failures = deepspeed_runs("skipping")[0]
     assert not failures, "\n".join(failures)
 
 
@@ -266,18 +277,20 @@ def test_deepspeed_checkpoint_resumes_on_llmtrain_and_deepspeed(tmp_path, deepsp
     """tools/pretrain.py under torchrun, dp=2, fp32: DeepSpeed ZeRO-2 with CPU Adam trains 3 steps and saves
     (in llmtrain's layout-free format); llmtrain's ZeRO-1, and DeepSpeed's ZeRO-3 with optimizer and
     parameters on the CPU, each resume from that checkpoint to step 6 (the trainer restores the step, the
-    lr schedule and the data position). Every step's loss equals one llmtrain run of 6 steps within 1e-4
-    relative (the issue's bound for fp32 layouts; the engines differ by ~1e-7 here and in
-    test_deepspeed_offload_trains_like_one_process, and a checkpoint that lost Adam's hyper-parameters
-    missed by 1e-2)."""
-    from tests.training._runs import run_cli, torchrun_command
+    lr schedule and the data position). Every step's loss equals one llmtrain run of 6 steps on one
+    process within 1e-4 relative (the issue's bound for fp32 layouts; the engines and dp=2 against one
+    process differ by ~1e-7 here and in test_deepspeed_offload_trains_like_one_process, and a checkpoint
+    that lost Adam's hyper-parameters missed by 1e-2). The reference is one process rather than a
+    torchrun launch of dp=2 (a launcher and a rank fewer to start): the same global batches, so the same
+    losses up to fp32 summation order, and a reference made without DP's machinery at all."""
+    from tests.training._runs import python_command, run_cli, torchrun_command
 
     # A constant lr, so a run of 3 steps follows the same schedule as one of 6.
     common = ["train.lr_decay=constant", "train.warmup_steps=0", "train.eval_interval=0"]
     common.append("logging.interval=1")
     deepspeed = ["parallel.engine=deepspeed", "parallel.zero_stage=2", "parallel.offload=optimizer"]
     llmtrain = ["parallel.zero_stage=1", "train.steps=6"]
-    straight = run_cli(torchrun_command(2, tmp_path / "straight", *common, *llmtrain), timeout=600)
+    straight = run_cli(python_command(tmp_path / "straight", *common, "train.steps=6"), timeout=600)
     assert straight.returncode == 0, straight.stderr[-3000:]
     first = run_cli(torchrun_command(2, tmp_path / "ds", *common, *deepspeed, "train.steps=3"), timeout=600)
     assert first.returncode == 0, first.stderr[-3000:]

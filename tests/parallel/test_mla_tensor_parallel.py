@@ -19,7 +19,7 @@ import torch
 from llmtrain.config import JobConfig
 from llmtrain.models.moe import MoEMLP
 from llmtrain.parallel import Topology
-from tests.parallel._dist import batches, parallel_run, sgd, spawn, tiny_job
+from tests.parallel._dist import SpawnedCases, batches, call, parallel_run, sgd, tiny_job
 from tests.parallel._reference import torch_reference
 from tests.parallel._resume import build_as_training, resume_failures, save, train_steps
 
@@ -132,12 +132,28 @@ def _train_layouts(rank: int, world: int, layouts: list[tuple[dict, str]]) -> li
     return runs
 
 
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory: pytest.TempPathFactory) -> SpawnedCases:
+    """The module's multi-process runs, one gloo group per world size: the 2-process layouts and the
+    checkpoint moves between tp and dp share one group (each process imports torch and DTensor once,
+    ~6 CPU-s), the 4-process layouts have their own."""
+    resumes = str(tmp_path_factory.mktemp("resume"))
+    return SpawnedCases(
+        call,
+        {
+            "layouts 2": (2, (_train_layouts, LAYOUTS[2])),
+            "layouts 4": (4, (_train_layouts, LAYOUTS[4])),
+            "resume": (2, (_resume_across_tp, resumes)),
+        },
+    )
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
-def test_deepseek_tp_layouts_train_like_one_process(world: int) -> None:
+def test_deepseek_tp_layouts_train_like_one_process(world: int, spawned: SpawnedCases) -> None:
     """Losses, pre-clipping gradient norms and final weights of each layout within the float64 reference's
     fp32 bounds, and within the issues' 1e-4 relative gap of losses and gradient norms."""
-    runs = spawn(world, _train_layouts, LAYOUTS[world])[0]
+    runs = spawned(f"layouts {world}")[0]
     failures, references = [], {}
     for (settings, optimizer), run in zip(LAYOUTS[world], runs, strict=True):
         job, lr, data, separator = _run_of(settings, optimizer)
@@ -188,9 +204,9 @@ def _resume_across_tp(rank: int, world: int, tmp: str) -> list[str]:
 
 
 @pytest.mark.slow
-def test_deepseek_checkpoints_move_between_tp_and_dp(tmp_path: Path) -> None:
+def test_deepseek_checkpoints_move_between_tp_and_dp(spawned: SpawnedCases) -> None:
     """A tp=2 (sequence-parallel) DeepSeek-V3 checkpoint, latent attention split by heads, resumes at tp=1
     (dp=2, ZeRO-1) and that one's at tp=2, holding bitwise the same state and continuing the uninterrupted
     run's loss curve (fp32, worst relative gap ISSUE_GAP)."""
-    failures = [f for r in spawn(2, _resume_across_tp, str(tmp_path)) for f in r]
+    failures = [f for r in spawned("resume") for f in r]
     assert not failures, "\n".join(failures)

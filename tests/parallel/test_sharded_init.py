@@ -156,13 +156,17 @@ def _largest_block_bytes(model: nn.Module) -> int:
     )
 
 
+# (arch, world, overrides); dp is what the other degrees leave of the world. Every layout runs on 4 ranks, so
+# all share one gloo group (a group of 2 besides would start two more processes, ~6 CPU-s each for torch and
+# DTensor): tp=2 and the pipelines of 2 stages below then hold two data-parallel replicas, which must build
+# the same shards (_assemble checks that replicas agree) as well as the single-process model's.
 LAYOUTS = {
-    "gpt-tp2": ("gpt", 2, dict(tp=2)),
-    "llama-pp2-tied": ("llama", 2, dict(pp=2, tie_word_embeddings=True)),
+    "gpt-tp2": ("gpt", 4, dict(tp=2)),
+    "llama-pp2-tied": ("llama", 4, dict(pp=2, tie_word_embeddings=True)),
     "llama-tp2-pp2-tied-sp": ("llama", 4, dict(tp=2, pp=2, tie_word_embeddings=True, sequence_parallel=True)),
     "ernie-pp2-virtual2": (
         "ernie",
-        2,
+        4,
         dict(pp=2, virtual_stages=2, schedule="interleaved_1f1b", num_layers=4),
     ),
     "llama-tp4-kv2": ("llama", 4, dict(tp=4)),
