@@ -228,11 +228,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.local and args.local_repeats < 1:
         parser.error("--local-repeats must be at least 1")
     try:
+        # Before the Megatron and recipe tables (minutes of pricing) and the runs: a bad --local-cluster
+        # fails at once.
+        cluster = local_cluster(args.local_cluster) if args.local else None
         results = validate_megatron(args.cluster, args.reference)
         tables = tuple(t for t in args.tables.split(",") if t)
         recipes = [] if args.no_recipes else validate_recipes(tables, on_row=recipe_progress())
-        # Before the Megatron table and minutes of runs: a bad --local-cluster fails at once.
-        cluster = local_cluster(args.local_cluster) if args.local else None
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -132,6 +132,8 @@ def _worker(rank: int, world: int, store: str, cases: list, refs: list, results:
                 if held != [list(range(starts[c], starts[c] + sizes[c])) for c in mine]:
                     failures[args].append(f"{args} rank {rank}: stages hold layers {held}")
             dist.barrier()
+        if world == ZERO_BUBBLE_TP_WORLD:  # test_zero_bubble_defers_tensor_parallel_weight_gradients's runs
+            failures[ZERO_BUBBLE_TP] = _zero_bubble_under_tp(rank, world)
         results[rank] = failures
     except Exception:
         results[rank] = traceback.format_exc()
@@ -261,6 +263,9 @@ PLANNED_CASES = [
     ("llama", 6, 1, 2, 1, "1f1b", 1, False, 0, (5, 1), MIXED),
     ("gpt", 6, 1, 2, 1, "interleaved_1f1b", 2, False, 0, (1, 3, 1, 1), MIXED),
 ]
+ZERO_BUBBLE_TP, ZERO_BUBBLE_TP_WORLD = "zero bubble under tp", 4
+"""The key of test_zero_bubble_defers_tensor_parallel_weight_gradients's traced runs in a rank's results, and
+the world size of the group that runs them."""
 WORLD_CASES = {
     world: arch_layout_cases(world) + V_CASES.get(world, []) + (PLANNED_CASES if world == 2 else [])
     for world in sorted(LAYOUTS)
@@ -311,45 +316,36 @@ def test_pp1_is_the_degenerate_case_of_the_same_executor():
         check(name, job, result)
 
 
-def _zero_bubble_under_tp(rank: int, world: int, store: str, results: dict) -> None:
-    try:
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-        out = {}
-        for arch, sp in (("llama", False), ("gpt", True)):
-            job = make_job(arch, 4, tp=2, pp=2, schedule="zb_h1", sp=sp)
-            arrivals = GradientArrivals()
-            result = run(job, Topology(job.parallel, world, rank), trace=True, setup=arrivals.watch)
-            out[(arch, sp)] = {
-                "losses": result["losses"],
-                "grad_norms": result["grad_norms"],
-                "state": result["state"],
-                "trace": result["trace"],
-                "arrivals": arrivals.kinds(result["trace"]),
-            }
-        results[rank] = out
-    except Exception:
-        results[rank] = traceback.format_exc()
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+def _zero_bubble_under_tp(rank: int, world: int) -> dict:
+    """Traced zb_h1 runs at tp=2, pp=2, in the processes of the module's world-4 group (_worker)."""
+    out = {}
+    for arch, sp in (("llama", False), ("gpt", True)):
+        job = make_job(arch, 4, tp=2, pp=2, schedule="zb_h1", sp=sp)
+        arrivals = GradientArrivals()
+        result = run(job, Topology(job.parallel, world, rank), trace=True, setup=arrivals.watch)
+        out[(arch, sp)] = {
+            "losses": result["losses"],
+            "grad_norms": result["grad_norms"],
+            "state": result["state"],
+            "trace": result["trace"],
+            "arrivals": arrivals.kinds(result["trace"]),
+        }
+    return out
 
 
 @pytest.mark.slow
 def test_zero_bubble_defers_tensor_parallel_weight_gradients():
     """zb_h1 at tp=2, pp=2: the W actions compute the weight gradients of the column/row parallel layers
-    after their I (several other actions later on the last pipeline rank), and the run matches one process."""
-    world = 4
-    with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_zero_bubble_under_tp, args=(world, os.path.join(tmp, "store"), results), nprocs=world)
-        results = dict(results)
+    after their I (several other actions later on the last pipeline rank), and the run matches one process.
+    Run by the world-4 group of the matrix tests (_world_results): 4 more processes cost more than it."""
+    world = ZERO_BUBBLE_TP_WORLD
+    results = _world_results(world)
     errors = [r for r in results.values() if isinstance(r, str)]
     assert not errors, "\n".join(errors)
-    for arch, sp in results[0]:
+    for arch, sp in results[0][ZERO_BUBBLE_TP]:
         job = make_job(arch, 4, tp=2, pp=2, schedule="zb_h1", sp=sp)
         for rank in range(world):
-            r = results[rank][(arch, sp)]
+            r = results[rank][ZERO_BUBBLE_TP][(arch, sp)]
             check(f"{arch} sp={sp} rank {rank}", job, r)
             # Every linear layer of the rank's stage, all of them tensor-parallel here, got its weight
             # gradient of micro-batch i in the W of micro-batch i, once.

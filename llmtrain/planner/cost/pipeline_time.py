@@ -33,7 +33,7 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from llmtrain.pipeline.schedules import build_schedule
+from llmtrain.pipeline.schedules import Schedule, build_schedule
 from llmtrain.pipeline.simulator import held_and_owed, simulate
 
 SIMULATE_MAX_ACTIONS = 1024
@@ -42,6 +42,15 @@ REPLAYED = ("zb_v", "dualpipe_v", "interleaved_zb")
 """Schedules whose peaks come from their action lists and whose times from the simulator when affordable."""
 PEAK_MICROBATCHES = 3
 """Peaks of REPLAYED schedules are read off min(m, this * pp) micro-batches (more change nothing)."""
+
+
+@functools.lru_cache(maxsize=256)
+def _checked_schedule(schedule: str, pp: int, m: int, v: int) -> Schedule:
+    """One schedule, built and replayed once with unit costs (which checks it): a search replays it with
+    the costs of many layouts."""
+    sched = build_schedule(schedule, pp, m, v)
+    simulate(sched, 1.0, 1.0)
+    return sched
 
 
 @functools.lru_cache(maxsize=1024)
@@ -136,7 +145,7 @@ def _simulated(
     weight_grad: tuple[float, ...] | None,
     p2p: float,
 ) -> tuple[float, int]:
-    sched = build_schedule(schedule, pp, m, v)
+    sched = _checked_schedule(schedule, pp, m, v)
     table = lambda costs: [[c] * v for c in costs]  # noqa: E731 - every chunk of a rank costs the same
     result = simulate(
         sched,
@@ -144,6 +153,7 @@ def _simulated(
         table(backward),
         table(weight_grad) if weight_grad is not None else None,
         p2p,
+        checked=True,
     )
     return result.step_time, result.peak_inflight[0]
 
