@@ -20,7 +20,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import llmtrain
 from llmtrain import models
@@ -40,6 +39,7 @@ from llmtrain.pipeline.executor import PipelineExecutor
 from llmtrain.pipeline.schedules import build_schedule
 from llmtrain.pipeline.stages import activation_shape, build_stages
 from tests.checkpoint._util import batch, tiny_job
+from tests.parallel._dist import start_ranks
 
 WORLD = 4
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -196,7 +196,7 @@ def _spawn(fn: Any, prepare: Any) -> None:
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         prepare(tmp)
-        mp.spawn(_worker, args=(port, fn, tmp), nprocs=WORLD, join=True)
+        start_ranks(_worker, (port, fn, tmp), WORLD)
         errors = [pickle.loads(Path(tmp, f"result.{r}").read_bytes()) for r in range(WORLD)]
     errors = [e for e in errors if e]
     assert not errors, "\n".join(errors)

@@ -7,11 +7,11 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import kernels
 from tests.kernels.conftest import DEVICE, DTYPES, assert_close, forward_backward, randn
+from tests.parallel._dist import start_ranks
 
 
 def _targets(shape, vocab, gen=None, ignore_every: int = 4):
@@ -80,7 +80,7 @@ def _vocab_parallel_worker(rank: int, world: int, init_file: str):
 
 @pytest.mark.slow
 def test_vocab_parallel_cross_entropy_gloo_tp2_tp4(tmp_path):
-    mp.spawn(_vocab_parallel_worker, args=(4, str(tmp_path / "store")), nprocs=4, join=True)
+    start_ranks(_vocab_parallel_worker, (4, str(tmp_path / "store")), 4)
 
 
 # (token shape, hidden, vocab, chunk_tokens, chunk_vocab): every case loops several times in both passes

@@ -190,6 +190,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# The ranks fork from a server process that imported torch, DTensor and llmtrain's stack once (per test
+# process), instead of each spawned rank importing them afresh: about 6 CPU-s per rank, the larger part of
+# most multi-process tests.
+mp.set_forkserver_preload(["torch", "torch.distributed.tensor", "tests.parallel._dist"])
+
+
+def start_ranks(worker: Callable[..., Any], args: tuple, nprocs: int) -> None:
+    """mp.spawn(worker, args, nprocs) from the preloaded fork server, each rank in the test's environment.
+    The arguments travel pickled by value: multiprocessing's own pickler would hand each tensor's storage
+    over as a file descriptor, and the fork server takes at most 256 of them per process."""
+    mp.start_processes(
+        _in_test_environment,
+        args=(dict(os.environ), pickle.dumps((worker, args))),
+        nprocs=nprocs,
+        join=True,
+        start_method="forkserver",
+    )
+
+
+def _in_test_environment(rank: int, env: dict[str, str], call: bytes) -> None:
+    # A forked rank has the server's environment, from when it started: take the test's as it is now.
+    os.environ.clear()
+    os.environ.update(env)
+    worker, args = pickle.loads(call)
+    worker(rank, *args)
+
+
 def _worker(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -213,7 +240,7 @@ def spawn(world: int, fn: Callable[..., Any], *args: Any) -> list[Any]:
     """Run fn(rank, world, *args) on `world` gloo processes; return each rank's (picklable) result."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result")
-        mp.spawn(_worker, args=(world, free_port(), fn, args, out), nprocs=world, join=True)
+        start_ranks(_worker, (world, free_port(), fn, args, out), world)
         results = []
         for rank in range(world):
             with open(f"{out}.{rank}", "rb") as f:
