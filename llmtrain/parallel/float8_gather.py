@@ -28,6 +28,8 @@ group, which torchao's gather does not.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -58,24 +60,25 @@ def wrap_float8_weights(model: nn.Module) -> int:
 
 def _float8_shards(model: nn.Module) -> list[DTensor]:
     """The sharded float8-all-gather weights of ``model`` (FSDP2's DTensors around torchao's wrapper)."""
-    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
-
-    return [
-        p
-        for p in model.parameters()
-        if isinstance(p, DTensor) and isinstance(p._local_tensor, WeightWithDynamicFloat8CastTensor)
-    ]
+    # No weight is torchao's wrapper unless wrap_float8_weights imported its module: without this check every
+    # ZeRO-2/3 step and checkpoint load of a run without the option would import torchao (seconds of CPU,
+    # and its extension-loading warnings on stderr, which broke the one-line errors of tools).
+    fsdp_utils = sys.modules.get("torchao.float8.fsdp_utils")
+    if fsdp_utils is None:
+        return []
+    wrapper = fsdp_utils.WeightWithDynamicFloat8CastTensor
+    return [p for p in model.parameters() if isinstance(p, DTensor) and isinstance(p._local_tensor, wrapper)]
 
 
 @torch.no_grad()
 def precompute_weight_scales(model: nn.Module) -> None:
     """Set every float8-all-gather weight's scale from its current values (after the optimizer step): the
     amaxes of this rank's shards, all-reduced (MAX) over the shard group in one collective."""
-    from torchao.float8.float8_utils import amax_to_scale
-
     weights = _float8_shards(model)
     if not weights:
         return
+    from torchao.float8.float8_utils import amax_to_scale
+
     shards = [w._local_tensor for w in weights]
     amax = torch.stack([s._tensor.abs().max() if s.numel() else s._tensor.new_zeros(()) for s in shards])
     amax = amax.float()
