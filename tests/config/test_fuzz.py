@@ -430,6 +430,7 @@ def test_wrong_types_for_every_field():
     assert fuzz(st.one_of(wrong_types(), sections_as_values()), 200) >= 200
 
 
+@pytest.mark.slow  # 2-4 s: with the whole suite, not the quick subset
 def test_out_of_range_values():
     assert fuzz(st.one_of(negative_numbers(), out_of_range()), 120) >= 120
 

@@ -30,6 +30,7 @@ def test_newline_and_unseen_characters(tokenizer):
     assert tokenizer.decode(tokenizer.encode(text)) == text
 
 
+@pytest.mark.slow  # 2-4 s: with the whole suite, not the quick subset
 def test_unigram_and_user_symbols(tmp_path, docs):
     path = train_sentencepiece(
         docs, tmp_path / "u.model", 600, model_type="unigram", user_defined_symbols=["<tag>"]

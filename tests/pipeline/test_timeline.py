@@ -44,6 +44,7 @@ def test_bad_trace_names_the_missing_field(tmp_path):
         load_trace(tmp_path / "bad.json")
 
 
+@pytest.mark.slow  # 2-4 s: with the whole suite, not the quick subset
 def test_tool_draws_simulated_and_traced_runs(tmp_path, capsys):
     png = tmp_path / "zb.png"
     main(["--schedule", "zb_h1", "--pp", "4", "--microbatches", "8", "--output", str(png)])

@@ -193,6 +193,7 @@ def test_moe_plans_expert_parallelism_and_say_why(config: str, cluster: str, cap
     assert result.best.fits and result.best.layout.ep > 1 and result.best.ep_comm > 0
 
 
+@pytest.mark.slow  # 2-4 s: with the whole suite, not the quick subset
 def test_evaluate_fixes_cp_and_ep_and_the_trainers_rules_prune() -> None:
     assert parse_fixed("parallel.cp=16 parallel.ep=8 parallel.cp_comm=ring") == dict(
         cp=16, ep=8, cp_comm="ring"
@@ -208,6 +209,7 @@ def test_evaluate_fixes_cp_and_ep_and_the_trainers_rules_prune() -> None:
         plan_job(load("configs/llama3-8b.yaml"), cluster, 64, fixed=dict(ep=2))
 
 
+@pytest.mark.slow  # 2-4 s: with the whole suite, not the quick subset
 def test_auto_writes_cp_and_ep() -> None:
     job = load("configs/llama3-405b.yaml", [*LONG, "parallel.auto=true"])
     overrides, explanation = plan_for_world(job, 16384, "h100-80gb")

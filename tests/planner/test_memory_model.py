@@ -175,6 +175,7 @@ def seventy_b():
     return load(CONFIGS / "llama3-70b.yaml")
 
 
+@pytest.mark.slow  # 2-4 s: with the whole suite, not the quick subset
 def test_70b_on_64_h100_needs_sharded_construction():
     """Built whole in fp32 on every rank first, 70.6e9 x 4 bytes = 263 GiB: no layout starts on 80 GiB."""
     result = plan_job(seventy_b(), load_cluster("h100-80gb"), 64, software=Software.whole_model_init(), top=3)

@@ -218,6 +218,7 @@ def test_nothing_fits_is_explained():
         plan_for_world(job, 8, A100)
 
 
+@pytest.mark.slow  # 2-4 s: with the whole suite, not the quick subset
 def test_gradient_reduction_is_searched_and_chosen_by_time_where_it_fits():
     """FSDP2's gradient reduction (parallel.grad_reduce) is part of the sharding choice at zero 2/3. Behind a
     1 GB/s inter-node link (a100-40gb otherwise), LLaMA 3B at zero 2, tp=pp=1, one sample per micro-batch
