@@ -71,6 +71,7 @@ def test_jsonl_two_keys_any_worker_count(tmp_path, jsonl, records, sp_model, wor
     )
 
 
+@pytest.mark.slow  # 2 s: with the whole suite, not the quick subset
 def test_text_parquet_datasets_and_gzip_inputs(tmp_path, records, sp_model):
     import datasets
     import pyarrow as pa

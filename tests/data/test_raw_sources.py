@@ -115,6 +115,7 @@ def _run(job, layout: list[tuple[int, int, int]], position: dict | None = None):
     return batches, ids, position
 
 
+@pytest.mark.slow  # 2 s: with the whole suite, not the quick subset
 def test_resume_on_other_layouts_gives_every_sample_once(tmp_path, records, jsonl, sp_model):
     """4 ranks -> 2 ranks -> 4 ranks (a position saved and given at each change), over more than one
     epoch: the same global batches as one uninterrupted rank, bit for bit; each sample number consumed

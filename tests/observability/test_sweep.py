@@ -213,6 +213,7 @@ def _base(tmp_path: Path) -> Path:
     return base
 
 
+@pytest.mark.slow  # 2 s: with the whole suite, not the quick subset
 def test_fixed_overrides_go_beside_the_grid_or_after_a_double_dash(tmp_path, capsys):
     out = tmp_path / "sweep"
     common = ["--config", str(_base(tmp_path)), "--output", str(out), "--script", str(FAKE)]

@@ -114,6 +114,7 @@ def test_help_imports_neither_torch_nor_the_planner():
     assert "--profile-local" in done.stdout and done.stderr.strip() == "imported: []"
 
 
+@pytest.mark.slow  # 2 s: with the whole suite, not the quick subset
 def test_presets_ship_in_the_package_and_a_users_file_still_works(model_yaml, tmp_path):
     assert preset_names() == ["a100-40gb", "a100-80gb", "h100-80gb", "h200-141gb", "mixed-h100-a100"]
     assert Path(str(PRESETS)) == Path(llmtrain.planner.__file__).parent / "clusters"

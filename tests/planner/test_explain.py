@@ -70,6 +70,7 @@ def test_a_layout_worse_only_by_its_bubble_is_explained_by_it():
     )
 
 
+@pytest.mark.slow  # 2 s: with the whole suite, not the quick subset
 def test_a_faster_runner_up_that_does_not_fit_is_reported_with_its_memory():
     # Long sequences, cp held at 1 (splitting the sequence divides the activations, so nothing faster would be
     # ruled out by memory): plain data parallelism would be faster, but its activations do not fit.
