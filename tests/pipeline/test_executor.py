@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import os
+import pickle
 import tempfile
 import time
 import traceback
@@ -15,7 +16,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from llmtrain.config import JobConfig, ModelConfig, ParallelConfig, TrainConfig
@@ -25,7 +25,7 @@ from llmtrain.pipeline.schedules import build_schedule
 from llmtrain.pipeline.simulator import simulate
 from llmtrain.pipeline.stages import partition_layers
 from llmtrain.planner.cost.flops import head_cost_in_layers
-from tests.parallel._dist import parallel_run
+from tests.parallel._dist import parallel_run, start_ranks
 from tests.parallel._reference import Reference, torch_reference
 
 STEPS = 2
@@ -111,9 +111,9 @@ def check(case: str, job: JobConfig, result: dict) -> None:
     assert not failures, "\n".join(failures)
 
 
-def _worker(rank: int, world: int, store: str, cases: list, refs: list, results: dict) -> None:
-    """Runs the cases in turn; records per case the failures of its checks on this rank (an empty list:
-    it passed), or the traceback of an error, which ends the run."""
+def _worker(rank: int, world: int, store: str, cases: list, refs: list, out: str) -> None:
+    """Runs the cases in turn; records in the file `out`.<rank> per case the failures of its checks on this
+    rank (an empty list: it passed), or the traceback of an error, which ends the run."""
     try:
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
@@ -134,12 +134,13 @@ def _worker(rank: int, world: int, store: str, cases: list, refs: list, results:
             dist.barrier()
         if world == ZERO_BUBBLE_TP_WORLD:  # test_zero_bubble_defers_tensor_parallel_weight_gradients's runs
             failures[ZERO_BUBBLE_TP] = _zero_bubble_under_tp(rank, world)
-        results[rank] = failures
+        outcome: dict | str = failures
     except Exception:
-        results[rank] = traceback.format_exc()
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        outcome = traceback.format_exc()
+    with open(f"{out}.{rank}", "wb") as f:
+        pickle.dump(outcome, f)
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 @functools.cache
@@ -148,11 +149,17 @@ def _world_results(world: int) -> dict[int, dict | str]:
     processes and the group costs more than a case. Each rank's per-case failures, or its error."""
     cases = WORLD_CASES[world]
     refs = [reference(case[0], case[1], make_job(*case).train.global_batch_size) for case in cases]
-    with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
-        results = manager.dict()
-        store = os.path.join(tmp, "store")
-        mp.spawn(_worker, args=(world, store, cases, refs, results), nprocs=world, join=True)
-        return {r: results.get(r, "no result") for r in range(world)}
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result")
+        start_ranks(_worker, (world, os.path.join(tmp, "store"), cases, refs, out), world)
+        results = {}
+        for r in range(world):
+            try:
+                with open(f"{out}.{r}", "rb") as f:
+                    results[r] = pickle.load(f)
+            except FileNotFoundError:
+                results[r] = "no result"
+        return results
 
 
 def run_world(world: int, cases: list) -> None:
