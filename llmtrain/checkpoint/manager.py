@@ -77,6 +77,7 @@ from llmtrain.checkpoint.storage import (
     write_tensors,
 )
 from llmtrain.config import JobConfig, to_dict
+from llmtrain.config.engine_rules import float8_all_gather
 from llmtrain.faults import injected
 from llmtrain.parallel.float8_gather import precompute_weight_scales
 from llmtrain.parallel.param_layout import Piece, describe_model
@@ -465,7 +466,8 @@ class Checkpointer:
             install(trainer["optimizer"])
         if engine is not None:
             engine.restore(model, optimizer)
-        precompute_weight_scales(model)  # the loaded weights' float8 all-gather scales (train.fp8_all_gather)
+        if float8_all_gather(self.job):  # the loaded weights' scales for their float8 gathers
+            precompute_weight_scales(model)
         rng_file = path / "rng" / f"rank_{self.rank:05d}.pt"
         if meta["world_size"] == self.world_size and rng_file.exists():
             restore_rng(torch.load(rng_file, weights_only=True), model)

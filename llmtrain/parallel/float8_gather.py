@@ -28,8 +28,6 @@ group, which torchao's gather does not.
 
 from __future__ import annotations
 
-import sys
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -60,20 +58,17 @@ def wrap_float8_weights(model: nn.Module) -> int:
 
 def _float8_shards(model: nn.Module) -> list[DTensor]:
     """The sharded float8-all-gather weights of ``model`` (FSDP2's DTensors around torchao's wrapper)."""
-    # No weight is torchao's wrapper unless wrap_float8_weights imported its module: without this check every
-    # ZeRO-2/3 step and checkpoint load of a run without the option would import torchao (seconds of CPU,
-    # and its extension-loading warnings on stderr, which broke the one-line errors of tools).
-    fsdp_utils = sys.modules.get("torchao.float8.fsdp_utils")
-    if fsdp_utils is None:
-        return []
-    wrapper = fsdp_utils.WeightWithDynamicFloat8CastTensor
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor as wrapper
+
     return [p for p in model.parameters() if isinstance(p, DTensor) and isinstance(p._local_tensor, wrapper)]
 
 
 @torch.no_grad()
 def precompute_weight_scales(model: nn.Module) -> None:
     """Set every float8-all-gather weight's scale from its current values (after the optimizer step): the
-    amaxes of this rank's shards, all-reduced (MAX) over the shard group in one collective."""
+    amaxes of this rank's shards, all-reduced (MAX) over the shard group in one collective. Callers call it
+    only where train.fp8_all_gather wrapped the weights (engine_rules.float8_all_gather): it imports torchao,
+    which costs CPU and prints its extension-loading warnings on stderr."""
     weights = _float8_shards(model)
     if not weights:
         return

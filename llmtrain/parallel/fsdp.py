@@ -340,6 +340,7 @@ class FSDPOptimizer(LossScaledOptimizer):
         # Each rank's shards are distinct across the DP mesh and TP/PP ranks hold different parameters.
         self._norm_group, self._norm_ranks = None, topo.world_size
         named = named_parameters_once(model)
+        self._float8_gathered = float8_all_gather(job)  # apply_fsdp wrapped the float8 weights
         matrices = fsdp_matrices(named, topo) if job.train.optimizer == "muon" else []
         muon = {id(m.key) for m in matrices}
         groups = make_param_groups([(n, p) for n, p in named if id(p) not in muon], job.train.weight_decay)
@@ -369,5 +370,6 @@ class FSDPOptimizer(LossScaledOptimizer):
             reduce_tp_grads(self._tp_reduced, self.topo, lambda p: local_tensor(p.grad))
 
     def _publish(self) -> None:
-        precompute_weight_scales(self.model)  # the float8-gathered weights' scales (train.fp8_all_gather)
+        if self._float8_gathered:  # train.fp8_all_gather: the wrapped weights' scales for the next gathers
+            precompute_weight_scales(self.model)
         gather_after_step(self.model)
