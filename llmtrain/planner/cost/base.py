@@ -36,6 +36,10 @@ class CostBase:
         self.bf16_prec = "bf16" if self.prec == "fp8" else self.prec
         self.act_bytes = 4 if self.prec == "fp32" else 2
         self.params = F.parameter_counts(workload.model)
+        m = workload.model
+        self.float8_layers = [C.float8_layer_weights(m, m.is_moe_layer(i)) for i in range(m.num_layers)]
+        """Per layer, (linear layers, weight elements) that run in float8 (collectives.float8_layer_weights),
+        for train.fp8_all_gather's bytes and scales."""
 
     def _params_on_rank(self, layout: Layout) -> tuple[float, float]:
         """Parameters on the first and on the last pipeline rank (per TP shard), routed experts apart
@@ -113,9 +117,8 @@ class CostBase:
         def blocks(stage: int) -> list[tuple[int, bool, bool, int]]:
             out = []
             for i in range(starts[stage], starts[stage + 1]):
-                moe = m.is_moe_layer(i)
-                f8 = C.float8_layer_weights(m, moe)[1] if gathered8 else 0
-                if not moe:
+                f8 = self.float8_layers[i][1] if gathered8 else 0
+                if not m.is_moe_layer(i):
                     out.append((dense, z3, False, f8))
                 elif ep > 1:
                     out += [(dense + moe_extra, z3, False, f8), (routed, z3, True, 0)]

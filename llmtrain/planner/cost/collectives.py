@@ -330,7 +330,7 @@ def kv_replica_parameters(model: ModelConfig, tp: int) -> int:
 
 def _dense_mlp_parameters(model: ModelConfig, tp: int) -> int:
     """A dense MLP's column- and row-parallel weights (and column biases) on one TP rank."""
-    h, f, gated = model.hidden_size, model.ffn_size, model.arch != "gpt"
+    h, f, gated = model.hidden_size, model.ffn_size, F.is_gated(model)
     return (3 if gated else 2) * h * f // tp + (((2 if gated else 1) * f // tp) if model.bias else 0)
 
 
@@ -351,7 +351,7 @@ def float8_layer_weights(model: ModelConfig, moe: bool) -> tuple[int, int]:
         linears = 4
         attn = 2 * model.num_attention_heads * model.head_size * h + 2 * model.kv_heads * model.head_size * h
     if not moe:
-        return linears + 2, attn + (3 if model.arch != "gpt" else 2) * h * model.ffn_size
+        return linears + 2, attn + (3 if F.is_gated(model) else 2) * h * model.ffn_size
     shared = model.num_shared_experts * 3 * h * model.expert_ffn_size
     return linears + (2 if shared else 0), attn + shared
 

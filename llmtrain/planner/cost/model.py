@@ -70,7 +70,6 @@ from llmtrain.config.validate import (
     tensor_parallel_problem,
 )
 from llmtrain.planner.cluster.hardware import ClusterView
-from llmtrain.planner.cost import collectives as C
 from llmtrain.planner.cost import flops as F
 from llmtrain.planner.cost.data_parallel import DataParallelTime
 from llmtrain.planner.cost.layer_time import LayerTime, PassCosts
@@ -209,10 +208,7 @@ class CostModel(LayerTime, DataParallelTime, StepCollectives):
         """The mean layer's weight elements ZeRO-3 gathers in float8 (train.fp8_all_gather), else 0."""
         if not self.float8_gathered(layout):
             return 0.0
-        m = self.w.model
-        return (
-            sum(C.float8_layer_weights(m, m.is_moe_layer(i))[1] for i in range(m.num_layers)) / m.num_layers
-        )
+        return sum(weights for _, weights in self.float8_layers) / len(self.float8_layers)
 
     # ------------------------------------------------------------------------------------ evaluate
 

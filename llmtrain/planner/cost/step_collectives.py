@@ -177,9 +177,8 @@ class StepCollectives(CostBase):
             ]
         out: Counter[C.Comm] = Counter()
         if layout.zero_stage >= 2 and self.float8_gathered(layout) and dp > 1:
-            m = self.w.model
             linears = sum(
-                C.float8_layer_weights(m, m.is_moe_layer(i))[0]
+                self.float8_layers[i][0]
                 for stage in layout.rank_stages(pp_rank)
                 for i in range(*self._chunk_span(layout, stage))
             )
