@@ -34,6 +34,20 @@ on 2 cores, twice that with --local-repeats 2). The cluster is the one tools/cal
         python benchmarks/validate_planner.py --local --local-cluster local.yaml
         [--local-steps 6] [--local-repeats 2]  # round-robin repeats, fastest median each: steadier if shared
 
+With --regret it measures the planner's pick against the layouts it rejected (issue 38 point 4;
+llmtrain.planner.validation.regret): for a dense and an MoE small job (--regret-models) at 2 and 4 processes
+(--regret-processes), the layouts of the planner's search space cut by the rule it prints, each trained as
+--local's are, then per (job, N) the line `regret of parallel.auto's pick (JOB, N processes): ...` (the
+pick's measured time over the fastest, target <= 1.05) and the Spearman of predicted vs measured; progress and
+the total time on stderr, the rows in --json under "regret". --regret-limit K measures only the first K
+layouts of each set (the pick first), a quick end-to-end check. The 4-process cluster is
+`tools/calibrate.py --devices 4`'s file (--local-cluster4: 4 processes sharing the cores):
+
+    python tools/calibrate.py --output local.yaml && \
+        python tools/calibrate.py --output local4.yaml --devices 4 && \
+        python benchmarks/validate_planner.py --no-recipes --regret --local-cluster local.yaml \
+        --local-cluster4 local4.yaml
+
 Without --local-cluster it profiles the machine now (tools/plan.py --profile-local's compute and memory
 measurements with loopback link defaults), which leaves the links unmeasured.
 """
