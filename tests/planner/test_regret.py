@@ -23,6 +23,7 @@ from llmtrain.planner.validation.regret import (
     measured_set,
     regret_check,
     rule_micro_batch,
+    settings_apart,
     space_layouts,
 )
 from tests.planner.test_local_validation import local_like_cluster
@@ -84,7 +85,7 @@ def test_the_cut_keeps_the_pick_each_grid_point_and_nothing_else(two):
     grid = {(lay.tp, lay.pp, lay.dp, lay.ep, lay.schedule, lay.zero_stage) for lay in layouts}
     assert {(lay.tp, lay.pp, lay.dp, lay.ep, lay.schedule, lay.zero_stage) for lay in chosen} == grid
     for lay in chosen[1:]:
-        one_away = sum(a != b for a, b in zip(vars(lay).values(), vars(pick).values(), strict=True)) == 1
+        one_away = settings_apart(lay, pick) == 1
         plain = (lay.recompute, lay.dp_shard, lay.grad_reduce) == ("none", None, "microbatch")
         assert one_away or (plain and lay.micro_batch == rule_micro_batch(16 // lay.dp, lay.pp, range(1, 17)))
         assert lay.offload == "none"
@@ -96,6 +97,17 @@ def test_rule_micro_batch():
     assert rule_micro_batch(16, 2, [1, 2, 4, 8, 16]) == 4  # 4 micro-batches = 2 * pp
     assert rule_micro_batch(16, 4, [1, 2, 4, 8, 16]) == 2  # 8 micro-batches
     assert rule_micro_batch(4, 4, [2, 4]) == 2  # fewer than 2 * pp whatever the size: the smallest
+
+
+def test_settings_apart_counts_each_setting_once():
+    base = Layout(pp=2, micro_batch=4)
+    assert settings_apart(base, base) == 0
+    assert settings_apart(base, Layout(pp=2, micro_batch=2)) == 1
+    interleaved = Layout(pp=2, micro_batch=4, schedule="interleaved_1f1b", virtual_stages=2)
+    assert settings_apart(base, interleaved) == 1
+    assert settings_apart(base, Layout(pp=2, micro_batch=4, zero_stage=2, grad_reduce="step")) == 1
+    assert settings_apart(base, Layout(dp=2, micro_batch=4)) == 1  # another grid point: dp follows
+    assert settings_apart(base, Layout(dp=2, micro_batch=8, recompute="full")) == 3
 
 
 def _result(times, predicted, pick_index=0):

@@ -29,7 +29,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from llmtrain.config.schema import JobConfig
 from llmtrain.planner.auto import choose_layout, run_software
@@ -83,8 +83,22 @@ def space_layouts(model: CostModel) -> list[Layout]:
     return list(dict.fromkeys(searcher.canonical(layout) for layout in space.layouts(model)))
 
 
-def _differences(a: Layout, b: Layout) -> int:
-    return sum(getattr(a, f.name) != getattr(b, f.name) for f in fields(Layout))
+SETTINGS = (
+    ("tp", "pp", "dp", "cp", "cp_comm"),
+    ("ep",),
+    ("micro_batch",),
+    ("schedule", "virtual_stages"),
+    ("recompute", "layer_recompute", "stage_layers"),
+    ("sequence_parallel",),
+    ("zero_stage", "dp_shard", "offload", "grad_reduce"),
+)
+"""The settings of a layout, as one moves them: the grid point (dp follows tp, pp, cp), expert parallelism,
+the micro-batch, the schedule with its virtual stages, recompute, sequence parallelism, the sharding."""
+
+
+def settings_apart(a: Layout, b: Layout) -> int:
+    """In how many SETTINGS `a` and `b` differ."""
+    return sum(any(getattr(a, name) != getattr(b, name) for name in group) for group in SETTINGS)
 
 
 def measured_set(layouts: Sequence[Layout], pick: Layout, global_batch: int) -> list[Layout]:
@@ -97,7 +111,7 @@ def measured_set(layouts: Sequence[Layout], pick: Layout, global_batch: int) -> 
     for lay in base:
         plain = lay.recompute == "none" and lay.dp_shard is None and lay.grad_reduce == "microbatch"
         mb = rule_micro_batch(global_batch // lay.dp, lay.pp, allowed[(lay.tp, lay.pp, lay.dp)])
-        if (plain and lay.micro_batch == mb) or _differences(lay, pick) == 1:
+        if (plain and lay.micro_batch == mb) or settings_apart(lay, pick) == 1:
             kept.append(lay)
     return list(dict.fromkeys(kept))
 
