@@ -3,6 +3,7 @@ space and the rule that cuts them, that each loads as a training config, the reg
 arithmetic, and that its pick is parallel.auto's (plan_for_world) for the same job, processes and cluster,
 with the measurement replaced by a table of times."""
 
+import importlib.util
 import math
 from pathlib import Path
 
@@ -162,3 +163,17 @@ def test_parallel_auto_plans_for_the_kernels_the_run_uses():
     assert not run_software(job).fused_kernels  # CPU: PyTorch's reference ops
     triton = load(REPO / REGRET_JOBS["dense"][0], [*REGRET_JOBS["dense"][1], "model.kernels=triton"])
     assert run_software(triton).fused_kernels
+
+
+@pytest.mark.slow  # imports the benchmark (seconds on a loaded machine): runs in CI, not in -m 'not slow'
+def test_bad_regret_arguments_fail_before_any_run(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("validate_planner", REPO / "benchmarks/validate_planner.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    missing = str(tmp_path / "local4.yaml")
+    assert bench.main(["--regret", "--regret-processes", "4", "--local-cluster4", missing]) == 2
+    assert f"cluster file {missing} does not exist" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        bench.main(["--regret", "--regret-models", "dense,sparse"])
+    assert exit_.value.code == 2
+    assert "--regret-models: unknown sparse; use some of dense, moe" in capsys.readouterr().err
