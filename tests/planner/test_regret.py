@@ -165,7 +165,6 @@ def test_parallel_auto_plans_for_the_kernels_the_run_uses():
     assert run_software(triton).fused_kernels
 
 
-@pytest.mark.slow  # imports the benchmark (seconds on a loaded machine): runs in CI, not in -m 'not slow'
 def test_bad_regret_arguments_fail_before_any_run(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("validate_planner", REPO / "benchmarks/validate_planner.py")
     bench = importlib.util.module_from_spec(spec)
