@@ -34,6 +34,20 @@ on 2 cores, twice that with --local-repeats 2). The cluster is the one tools/cal
         python benchmarks/validate_planner.py --local --local-cluster local.yaml
         [--local-steps 6] [--local-repeats 2]  # round-robin repeats, fastest median each: steadier if shared
 
+With --regret it measures the planner's pick against the layouts it rejected (issue 38 point 4;
+llmtrain.planner.validation.regret): for a dense and an MoE small job (--regret-models) at 2 and 4 processes
+(--regret-processes), the layouts of the planner's search space cut by the rule it prints, each trained as
+--local's are, then per (job, N) the line `regret of parallel.auto's pick (JOB, N processes): ...` (the
+pick's measured time over the fastest, target <= 1.05) and the Spearman of predicted vs measured; progress and
+the total time on stderr, the rows in --json under "regret". --regret-limit K measures only the first K
+layouts of each set (the pick first), a quick end-to-end check. The 4-process cluster is
+`tools/calibrate.py --devices 4`'s file (--local-cluster4: 4 processes sharing the cores):
+
+    python tools/calibrate.py --output local.yaml && \
+        python tools/calibrate.py --output local4.yaml --devices 4 && \
+        python benchmarks/validate_planner.py --no-recipes --regret --local-cluster local.yaml \
+        --local-cluster4 local4.yaml
+
 Without --local-cluster it profiles the machine now (tools/plan.py --profile-local's compute and memory
 measurements with loopback link defaults), which leaves the links unmeasured.
 """
@@ -41,12 +55,14 @@ measurements with loopback link defaults), which leaves the links unmeasured.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from llmtrain.config import ConfigError
@@ -65,6 +81,14 @@ from llmtrain.planner.validation.local import (
 )
 from llmtrain.planner.validation.published import format_results, provenance, summary, validate_megatron
 from llmtrain.planner.validation.recipes import TABLES, Recipe, format_recipes, summarise, validate_recipes
+from llmtrain.planner.validation.regret import (
+    REGRET_JOBS,
+    REGRET_PROCESSES,
+    RegretResult,
+    format_regret,
+    regret_check,
+    stderr_progress,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -118,11 +142,19 @@ def recipe_record(recipe: Recipe) -> dict:
     return out
 
 
-def measure_step_time(layout: Layout, steps: int, warmup: int, output_dir: Path) -> float:
-    """Median step time of a short torchrun (gloo) training run of the local job in `layout`."""
+def measure_step_time(
+    layout: Layout,
+    steps: int,
+    warmup: int,
+    output_dir: Path,
+    config: str = LOCAL_CONFIG,
+    model_overrides: Sequence[str] = LOCAL_MODEL_OVERRIDES,
+) -> float:
+    """Median step time of a short torchrun (gloo) training run of the local job (or `config` with
+    `model_overrides`) in `layout`."""
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={layout.gpus}",
-        "tools/pretrain.py", "--config", LOCAL_CONFIG, *LOCAL_MODEL_OVERRIDES,
+        "tools/pretrain.py", "--config", config, *model_overrides,
         *run_overrides(layout, steps, str(output_dir)),
     ]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -146,8 +178,9 @@ def recipe_progress():
     return line
 
 
-def local_cluster(cluster_file: str | None) -> Cluster:
-    """The cluster of this machine: the file given (tools/calibrate.py's), else a profile measured now."""
+def local_cluster(cluster_file: str | None, devices: int = 2) -> Cluster:
+    """The cluster of this machine for `devices` processes: the file given (tools/calibrate.py's, with
+    --devices `devices`), else a profile measured now."""
     from llmtrain.planner import cluster_from_dict, load_cluster
 
     if cluster_file:
@@ -155,17 +188,17 @@ def local_cluster(cluster_file: str | None) -> Cluster:
     from llmtrain.planner.calibration.profile import describe_local
 
     start = time.perf_counter()
-    # 2 processes sharing the machine, as the 2-process layouts run. Links: profile.py's loopback
+    # `devices` processes sharing the machine, as its layouts run. Links: profile.py's loopback
     # defaults, since its gloo measurement times its loops per rank, so the ranks can run different
     # numbers of all-reduces and abort or hang; tools/calibrate.py's file measures them (--local-cluster).
-    desc = describe_local(2, measure_links=False)
+    desc = describe_local(devices, measure_links=False)
     device = next(iter(desc["devices"].values()))
     print(
         f"profiled this machine in {time.perf_counter() - start:.1f} s: {device['peak_tflops']} TFLOP/s, "
         f"{device['memory_bandwidth_gbs']} GB/s per process; link {desc['links']['intra_node']}",
         file=sys.stderr,
     )
-    return cluster_from_dict(desc, "describe_local(2)")
+    return cluster_from_dict(desc, f"describe_local({devices})")
 
 
 def local_check(cluster: Cluster, steps: int, warmup: int, repeats: int = 1) -> list[LocalPoint]:
@@ -191,6 +224,48 @@ def local_check(cluster: Cluster, steps: int, warmup: int, repeats: int = 1) -> 
                 )
     # Other load only ever slows a run down: the fastest repeat is the closest to this layout's own time.
     return [LocalPoint(lay, p, min(m)) for lay, p, m in zip(LOCAL_LAYOUTS, predicted, measured, strict=True)]
+
+
+def run_measurer(
+    workdir: Path, name: str, steps: int, warmup: int, repeats: int
+) -> Callable[[Layout], float]:
+    """Measures a layout of REGRET_JOBS[name]: the fastest median of `repeats` training runs (other load only
+    slows a run down), each in a fresh directory under `workdir`."""
+    config, overrides = REGRET_JOBS[name]
+    runs = itertools.count()
+
+    def measure(layout: Layout) -> float:
+        return min(
+            measure_step_time(layout, steps, warmup, workdir / f"{name}-{next(runs)}", config, overrides)
+            for _ in range(repeats)
+        )
+
+    return measure
+
+
+def regret_runs(
+    jobs: Sequence[str],
+    clusters: dict[int, Cluster],
+    steps: int,
+    warmup: int,
+    repeats: int = 1,
+    limit: int | None = None,
+) -> list[RegretResult]:
+    """The regret check of every job at every process count of `clusters`, progress and the total time on
+    stderr."""
+    from llmtrain.config import load
+
+    start = time.perf_counter()
+    results = []
+    with tempfile.TemporaryDirectory(prefix="validate-regret-") as tmp:
+        for name in jobs:
+            config, overrides = REGRET_JOBS[name]
+            job = load(REPO / config, list(overrides))
+            measure = run_measurer(Path(tmp), name, steps, warmup, repeats)
+            for processes, cluster in clusters.items():
+                results.append(regret_check(name, job, cluster, processes, measure, limit, stderr_progress))
+    print(f"[regret] {len(results)} (job, processes) in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -222,15 +297,49 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--local-repeats", type=int, default=1, help="--local runs per layout; the fastest median counts"
     )
+    parser.add_argument(
+        "--regret",
+        action="store_true",
+        help="measure the planner's pick against the layouts it rejected (planner.validation.regret)",
+    )
+    parser.add_argument(
+        "--regret-models", default=",".join(REGRET_JOBS), help="--regret jobs (comma-separated: dense,moe)"
+    )
+    parser.add_argument(
+        "--regret-processes",
+        default=",".join(map(str, REGRET_PROCESSES)),
+        help="--regret process counts (comma-separated)",
+    )
+    parser.add_argument(
+        "--regret-limit", type=int, help="measure only the first K layouts of each set (the pick first)"
+    )
+    parser.add_argument(
+        "--local-cluster4",
+        help="cluster file for the 4-process --regret layouts (tools/calibrate.py --devices 4; "
+        "default: profile it now)",
+    )
     args = parser.parse_args(argv)
-    if args.local and args.local_steps <= args.local_warmup:
+    regret_jobs = [j for j in args.regret_models.split(",") if j]
+    if unknown := [j for j in regret_jobs if j not in REGRET_JOBS]:
+        parser.error(f"--regret-models: unknown {', '.join(unknown)}; use some of {', '.join(REGRET_JOBS)}")
+    try:
+        regret_processes = [int(n) for n in args.regret_processes.split(",") if n]
+    except ValueError:
+        parser.error(f"--regret-processes: comma-separated integers; got {args.regret_processes!r}")
+    if any(n < 1 for n in regret_processes):
+        parser.error(f"--regret-processes: at least 1 each; got {args.regret_processes!r}")
+    if args.regret_limit is not None and args.regret_limit < 1:
+        parser.error("--regret-limit must be at least 1")
+    if (args.local or args.regret) and args.local_steps <= args.local_warmup:
         parser.error("--local-steps must exceed --local-warmup")
-    if args.local and args.local_repeats < 1:
+    if (args.local or args.regret) and args.local_repeats < 1:
         parser.error("--local-repeats must be at least 1")
     try:
         # Before the Megatron and recipe tables (minutes of pricing) and the runs: a bad --local-cluster
         # fails at once.
         cluster = local_cluster(args.local_cluster) if args.local else None
+        files = {2: args.local_cluster, 4: args.local_cluster4}
+        regret_clusters = {n: local_cluster(files.get(n), n) for n in regret_processes} if args.regret else {}
         results = validate_megatron(args.cluster, args.reference)
         tables = tuple(t for t in args.tables.split(",") if t)
         recipes = [] if args.no_recipes else validate_recipes(tables, on_row=recipe_progress())
@@ -247,6 +356,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.local:
         local = local_check(cluster, args.local_steps, args.local_warmup, args.local_repeats)
         print(format_local(local))
+    regret = []
+    if args.regret:
+        regret = regret_runs(
+            regret_jobs, regret_clusters, args.local_steps, args.local_warmup, args.local_repeats,
+            args.regret_limit,
+        )  # fmt: skip
+        print(format_regret(regret))
     if args.json:
         rows = [
             dict(
@@ -279,6 +395,8 @@ def main(argv: list[str] | None = None) -> int:
                     ],
                     "summary": local_summary(local),
                 }
+            if regret:
+                out["regret"] = [r.record() for r in regret]
             json.dump(out, fh, indent=1)
     return 0
 

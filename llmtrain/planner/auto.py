@@ -9,7 +9,7 @@ from llmtrain.config.errors import ConfigError
 from llmtrain.config.schema import JobConfig
 from llmtrain.planner.cluster.files import load_cluster
 from llmtrain.planner.cluster.hardware import Cluster
-from llmtrain.planner.cost.layout import Layout, parallel_overrides, sharding_overrides
+from llmtrain.planner.cost.layout import Layout, Software, parallel_overrides, sharding_overrides
 from llmtrain.planner.cost.model import Estimate
 from llmtrain.planner.report.choices import parallelism_notes
 from llmtrain.planner.search.uniform import plan_job
@@ -40,11 +40,31 @@ def _describe(e: Estimate) -> str:
     )
 
 
+def run_software(job: JobConfig) -> Software:
+    """The software a training run of `job` is on this machine: llmtrain, with the fused Triton kernels where
+    model.kernels picks them (triton, or auto on CUDA), otherwise PyTorch's reference ops (CPU)."""
+    fused = job.model.kernels == "triton"
+    if job.model.kernels == "auto":
+        import torch  # only here: the planner itself runs without torch
+
+        fused = torch.cuda.is_available()
+    return Software(fused_kernels=fused)
+
+
 def plan_for_world(
     job: JobConfig, world_size: int, cluster: Cluster | str | Path | None = None
 ) -> tuple[dict[str, Any], str]:
     """Best layout for `world_size` processes: (config overrides, explanation). The cluster is the given one,
     else job.parallel.cluster, else a description of this machine (its GPU's preset or measured CPU)."""
+    best, explanation = choose_layout(job, world_size, cluster)
+    return layout_overrides(best.layout), explanation
+
+
+def choose_layout(
+    job: JobConfig, world_size: int, cluster: Cluster | str | Path | None = None
+) -> tuple[Estimate, str]:
+    """`parallel.auto`'s choice for `world_size` processes, as plan_for_world makes it: (its estimate, the
+    explanation). The search prices the software the run uses (run_software)."""
     if cluster is None and job.parallel.cluster:
         try:
             cluster = load_cluster(job.parallel.cluster)
@@ -58,7 +78,7 @@ def plan_for_world(
         cluster = local_cluster(world_size)
     elif not isinstance(cluster, Cluster):
         cluster = load_cluster(cluster)
-    result = plan_job(job, cluster, world_size, top=5)
+    result = plan_job(job, cluster, world_size, software=run_software(job), top=5)
     fitting = result.fitting()
     if not fitting:
         raise ConfigError(
@@ -85,4 +105,4 @@ def plan_for_world(
         f"  {result.method} search over {result.evaluated} layouts in {result.seconds:.2f} s "
         f"on {result.cluster_name}"
     )
-    return layout_overrides(best.layout), "\n".join(lines)
+    return best, "\n".join(lines)
