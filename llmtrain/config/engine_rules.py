@@ -118,6 +118,16 @@ FP8_MULTIPLE = 16
 GROUPED_MM_MULTIPLE = {"rowwise": 16, "mxfp8": 32}
 
 
+def small_gemm(recipe: str, out_features: int, in_features: int) -> bool:
+    """Whether torchao's H100 tables find this (full) weight shape slower in float8 than in bf16
+    (``train.fp8_filter=auto``, as llmtrain.parallel.float8 applies it and the planner models it): the
+    thresholds of torchao.float8's auto filter for each recipe."""
+    n, k = out_features, in_features
+    if recipe == "tensorwise":
+        return k <= 4096 and n <= 1024
+    return n <= 2048 or k <= 1024 or (n <= 4096 and k <= 2048)
+
+
 def float8_all_gather_blocker(
     precision: str, fp8_recipe: str, zero_stage: int, tp: int, engine: str = "llmtrain"
 ) -> str:

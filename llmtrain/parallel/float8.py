@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from llmtrain.config.engine_rules import small_gemm
 from llmtrain.config.schema import TrainConfig
 from llmtrain.config.validate import raise_if_problem
 from llmtrain.models.moe import MoEMLP
@@ -50,15 +51,6 @@ class Float8Linear(nn.Linear):
 
     def forward(self, x: Any) -> Any:
         return linear(x, self.weight, self.bias, self.gemms)
-
-
-def small_gemm(recipe: str, out_features: int, in_features: int) -> bool:
-    """Whether torchao's H100 tables find this (full) weight shape slower in float8 than in bf16
-    (``train.fp8_filter=auto``): the thresholds of torchao.float8's auto filter for each recipe."""
-    n, k = out_features, in_features
-    if recipe == "tensorwise":
-        return k <= 4096 and n <= 1024
-    return n <= 2048 or k <= 1024 or (n <= 4096 and k <= 2048)
 
 
 def float8_config(recipe: str) -> Any:
