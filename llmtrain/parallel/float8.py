@@ -95,7 +95,7 @@ def apply_float8(model: nn.Module, topo: Topology, train: TrainConfig) -> nn.Mod
         return model
     raise_if_problem(float8_device_problem(topo.device))
     raise_if_problem(grouped_mm_device_problem(train.fp8_grouped_mm, topo.device))
-    apply_float8_experts(model, train, topo.device)
+    apply_float8_experts(model, model.config, train, topo.device)
     config = float8_config(train.fp8_recipe)
     cp = (topo.cp_group,) if topo.cp > 1 else ()
     tp = topo.tp_group if topo.tp > 1 else None

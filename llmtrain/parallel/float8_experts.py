@@ -33,19 +33,24 @@ import torch
 from torch import nn
 
 import kernels
-from llmtrain.config.schema import TrainConfig
+from llmtrain.config.engine_rules import GROUPED_MM_MULTIPLE
+from llmtrain.config.schema import ModelConfig, TrainConfig
 from llmtrain.models.moe import Experts
 
 
-def resolve_grouped_mm(setting: str, device: torch.device | str) -> str:
-    """The grouped GEMM ``train.fp8_grouped_mm=setting`` runs on ``device``: rowwise, mxfp8 or bf16."""
+def resolve_grouped_mm(setting: str, device: torch.device | str, model: ModelConfig) -> str:
+    """The grouped GEMM ``train.fp8_grouped_mm=setting`` runs on ``device``: rowwise, mxfp8 or bf16. An
+    explicit choice is taken as it is (validation refused the dims it cannot take); auto falls back to bf16
+    where the model's dims are not multiples of its recipe's (engine_rules.GROUPED_MM_MULTIPLE)."""
     if setting != "auto":
         return setting
     device = torch.device(device)
     if device.type != "cuda" or not hasattr(torch, "_scaled_grouped_mm"):
         return "bf16"
     major = torch.cuda.get_device_capability(device)[0]
-    return "mxfp8" if major >= 10 else "rowwise" if major == 9 else "bf16"
+    mode = "mxfp8" if major >= 10 else "rowwise" if major == 9 else "bf16"
+    block = GROUPED_MM_MULTIPLE.get(mode, 1)
+    return "bf16" if model.hidden_size % block or model.expert_ffn_size % block else mode
 
 
 def grouped_mm_device_problem(setting: str, device: torch.device | str) -> str:
@@ -126,10 +131,12 @@ class Float8GroupedMM:
         return self._mm(h.contiguous(), down, offsets)
 
 
-def apply_float8_experts(model: nn.Module, train: TrainConfig, device: torch.device | str) -> str:
+def apply_float8_experts(
+    model: nn.Module, model_config: ModelConfig, train: TrainConfig, device: torch.device | str
+) -> str:
     """Under fp8, make every Experts module of ``model`` run its grouped GEMMs as train.fp8_grouped_mm
     resolves on ``device``; returns that choice (rowwise, mxfp8, or bf16: nothing changed)."""
-    mode = resolve_grouped_mm(train.fp8_grouped_mm, device)
+    mode = resolve_grouped_mm(train.fp8_grouped_mm, device, model_config)
     if mode == "bf16":
         return mode
     config = torchao_config(mode, device)

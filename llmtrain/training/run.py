@@ -199,7 +199,7 @@ def _float8_note(job: JobConfig, device: torch.device) -> str:
     if float8_all_gather(job):
         notes.append("ZeRO-3 weight all-gather in float8")
     if job.model.is_moe:
-        mode = resolve_grouped_mm(t.fp8_grouped_mm, device)
+        mode = resolve_grouped_mm(t.fp8_grouped_mm, device, job.model)
         gemm = {"rowwise": "float8 rowwise", "mxfp8": "MXFP8", "bf16": "bf16 (the fallback)"}[mode]
         notes.append(f"routed experts' grouped GEMM in {gemm}, train.fp8_grouped_mm={t.fp8_grouped_mm}")
     return f" ({'; '.join(notes)})"

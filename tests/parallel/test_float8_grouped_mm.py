@@ -110,7 +110,8 @@ def test_impossible_grouped_gemms_are_refused_in_one_line() -> None:
     job.train.fp8_grouped_mm = "rowwise"  # 48 is a multiple of rowwise's 16
     validate(job)
     assert "needs torch._scaled_grouped_mm on a CUDA device" in grouped_mm_device_problem("rowwise", "cpu")
-    assert resolve_grouped_mm("auto", "cpu") == "bf16" and resolve_grouped_mm("mxfp8", "cpu") == "mxfp8"
+    assert resolve_grouped_mm("auto", "cpu", job.model) == "bf16"
+    assert resolve_grouped_mm("mxfp8", "cpu", job.model) == "mxfp8"
 
 
 def _summary(run: dict) -> dict:
