@@ -41,6 +41,7 @@ from llmtrain.parallel.float8_experts import (
     torchao_config,
 )
 from tests.parallel._dist import SpawnedCases, batches, parallel_run, tiny_job
+from tests.parallel.test_float8_layouts import _gaps, _summary
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="needs torchao")
 
@@ -114,10 +115,6 @@ def test_impossible_grouped_gemms_are_refused_in_one_line() -> None:
     assert resolve_grouped_mm("mxfp8", "cpu", job.model) == "mxfp8"
 
 
-def _summary(run: dict) -> dict:
-    return {"losses": run["losses"], "grad_norms": run["grad_norms"], "state": run["state"]}
-
-
 @functools.cache
 def _one_process() -> dict[str, dict]:
     runs = {}
@@ -138,20 +135,6 @@ def _ep_run(rank: int, world: int) -> dict | None:
     if rank != 0:
         return None
     return {"run": _summary(run), **_one_process()}
-
-
-def _gaps(a: dict, b: dict) -> dict[str, float]:
-    def curve(x: list[float], y: list[float]) -> float:
-        return max(abs(p - q) / abs(q) for p, q in zip(x, y, strict=True))
-
-    weights = max(
-        ((a["state"][k].float() - b["state"][k].float()).norm() / b["state"][k].float().norm()).item()
-        for k in b["state"]
-    )
-    return {
-        "losses": curve(a["losses"], b["losses"]),
-        "grad_norms": curve(a["grad_norms"], b["grad_norms"]),
-    } | {"weights": weights}
 
 
 def _case(rank: int, world: int) -> Any:
