@@ -112,6 +112,20 @@ def async_io_available() -> bool:
 # torch._scaled_mm needs every GEMM dimension to be a multiple of 16: in and out features (of this rank's
 # slice under TP), and the token count (of this CP rank), the reduction dimension of the weight gradient.
 FP8_MULTIPLE = 16
+# The experts' float8 grouped GEMMs reduce over the hidden size (forward of gate_up, input gradient of down)
+# and the expert ffn size (the others): torch._scaled_grouped_mm needs multiples of 16 (rowwise), MXFP8 its
+# scaling blocks of 32 elements. (auto resolves by device; its choices hold on the dims they run at.)
+GROUPED_MM_MULTIPLE = {"rowwise": 16, "mxfp8": 32}
+
+
+def small_gemm(recipe: str, out_features: int, in_features: int) -> bool:
+    """Whether torchao's H100 tables find this (full) weight shape slower in float8 than in bf16
+    (``train.fp8_filter=auto``, as llmtrain.parallel.float8 applies it and the planner models it): the
+    thresholds of torchao.float8's auto filter for each recipe."""
+    n, k = out_features, in_features
+    if recipe == "tensorwise":
+        return k <= 4096 and n <= 1024
+    return n <= 2048 or k <= 1024 or (n <= 4096 and k <= 2048)
 
 
 def float8_all_gather_blocker(
@@ -169,8 +183,19 @@ def float8_problem(job: JobConfig) -> str:
     if not m.is_moe or m.dense_layers or m.moe_layer_start > 0 or m.moe_layer_interval > 1:
         sizes["model.ffn_hidden_size (resolved) / parallel.tp"] = m.ffn_size // tp
     if m.is_moe:
-        # The experts' grouped GEMM stays bf16 (llmtrain.parallel.float8); shared experts are fp8 linears
-        # over the 1/tp of the tokens each TP rank routes.
+        # Shared experts are fp8 linears over the 1/tp of the tokens each TP rank routes; the routed experts'
+        # grouped GEMM is fp8 as train.fp8_grouped_mm says (llmtrain.parallel.float8_experts).
+        block = GROUPED_MM_MULTIPLE.get(t.fp8_grouped_mm)
+        if block:
+            for name, value in (
+                ("model.hidden_size", m.hidden_size),
+                ("model.moe_ffn_hidden_size (resolved)", m.expert_ffn_size),
+            ):
+                if value % block:
+                    return (
+                        f"train.fp8_grouped_mm={t.fp8_grouped_mm} needs {name} to be a multiple of {block} "
+                        f"(its scaling blocks); got {value}: change it or set train.fp8_grouped_mm=bf16"
+                    )
         if m.num_shared_experts:
             sizes["model.num_shared_experts x expert ffn size"] = m.num_shared_experts * m.expert_ffn_size
         sizes["tokens per GEMM / parallel.tp in a mixture-of-experts layer"] = tokens // tp

@@ -30,6 +30,7 @@ OptimizerName = Literal["adamw", "muon"]
 MuonLrAdjust = Literal["match_rms_adamw", "original"]
 Fp8Recipe = Literal["tensorwise", "rowwise"]
 Fp8Filter = Literal["all", "auto"]
+Fp8GroupedMM = Literal["auto", "rowwise", "mxfp8", "bf16"]
 
 MOE_ARCHS = ("mixtral", "qwen3_moe", "ernie_moe", "deepseek_v3")
 """The architectures whose MLPs are (partly) mixtures of experts (llmtrain.models.moe)."""
@@ -337,6 +338,8 @@ class TrainConfig:
     """Which block linears run fp8: all, or auto (not the shapes torchao finds slower in fp8 on H100)."""
     fp8_all_gather: bool | None = None
     """ZeRO-3 all-gathers fp8 weights (1 byte each, torchao); null: on where it applies (tensorwise, tp 1)."""
+    fp8_grouped_mm: Fp8GroupedMM = "auto"
+    """Experts' grouped GEMM in fp8: auto (sm90 rowwise, sm100+ mxfp8, else bf16), rowwise, mxfp8, bf16."""
 
 
 @dataclass

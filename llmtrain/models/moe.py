@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -150,6 +151,10 @@ Dispatch = Callable[[torch.Tensor, list[int], "Experts"], torch.Tensor]
 the same order: how expert parallelism (llmtrain.parallel.expert_parallel) computes experts held
 elsewhere."""
 
+GroupedMM = Callable[[torch.Tensor, "torch.Tensor | list[int]", torch.Tensor, torch.Tensor], torch.Tensor]
+"""(rows, counts, gate_up, down) -> the SwiGLU experts' output, kernels.moe_experts' signature: how
+train.fp8_grouped_mm (llmtrain.parallel.float8_experts) computes the experts in float8."""
+
 
 class Experts(nn.Module):
     """The SwiGLU experts of one layer, stored stacked (see the module docstring). With `dispatch` set
@@ -163,6 +168,13 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * f, h))
         self.down_proj = nn.Parameter(torch.empty(e, h, f))
         self.dispatch: Dispatch | None = None
+        self.grouped_mm: GroupedMM | None = None
+
+    def compute(self, rows: torch.Tensor, counts: torch.Tensor | list[int]) -> torch.Tensor:
+        """The experts this module holds over `rows` sorted by (local) expert, counts[e] rows each: the
+        `grouped_mm` set (float8 under train.fp8_grouped_mm), else kernels.moe_experts (bf16)."""
+        gemm = self.grouped_mm or partial(kernels.moe_experts, impl=self.impl)
+        return gemm(rows, counts, self.gate_up_proj, self.down_proj)
 
     def forward(
         self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, keep: torch.Tensor | None
@@ -178,7 +190,7 @@ class Experts(nn.Module):
         where = ExpertOrder.of(order, x.shape[0], top_k)
         rows = to_experts(x, where)
         if self.dispatch is None:
-            out = kernels.moe_experts(rows, counts, self.gate_up_proj, self.down_proj, impl=self.impl)
+            out = self.compute(rows, counts)
         else:
             out = self.dispatch(rows, counts.tolist(), self)
         # The router weights (fp32) stay fp32 through the product, as transformers' Mixtral computes it.

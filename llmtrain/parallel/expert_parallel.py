@@ -10,7 +10,8 @@ statistics: none of them changes under EP), sorts the (token, expert) assignment
 1. exchanges the per-expert counts (all_to_all_single of E integers),
 2. sends each EP rank the rows routed to its experts (all_to_all_single with variable splits; the
    autograd backward is the reverse exchange),
-3. regroups the received rows by local expert, runs `kernels.moe_experts` on them,
+3. regroups the received rows by local expert, runs the local experts on them (`Experts.compute`:
+   kernels.moe_experts, or the float8 grouped GEMM),
 4. and sends the outputs back the same way, where the caller combines them with the router weights.
 
 The gradient of a local expert sums the contributions of every EP rank's tokens: with the loss a mean over
@@ -27,7 +28,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import kernels
 from llmtrain.models.moe import Experts
 from llmtrain.parallel.comm import all_to_all_single
 from llmtrain.parallel.topology import Topology
@@ -88,9 +88,7 @@ class ExpertDispatch:
         by_expert = expert_of.argsort(stable=True).to(rows.device)
         gate_up, down = experts.gate_up_proj, experts.down_proj
         if received.shape[0]:
-            out = kernels.moe_experts(
-                received[by_expert], theirs.sum(0).tolist(), gate_up, down, impl=experts.impl
-            )
+            out = experts.compute(received[by_expert], theirs.sum(0).tolist())
         else:
             # No row for any local expert: still a graph through the rows and the experts, so this rank's
             # backward runs the reverse exchanges its peers wait in, and the experts' (zero) gradients reach

@@ -13,10 +13,10 @@ What stays bf16, whatever the recipe:
   - the output layer: the logits feed the softmax directly (torchtitan leaves ``output`` out too), and the
     vocabulary need not be a multiple of 16;
   - the router of a mixture of experts (a Router, not a linear layer): its scores choose the experts;
-  - the experts' grouped GEMM (kernels.moe_experts): ``torch._scaled_grouped_mm`` has no CPU kernel in
-    torch 2.13 and torchao's float8 grouped GEMM (torchao.prototype.moe_training) is a CUDA/Triton
-    prototype, so the experts compute in bf16 -- the stated fallback. Shared experts are plain linear
-    layers and run in float8.
+  - the experts' grouped GEMM where ``train.fp8_grouped_mm`` resolves to bf16 (``auto`` off Hopper and
+    Blackwell, the CPU included): kernels.moe_experts in bf16, the stated fallback. Elsewhere torchao's
+    float8 rowwise or MXFP8 grouped GEMM runs (llmtrain.parallel.float8_experts). Shared experts are plain
+    linear layers and run in float8.
   - with ``train.fp8_filter=auto``, the layers torchao's performance tables find slower in float8 on H100
     (``small_gemm``): judged by the layer's full weight shape (N out, K in features), tensorwise keeps bf16
     when K <= 4096 and N <= 1024; rowwise when N <= 2048, or K <= 1024, or N <= 4096 and K <= 2048.
@@ -33,9 +33,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from llmtrain.config.engine_rules import small_gemm
 from llmtrain.config.schema import TrainConfig
 from llmtrain.config.validate import raise_if_problem
 from llmtrain.models.moe import MoEMLP
+from llmtrain.parallel.float8_experts import apply_float8_experts, grouped_mm_device_problem
 from llmtrain.parallel.gemms import Float8Gemms, LinearGemms, linear
 from llmtrain.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from llmtrain.parallel.topology import Topology
@@ -49,15 +51,6 @@ class Float8Linear(nn.Linear):
 
     def forward(self, x: Any) -> Any:
         return linear(x, self.weight, self.bias, self.gemms)
-
-
-def small_gemm(recipe: str, out_features: int, in_features: int) -> bool:
-    """Whether torchao's H100 tables find this (full) weight shape slower in float8 than in bf16
-    (``train.fp8_filter=auto``): the thresholds of torchao.float8's auto filter for each recipe."""
-    n, k = out_features, in_features
-    if recipe == "tensorwise":
-        return k <= 4096 and n <= 1024
-    return n <= 2048 or k <= 1024 or (n <= 4096 and k <= 2048)
 
 
 def float8_config(recipe: str) -> Any:
@@ -101,6 +94,8 @@ def apply_float8(model: nn.Module, topo: Topology, train: TrainConfig) -> nn.Mod
     if train.precision != "fp8":
         return model
     raise_if_problem(float8_device_problem(topo.device))
+    raise_if_problem(grouped_mm_device_problem(train.fp8_grouped_mm, topo.device))
+    apply_float8_experts(model, model.config, train, topo.device)
     config = float8_config(train.fp8_recipe)
     cp = (topo.cp_group,) if topo.cp > 1 else ()
     tp = topo.tp_group if topo.tp > 1 else None

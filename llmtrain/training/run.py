@@ -20,6 +20,7 @@ import torch.distributed as dist
 from llmtrain.config import ConfigError, JobConfig, with_overrides
 from llmtrain.config.engine_rules import float8_all_gather
 from llmtrain.errors import UserError
+from llmtrain.parallel.float8_experts import resolve_grouped_mm
 from llmtrain.parallel.topology import Topology
 from llmtrain.parallel.watchdog import install_excepthook
 from llmtrain.training.hf_io import (
@@ -188,9 +189,9 @@ def _restore(trainer: Trainer, launch: Launch, job: JobConfig, topo: Topology) -
     trainer.checkpointer.last_good = None  # the conversion is gone: no checkpoint of this run exists yet
 
 
-def _float8_note(job: JobConfig) -> str:
-    """Under fp8: the recipe, whether ZeRO-3 gathers the weights in float8, and (MoE) that the experts'
-    grouped GEMM stays bf16 (llmtrain.parallel.float8: no float8 grouped GEMM is wired in)."""
+def _float8_note(job: JobConfig, device: torch.device) -> str:
+    """Under fp8: the recipe, whether ZeRO-3 gathers the weights in float8, and (MoE) which grouped GEMM
+    the routed experts run (train.fp8_grouped_mm as it resolves on this device)."""
     t = job.train
     if t.precision != "fp8":
         return ""
@@ -198,7 +199,9 @@ def _float8_note(job: JobConfig) -> str:
     if float8_all_gather(job):
         notes.append("ZeRO-3 weight all-gather in float8")
     if job.model.is_moe:
-        notes.append("routed experts' grouped GEMM in bf16 (the fallback)")
+        mode = resolve_grouped_mm(t.fp8_grouped_mm, device, job.model)
+        gemm = {"rowwise": "float8 rowwise", "mxfp8": "MXFP8", "bf16": "bf16 (the fallback)"}[mode]
+        notes.append(f"routed experts' grouped GEMM in {gemm}, train.fp8_grouped_mm={t.fp8_grouped_mm}")
     return f" ({'; '.join(notes)})"
 
 
@@ -244,7 +247,10 @@ def startup_block(job: JobConfig, topo: Topology, launch: Launch) -> str:
             f"{t.global_batch_size} samples x {m.seq_length} tokens = "
             f"{t.global_batch_size * m.seq_length:,} tokens per step",
         ),
-        ("precision", f"{t.precision}{_float8_note(job)}, kernels {kernel} (model.kernels={m.kernels})"),
+        (
+            "precision",
+            f"{t.precision}{_float8_note(job, topo.device)}, kernels {kernel} (model.kernels={m.kernels})",
+        ),
         (
             "output",
             f"{launch.output_dir} (segment {launch.segment}, config {os.path.basename(launch.config_file)}); "

@@ -126,8 +126,14 @@ def test_startup_block_names_the_recipe_the_float8_gather_and_the_experts_fallba
     from llmtrain.training.run import _float8_note
 
     dense = tiny_job("llama", precision="fp8", dp=2, zero_stage=3)
-    assert _float8_note(dense) == " (recipe tensorwise; ZeRO-3 weight all-gather in float8)"
-    assert _float8_note(tiny_job("mixtral", precision="fp8", fp8_recipe="rowwise")) == (
-        " (recipe rowwise; routed experts' grouped GEMM in bf16 (the fallback))"
+    cpu = torch.device("cpu")
+    assert _float8_note(dense, cpu) == " (recipe tensorwise; ZeRO-3 weight all-gather in float8)"
+    moe = tiny_job("mixtral", precision="fp8", fp8_recipe="rowwise")
+    assert _float8_note(moe, cpu) == (
+        " (recipe rowwise; routed experts' grouped GEMM in bf16 (the fallback), train.fp8_grouped_mm=auto)"
     )
-    assert _float8_note(tiny_job("llama", precision="bf16")) == ""
+    moe.train.fp8_grouped_mm = "mxfp8"
+    assert _float8_note(moe, cpu) == (
+        " (recipe rowwise; routed experts' grouped GEMM in MXFP8, train.fp8_grouped_mm=mxfp8)"
+    )
+    assert _float8_note(tiny_job("llama", precision="bf16"), cpu) == ""

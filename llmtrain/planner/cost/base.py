@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 
-from llmtrain.config.engine_rules import float8_all_gather_blocker
+from llmtrain.config.engine_rules import float8_all_gather_blocker, small_gemm
 from llmtrain.planner.cluster.hardware import ClusterView
 from llmtrain.planner.cost import collectives as C
 from llmtrain.planner.cost import flops as F
@@ -31,15 +31,49 @@ class CostBase:
         self.sw = software or Software()
         self.dev = cluster.device
         self.prec = workload.precision
-        # Under fp8 only the blocks' linear layers multiply in float8 (llmtrain.parallel.float8): attention,
-        # the router, the experts' grouped GEMM and the output layer run in bf16.
+        # Under fp8 the blocks' linear layers multiply in float8 (llmtrain.parallel.float8; linear_prec: the
+        # auto filter's) and the experts' grouped GEMM as grouped_prec says: attention, the router and the
+        # output layer run in bf16.
         self.bf16_prec = "bf16" if self.prec == "fp8" else self.prec
         self.act_bytes = 4 if self.prec == "fp32" else 2
         self.params = F.parameter_counts(workload.model)
         m = workload.model
-        self.float8_layers = [C.float8_layer_weights(m, m.is_moe_layer(i)) for i in range(m.num_layers)]
+        recipe, keep = workload.fp8_recipe, workload.fp8_filter
+        self.float8_layers = [
+            C.float8_layer_weights(m, m.is_moe_layer(i), recipe, keep) for i in range(m.num_layers)
+        ]
         """Per layer, (linear layers, weight elements) that run in float8 (collectives.float8_layer_weights),
         for train.fp8_all_gather's bytes and scales."""
+
+    def linear_prec(self, out_features: float, in_features: float) -> str:
+        """The precision a block linear of this whole weight shape multiplies in: the workload's, except
+        that under llmtrain's fp8 with train.fp8_filter=auto the shapes engine_rules.small_gemm names stay
+        bf16, as llmtrain.parallel.float8 applies the filter (Transformer Engine's recipes have no filter)."""
+        if self.prec != "fp8" or self.sw.te_fp8 or self.w.fp8_filter != "auto":
+            return self.prec
+        return self.bf16_prec if small_gemm(self.w.fp8_recipe, out_features, in_features) else self.prec
+
+    def local_linears(self, tp: int, moe: bool) -> list[tuple[float, float, str]]:
+        """(out, in) features on a TP rank of one layer's block linears (collectives.float8_linear_shapes),
+        each with the precision it multiplies in (linear_prec)."""
+        split = {"col": (tp, 1), "row": (1, tp), "whole": (1, 1)}
+        return [
+            (n / split[s][0], k / split[s][1], self.linear_prec(n, k))
+            for n, k, s in C.float8_linear_shapes(self.w.model, moe)
+        ]
+
+    @property
+    def grouped_prec(self) -> str:
+        """The precision of the routed experts' grouped GEMM: fp8 under Transformer Engine's recipes, and
+        under llmtrain's as train.fp8_grouped_mm resolves (llmtrain.parallel.float8_experts): rowwise or
+        mxfp8, or auto on a device with a float8 rate (the Hopper and later kinds the planner knows; auto
+        runs bf16 on the CPU and Ampere, which have none); else bf16."""
+        if self.prec != "fp8":
+            return self.prec
+        mode = self.w.fp8_grouped_mm
+        if self.sw.te_fp8 or mode in ("rowwise", "mxfp8"):
+            return self.prec
+        return self.prec if mode == "auto" and "fp8" in self.dev.peak_tflops else self.bf16_prec
 
     def _params_on_rank(self, layout: Layout) -> tuple[float, float]:
         """Parameters on the first and on the last pipeline rank (per TP shard), routed experts apart

@@ -15,6 +15,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 
+from llmtrain.config.engine_rules import small_gemm
 from llmtrain.config.schema import ModelConfig
 from llmtrain.planner.cost import flops as F
 
@@ -338,22 +339,48 @@ FLOAT8_SCALE_BYTES = 4
 """A float8 weight's scale (fp32): all-reduced (its amax, MAX) once a step under train.fp8_all_gather."""
 
 
-def float8_layer_weights(model: ModelConfig, moe: bool) -> tuple[int, int]:
-    """(linear layers, weight elements) of one layer that llmtrain.parallel.float8 runs in float8, whole
-    (tp 1): the attention projections, and the dense MLP or a MoE layer's shared experts (the router and
-    the routed experts' grouped GEMM stay bf16; biases and norms are not GEMM operands). All of them, as
-    train.fp8_filter=all converts them (the cost model does not model the auto filter)."""
+def float8_linear_shapes(model: ModelConfig, moe: bool) -> list[tuple[int, int, str]]:
+    """(out, in) features of one layer's linears that llmtrain.parallel.float8 may run in float8, whole
+    (tp 1), with how TP splits each: "col" (out), "row" (in), or "whole" (latent attention's replicated
+    down-projections, a MoE layer's shared experts). The attention projections and the dense MLP or a MoE
+    layer's shared experts; the router and the routed experts' grouped GEMM are not linear layers, biases
+    and norms not GEMM operands."""
     h = model.hidden_size
+    a = model.num_attention_heads
     if model.arch == "deepseek_v3":
-        linears = 5 if model.q_lora_rank else 4
-        attn = F.latent_attention_parameters(model) - model.kv_lora_rank - (model.q_lora_rank or 0)
+        nope, rope, v, kv = (
+            model.qk_nope_head_dim,
+            model.qk_rope_head_dim,
+            model.v_head_dim,
+            model.kv_lora_rank,
+        )
+        rank = model.q_lora_rank
+        query = (
+            [(a * (nope + rope), h, "col")]
+            if not rank
+            else [(rank, h, "whole"), (a * (nope + rope), rank, "col")]
+        )
+        attn = [*query, (kv + rope, h, "whole"), (a * (nope + v), kv, "col"), (h, a * v, "row")]
     else:
-        linears = 4
-        attn = 2 * model.num_attention_heads * model.head_size * h + 2 * model.kv_heads * model.head_size * h
+        d, kv_heads = model.head_size, model.kv_heads
+        attn = [(a * d, h, "col"), (kv_heads * d, h, "col"), (kv_heads * d, h, "col"), (h, a * d, "row")]
+    width = 2 if F.is_gated(model) else 1
     if not moe:
-        return linears + 2, attn + (3 if F.is_gated(model) else 2) * h * model.ffn_size
-    shared = model.num_shared_experts * 3 * h * model.expert_ffn_size
-    return linears + (2 if shared else 0), attn + shared
+        return [*attn, (width * model.ffn_size, h, "col"), (h, model.ffn_size, "row")]
+    shared = model.num_shared_experts * model.expert_ffn_size
+    return [*attn, (2 * shared, h, "whole"), (h, shared, "whole")] if shared else attn
+
+
+def float8_layer_weights(model: ModelConfig, moe: bool, recipe: str, fp8_filter: str) -> tuple[int, int]:
+    """(linear layers, weight elements) of one layer that llmtrain.parallel.float8 runs in float8, whole:
+    float8_linear_shapes, less those train.fp8_filter=auto keeps bf16 (engine_rules.small_gemm, judged by
+    the full weight shape as the runtime judges it)."""
+    kept = [
+        (n, k)
+        for n, k, _ in float8_linear_shapes(model, moe)
+        if fp8_filter != "auto" or not small_gemm(recipe, n, k)
+    ]
+    return len(kept), sum(n * k for n, k in kept)
 
 
 def moe_layer_parameters(model: ModelConfig, tp: int, ep: int) -> tuple[int, int, int]:

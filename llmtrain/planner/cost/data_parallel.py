@@ -5,6 +5,7 @@ the fp32 buffer.
 
 from __future__ import annotations
 
+from llmtrain.planner.cost import collectives as C
 from llmtrain.planner.cost.base import CostBase
 from llmtrain.planner.cost.layout import Layout
 from llmtrain.planner.cost.memory import expert_dp_size, expert_shard_group, layer_parameters, shard_group
@@ -30,7 +31,7 @@ class DataParallelTime(CostBase):
         tests/planner/test_collectives.py). Hybrid sharding adds an all-reduce of the shard across the
         replicas. Offload copies the gradient shard to the host and the updated parameters back, and runs
         Adam on the host's cores; with the parameters offloaded the shards also cross the host link at every
-        gather.
+        gather. Under train.fp8_all_gather the step's all-reduce of the float8 weights' scales is added.
         """
         params = max(self._params_on_rank(layout))
         experts = self._expert_params_on_rank(layout)
@@ -99,6 +100,12 @@ class DataParallelTime(CostBase):
             optimizer = local * (g + 4) / host + local / (self.dev.host_adam_gparams * 1e9)
             if layout.offload == "optimizer+params":
                 exposed += gathers * local * 4 / host
+        if z >= 2 and dp > 1 and self.float8_gathered(layout):
+            # train.fp8_all_gather's scales after the step: one fp32 all-reduce (MAX) of the rank's float8
+            # weights' amaxes over the shard group (float8_gather.precompute_weight_scales), not overlapped.
+            linears = self._max_layers_per_rank(layout) * max(n for n, _ in self.float8_layers)
+            scales = self.c.all_reduce(linears * C.FLOAT8_SCALE_BYTES, shard, tp)
+            reduce, exposed = reduce + scales, exposed + scales
         if self.w.optimizer == "muon":
             muon_comm, ns = self._muon_time(layout)
             reduce, exposed, optimizer = reduce + muon_comm, exposed + muon_comm, optimizer + ns

@@ -65,6 +65,8 @@ class LayerTime(CostBase):
         else:
             attn = dev.gemm_time(tok, (a + 2 * kv) * d, h, prec) + dev.gemm_time(tok, h, a * d, prec)
             width = d
+        if self.linear_prec(0, 0) != prec:  # fp8_filter=auto: each projection at its own precision
+            attn = sum(dev.gemm_time(tok, n, k, p) for n, k, p in self.local_linears(tp, False)[:-2])
         gemms = attn + mlp_gemms
         # Weight-gradient matmuls have the same sizes as the forward's (dW = X^T dY).
         wgrad = gemms
@@ -103,7 +105,7 @@ class LayerTime(CostBase):
             elem = dev.memory_time(ref_f, kernels=6, tensor_bytes=e * nh)
             elem_b = dev.memory_time(ref_b, kernels=12, tensor_bytes=e * nh)
         if prec == "fp8":
-            cast_f, cast_b = self._float8_cast_bytes(tp, tok)
+            cast_f, cast_b = self._float8_cast_bytes(tp, tok, ep)
             elem += dev.memory_time(cast_f, kernels=4)
             elem_b += dev.memory_time(cast_b, kernels=8)
         fwd = gemms + core_f + elem
@@ -156,10 +158,11 @@ class LayerTime(CostBase):
         share of the top-k rows per token (times Software.moe_imbalance) of the rank's E/ep experts, the
         shared experts, and the copies of every routed row (gathered by token, concatenated, weighted in
         fp32 and added back); a MoE model's dense and MoE layers are averaged."""
-        m, dev, prec, e = self.w.model, self.dev, self.prec, self.act_bytes
+        m, dev, e = self.w.model, self.dev, self.act_bytes
         h, f = m.hidden_size, m.ffn_size / tp
         gated = F.is_gated(m)
-        dense = dev.gemm_time(tok, (2 if gated else 1) * f, h, prec) + dev.gemm_time(tok, h, f, prec)
+        up, down = self.local_linears(tp, False)[-2:]
+        dense = sum(dev.gemm_time(tok, n, k, p) for n, k, p in (up, down))
         dense_bytes = (6 if gated else 4) * e * tok * f
         moe_layers = F.moe_layer_count(m)
         if not moe_layers:
@@ -167,17 +170,16 @@ class LayerTime(CostBase):
         fe, local, routing = m.expert_ffn_size, m.num_experts // ep, tok // tp
         rows = C.routed_rows(tok, m.num_experts_per_tok, tp) * self.sw.moe_imbalance
         per_expert = rows / local
-        # The experts' grouped GEMM stays bf16 under llmtrain's fp8 (Transformer Engine's runs in FP8); the
-        # router in bf16 under both.
-        grouped = prec if self.sw.te_fp8 else self.bf16_prec
-        router = self.bf16_prec
+        # The experts' grouped GEMM in FP8 where train.fp8_grouped_mm runs it (grouped_prec; Transformer
+        # Engine's always); the router in bf16 under both.
+        grouped, router = self.grouped_prec, self.bf16_prec
         routed = local * (
             dev.gemm_time(per_expert, 2 * fe, h, grouped) + dev.gemm_time(per_expert, h, fe, grouped)
         )
         shared_f = fe * m.num_shared_experts
         shared = 0.0
         if shared_f:
-            shared = dev.gemm_time(routing, 2 * shared_f, h, prec) + dev.gemm_time(routing, h, shared_f, prec)
+            shared = sum(dev.gemm_time(routing, n, k, p) for n, k, p in self.local_linears(tp, True)[-2:])
         moe = dev.gemm_time(routing, m.num_experts, h, router) + routed + shared
         # Per routed row of h: gather (read, write), concatenate (read, write), cast up (read e, write 4),
         # weight (read 4, write 4), cast down (read 4, write e), index-add (read, write).
@@ -187,12 +189,15 @@ class LayerTime(CostBase):
         share = moe_layers / m.num_layers
         return (1 - share) * dense + share * moe, (1 - share) * dense_bytes + share * moe_bytes
 
-    def _float8_cast_bytes(self, tp: int, tok: int) -> tuple[float, float]:
+    def _float8_cast_bytes(self, tp: int, tok: int, ep: int = 1) -> tuple[float, float]:
         """(forward, backward) bytes of one layer's float8 casts (llmtrain.parallel.gemms): each cast reads
         its bf16 operand for the amax, then reads it again and writes e4m3/e5m2, 5 bytes an element. A
         linear layer casts its input and weight forward; backward the output gradient twice (input- and
         weight-gradient GEMMs), the weight and the input again. The rank's linears (in, out features), of a
-        dense and a MoE layer averaged (whose shared experts see the 1/tp of the tokens the rank routes).
+        dense and a MoE layer averaged (whose shared experts see the 1/tp of the tokens the rank routes);
+        with train.fp8_filter=auto only those that run in float8 (linear_prec). Where the routed experts'
+        grouped GEMM runs in float8 (grouped_prec, torchao's), its routed rows and the rank's E/ep experts'
+        weights are cast the same way.
 
         Software.te_fp8 (Transformer Engine): a cast-transpose reads the bf16 operand once and writes its
         float8 copy and the copy's transpose, 4 bytes an element, with the amax taken in the same pass; the
@@ -220,14 +225,23 @@ class LayerTime(CostBase):
             bwd = sum(2 * t * o + i * o + t * i for i, o in linears)
             return 5 * fwd, 5 * bwd
 
+        if self.linear_prec(0, 0) != self.prec:  # fp8_filter=auto: only the linears that run in float8
+            block = self.local_linears(tp, False)
+            attn = [(k, n) for n, k, p in block[:-2] if p == "fp8"]
+            dense = [(k, n) for n, k, p in block[-2:] if p == "fp8"]
+            shared = [(k, n) for n, k, p in self.local_linears(tp, True)[-2:] if p == "fp8"] if shared else []
         share = F.moe_layer_count(m) / m.num_layers
         attn_f, attn_b = passes(attn, tok)
         dense_f, dense_b = passes(dense, tok)
         moe_f, moe_b = passes(shared, tok / tp)
-        if share and self.sw.te_fp8:
-            fe = m.expert_ffn_size
+        if share and self.grouped_prec == "fp8":
+            # The routed rows' casts, and (llmtrain's torchao grouped GEMMs) each local expert's weights.
+            fe, local = m.expert_ffn_size, m.num_experts // ep
             rows = C.routed_rows(tok, m.num_experts_per_tok, tp) * self.sw.moe_imbalance
             routed_f, routed_b = passes([(h, 2 * fe), (fe, h)], rows)
+            if not self.sw.te_fp8:
+                weights = 5 * (local - 1) * 3 * h * fe  # passes counted one expert's weights
+                routed_f, routed_b = routed_f + weights, routed_b + weights
             moe_f, moe_b = moe_f + routed_f, moe_b + routed_b
         return (
             attn_f + (1 - share) * dense_f + share * moe_f,

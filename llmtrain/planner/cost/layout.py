@@ -219,6 +219,10 @@ class Workload:
     """train.fp8_recipe under precision fp8."""
     fp8_all_gather: bool | None = None
     """train.fp8_all_gather: ZeRO-3 gathers the float8 linears' weights in float8 (null: where it applies)."""
+    fp8_filter: str = "all"
+    """train.fp8_filter: all block linears in float8, or auto (engine_rules.small_gemm's stay bf16)."""
+    fp8_grouped_mm: str = "auto"
+    """train.fp8_grouped_mm: the routed experts' grouped GEMM under fp8 (auto, rowwise, mxfp8, bf16)."""
 
     @property
     def seq(self) -> int:
@@ -235,6 +239,8 @@ class Workload:
             optimizer=job.train.optimizer,
             fp8_recipe=job.train.fp8_recipe,
             fp8_all_gather=job.train.fp8_all_gather,
+            fp8_filter=job.train.fp8_filter,
+            fp8_grouped_mm=job.train.fp8_grouped_mm,
         )
 
 
