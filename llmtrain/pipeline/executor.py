@@ -13,6 +13,9 @@ Gradients accumulate over the micro-batches; the loss is the mean over micro-bat
 mean loss, exactly as ``LocalStepRunner`` on one process. With a split backward (zero-bubble schedules) the
 ``I`` action computes input gradients and keeps each linear layer's (input, output-gradient) pair -- plain
 ``nn.Linear`` and the tensor-parallel column/row layers alike; ``W`` turns them into weight gradients later.
+A forward followed by a full backward that both exchange tokens over EP (DualPipeV's overlapped phase on an
+MoE model) run as a pair on two threads taking turns at the all-to-alls (llmtrain.parallel.turns): both
+computes' receives are waited for first, the sends between them posted after both.
 """
 
 from __future__ import annotations
