@@ -302,9 +302,11 @@ class PipelineExecutor:
             self._defer_weight_grads()
         # DualPipeV's overlapped pairs: a forward and the next backward both exchanging tokens over EP run on
         # two threads taking turns at the all-to-alls (llmtrain.parallel.turns), so each exchange hides behind
-        # the other's compute. FSDP's unsharding stays on one thread.
-        self.overlap = topo.ep > 1 and not self._fsdp and any(c.num_moe_layers for c in stages.chunks)
-        """Run overlapped pairs on two threads (default where they exchange tokens over EP)."""
+        # the other's compute. FSDP's unsharding stays on one thread. Other schedules' F-then-B steps (1F1B's
+        # steady state) are not paired: their pairing is neither checked deadlock-free nor tested.
+        moe = any(c.num_moe_layers for c in stages.chunks)
+        self.overlap = schedule.name == "dualpipe_v" and topo.ep > 1 and not self._fsdp and moe
+        """Run overlapped pairs on two threads (default for dualpipe_v where they exchange tokens over EP)."""
 
     def _defer_weight_grads(self) -> None:
         """Route the linear layers (``nn.Linear``, TP column/row parallel) through ``_split_linear``; a
