@@ -7,9 +7,10 @@ Schedule1F1B, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleZB
 ScheduleDualPipeV then run the same micro-batches on the same weights (each of our schedules on its own
 copy: a split-backward executor reroutes its stages' linear layers), alternating step by step so all see
 the same machine load.
-Prints three tables: median step times and peak memory per rank (resident memory above the step's start)
-with our/torch ratios; for our schedules the bubble of a traced step beside the simulator's replay of that
-same step (llmtrain.pipeline.replay: its own per-action durations, the measured dispatch overhead and
+Prints three tables: median step times and peak memory per rank (resident memory above the step's start; for
+torch's, with its previous step's outputs freed first and its receive buffers, which it keeps between steps,
+added) with our/torch ratios; for our schedules the bubble of a traced step beside the simulator's replay of
+that same step (llmtrain.pipeline.replay: its own per-action durations, the measured dispatch overhead and
 transfer latency), and "traced/bound", the traced step over the schedule's compute bound (the replay with
 free transfers and no overhead), which no executor of that schedule can go below; and dualpipe_v's exposed
 communication (llmtrain.pipeline.comm_trace) with its transfers posted ahead, as run, against posted only
@@ -78,6 +79,17 @@ def _peak_step_memory(fn) -> int:
     peak = _rss("VmHWM") - base
     dist.barrier()
     return peak
+
+
+def _kept_receive_bytes(stages: list) -> int:
+    """Bytes of the receive buffers torch's stages keep between steps: one per micro-batch for activations
+    and one for gradients, allocated at their first step (ours allocates each receive's buffer in the step,
+    so the step's rise counts it)."""
+    tables = [table for stage in stages for table in (stage.args_recv_info, stage.grad_recv_info)]
+    buffers = [
+        getattr(info, "buffer", None) for table in tables for infos in table.values() for info in infos
+    ]
+    return sum(b.numel() * b.element_size() for b in buffers if b is not None)
 
 
 CONFIGS = [
@@ -178,8 +190,15 @@ def _worker(rank: int, world: int, store: str, args: argparse.Namespace, results
         memory = {}
         for name, (owner, fn) in runs.items():
             owner.zero_grad(set_to_none=True)
+            kept = 0
+            if name in theirs_names:
+                # torch frees its last step's outputs (the last stage's logits of every micro-batch) only when
+                # its next step starts: freed here first, or the baseline holds memory the step reuses.
+                for stage in torch_stages:
+                    stage.clear_runtime_states()
+                kept = _kept_receive_bytes(torch_stages)
             peak: list = [None] * world
-            dist.all_gather_object(peak, _peak_step_memory(fn))
+            dist.all_gather_object(peak, _peak_step_memory(fn) + kept)
             memory[name] = peak
         for name, ex in executors.items():
             traced, comms = [], []

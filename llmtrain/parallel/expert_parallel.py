@@ -31,16 +31,21 @@ from torch import nn
 from llmtrain.models.moe import Experts
 from llmtrain.parallel.comm import all_to_all_single
 from llmtrain.parallel.topology import Topology
+from llmtrain.parallel.turns import handoff
 
 
 def _all_to_all(
     x: torch.Tensor, send: list[int], receive: list[int], group: Any, detail: str
 ) -> torch.Tensor:
     """Rows [sum(send[:i]), sum(send[:i + 1])) of `x` to the group's rank i; returns the rows received,
-    receive[i] of them from rank i, in rank order."""
+    receive[i] of them from rank i, in rank order. Inside an overlapped pair (llmtrain.parallel.turns) the
+    exchange runs while the pair's other computation has the turn."""
     out = x.new_empty((sum(receive), *x.shape[1:]))
-    all_to_all_single(
-        out, x.contiguous(), group, detail=detail, output_split_sizes=receive, input_split_sizes=send
+    rows = x.contiguous()
+    handoff(
+        lambda async_op: all_to_all_single(
+            out, rows, group, async_op, detail, output_split_sizes=receive, input_split_sizes=send
+        )
     )
     return out
 

@@ -13,12 +13,16 @@ Gradients accumulate over the micro-batches; the loss is the mean over micro-bat
 mean loss, exactly as ``LocalStepRunner`` on one process. With a split backward (zero-bubble schedules) the
 ``I`` action computes input gradients and keeps each linear layer's (input, output-gradient) pair -- plain
 ``nn.Linear`` and the tensor-parallel column/row layers alike; ``W`` turns them into weight gradients later.
+A forward followed by a full backward that both exchange tokens over EP (DualPipeV's overlapped phase on an
+MoE model) run as a pair on two threads taking turns at the all-to-alls (llmtrain.parallel.turns): both
+computes' receives are waited for first, the sends between them posted after both.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -39,6 +43,7 @@ from llmtrain.parallel.gemms import PLAIN, LinearGemms, linear
 from llmtrain.parallel.materialize import is_meta, materialize
 from llmtrain.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, gather_sequence
 from llmtrain.parallel.topology import Topology
+from llmtrain.parallel.turns import run_pair
 from llmtrain.parallel.zero import apply_data_parallel, grad_sync
 from llmtrain.pipeline.comm_trace import CommTrace
 from llmtrain.pipeline.router_stats import PipelineRouter
@@ -99,12 +104,22 @@ def _accumulate(work: list[_WeightGrad]) -> None:
 class _SplitBackward:
     """One executor's zero-bubble state. While ``building`` (a split-backward schedule's F or I,
     recomputation included) the patched linear layers build the deferrable graph; other executors
-    sharing the modules see plain layers. While an I action runs, ``queue`` collects the weight-gradient
-    work of its micro-batch for the matching W; outside of one the work is done at once."""
+    sharing the modules see plain layers. ``building`` is the calling thread's (an overlapped pair's
+    forward runs on a thread of its own beside the backward). While an I action runs, ``queue`` collects
+    the weight-gradient work of its micro-batch for the matching W (read by autograd's thread, which on a
+    GPU is not the caller's); outside of one the work is done at once."""
 
     def __init__(self) -> None:
-        self.building = False
+        self._thread = threading.local()
         self.queue: list[_WeightGrad] | None = None
+
+    @property
+    def building(self) -> bool:
+        return getattr(self._thread, "building", False)
+
+    @building.setter
+    def building(self, on: bool) -> None:
+        self._thread.building = on
 
     def take(self, work: _WeightGrad) -> None:
         if self.queue is not None:
@@ -285,6 +300,13 @@ class PipelineExecutor:
         (D,), every rank); None without model.mtp_layers."""
         if schedule.split_backward:
             self._defer_weight_grads()
+        # DualPipeV's overlapped pairs: a forward and the next backward both exchanging tokens over EP run on
+        # two threads taking turns at the all-to-alls (llmtrain.parallel.turns), so each exchange hides behind
+        # the other's compute. FSDP's unsharding stays on one thread. Other schedules' F-then-B steps (1F1B's
+        # steady state) are not paired: their pairing is neither checked deadlock-free nor tested.
+        moe = any(c.num_moe_layers for c in stages.chunks)
+        self.overlap = schedule.name == "dualpipe_v" and topo.ep > 1 and not self._fsdp and moe
+        """Run overlapped pairs on two threads (default for dualpipe_v where they exchange tokens over EP)."""
 
     def _defer_weight_grads(self) -> None:
         """Route the linear layers (``nn.Linear``, TP column/row parallel) through ``_split_linear``; a
@@ -418,17 +440,9 @@ class PipelineExecutor:
         def a_stage(a: Action) -> int:
             return s.stage(pp_rank, a.chunk)
 
-        previous = -1
-        for k, i in enumerate(computes):
-            a = actions[i]
-            key = (a.microbatch, a.chunk)
-            # The transfers between the previous compute and this one: its sends, this one's receives.
-            queue_sends(previous + 1, i)
-            # Receives are posted `lookahead` computes ahead, so transfers overlap compute.
-            ahead = k + self.lookahead
-            post_receives(max(i, computes[ahead] if ahead < len(computes) else len(actions)))
-            flush()
-            for j in range(previous + 1, i):
+        def take_receives(start: int, stop: int) -> None:
+            """Wait for the receives among actions[start:stop] and file their buffers."""
+            for j in range(start, stop):
                 t = actions[j]
                 if t.kind in (RECV_F, RECV_B):
                     work = recv_works.pop(j, None)
@@ -441,7 +455,9 @@ class PipelineExecutor:
                                 work.wait()
                     store = inputs if t.kind == RECV_F else grads_in
                     store[(t.microbatch, t.chunk)] = recv_bufs.pop(j)
-            previous = i
+
+        def compute(a: Action) -> None:
+            key = (a.microbatch, a.chunk)
             local = self._local_neighbour(a)
             if local is not None and a.kind == "F":  # the V's bottom turn: the input is on this rank
                 inputs[key] = outputs[(a.microbatch, local)].detach()
@@ -483,6 +499,32 @@ class PipelineExecutor:
                         "end": time.perf_counter(),
                     }
                 )
+
+        previous = -1
+        k = 0
+        while k < len(computes):
+            i = computes[k]
+            a = actions[i]
+            # An overlapped pair (a forward, then a backward, both exchanging tokens between EP ranks) runs
+            # as one: both computes' receives first, the sends between them after both.
+            paired = (
+                not forward_only and k + 1 < len(computes) and self._overlaps(a, actions[computes[k + 1]])
+            )
+            last = computes[k + 1] if paired else i
+            # The transfers between the previous compute and this one: its sends, this one's receives.
+            queue_sends(previous + 1, i)
+            # Receives are posted `lookahead` computes ahead, so transfers overlap compute.
+            ahead = k + paired + self.lookahead
+            post_receives(max(last, computes[ahead] if ahead < len(computes) else len(actions)))
+            flush()
+            take_receives(previous + 1, last)
+            if paired:
+                run_pair(functools.partial(compute, a), functools.partial(compute, actions[last]))
+                queue_sends(i + 1, last)
+            else:
+                compute(a)
+            previous = last
+            k += 1 + paired
         queue_sends(previous + 1, len(actions))
         flush()
         with self.topo.watchdog.waiting("pp", "send", f"{len(pending_sends)} sends at the end of the step"):
@@ -499,6 +541,12 @@ class PipelineExecutor:
             return loss
         terms, self.router_figures = router.finish(m)
         return loss + terms.cpu()
+
+    def _overlaps(self, a: Action, b: Action) -> bool:
+        """True when forward ``a`` and the backward ``b`` after it run as an overlapped pair."""
+        chunks = self.stages.chunks
+        moe = chunks[a.chunk].num_moe_layers and chunks[b.chunk].num_moe_layers
+        return self.overlap and a.kind == "F" and b.kind == B and bool(moe)
 
     def _local_neighbour(self, a: Action) -> int | None:
         """The chunk of this rank holding the stage before ``a``'s (the bottom of a V), whose output a

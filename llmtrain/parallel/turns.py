@@ -1,0 +1,84 @@
+"""Two computations of one rank taking turns at their expert all-to-alls (DualPipeV's overlapped pair).
+
+A pipeline rank runs the forward of one micro-batch and the backward of another on two threads that hand
+one turn back and forth: only the holder computes, the other waits. At a hand-off point (``handoff``: the
+expert-parallel all-to-all) the holder issues its collective asynchronously, passes the turn, and waits for
+the collective's work only once the turn is back, so the exchange runs while the other side computes.
+Turns change hands only there, so the order in which a rank issues its collectives follows from the two
+computations alone, the same on every rank that runs the same pair (gloo and NCCL match collectives by
+order). Outside a pair ``handoff`` runs the collective synchronously.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+_local = threading.local()
+
+
+class _Turns:
+    """The turn of a pair: side 0 (the first) holds it at the start."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._holder = 0
+        self._running = [True, True]
+
+    def wait(self, side: int) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._holder == side)
+
+    def hand_over(self, side: int) -> None:
+        """Pass the turn to the other side, if it is still running, and wait until it comes back."""
+        with self._cond:
+            if not self._running[1 - side]:
+                return
+            self._holder = 1 - side
+            self._cond.notify_all()
+            self._cond.wait_for(lambda: self._holder == side)
+
+    def finish(self, side: int) -> None:
+        with self._cond:
+            self._running[side] = False
+            self._holder = 1 - side
+            self._cond.notify_all()
+
+
+def handoff(issue: Callable[[bool], Any]) -> None:
+    """``issue(async_op)`` a collective: at once (``async_op`` False) outside a pair; inside one
+    asynchronously, then the turn goes to the other side and the work is waited for when it comes back."""
+    turn = getattr(_local, "turn", None)
+    if turn is None:
+        issue(False)
+        return
+    pending = issue(True)
+    turns, side = turn
+    turns.hand_over(side)
+    pending.wait()
+
+
+def run_pair(first: Callable[[], None], second: Callable[[], None]) -> None:
+    """Run ``first`` on a new thread and ``second`` on this one, taking turns at ``handoff`` points
+    (``first`` starts); returns when both are done, raising the first error of either."""
+    turns = _Turns()
+    errors: list[BaseException] = []
+
+    def side_body(side: int, fn: Callable[[], None]) -> None:
+        turns.wait(side)
+        _local.turn = (turns, side)
+        try:
+            fn()
+        except BaseException as error:  # re-raised on the caller's thread below
+            errors.append(error)
+        finally:
+            _local.turn = None
+            turns.finish(side)
+
+    thread = threading.Thread(target=side_body, args=(0, first), name="overlapped-forward")
+    thread.start()
+    side_body(1, second)
+    thread.join()
+    if errors:
+        raise errors[0]
