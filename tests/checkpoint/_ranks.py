@@ -2,9 +2,9 @@
 server (tests.parallel._dist) instead of a fresh interpreter: a rank then costs its training, not ~8 CPU-s
 of imports, and there is no launcher process (~3 CPU-s). For tests where what a launch leaves and prints is
 checked, not the launcher: the script runs as `__main__` (its exit status, its one-line errors, an uncaught
-exception through sys.excepthook), with
-torchrun's environment for a rank (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT; rank 0 hosts the store),
-and, as torchrun's agent does, the first rank to fail has the others stopped: SIGTERM, SIGKILL 30 s later.
+exception through sys.excepthook), with torchrun's environment for a rank (RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR/PORT; rank 0 hosts the store), and, as torchrun's agent does, the first rank to fail has the
+others stopped: SIGTERM, SIGKILL 30 s later.
 """
 
 from __future__ import annotations
