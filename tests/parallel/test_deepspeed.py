@@ -281,17 +281,17 @@ def test_deepspeed_checkpoint_resumes_on_llmtrain_and_deepspeed(tmp_path, deepsp
     process within 1e-4 relative (the issue's bound for fp32 layouts; the engines and dp=2 against one
     process differ by ~1e-7 here and in test_deepspeed_offload_trains_like_one_process, and a checkpoint
     that lost Adam's hyper-parameters missed by 1e-2). The reference is one process rather than a
-    torchrun launch of dp=2 (a launcher and a rank fewer to start): the same global batches, so the same
-    losses up to fp32 summation order, and a reference made without DP's machinery at all."""
-    from tests.training._runs import python_command, run_cli, torchrun_command
+    torchrun launch of dp=2 (a launcher and a rank fewer to start), run in this process (no interpreter,
+    torch or llmtrain to start either): the same global batches, so the same losses up to fp32 summation
+    order, and a reference made without DP's machinery at all."""
+    from tests.training._runs import run_cli, torchrun_command, train_here
 
     # A constant lr, so a run of 3 steps follows the same schedule as one of 6.
     common = ["train.lr_decay=constant", "train.warmup_steps=0", "train.eval_interval=0"]
     common.append("logging.interval=1")
     deepspeed = ["parallel.engine=deepspeed", "parallel.zero_stage=2", "parallel.offload=optimizer"]
     llmtrain = ["parallel.zero_stage=1", "train.steps=6"]
-    straight = run_cli(python_command(tmp_path / "straight", *common, "train.steps=6"), timeout=600)
-    assert straight.returncode == 0, straight.stderr[-3000:]
+    train_here(tmp_path / "straight", *common, "train.steps=6")  # the reference's launch is not under test
     first = run_cli(torchrun_command(2, tmp_path / "ds", *common, *deepspeed, "train.steps=3"), timeout=600)
     assert first.returncode == 0, first.stderr[-3000:]
     (saved,) = (tmp_path / "ds").rglob("step_3")

@@ -80,3 +80,14 @@ def tree_digest(path: Path) -> dict[str, str]:
         for p in sorted(path.rglob("*"))
         if p.is_file()
     }
+
+
+def train_here(out: Path, *overrides: str) -> None:
+    """The tiny job of `python_command(out, *overrides)` run to its end in this process, through
+    llmtrain.training.run (what tools/pretrain.py calls): for a reference run whose launch is not what a
+    test checks, without starting Python, torch and llmtrain again (~8 CPU-s)."""
+    from llmtrain.config import load
+    from llmtrain.training.run import run
+
+    result = run(load(CONFIG, [*TINY, f"output_dir={out}", *overrides]))
+    assert result.exit_code == 0, result.summary()
