@@ -35,7 +35,10 @@ misses them by orders of magnitude.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
+import os
+import pickle
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -256,6 +259,30 @@ def torch_reference(
     )
 
 
+STORE = "LLMTRAIN_TEST_REFERENCES"
+"""Environment variable naming a folder where `stored_reference` keeps each float64 reference it computes,
+for every later test and spawned rank of the session (tests/parallel/conftest.py sets it per session)."""
+
+
+def stored_reference(job: JobConfig, batches: Sequence[torch.Tensor], lr: float, **kw: Any) -> Reference:
+    """`torch_reference` (same arguments), computed once per test session: the same model, training
+    settings, batches and arguments a second time, in this process, a later test or another spawned
+    group, load it from the folder $LLMTRAIN_TEST_REFERENCES names (unset: computed afresh). The key is
+    everything the reference reads, so a stored one is the one that computing would give."""
+    folder = os.environ.get(STORE)
+    if folder is None:
+        return torch_reference(job, batches, lr, **kw)
+    arguments = {k: v.tolist() if isinstance(v, torch.Tensor) else repr(v) for k, v in sorted(kw.items())}
+    what = (repr(job.model), repr(job.train), [b.tolist() for b in batches], lr, arguments)
+    path = os.path.join(folder, hashlib.sha256(pickle.dumps(what)).hexdigest() + ".pt")
+    if os.path.exists(path):
+        return torch.load(path, weights_only=False)
+    reference = torch_reference(job, batches, lr, **kw)
+    torch.save(reference, f"{path}.{os.getpid()}")
+    os.replace(f"{path}.{os.getpid()}", path)  # whole or absent for a reader in another process
+    return reference
+
+
 STEPS = 3
 """Steps of the layout runs: enough for Adam's moments and updated weights to feed back into a gradient."""
 LR, SGD_LR = 1e-3, 1.0
@@ -277,9 +304,9 @@ def train_layouts(
     """Run each layout on this rank of a `world`-process job (one process launch for them all) and, on rank
     0, compare its losses, gradient norms and final weights with the float64 one-process run: within the
     fp32 bounds and the issues' gap. The reference runs each micro-batch as training accumulates them (an
-    MoE's router losses are per micro-batch); layouts whose models differ only in recompute share it."""
+    MoE's router losses are per micro-batch); layouts whose models differ only in recompute share it, and
+    each is computed once per session (`stored_reference`)."""
     failures: list[str] = []
-    references: dict[tuple, Reference] = {}
     for arch, settings, optimizer in layouts:
         packed = settings.get("packed", False)
         job = tiny_job(arch, **{k: v for k, v in settings.items() if k != "packed"})
@@ -304,18 +331,17 @@ def train_layouts(
         name = f"{arch} {optimizer} world={world} {' '.join(f'{k}={v}' for k, v in settings.items())}"
         if len(run["losses"]) != STEPS:
             failures.append(f"{name}: {len(run['losses'])} steps ran of {STEPS}")
-        model = replace(job.model, recompute="none", recompute_layers=[])
-        key = (repr(model), job.train.global_batch_size, optimizer, packed)
-        if key not in references:
-            references[key] = torch_reference(
-                job,
-                data,
-                lr,
-                sgd=optimizer == "sgd",
-                document_separator=separator,
-                micro_batch_size=job.train.micro_batch_size,
-            )
-        ref = references[key]
+        # Layouts whose models differ only in recompute share the reference (of the model without it), also
+        # with the other world sizes and modules of the session (stored_reference).
+        plain = replace(job, model=replace(job.model, recompute="none", recompute_layers=[]))
+        ref = stored_reference(
+            plain,
+            data,
+            lr,
+            sgd=optimizer == "sgd",
+            document_separator=separator,
+            micro_batch_size=job.train.micro_batch_size,
+        )
         if check_run is not None:
             failures += check_run(name, job, topo, run)
         failures += ref.check(name, run["losses"], run["grad_norms"], run["state"])

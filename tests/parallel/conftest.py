@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+
 import pytest
+
+from tests.parallel._reference import STORE
 
 
 @pytest.fixture(scope="session")
@@ -16,3 +21,13 @@ def deepspeed_extensions() -> None:
     from deepspeed.ops.op_builder import CPUAdamBuilder
 
     CPUAdamBuilder().load()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def reference_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """A folder for the session's float64 references (tests/parallel/_reference.py, stored_reference),
+    named in the environment the spawned ranks inherit: each reference is computed once per session,
+    however many world sizes, layouts and tests compare against it."""
+    os.environ[STORE] = str(tmp_path_factory.mktemp("references"))
+    yield
+    del os.environ[STORE]

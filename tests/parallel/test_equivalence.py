@@ -13,7 +13,7 @@ import torch
 
 from llmtrain.parallel import Topology
 from tests.parallel._dist import batches, parallel_run, sgd, spawn, tiny_job
-from tests.parallel._reference import torch_reference
+from tests.parallel._reference import stored_reference, torch_reference
 
 # Three Adam steps, as test_fsdp.py: from the second on, the update mixes moments of several gradients, so
 # a wrong shard of Adam's state, a stale bucket or a wrongly scaled gradient shows there (the first step's
@@ -77,17 +77,17 @@ def _topology_facts(rank: int, world: int) -> dict:
 
 def _adamw_layouts(rank: int, world: int) -> list[str]:
     failures = []
-    references = {}
     for arch, tp, dp, sp, zero in _cases(world):
         job = tiny_job(arch, tp=tp, dp=dp, sequence_parallel=sp, zero_stage=zero)
         data = batches(job, STEPS)
         run = parallel_run(job, Topology(job.parallel, world, rank), data, LR)
         if rank != 0:
             continue
-        if arch not in references:
-            references[arch] = torch_reference(job, data, LR)
         name = f"AdamW {arch} tp={tp} dp={dp} sp={sp} zero={zero}"
-        failures += references[arch].check(name, run["losses"], run["grad_norms"], run["state"])
+        # One float64 run per arch for the session: both world sizes and the one-process test share it.
+        failures += stored_reference(job, data, LR).check(
+            name, run["losses"], run["grad_norms"], run["state"]
+        )
         if any(s.skipped for s in run["stats"]):
             failures.append(f"{name}: skipped steps")
     return failures
@@ -95,7 +95,6 @@ def _adamw_layouts(rank: int, world: int) -> list[str]:
 
 def _sgd_layouts(rank: int, world: int) -> list[str]:
     failures = []
-    references = {}
     for arch in ("gpt", "llama"):
         for tp, pp, dp, zero, sp, schedule in SGD_LAYOUTS[world]:
             job = tiny_job(arch, tp=tp, pp=pp, dp=dp, zero_stage=zero, sequence_parallel=sp)
@@ -105,10 +104,10 @@ def _sgd_layouts(rank: int, world: int) -> list[str]:
             run = parallel_run(job, Topology(job.parallel, world, rank), data, SGD_LR, sgd(SGD_LR))
             if rank != 0:
                 continue
-            if arch not in references:
-                references[arch] = torch_reference(job, data, SGD_LR, sgd=True)
             name = f"SGD {arch} tp={tp} pp={pp} dp={dp} zero={zero} sp={sp} {schedule}"
-            failures += references[arch].check(name, run["losses"], run["grad_norms"], run["state"])
+            failures += stored_reference(job, data, SGD_LR, sgd=True).check(
+                name, run["losses"], run["grad_norms"], run["state"]
+            )
     return failures
 
 
@@ -168,7 +167,7 @@ def test_single_process_stack_matches_torch(arch: str, layers: int) -> None:
     the float64 run, and torch's own fp32 run too: the bounds are not below fp32 noise."""
     job = tiny_job(arch, num_layers=layers)
     data = batches(job, 3)
-    reference = torch_reference(job, data, LR)
+    reference = stored_reference(job, data, LR)
     torch32 = torch_reference(job, data, LR, dtype=torch.float32)
     ours = parallel_run(job, Topology.single(), data, LR)
     failures = reference.check("torch fp32", torch32.losses, torch32.grad_norms, torch32.state)

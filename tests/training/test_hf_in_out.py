@@ -1,7 +1,7 @@
 """Hugging Face in and out of a run: checkpoint.load=<transformers model directory> starts the run from its
-weights (the first step's loss is transformers' loss of that batch), at one process, at tp=2, and for a
-mixture of experts at pp=2 x ep=2 (4 ranks: the pipeline's stages and the experts' shards chunked from the
-one directory), and
+weights (the first step's loss is transformers' loss of that batch), at one process, and for a mixture of
+experts at tp=2 x pp=2 x ep=2 (4 ranks: the TP shards, the pipeline's stages and the experts' shards chunked
+from the one directory), and
 checkpoint.export_hf=true leaves a directory that AutoModelForCausalLM and AutoTokenizer load, whose logits
 are the final checkpoint's. The references are transformers' models, built from a config and saved with
 save_pretrained (no hub)."""
@@ -111,28 +111,21 @@ def test_run_starts_from_a_transformers_directory_and_exports_one(tmp_path, hf_d
 
 
 @pytest.mark.slow
-def test_tp2_run_starts_from_a_transformers_directory_and_exports_one(tmp_path, hf_dir, monkeypatch):
-    out = tmp_path / "run"
-    overrides = [f"checkpoint.load={hf_dir}", "checkpoint.export_hf=true", "parallel.tp=2", *QUIET]
-    wandb = ["logging.wandb.project=llmtrain-test"] if importlib.util.find_spec("wandb") else []
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    done = run_cli(torchrun_command(2, out, "parallel.backend=gloo", *overrides, *wandb))
-    assert done.returncode == 0, done.stderr[-3000:]
-    if wandb:  # rank 0 alone logs to W&B: one run
-        assert len(list((out / "wandb").glob("offline-run-*"))) == 1
-    first = next(row for row in read_rows(out) if row["step"] == 1)
-    assert first["loss"] == pytest.approx(transformers_first_loss(hf_dir, out), rel=TOL)
-    check_export(out / "hf" / "step_2", str(out))
-
-
-@pytest.mark.slow
-def test_moe_run_at_pp2_ep2_starts_from_a_transformers_directory(tmp_path):
+def test_moe_run_at_tp2_pp2_ep2_starts_from_a_transformers_directory_and_exports_one(tmp_path, monkeypatch):
+    # One launch of 4 ranks for every sharded load and export: tensor parallel (the dense ERNIE layer 0 and
+    # both layers' attention split over the TP pair), the pipeline's stages, and the experts (ep=2 spans
+    # the TP ranks) chunked from the one directory, then gathered back into the export. A tp=2-only run
+    # of the dense ERNIE loaded and exported the same TP shards: layer 0 here is that model's layer.
     hf_moe = transformers_dir(tmp_path, *MOE)
     out = tmp_path / "run"
     overrides = [f"checkpoint.load={hf_moe}", "checkpoint.export_hf=true", *MOE, *QUIET]
-    overrides += ["parallel.pp=2", "parallel.ep=2", "parallel.backend=gloo"]
-    done = run_cli(torchrun_command(4, out, *overrides))
+    overrides += ["parallel.tp=2", "parallel.pp=2", "parallel.ep=2", "parallel.backend=gloo"]
+    wandb = ["logging.wandb.project=llmtrain-test"] if importlib.util.find_spec("wandb") else []
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    done = run_cli(torchrun_command(4, out, *overrides, *wandb))
     assert done.returncode == 0, done.stderr[-3000:]
+    if wandb:  # rank 0 alone logs to W&B: one run
+        assert len(list((out / "wandb").glob("offline-run-*"))) == 1
     first = next(row for row in read_rows(out) if row["step"] == 1)
     assert first["loss"] == pytest.approx(transformers_first_loss(hf_moe, out), rel=TOL)
     check_export(out / "hf" / "step_2", str(out))
