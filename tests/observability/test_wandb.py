@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -52,11 +53,32 @@ def wandb_records(path: Path) -> list:
     return records
 
 
+def finished_records(path: Path, timeout_s: float = 60.0) -> list:
+    """The Records of an offline run's log once wandb has written its last one (the run's exit record).
+
+    `wandb.finish()` can return before wandb-core's writer has flushed and closed the file (seen under load:
+    the file then lacked the run record), so the test waits for the exit record that the writer puts last.
+    """
+    from google.protobuf.message import DecodeError
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            records = wandb_records(path)
+        except DecodeError:  # a record cut off mid-write
+            if time.monotonic() > deadline:
+                raise
+            records = []
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            return records
+        time.sleep(0.05)
+
+
 def offline_run(folder: Path) -> dict:
     """One offline run directory's id, name, tags, config and history ({step: {key: value}})."""
     (log,) = folder.glob("run-*.wandb")
     out: dict = {"history": {}, "config": {}}
-    for record in wandb_records(log):
+    for record in finished_records(log):
         kind = record.WhichOneof("record_type")
         if kind == "run":
             out |= {"id": record.run.run_id, "name": record.run.display_name, "tags": list(record.run.tags)}
