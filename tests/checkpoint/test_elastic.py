@@ -13,7 +13,6 @@ import datetime
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ from llmtrain.config import load
 from llmtrain.parallel.launch import launch_store, restart_warnings
 from llmtrain.training.metrics_file import read_rows
 from tests.checkpoint._ranks import pretrain
+from tests.parallel._dist import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 12
@@ -50,9 +50,7 @@ def _args(out: Path, *extra: str) -> list[str]:
 
 
 def _torchrun(nproc: int, out: Path, *extra: str) -> subprocess.Popen:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes=1:1", f"--nproc-per-node={nproc}",
         "--max-restarts=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ from llmtrain.config import JobConfig, load
 from llmtrain.planner import plan_for_world
 from llmtrain.training.metrics_file import read_rows
 from tests.checkpoint._ranks import pretrain
+from tests.parallel._dist import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "ernie.yaml"
@@ -63,12 +63,6 @@ links:
 # 5 s, on a loaded machine the second agent, still importing torch, missed the first round and the job
 # started at world size 2); a crashed agent stops counting 5 s after its last heartbeat.
 RDZV_CONF = "last_call_timeout=15,join_timeout=120,keep_alive_interval=1,keep_alive_max_attempt=5"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _overrides(out: Path) -> list[str]:
@@ -141,7 +135,7 @@ def _crash(agent: subprocess.Popen) -> None:
 @pytest.mark.slow
 def test_agent_lost_and_back_shrinks_and_grows_with_replanned_layout(tmp_path: Path) -> None:
     out = tmp_path / "elastic"
-    port = _free_port()
+    port = free_port()
     deadline = time.time() + 600
     first = _agent("first", port, out, host=True)
     second = _agent("second", port, out, host=False)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import tempfile
 import traceback
 from pathlib import Path
@@ -39,7 +38,7 @@ from llmtrain.pipeline.executor import PipelineExecutor
 from llmtrain.pipeline.schedules import build_schedule
 from llmtrain.pipeline.stages import activation_shape, build_stages
 from tests.checkpoint._util import batch, tiny_job
-from tests.parallel._dist import start_ranks
+from tests.parallel._dist import free_port, start_ranks
 
 WORLD = 4
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -191,9 +190,7 @@ def _worker(rank: int, port: int, fn: Any, tmp: str) -> None:
 
 
 def _spawn(fn: Any, prepare: Any) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         prepare(tmp)
         start_ranks(_worker, (port, fn, tmp), WORLD)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import subprocess
 import sys
 import threading
@@ -29,12 +28,7 @@ from llmtrain.parallel.watchdog import (
     process_group_timeout,
 )
 from tests.observability import _dist_workers
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from tests.parallel._dist import free_port
 
 
 def test_report_names_group_op_detail_and_stack():

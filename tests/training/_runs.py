@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import hashlib
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
+
+from tests.parallel._dist import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 PRETRAIN = ROOT / "tools" / "pretrain.py"
@@ -43,9 +44,7 @@ def python_command(out: Path, *overrides: str) -> list[str]:
 
 
 def torchrun_command(nproc: int, out: Path, *overrides: str) -> list[str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     return [
         sys.executable,
         "-m",
