@@ -45,11 +45,17 @@ class CostBase:
         """Per layer, (linear layers, weight elements) that run in float8 (collectives.float8_layer_weights),
         for train.fp8_all_gather's bytes and scales."""
 
+    @property
+    def float8_filtered(self) -> bool:
+        """Whether each block linear's precision depends on its shape: llmtrain's fp8 with
+        train.fp8_filter=auto (Transformer Engine's recipes have no filter)."""
+        return self.prec == "fp8" and not self.sw.te_fp8 and self.w.fp8_filter == "auto"
+
     def linear_prec(self, out_features: float, in_features: float) -> str:
         """The precision a block linear of this whole weight shape multiplies in: the workload's, except
-        that under llmtrain's fp8 with train.fp8_filter=auto the shapes engine_rules.small_gemm names stay
-        bf16, as llmtrain.parallel.float8 applies the filter (Transformer Engine's recipes have no filter)."""
-        if self.prec != "fp8" or self.sw.te_fp8 or self.w.fp8_filter != "auto":
+        that where float8_filtered the shapes engine_rules.small_gemm names stay bf16, as
+        llmtrain.parallel.float8 applies the filter."""
+        if not self.float8_filtered:
             return self.prec
         return self.bf16_prec if small_gemm(self.w.fp8_recipe, out_features, in_features) else self.prec
 

@@ -65,7 +65,7 @@ class LayerTime(CostBase):
         else:
             attn = dev.gemm_time(tok, (a + 2 * kv) * d, h, prec) + dev.gemm_time(tok, h, a * d, prec)
             width = d
-        if self.linear_prec(0, 0) != prec:  # fp8_filter=auto: each projection at its own precision
+        if self.float8_filtered:  # each projection at its own precision
             attn = sum(dev.gemm_time(tok, n, k, p) for n, k, p in self.local_linears(tp, False)[:-2])
         gemms = attn + mlp_gemms
         # Weight-gradient matmuls have the same sizes as the forward's (dW = X^T dY).
@@ -225,7 +225,7 @@ class LayerTime(CostBase):
             bwd = sum(2 * t * o + i * o + t * i for i, o in linears)
             return 5 * fwd, 5 * bwd
 
-        if self.linear_prec(0, 0) != self.prec:  # fp8_filter=auto: only the linears that run in float8
+        if self.float8_filtered:  # only the linears that run in float8
             block = self.local_linears(tp, False)
             attn = [(k, n) for n, k, p in block[:-2] if p == "fp8"]
             dense = [(k, n) for n, k, p in block[-2:] if p == "fp8"]
