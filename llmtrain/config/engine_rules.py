@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from llmtrain.config.schema import JobConfig, ParallelConfig
+from llmtrain.config.schema import JobConfig, ModelConfig, ParallelConfig
 
 
 def engine_problem(job: JobConfig) -> str:
@@ -118,6 +118,20 @@ FP8_MULTIPLE = 16
 GROUPED_MM_MULTIPLE = {"rowwise": 16, "mxfp8": 32}
 
 
+def grouped_mm_misfit(mode: str, model: ModelConfig) -> tuple[str, int, int] | None:
+    """The first of the experts' grouped-GEMM dimensions that grouped GEMM ``mode`` cannot take: (the
+    field, its value, the multiple it needs); None where every one fits (or ``mode`` has no multiple)."""
+    block = GROUPED_MM_MULTIPLE.get(mode)
+    if block:
+        for name, value in (
+            ("model.hidden_size", model.hidden_size),
+            ("model.moe_ffn_hidden_size (resolved)", model.expert_ffn_size),
+        ):
+            if value % block:
+                return name, value, block
+    return None
+
+
 def small_gemm(recipe: str, out_features: int, in_features: int) -> bool:
     """Whether torchao's H100 tables find this (full) weight shape slower in float8 than in bf16
     (``train.fp8_filter=auto``, as llmtrain.parallel.float8 applies it and the planner models it): the
@@ -185,17 +199,13 @@ def float8_problem(job: JobConfig) -> str:
     if m.is_moe:
         # Shared experts are fp8 linears over the 1/tp of the tokens each TP rank routes; the routed experts'
         # grouped GEMM is fp8 as train.fp8_grouped_mm says (llmtrain.parallel.float8_experts).
-        block = GROUPED_MM_MULTIPLE.get(t.fp8_grouped_mm)
-        if block:
-            for name, value in (
-                ("model.hidden_size", m.hidden_size),
-                ("model.moe_ffn_hidden_size (resolved)", m.expert_ffn_size),
-            ):
-                if value % block:
-                    return (
-                        f"train.fp8_grouped_mm={t.fp8_grouped_mm} needs {name} to be a multiple of {block} "
-                        f"(its scaling blocks); got {value}: change it or set train.fp8_grouped_mm=bf16"
-                    )
+        misfit = grouped_mm_misfit(t.fp8_grouped_mm, m)
+        if misfit:
+            name, value, block = misfit
+            return (
+                f"train.fp8_grouped_mm={t.fp8_grouped_mm} needs {name} to be a multiple of {block} "
+                f"(its scaling blocks); got {value}: change it or set train.fp8_grouped_mm=bf16"
+            )
         if m.num_shared_experts:
             sizes["model.num_shared_experts x expert ffn size"] = m.num_shared_experts * m.expert_ffn_size
         sizes["tokens per GEMM / parallel.tp in a mixture-of-experts layer"] = tokens // tp

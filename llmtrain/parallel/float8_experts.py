@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 import kernels
-from llmtrain.config.engine_rules import GROUPED_MM_MULTIPLE
+from llmtrain.config.engine_rules import grouped_mm_misfit
 from llmtrain.config.schema import ModelConfig, TrainConfig
 from llmtrain.models.moe import Experts
 
@@ -41,7 +41,7 @@ from llmtrain.models.moe import Experts
 def resolve_grouped_mm(setting: str, device: torch.device | str, model: ModelConfig) -> str:
     """The grouped GEMM ``train.fp8_grouped_mm=setting`` runs on ``device``: rowwise, mxfp8 or bf16. An
     explicit choice is taken as it is (validation refused the dims it cannot take); auto falls back to bf16
-    where the model's dims are not multiples of its recipe's (engine_rules.GROUPED_MM_MULTIPLE)."""
+    where the model's dims are not multiples of its recipe's (engine_rules.grouped_mm_misfit)."""
     if setting != "auto":
         return setting
     device = torch.device(device)
@@ -49,8 +49,7 @@ def resolve_grouped_mm(setting: str, device: torch.device | str, model: ModelCon
         return "bf16"
     major = torch.cuda.get_device_capability(device)[0]
     mode = "mxfp8" if major >= 10 else "rowwise" if major == 9 else "bf16"
-    block = GROUPED_MM_MULTIPLE.get(mode, 1)
-    return "bf16" if model.hidden_size % block or model.expert_ffn_size % block else mode
+    return "bf16" if grouped_mm_misfit(mode, model) else mode
 
 
 def grouped_mm_device_problem(setting: str, device: torch.device | str) -> str:
