@@ -14,11 +14,10 @@ from llmtrain.config.validate import validate_world
 from llmtrain.planner import CostModel, Workload, plan, plan_for_world
 from llmtrain.planner.auto import choose_layout, layout_overrides, run_software
 from llmtrain.planner.cost.layout import Layout
-from llmtrain.planner.validation.local import run_overrides
+from llmtrain.planner.validation.local import LocalPoint, run_overrides
 from llmtrain.planner.validation.regret import (
     MEASURED_RULE,
     REGRET_JOBS,
-    RegretPoint,
     RegretResult,
     format_regret,
     measured_set,
@@ -113,7 +112,7 @@ def test_settings_apart_counts_each_setting_once():
 
 def _result(times, predicted, pick_index=0):
     layouts = [Layout(dp=2, micro_batch=b) for b in (1, 2, 4, 8)][: len(times)]
-    points = [RegretPoint(lay, p, m) for lay, p, m in zip(layouts, predicted, times, strict=True)]
+    points = [LocalPoint(lay, p, m) for lay, p, m in zip(layouts, predicted, times, strict=True)]
     return RegretResult("dense", 2, layouts[pick_index], points, space=99)
 
 

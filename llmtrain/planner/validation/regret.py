@@ -37,7 +37,7 @@ from llmtrain.planner.cluster.hardware import Cluster
 from llmtrain.planner.cost.layout import Layout, Workload
 from llmtrain.planner.cost.model import CostModel
 from llmtrain.planner.search.uniform import Searcher, build_space
-from llmtrain.planner.validation.local import LOCAL_CONFIG, LOCAL_MODEL_OVERRIDES, spearman
+from llmtrain.planner.validation.local import LOCAL_CONFIG, LOCAL_MODEL_OVERRIDES, LocalPoint, spearman
 
 REGRET_JOBS: dict[str, tuple[str, tuple[str, ...]]] = {
     "dense": (LOCAL_CONFIG, LOCAL_MODEL_OVERRIDES),
@@ -117,30 +117,21 @@ def measured_set(layouts: Sequence[Layout], pick: Layout, global_batch: int) -> 
 
 
 @dataclass
-class RegretPoint:
-    """One measured layout: predicted and measured seconds per step."""
-
-    layout: Layout
-    predicted: float
-    measured: float
-
-
-@dataclass
 class RegretResult:
     """One (job, N): the pick, the measured points, how many layouts the space and the set have."""
 
     job: str
     processes: int
     pick: Layout
-    points: list[RegretPoint]
+    points: list[LocalPoint]
     space: int
     seconds: float = 0.0
 
-    def point(self, layout: Layout) -> RegretPoint:
+    def point(self, layout: Layout) -> LocalPoint:
         return next(p for p in self.points if p.layout == layout)
 
     @property
-    def fastest(self) -> RegretPoint:
+    def fastest(self) -> LocalPoint:
         return min(self.points, key=lambda p: p.measured)
 
     @property
@@ -202,7 +193,7 @@ def regret_check(
     for i, layout in enumerate(chosen, 1):
         predicted = model.evaluate(layout, use_simulator=True).step_time
         measured = measure(layout)
-        points.append(RegretPoint(layout, predicted, measured))
+        points.append(LocalPoint(layout, predicted, measured))
         if progress:
             progress(
                 f"[regret {name} N={processes} {i}/{len(chosen)}] {layout.short()}: predicted "
