@@ -5,10 +5,15 @@ Reference for each segment after a change: the same job resumed by hand (one lau
 from the checkpoint the segment resumed from; every step both logged has the same loss, bit for bit (same
 layout, same shards, same data order, one thread per process). The agents run with
 TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: with torch's shared store a change of membership can split the workers
-between two stores (see `_agent`), which the job warns about at start."""
+between two stores (see `_agent`), which the job warns about at start.
+
+The agent that comes back must join while the job still runs at world size 2, however long it takes to start
+on a loaded machine: once the size-2 segment has logged its first steps, its workers are stopped (SIGSTOP)
+until torchrun's own SIGTERM for the membership change reaches them, then continued to handle it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -29,7 +34,7 @@ from tests.parallel._dist import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "ernie.yaml"
-STEPS = 60
+STEPS = 24
 OVERRIDES = [
     f"train.steps={STEPS}", "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4",
     "model.num_kv_heads=2", "model.ffn_hidden_size=128", "model.seq_length=128", "model.kernels=torch",
@@ -123,6 +128,29 @@ def _wait_for(
         time.sleep(0.1)
 
 
+def _segment_steps(out: Path, segment: int) -> int:
+    return sum(1 for r in read_rows(out) if r.get("segment") == segment and "eval_loss" not in r)
+
+
+def _sigterm_pending(process: psutil.Process) -> bool:
+    """Whether a SIGTERM waits to be delivered to a stopped process (the masks of /proc/<pid>/status)."""
+    try:
+        status = Path(f"/proc/{process.pid}/status").read_text()
+    except OSError:
+        return False
+    bit = 1 << (signal.SIGTERM - 1)
+    return any(
+        line.startswith(("SigPnd:", "ShdPnd:")) and int(line.split()[1], 16) & bit
+        for line in status.splitlines()
+    )
+
+
+def _signal_all(processes: list[psutil.Process], signum: int) -> None:
+    for process in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):  # a data-loader worker may end meanwhile
+            process.send_signal(signum)
+
+
 def _crash(agent: subprocess.Popen) -> None:
     """SIGKILL an agent and its workers (torchrun starts each worker in a session of its own)."""
     workers = psutil.Process(agent.pid).children()
@@ -147,12 +175,28 @@ def test_agent_lost_and_back_shrinks_and_grows_with_replanned_layout(tmp_path: P
             deadline,
         )
         _crash(second)
-        # The agent coming back takes ~10-20 s to start and join; meanwhile the job trains at world size 2,
-        # and the membership change stops it with a checkpoint (torchrun's SIGTERM) that the 4 resume from.
         _wait_for(
-            lambda: _launches(out)[-1]["world_size"] == 2, "the launch at world size 2", [first], deadline
+            lambda: (
+                _launches(out)[-1]["world_size"] == 2
+                and _segment_steps(out, _launches(out)[-1]["segment"]) >= 2
+            ),
+            "two steps at world size 2",
+            [first],
+            deadline,
         )
+        # The agent coming back takes 5-60 s to start and join, depending on the load: the size-2 workers wait
+        # for it, stopped, so that the job cannot finish first. When it has joined, the first agent stops its
+        # workers for the new round with SIGTERM, which they save a checkpoint on once continued.
+        workers = psutil.Process(first.pid).children(recursive=True)
+        _signal_all(workers, signal.SIGSTOP)
         second = _agent("second-again", port, out, host=False)
+        _wait_for(
+            lambda: any(_sigterm_pending(w) for w in workers),
+            "the SIGTERM of the new round",
+            [first, second],
+            deadline,
+        )
+        _signal_all(workers, signal.SIGCONT)
         assert first.wait(timeout=max(1, deadline - time.time())) == 0, (tmp_path / "first.log").read_text()
         assert second.wait(timeout=60) == 0, (tmp_path / "second-again.log").read_text()
     finally:
