@@ -52,11 +52,12 @@ def test_the_kept_aside_tables_are_not_among_them():
 def test_every_row_is_expressible_or_skipped_with_a_reason():
     recipes = [express(table, row) for table, row in all_rows()]
     expressible = [r for r in recipes if not r.skipped]
-    # Rows on shipped hardware of models in configs/: NeMo AutoModel's, torchtitan A100's and
-    # Megatron-Bridge's (all FP8 but for GPT-OSS, not in configs/).
+    # Rows on shipped hardware of models in configs/: NeMo AutoModel's, torchtitan A100's and H100's (the
+    # h100-96gb-500w preset) and Megatron-Bridge's (all FP8 but for GPT-OSS, not in configs/).
     assert {r.table for r in expressible} == {
         "nemo_automodel_h100",
         "torchtitan_a100",
+        "torchtitan_h100",
         "megatron_bridge_h100",
     }
     assert {r.row["precision"] for r in expressible if r.table == "megatron_bridge_h100"} == {"fp8"}
@@ -65,11 +66,12 @@ def test_every_row_is_expressible_or_skipped_with_a_reason():
         assert "not modelled" not in r.skipped, r.row
         if r.row["model"] in ("gpt-oss-120b", "kimi-k2", "llama2-7b"):
             assert f"model {r.row['model']} is not in the zoo" in r.skipped
-        if r.row["cluster"] == "h100-96gb-500w":
-            assert "no cluster file describes h100-96gb-500w" in r.skipped
+        assert "no cluster file describes" not in r.skipped, r.row
     assert all(r.kind == "moe" for r in recipes if r.row["model"].startswith(("gpt-oss", "deepseek", "kimi")))
-    by_recompute = {r.row["recompute"]: r for r in recipes if r.table == "torchtitan_a100"}
-    assert "recompute 'selective_op' is not a mode the planner models" in by_recompute["selective_op"].skipped
+    # torchtitan's "selective" checkpointing is its op-level policy (its llama3_8b.toml): named, not scored.
+    titan = [r for r in recipes if r.table.startswith("torchtitan") and r.row["recompute"] == "selective_op"]
+    assert len(titan) == 7
+    assert all("recompute 'selective_op' is not a mode the planner models" in r.skipped for r in titan)
 
 
 def test_step_times_come_from_the_page_or_from_tokens_per_second():
@@ -155,13 +157,40 @@ def test_bad_tables_are_named(tmp_path):
         load_recipes(str(bad))
 
 
+@pytest.fixture(scope="module")
+def bf16_and_torchtitan():
+    """The published layouts of the AutoModel and torchtitan tables, evaluated once for the tests below."""
+    return validate_recipes(("nemo_automodel_h100", "torchtitan_a100", "torchtitan_h100"), search_best=False)
+
+
 @pytest.mark.slow
-def test_every_expressible_row_evaluates():
-    recipes = validate_recipes(("nemo_automodel_h100", "torchtitan_a100"), search_best=False)
+def test_every_expressible_row_evaluates(bf16_and_torchtitan):
+    recipes = bf16_and_torchtitan
     for r in recipes:
         assert (r.published is None) == bool(r.skipped), (r.row, r.skipped)
-    assert len(scored(recipes)) == 6
-    assert summarise(recipes)["dense"]["max_abs_error"] <= 0.12
+    assert len(scored(recipes)) == 11
+    bf16 = [r for r in recipes if r.table != "torchtitan_h100"]
+    assert summarise(bf16)["dense"]["max_abs_error"] <= 0.12
+
+
+@pytest.mark.slow
+def test_torchtitan_h100_long_context_rows_are_scored_on_their_preset(bf16_and_torchtitan):
+    # torchtitan's Table 2 (FP8, FSDP + CP, 32K to 128K tokens) on h100-96gb-500w, whose constants cite the
+    # page's hardware description and the vendor's bounds, not these rows: issue 38's long-context target
+    # (median <= 10%). FSDP 1 x CP 8 shards over CP, which llmtrain's ZeRO does not: named, not scored.
+    titan = [r for r in bf16_and_torchtitan if r.table == "torchtitan_h100"]
+    assert not any(r.tuned for r in titan)
+    assert [r.row["release"] for r in scored(titan) if r.kind == "long"] == [
+        "table2-fsdp8-cp1",
+        "table2-fsdp4-cp2",
+        "table2-fsdp2-cp4",
+    ]
+    assert summarise(titan)["long"]["median_abs_error"] <= 0.10
+    (cp8,) = [r for r in titan if r.row["release"] == "table2-fsdp1-cp8"]
+    assert (
+        cp8.skipped.startswith("the planner rejects the published layout: ")
+        and "ZeRO needs dp > 1" in cp8.skipped
+    )
 
 
 @pytest.mark.slow
