@@ -196,13 +196,15 @@ def test_torchtitan_h100_long_context_rows_are_scored_on_their_preset(bf16_and_t
 @pytest.mark.slow
 def test_the_fp8_rows_are_scored_within_the_dense_targets():
     # Issue 38's targets for dense rows (median <= 4%, max <= 12%), on the 8 FP8 dense rows of
-    # Megatron-Bridge (no constant set from that table); its one MoE row within the MoE target (10%).
+    # Megatron-Bridge (no constant set from that table). Its one MoE row, DeepSeek-V3, recomputes modules
+    # (its recipe's mla_up_proj and mlp), which the planner does not model: named, not scored.
     recipes = validate_recipes(("megatron_bridge_h100",), search_best=False)
     fp8 = [r for r in scored(recipes) if r.row["precision"] == "fp8"]
-    assert len(fp8) == 9
+    assert len(fp8) == 8 and {r.kind for r in fp8} == {"dense"}
     summary = summarise(recipes)
     assert summary["dense"]["median_abs_error"] <= 0.04 and summary["dense"]["max_abs_error"] <= 0.12
-    assert summary["moe"]["median_abs_error"] <= 0.10
+    (dsv3,) = [r for r in recipes if r.row["model"] == "deepseek-v3"]
+    assert dsv3.skipped == "recompute 'mla_up_proj+mlp' is not a mode the planner models"
 
 
 def test_the_software_terms_of_the_published_frameworks():
