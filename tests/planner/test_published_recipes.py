@@ -132,7 +132,25 @@ def test_a_constant_citing_a_table_marks_it_tuned(tmp_path):
     assert tuned_tables([str(cluster)]) == {
         "nemo_automodel_h100": [f"{cluster}:devices.h100-sxm5-80gb.memory_bandwidth_gbs"]
     }
-    assert tuned_tables(["h100-80gb", "a100-80gb"]) == {}
+    assert tuned_tables(["h100-80gb", "a100-80gb", "h100-96gb-500w"]) == {}
+
+
+def test_torchtitans_h100_preset_sources_every_constant_and_no_table():
+    # h100-96gb-500w (torchtitan's Grand Teton H100s): each constant names its source; the power cap's rate is
+    # an assumption bounded by the vendor's SXM and NVL peaks, not a number set from torchtitan's rows.
+    import yaml
+
+    raw = yaml.safe_load(
+        (Path(str(table_path(TABLES[0]))).parents[1] / "clusters" / "h100-96gb-500w.yaml").read_text()
+    )
+    (name, device), *_ = raw["devices"].items()
+    constants = {f"devices.{name}.{k}" for k in device} | {
+        f"links.{link}.{k}" for link, fields in raw["links"].items() for k in fields
+    }
+    assert constants == set(raw["sources"])
+    peak = load_cluster("h100-96gb-500w").view(8).device.peak_tflops["bf16"]
+    assert 835.5 < peak < 989.4  # between the NVL's and the SXM's dense BF16 peaks, as torchtitan's page says
+    assert all(t not in src for src in raw["sources"].values() for t in TABLES)
 
 
 def test_a_cluster_missing_a_constant_is_named(tmp_path):
