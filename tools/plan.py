@@ -18,9 +18,9 @@
     python tools/plan.py --profile-local --output my-cluster.yaml   # measure this machine
     python tools/plan.py --config MODEL.yaml --cluster my-cluster.yaml --gpus 2
 
---cluster takes a shipped preset by name (a100-40gb, a100-80gb, h100-80gb, h200-141gb: one node type, any
---gpus; mixed-h100-a100: 16 H100 + 16 A100, planned as a whole with uneven splits) or the path of a
-cluster YAML file (tools/calibrate.py writes one for this machine). A cluster of several node kinds also
+--cluster takes a shipped preset by name (a100-40gb, a100-80gb, h100-80gb, h100-96gb-500w, h200-141gb: one
+node type, any --gpus; mixed-h100-a100: 16 H100 + 16 A100, planned as a whole with uneven splits) or the path
+of a cluster YAML file (tools/calibrate.py writes one for this machine). A cluster of several node kinds also
 gets the fastest uneven split (layers per pipeline stage or micro-batches per data-parallel replica, in
 proportion to device speed) and its gain over the even split; --write writes it when it is faster.
 
@@ -51,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--cluster",
         default="a100-80gb",
-        help="cluster YAML path or preset (a100-40gb, a100-80gb, h100-80gb, h200-141gb, mixed-h100-a100)",
+        help="cluster YAML path or preset (a100-40gb, a100-80gb, h100-80gb, h100-96gb-500w, h200-141gb, "
+        "mixed-h100-a100)",
     )
     parser.add_argument("--gpus", type=int, help="number of GPUs")
     parser.add_argument(

@@ -116,7 +116,14 @@ def test_help_imports_neither_torch_nor_the_planner():
 
 @pytest.mark.slow  # 2 s: with the whole suite, not the quick subset
 def test_presets_ship_in_the_package_and_a_users_file_still_works(model_yaml, tmp_path):
-    assert preset_names() == ["a100-40gb", "a100-80gb", "h100-80gb", "h200-141gb", "mixed-h100-a100"]
+    assert preset_names() == [
+        "a100-40gb",
+        "a100-80gb",
+        "h100-80gb",
+        "h100-96gb-500w",
+        "h200-141gb",
+        "mixed-h100-a100",
+    ]
     assert Path(str(PRESETS)) == Path(llmtrain.planner.__file__).parent / "clusters"
     assert not (ROOT / "configs" / "clusters").exists()
     # A user's own cluster file, written with YAML 1.2 exponents (read as numbers, not strings).

@@ -127,6 +127,19 @@ def test_expert_all_to_all_time_by_hand() -> None:
     assert cost._ep_time(1, tok, 1, 1, 64) == 0.0
 
 
+def test_full_recomputation_replays_the_expert_all_to_alls() -> None:
+    # The backward of a fully recomputed MoE layer runs its forward's dispatch and combine again before the
+    # reverse exchanges (collectives.ep_layer lists them; the traced-collective test checks that list
+    # against a real step): its time is two passes' worth, as the TP and CP collectives' are.
+    cost = _cost("configs/mixtral-8x7b.yaml", 64)
+    one = cost._ep_time(1, 4096, 1, 8, 64)
+    for mode, backward in (("none", one), ("selective", one), ("full", 2 * one)):
+        layer = cost._layer_costs(1, 1, False, mode, ep=8, dp=64)
+        assert (layer.ep_fwd, layer.ep_bwd) == pytest.approx((one, backward)), mode
+        exchanges = C.ep_layer(8, 8, 1, 1, mode)
+        assert sum(c.op == "all_to_all" and c.nbytes == 1 for c in exchanges.bwd) == 2 * backward / one
+
+
 def test_expert_state_divides_by_ep_and_shards_over_expert_data_parallel() -> None:
     cost = _cost("configs/mixtral-8x7b.yaml", 64)
     m = cost.w.model

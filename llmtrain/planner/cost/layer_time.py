@@ -131,7 +131,10 @@ class LayerTime(CostBase):
         cp_f, cp_b = self._cp_exposed(tp, tok, cp, cp_comm, recompute, core_f, core_b)
         cp_f += share * self._router_stats_time(stats.fwd, "cp", tp)
         cp_b += share * self._router_stats_time(stats.bwd, "cp", tp)
-        ep_f = ep_b = self._ep_time(tp, tok, cp, ep, dp)
+        # Full recomputation replays the forward's dispatch and combine in the backward (collectives.ep_layer)
+        # as it replays the forward's TP and CP collectives above.
+        ep_f = self._ep_time(tp, tok, cp, ep, dp)
+        ep_b = 2 * ep_f if recompute == "full" else ep_f
         return PassCosts(fwd, bwd, wgrad, tp_f, tp_b, cp_f, cp_b, ep_f, ep_b)
 
     def _router_stats_time(self, comms: tuple[C.Comm, ...], dim: str, tp: int) -> float:
