@@ -118,9 +118,12 @@ def _kill_a_worker_and_resume(out: Path, nproc: int, *layout: str) -> dict[int, 
                 psutil.Process(victim).send_signal(signal.SIGKILL)
             time.sleep(0.05)
         returncode = killed.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        returncode = None
     finally:
         _stop(killed)
     log = out.with_suffix(".log").read_text()
+    assert returncode is not None, f"the launch did not end within 500 s\n{log[-5000:]}"
     assert returncode == 0, log[-5000:]
     assert victim is not None, "training ended before a worker could be killed"
     # Whether torchrun or the survivors' fail-fast handler notices the dead peer first varies, and so does
