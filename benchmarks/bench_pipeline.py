@@ -34,6 +34,7 @@ import os
 import statistics
 import tempfile
 import time
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -71,6 +72,13 @@ def _timed(fn) -> float:
     fn()
     dist.barrier()
     return time.perf_counter() - start
+
+
+def _traced_step(ex: PipelineExecutor, micro: list[torch.Tensor]) -> None:
+    """One traced step of ``ex`` from zeroed gradients, every rank starting together."""
+    ex.stages.zero_grad(set_to_none=True)
+    dist.barrier()
+    ex.run(micro, trace=True)
 
 
 def _rss(field: str) -> int:
@@ -218,9 +226,7 @@ def _worker(rank: int, world: int, store: str, args: argparse.Namespace, results
         for name, ex in executors.items():
             traced, comms = [], []
             for _ in range(args.traced_steps):
-                ex.stages.zero_grad(set_to_none=True)
-                dist.barrier()
-                ex.run(micro, trace=True)
+                _traced_step(ex, micro)
                 gathered: list = [None] * world
                 dist.all_gather_object(gathered, (ex.trace, ex.comm_trace))
                 traced.append([Span(**e) for trace, _ in gathered for e in trace])
@@ -313,9 +319,7 @@ def _moe_worker(rank: int, world: int, store: str, args: argparse.Namespace, res
     for name, ex in executors.items():
         figures, p2p = [], []
         for _ in range(args.traced_steps):
-            ex.stages.zero_grad(set_to_none=True)
-            dist.barrier()
-            ex.run(micro, trace=True)
+            _traced_step(ex, micro)
             spans = [Span(**e) for e in ex.trace]
             collectives = [CommEvent(**e) for e in ex.collective_trace]
             mine = (*collective_overlap(spans, collectives), len(nested_collectives(spans, collectives)))
@@ -380,22 +384,36 @@ def _print_moe(args: argparse.Namespace, r: dict) -> None:
 
 
 def _draw_moe(args: argparse.Namespace, r: dict) -> None:
-    """The traced overlapped step of one pipeline: each compute's computing intervals, its all-to-alls red."""
+    """One overlapped pair of the traced step of one pipeline (the middle one of rank 0's pairs whose
+    all-to-alls nest in the other micro-batch's compute), both ranks over its time: each compute's computing
+    intervals, its all-to-alls red from issue to return."""
     pipeline = r["dualpipe_v"]["pipeline"]
     spans = [Span(**e) for trace, _, _ in pipeline for e in trace]
     collectives = [CommEvent(**e) for _, _, trace in pipeline for e in trace]
-    pieces = [p for rank in range(args.pp) for p in computing(
-        [s for s in spans if s.rank == rank], [c for c in collectives if c.rank == rank])]  # fmt: skip
+    mine = [s for s in spans if s.rank == 0], [c for c in collectives if c.rank == 0]
+    nested = nested_collectives(*mine)
+    exchange = nested[len(nested) // 2][0]
+    pair = [s for s in mine[0] if s.start < exchange.done and exchange.posted < s.end]
+    t0, t1 = min(s.start for s in pair), max(s.end for s in pair)
+    pieces = [
+        replace(p, start=max(p.start, t0), end=min(p.end, t1))
+        for rank in range(args.pp)
+        for p in computing([s for s in spans if s.rank == rank], [c for c in collectives if c.rank == rank])
+        if p.end > t0 and p.start < t1
+    ]
+    names = ", ".join(f"{s.kind}{s.microbatch}" for s in pair)
     title = (
-        f"dualpipe_v on mixtral, pp={args.pp} ep={args.ep} m={args.microbatches} (traced, gloo): expert"
-        " all-to-alls issued to done (red) under the other micro-batch's compute"
+        f"dualpipe_v on mixtral, pp={args.pp} ep={args.ep} m={args.microbatches} (traced, gloo): rank 0's"
+        f" pair {names}\nexpert all-to-alls issued to returned (red) under the other micro-batch's compute"
     )
     render_png(
         pieces,
         args.overlap_timeline,
         title,
         "seconds",
-        transfers=[(c.rank, c.posted, c.done) for c in collectives],
+        transfers=[
+            (c.rank, max(c.posted, t0), min(c.done, t1)) for c in collectives if c.done > t0 and c.posted < t1
+        ],
         transfer_label="expert all-to-all in flight",
     )
     print(f"wrote {args.overlap_timeline}")

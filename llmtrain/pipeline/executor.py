@@ -354,8 +354,9 @@ class PipelineExecutor:
     ) -> torch.Tensor:
         """Forward and backward of every micro-batch ((b, s+1) token ids: inputs [:, :-1], labels [:, 1:]);
         returns the mean loss (0-d fp32 tensor, on every pipeline rank). ``trace`` records per-action
-        start/end times in ``self.trace`` (the format of ``timeline.load_trace``) and each transfer's posted,
-        done and waited times in ``self.comm_trace``; ``loss_scale`` multiplies the loss before backward
+        start/end times in ``self.trace`` (the format of ``timeline.load_trace``), each transfer's posted,
+        done and waited times in ``self.comm_trace`` and each EP all-to-all's in ``self.collective_trace``;
+        ``loss_scale`` multiplies the loss before backward
         (fp16)."""
         self._loss_scale = loss_scale
         return self._run(micro_batches, forward_only=False, trace=trace)
