@@ -384,24 +384,32 @@ def _print_moe(args: argparse.Namespace, r: dict) -> None:
 
 
 def _draw_moe(args: argparse.Namespace, r: dict) -> None:
-    """One overlapped pair of the traced step of one pipeline (the middle one of rank 0's pairs whose
-    all-to-alls nest in the other micro-batch's compute), both ranks over its time: each compute's computing
+    """One overlapped pair of the traced step of one pipeline (of rank 0's pairs whose all-to-alls nest in
+    the other micro-batch's compute, the one that computed the largest share of its time), both ranks over its
+    time: each compute's computing
     intervals, its all-to-alls red from issue to return."""
     pipeline = r["dualpipe_v"]["pipeline"]
     spans = [Span(**e) for trace, _, _ in pipeline for e in trace]
     collectives = [CommEvent(**e) for _, _, trace in pipeline for e in trace]
     mine = [s for s in spans if s.rank == 0], [c for c in collectives if c.rank == 0]
-    nested = nested_collectives(*mine)
-    exchange = nested[len(nested) // 2][0]
-    pair = [s for s in mine[0] if s.start < exchange.done and exchange.posted < s.end]
-    t0, t1 = min(s.start for s in pair), max(s.end for s in pair)
+    busy = computing(*mine)
+
+    def window(exchange: CommEvent) -> tuple[float, float, float]:
+        """(share of the window rank 0 computed, start, end) of the pair ``exchange`` ran in."""
+        pair = [s for s in mine[0] if s.start < exchange.done and exchange.posted < s.end]
+        t0, t1 = min(s.start for s in pair), max(s.end for s in pair)
+        inside = sum(max(0.0, min(p.end, t1) - max(p.start, t0)) for p in busy)
+        return inside / (t1 - t0), t0, t1
+
+    # The pair least disturbed by the machine's load: the largest share of its time computing.
+    _, t0, t1 = max(window(exchange) for exchange, _ in nested_collectives(*mine))
     pieces = [
         replace(p, start=max(p.start, t0), end=min(p.end, t1))
         for rank in range(args.pp)
         for p in computing([s for s in spans if s.rank == rank], [c for c in collectives if c.rank == rank])
         if p.end > t0 and p.start < t1
     ]
-    names = ", ".join(f"{s.kind}{s.microbatch}" for s in pair)
+    names = ", ".join(sorted({f"{s.kind}{s.microbatch}" for s in mine[0] if t0 <= s.start and s.end <= t1}))
     title = (
         f"dualpipe_v on mixtral, pp={args.pp} ep={args.ep} m={args.microbatches} (traced, gloo): rank 0's"
         f" pair {names}\nexpert all-to-alls issued to returned (red) under the other micro-batch's compute"
