@@ -15,10 +15,16 @@ transfer latency), and "traced/bound", the traced step over the schedule's compu
 free transfers and no overhead), which no executor of that schedule can go below; and dualpipe_v's exposed
 communication (llmtrain.pipeline.comm_trace) with its transfers posted ahead, as run, against posted only
 when needed.
+``--moe --ep 2`` instead runs dualpipe_v on a small Mixtral (every layer's experts split over ep ranks,
+pp x ep gloo processes) with its overlapped pairs (a forward and another micro-batch's backward taking turns
+at the expert all-to-alls, each exchange issued asynchronously) against the same step with each compute run
+alone (the executor's ``overlap`` off, every all-to-all synchronous): step times and their ratio, and per step
+the all-to-all time exposed (no compute of the process running) and hidden (inside a compute interval).
 
     python benchmarks/bench_pipeline.py --pp 2 --microbatches 8 --timeline bench_interleaved.png
     python benchmarks/bench_pipeline.py --pp 4 --microbatches 8 --overlap-timeline dualpipe_v_overlap.png
     python benchmarks/bench_pipeline.py --pp 4 --microbatches 8 --v-only
+    python benchmarks/bench_pipeline.py --moe --ep 2 --pp 2 --microbatches 8 --overlap-timeline moe.png
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import os
 import statistics
 import tempfile
 import time
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -37,7 +44,16 @@ import torch.nn.functional as F
 from llmtrain.config import ModelConfig, ParallelConfig
 from llmtrain.models import build
 from llmtrain.parallel import Topology
-from llmtrain.pipeline.comm_trace import CommEvent, exposed, hidden_receives, in_flight
+from llmtrain.parallel.expert_parallel import apply_ep
+from llmtrain.pipeline.comm_trace import (
+    CommEvent,
+    collective_overlap,
+    computing,
+    exposed,
+    hidden_receives,
+    in_flight,
+    nested_collectives,
+)
 from llmtrain.pipeline.executor import PipelineExecutor
 from llmtrain.pipeline.replay import TOLERANCE, check_bubble, replay
 from llmtrain.pipeline.schedules import build_schedule
@@ -56,6 +72,13 @@ def _timed(fn) -> float:
     fn()
     dist.barrier()
     return time.perf_counter() - start
+
+
+def _traced_step(ex: PipelineExecutor, micro: list[torch.Tensor]) -> None:
+    """One traced step of ``ex`` from zeroed gradients, every rank starting together."""
+    ex.stages.zero_grad(set_to_none=True)
+    dist.barrier()
+    ex.run(micro, trace=True)
 
 
 def _rss(field: str) -> int:
@@ -203,9 +226,7 @@ def _worker(rank: int, world: int, store: str, args: argparse.Namespace, results
         for name, ex in executors.items():
             traced, comms = [], []
             for _ in range(args.traced_steps):
-                ex.stages.zero_grad(set_to_none=True)
-                dist.barrier()
-                ex.run(micro, trace=True)
+                _traced_step(ex, micro)
                 gathered: list = [None] * world
                 dist.all_gather_object(gathered, (ex.trace, ex.comm_trace))
                 traced.append([Span(**e) for trace, _ in gathered for e in trace])
@@ -249,6 +270,163 @@ def _worker(rank: int, world: int, store: str, args: argparse.Namespace, results
     dist.destroy_process_group()
 
 
+PAIRS_OFF = "dualpipe_v, pairs off"
+"""dualpipe_v on an MoE with each compute run alone: every expert all-to-all synchronous."""
+
+
+def _moe_worker(rank: int, world: int, store: str, args: argparse.Namespace, results: dict) -> None:
+    """dualpipe_v on a small Mixtral at pp x ep with its overlapped pairs and without: timed steps, then
+    traced ones, each process's all-to-alls against its own computes (``collective_overlap``)."""
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    topo = Topology(ParallelConfig(pp=args.pp, ep=args.ep, virtual_stages=2), world, rank)
+    cfg = ModelConfig(
+        arch="mixtral",
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        num_attention_heads=args.hidden // 64,
+        num_kv_heads=args.hidden // 128 or 1,
+        vocab_size=args.vocab,
+        seq_length=args.seq,
+        num_experts=args.experts,
+        kernels="torch",
+    )
+    m, b = args.microbatches, args.micro_batch_size
+    # Each data-parallel (here: expert-parallel) rank its own micro-batches, as in training.
+    gen = torch.Generator().manual_seed(topo.dp_rank)
+    micro = list(torch.randint(0, cfg.vocab_size, (m * b, cfg.seq_length + 1), generator=gen).split(b))
+    shape = activation_shape(b, cfg.seq_length, cfg.hidden_size)
+
+    def fresh() -> PipelineExecutor:
+        torch.manual_seed(1234)
+        model = apply_ep(build(cfg), topo)
+        stages = build_stages(model, topo, 2, head_cost=head_cost_in_layers(cfg), v_shape=True)
+        return PipelineExecutor(stages, build_schedule("dualpipe_v", args.pp, m, 2), topo, shape)
+
+    executors = {"dualpipe_v": fresh(), PAIRS_OFF: fresh()}
+    executors[PAIRS_OFF].overlap = False
+    assert executors["dualpipe_v"].overlap, "dualpipe_v runs no overlapped pairs on this layout"
+    times: dict[str, list[float]] = {name: [] for name in executors}
+    order = list(executors)
+    for step in range(args.warmup + args.steps):
+        for name in order[step % 2 :] + order[: step % 2]:
+            ex = executors[name]
+            ex.stages.zero_grad(set_to_none=True)
+            t = _timed(lambda ex=ex: ex.run(micro))
+            if step >= args.warmup:
+                times[name].append(t)
+    out: dict[str, object] = {}
+    for name, ex in executors.items():
+        figures, p2p = [], []
+        for _ in range(args.traced_steps):
+            _traced_step(ex, micro)
+            spans = [Span(**e) for e in ex.trace]
+            collectives = [CommEvent(**e) for e in ex.collective_trace]
+            mine = (*collective_overlap(spans, collectives), len(nested_collectives(spans, collectives)))
+            gathered: list = [None] * world
+            dist.all_gather_object(gathered, mine)
+            figures.append([sum(column) for column in zip(*gathered, strict=True)])
+            # Pipeline transfers: exposed as the dense table counts them, per pipeline (its ranks' spans).
+            pipeline: list = [None] * args.pp
+            traces = (ex.trace, ex.comm_trace, ex.collective_trace)
+            dist.all_gather_object(pipeline, traces, group=topo.pp_group)
+            p2p.append(
+                exposed(
+                    ex.schedule,
+                    [Span(**e) for trace, _, _ in pipeline for e in trace],
+                    [CommEvent(**e) for _, comms, _ in pipeline for e in comms],
+                )
+            )
+        pipelines: list = [None] * world
+        dist.all_gather_object(pipelines, statistics.median(p2p))
+        out[name] = {
+            "time": statistics.median(times[name]),
+            "best": min(times[name]),
+            "exposed": statistics.median(f[0] for f in figures),
+            "hidden": statistics.median(f[1] for f in figures),
+            "nested": statistics.median(f[2] for f in figures),
+            # Each pipeline's figure once (its pp ranks gathered the same).
+            "p2p": sum(pipelines[topo.rank_of(pp_rank=0, dp_rank=d)] for d in range(topo.dp)),
+            # The last traced step of the pipeline of data-parallel rank 0, for the picture.
+            "pipeline": pipeline if topo.dp_rank == 0 else None,
+        }
+    if rank == 0:
+        results.update(out)
+    dist.destroy_process_group()
+
+
+def _print_moe(args: argparse.Namespace, r: dict) -> None:
+    """The table of dualpipe_v's expert all-to-alls with its overlapped pairs and without."""
+    print(
+        f"dualpipe_v on mixtral: pp={args.pp} ep={args.ep} ({args.pp * args.ep} gloo processes, CPU) "
+        f"microbatches={args.microbatches} micro_batch_size={args.micro_batch_size} layers={args.layers} "
+        f"hidden={args.hidden} experts={args.experts} seq={args.seq} threads/rank={args.threads}"
+    )
+    print(
+        "\nexpert all-to-alls: exposed = seconds a process had one in flight (issued to its wait's return)"
+        " while none of its computes ran, hidden = seconds one was in flight inside a compute interval; per"
+        " step, summed over processes, median of the traced steps; nested = all-to-alls of one micro-batch"
+        " issued before and returned after a compute interval of another; p2p exposed as in the dense table"
+    )
+    print(
+        f"{'schedule':<24}{'median s':>9}{'best s':>8}{'a2a exposed s':>14}{'a2a hidden s':>13}"
+        f"{'nested':>7}{'p2p exposed s':>14}"
+    )
+    for name in ("dualpipe_v", PAIRS_OFF):
+        row = r[name]
+        print(
+            f"{name:<24}{row['time']:9.4f}{row['best']:8.4f}{row['exposed']:14.4f}{row['hidden']:13.4f}"
+            f"{row['nested']:7.0f}{row['p2p']:14.4f}"
+        )
+    on, off = r["dualpipe_v"], r[PAIRS_OFF]
+    ratio, best = on["time"] / off["time"], on["best"] / off["best"]
+    print(f"step time, pairs on / off: median {ratio:.3f}, best {best:.3f}")
+
+
+def _draw_moe(args: argparse.Namespace, r: dict) -> None:
+    """One overlapped pair of the traced step of one pipeline (of rank 0's pairs whose all-to-alls nest in
+    the other micro-batch's compute, the one that computed the largest share of its time), both ranks over its
+    time: each compute's computing
+    intervals, its all-to-alls red from issue to return."""
+    pipeline = r["dualpipe_v"]["pipeline"]
+    spans = [Span(**e) for trace, _, _ in pipeline for e in trace]
+    collectives = [CommEvent(**e) for _, _, trace in pipeline for e in trace]
+    mine = [s for s in spans if s.rank == 0], [c for c in collectives if c.rank == 0]
+    busy = computing(*mine)
+
+    def window(exchange: CommEvent) -> tuple[float, float, float]:
+        """(share of the window rank 0 computed, start, end) of the pair ``exchange`` ran in."""
+        pair = [s for s in mine[0] if s.start < exchange.done and exchange.posted < s.end]
+        t0, t1 = min(s.start for s in pair), max(s.end for s in pair)
+        inside = sum(max(0.0, min(p.end, t1) - max(p.start, t0)) for p in busy)
+        return inside / (t1 - t0), t0, t1
+
+    # The pair least disturbed by the machine's load: the largest share of its time computing.
+    _, t0, t1 = max(window(exchange) for exchange, _ in nested_collectives(*mine))
+    pieces = [
+        replace(p, start=max(p.start, t0), end=min(p.end, t1))
+        for rank in range(args.pp)
+        for p in computing([s for s in spans if s.rank == rank], [c for c in collectives if c.rank == rank])
+        if p.end > t0 and p.start < t1
+    ]
+    names = ", ".join(sorted({f"{s.kind}{s.microbatch}" for s in mine[0] if t0 <= s.start and s.end <= t1}))
+    title = (
+        f"dualpipe_v on mixtral, pp={args.pp} ep={args.ep} m={args.microbatches} (traced, gloo): rank 0's"
+        f" pair {names}\nexpert all-to-alls issued to returned (red) under the other micro-batch's compute"
+    )
+    render_png(
+        pieces,
+        args.overlap_timeline,
+        title,
+        "seconds",
+        transfers=[
+            (c.rank, max(c.posted, t0), min(c.done, t1)) for c in collectives if c.done > t0 and c.posted < t1
+        ],
+        transfer_label="expert all-to-all in flight",
+    )
+    print(f"wrote {args.overlap_timeline}")
+
+
 def _print_overlap(r: dict) -> None:
     """The table of dualpipe_v's exposed communication with and without its transfers posted ahead."""
     print(
@@ -285,6 +463,11 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="only interleaved_zb, zb_v and dualpipe_v against torch's schedules of the same order (minutes)",
     )
+    parser.add_argument(
+        "--moe", action="store_true", help="dualpipe_v on a small Mixtral, overlapped pairs on against off"
+    )
+    parser.add_argument("--ep", type=int, default=2, help="--moe: expert-parallel ranks (pp x ep processes)")
+    parser.add_argument("--experts", type=int, default=4, help="--moe: experts per layer")
     parser.add_argument("--timeline", help="PNG of the traced interleaved run")
     parser.add_argument(
         "--overlap-timeline", help="PNG of the traced dualpipe_v run with its receives in flight (red)"
@@ -293,16 +476,27 @@ def main(argv: list[str] | None = None) -> None:
         "--trace-out", help="trace JSON of the interleaved run (for tools/show_schedule.py --trace)"
     )
     args = parser.parse_args(argv)
-    if args.v_only and (args.timeline or args.trace_out):
-        parser.error("--timeline and --trace-out draw interleaved_1f1b, which --v-only does not run")
+    if (args.v_only or args.moe) and (args.timeline or args.trace_out):
+        parser.error("--timeline and --trace-out draw interleaved_1f1b, which --v-only and --moe do not run")
+    if args.moe and args.v_only:
+        parser.error("--moe runs dualpipe_v only; drop --v-only")
     # glibc returns freed blocks above 64 KiB to the kernel at once, so resident memory follows live tensors.
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    world = args.pp * args.ep if args.moe else args.pp
     with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
         results = manager.dict()
         mp.spawn(
-            _worker, args=(args.pp, os.path.join(tmp, "store"), args, results), nprocs=args.pp, join=True
+            _moe_worker if args.moe else _worker,
+            args=(world, os.path.join(tmp, "store"), args, results),
+            nprocs=world,
+            join=True,
         )
         r = dict(results)
+    if args.moe:
+        _print_moe(args, r)
+        if args.overlap_timeline:
+            _draw_moe(args, r)
+        return
     print(
         f"pp={args.pp} microbatches={args.microbatches} micro_batch_size={args.micro_batch_size} "
         f"layers={args.layers} hidden={args.hidden} seq={args.seq} threads/rank={args.threads} (gloo, CPU)"

@@ -7,12 +7,19 @@ the collective's work only once the turn is back, so the exchange runs while the
 Turns change hands only there, so the order in which a rank issues its collectives follows from the two
 computations alone, the same on every rank that runs the same pair (gloo and NCCL match collectives by
 order). Outside a pair ``handoff`` runs the collective synchronously.
+
+A thread that ``records`` into a list gets one (issued, needed, done) ``time.perf_counter`` triple per
+collective it hands off: issued, the turn back and its wait begun, the wait returned (a synchronous one:
+issued = needed). The turn and the record are the calling thread's: a backward that autograd runs on a
+thread of its own (a GPU's device thread) finds neither, so its collectives run synchronously, unrecorded.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 _local = threading.local()
@@ -46,17 +53,33 @@ class _Turns:
             self._cond.notify_all()
 
 
+@contextlib.contextmanager
+def recording(log: list[tuple[float, float, float]]) -> Iterator[None]:
+    """Append (issued, needed, done) of each collective this thread hands off to ``log`` meanwhile."""
+    _local.record = log
+    try:
+        yield
+    finally:
+        _local.record = None
+
+
 def handoff(issue: Callable[[bool], Any]) -> None:
     """``issue(async_op)`` a collective: at once (``async_op`` False) outside a pair; inside one
     asynchronously, then the turn goes to the other side and the work is waited for when it comes back."""
     turn = getattr(_local, "turn", None)
+    issued = time.perf_counter()
     if turn is None:
         issue(False)
-        return
-    pending = issue(True)
-    turns, side = turn
-    turns.hand_over(side)
-    pending.wait()
+        needed = issued
+    else:
+        pending = issue(True)
+        turns, side = turn
+        turns.hand_over(side)
+        needed = time.perf_counter()
+        pending.wait()
+    record = getattr(_local, "record", None)
+    if record is not None:
+        record.append((issued, needed, time.perf_counter()))
 
 
 def run_pair(first: Callable[[], None], second: Callable[[], None]) -> None:

@@ -112,3 +112,62 @@ def exposed(schedule: Schedule, spans: list[Span], events: list[CommEvent]) -> f
     over ranks: the communication the computes did not hide."""
     produced = _production(schedule, spans)
     return sum(max(e.done - max(e.needed, produced(e)), 0.0) for e in events if e.kind in (RECV_F, RECV_B))
+
+
+def collective_events(rank: int, action: Action, stamps: list[tuple[float, float, float]]) -> list[dict]:
+    """The EP all-to-alls ``action`` handed off (llmtrain.parallel.turns.recording's (issued, needed, done)
+    triples) as CommEvent fields, posted when issued."""
+    key = {"rank": rank, "kind": action.kind, "microbatch": action.microbatch, "chunk": action.chunk}
+    return [{**key, "posted": p, "needed": n, "done": d} for p, n, d in stamps]
+
+
+def computing(spans: list[Span], collectives: list[CommEvent]) -> list[Span]:
+    """The intervals each compute of one process really computed: its span less its own all-to-alls (from
+    issue to the wait's return the compute either waits or, in an overlapped pair, has passed the turn to
+    the other one)."""
+    own: dict[tuple[int, str, int, int], list[CommEvent]] = {}
+    for c in collectives:
+        own.setdefault((c.rank, c.kind, c.microbatch, c.chunk), []).append(c)
+    pieces = []
+    for s in spans:
+        start = s.start
+        for c in sorted(own.get((s.rank, s.kind, s.microbatch, s.chunk), []), key=lambda c: c.posted):
+            if c.posted > start:
+                pieces.append(Span(s.rank, s.kind, s.microbatch, s.chunk, start, c.posted))
+            start = max(start, c.done)
+        if s.end > start:
+            pieces.append(Span(s.rank, s.kind, s.microbatch, s.chunk, start, s.end))
+    return pieces
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def collective_overlap(spans: list[Span], collectives: list[CommEvent]) -> tuple[float, float]:
+    """(exposed, hidden) seconds of one process's EP all-to-alls: of the union of their intervals (issued to
+    the wait's return), the part outside the union of the ``computing`` intervals and the part inside."""
+    busy = _union([(s.start, s.end) for s in computing(spans, collectives)])
+    comm = _union([(c.posted, c.done) for c in collectives])
+    total = sum(end - start for start, end in comm)
+    hidden = sum(max(0.0, min(e1, e2) - max(s1, s2)) for s1, e1 in comm for s2, e2 in busy)
+    return total - hidden, hidden
+
+
+def nested_collectives(spans: list[Span], collectives: list[CommEvent]) -> list[tuple[CommEvent, Span]]:
+    """(all-to-all, compute interval) pairs of one process where the all-to-all of one micro-batch was
+    issued before a ``computing`` interval of another micro-batch began and returned after it ended: the
+    exchange ran while the other micro-batch computed. Only the order of the time stamps counts."""
+    pieces = computing(spans, collectives)
+    return [
+        (c, p)
+        for c in collectives
+        for p in pieces
+        if p.microbatch != c.microbatch and c.posted < p.start and p.end < c.done
+    ]

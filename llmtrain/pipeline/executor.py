@@ -43,9 +43,9 @@ from llmtrain.parallel.gemms import PLAIN, LinearGemms, linear
 from llmtrain.parallel.materialize import is_meta, materialize
 from llmtrain.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, gather_sequence
 from llmtrain.parallel.topology import Topology
-from llmtrain.parallel.turns import run_pair
+from llmtrain.parallel.turns import recording, run_pair
 from llmtrain.parallel.zero import apply_data_parallel, grad_sync
-from llmtrain.pipeline.comm_trace import CommTrace
+from llmtrain.pipeline.comm_trace import CommTrace, collective_events
 from llmtrain.pipeline.router_stats import PipelineRouter
 from llmtrain.pipeline.schedules import (
     RECV_B,
@@ -263,6 +263,9 @@ class PipelineExecutor:
         self.comm_trace: list[dict] | None = None
         """A traced run's transfers (llmtrain.pipeline.comm_trace.CommEvent fields); None on NCCL, whose
         batches complete as one."""
+        self.collective_trace: list[dict] | None = None
+        """A traced run's EP all-to-alls (CommEvent fields: kind, microbatch and chunk those of the compute
+        that issued it, posted when issued, needed when its wait began, done when that returned)."""
         self._loss_scale = 1.0
         # The actions that complete a chunk's gradients: data-parallel reduction runs with them. Flat
         # buffers (zero 0/1) reduce each parameter once its last gradient is in, so the last action of each
@@ -351,8 +354,9 @@ class PipelineExecutor:
     ) -> torch.Tensor:
         """Forward and backward of every micro-batch ((b, s+1) token ids: inputs [:, :-1], labels [:, 1:]);
         returns the mean loss (0-d fp32 tensor, on every pipeline rank). ``trace`` records per-action
-        start/end times in ``self.trace`` (the format of ``timeline.load_trace``) and each transfer's posted,
-        done and waited times in ``self.comm_trace``; ``loss_scale`` multiplies the loss before backward
+        start/end times in ``self.trace`` (the format of ``timeline.load_trace``), each transfer's posted,
+        done and waited times in ``self.comm_trace`` and each EP all-to-all's in ``self.collective_trace``;
+        ``loss_scale`` multiplies the loss before backward
         (fp16)."""
         self._loss_scale = loss_scale
         return self._run(micro_batches, forward_only=False, trace=trace)
@@ -380,6 +384,7 @@ class PipelineExecutor:
         losses: list[torch.Tensor] = []
         depths: list[torch.Tensor] = []  # multi-token prediction's cross-entropy per depth, per micro-batch
         self.trace = [] if trace else None
+        self.collective_trace = [] if trace else None
         comms = CommTrace(pp_rank) if trace and not self.coalesce_transfers else None
         router = None if forward_only else self.router
         if router is not None:
@@ -464,26 +469,28 @@ class PipelineExecutor:
             start = time.perf_counter()
             chunk = chunks[a.chunk]
             self._split.building = s.split_backward and a.kind in ("F", I)
+            collectives: list[tuple[float, float, float]] = []  # its EP all-to-alls, when traced
             try:
-                if a.kind == "F":
-                    out = self._forward(chunk, micro_batches[a.microbatch], inputs.get(key), forward_only)
-                    if router is not None:
-                        out = router.after_forward(chunk, a.microbatch, out)
-                    if chunk.is_last:
-                        losses.append(out.detach().float())
-                        if chunk.mtp is not None and not forward_only:
-                            depths.append(chunk.mtp.last_losses)
-                    outputs[key] = out
-                else:
-                    with self._grad_sync(a):
-                        if a.kind == W:
-                            _accumulate(deferred.pop(key))
-                            if self._fsdp:
-                                finish_backward(chunk)
-                        else:
-                            self._backward(a, key, chunk, outputs, grads_in, deferred, m)
-                            if local is not None:  # the input's gradient, for the previous chunk here
-                                grads_in[(a.microbatch, local)] = inputs.pop(key).grad
+                with recording(collectives) if self.trace is not None else contextlib.nullcontext():
+                    if a.kind == "F":
+                        out = self._forward(chunk, micro_batches[a.microbatch], inputs.get(key), forward_only)
+                        if router is not None:
+                            out = router.after_forward(chunk, a.microbatch, out)
+                        if chunk.is_last:
+                            losses.append(out.detach().float())
+                            if chunk.mtp is not None and not forward_only:
+                                depths.append(chunk.mtp.last_losses)
+                        outputs[key] = out
+                    else:
+                        with self._grad_sync(a):
+                            if a.kind == W:
+                                _accumulate(deferred.pop(key))
+                                if self._fsdp:
+                                    finish_backward(chunk)
+                            else:
+                                self._backward(a, key, chunk, outputs, grads_in, deferred, m)
+                                if local is not None:  # the input's gradient, for the previous chunk here
+                                    grads_in[(a.microbatch, local)] = inputs.pop(key).grad
             finally:
                 self._split.building = False
             if self.trace is not None:
@@ -499,6 +506,7 @@ class PipelineExecutor:
                         "end": time.perf_counter(),
                     }
                 )
+                self.collective_trace += collective_events(pp_rank, a, collectives)
 
         previous = -1
         k = 0

@@ -116,9 +116,11 @@ def render_png(
     title: str,
     time_unit: str = "time",
     transfers: list[tuple[int, float, float]] | None = None,
+    transfer_label: str = "transfer in flight",
 ) -> None:
     """Draw spans as a timeline: ranks as rows (rank 0 on top), one coloured block per action, labelled with
-    its micro-batch number; ``transfers`` (rank, start, end) as thin red lines under their rank's row."""
+    its micro-batch number; ``transfers`` (rank, start, end) as thin red lines under their rank's row,
+    ``transfer_label`` in the legend."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -160,7 +162,7 @@ def render_png(
     names = {"F": "forward", "B": "backward", "I": "input grad", "W": "weight grad"}
     handles = [Patch(color=_COLOURS[k], label=names[k]) for k in kinds]
     if transfers:
-        handles.append(Patch(color="#d62728", label="transfer in flight"))
+        handles.append(Patch(color="#d62728", label=transfer_label))
     if chunks > 1:
         handles.append(Patch(color="#555555", label=f"darker = later chunk (of {chunks})"))
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.18 - 0.1 / len(ranks)), ncol=5)

@@ -103,7 +103,8 @@ def parallel_run(
     ``job.parallel.schedule``; this DP rank's slice of each batch, accumulated over micro-batches. Returns
     the losses (mean over DP; then the loss of ``held_out`` after the last step), each step's StepStats and
     gradient norm, the full weights of every stage (gathered over TP and PP, on every rank), the model (its
-    stages under the executor), the optimizer and, with ``trace``, the executor's trace of the last step.
+    stages under the executor), the optimizer, the executor (None without one) and, with ``trace``, the
+    executor's trace of the last step.
     ``setup`` is called with the model (stages) once it is built, before the first step; ``resume`` after it
     with the model (stages) and the optimizer, to load a checkpoint into them."""
     torch.manual_seed(job.train.seed)  # the default stream of replicated dropout, as the trainer seeds it
@@ -175,6 +176,7 @@ def parallel_run(
         "model": model,
         "opt": opt,
         "trace": last_trace,
+        "executor": executor if pipelined else None,
     }
 
 

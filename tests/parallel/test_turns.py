@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from llmtrain.parallel.turns import handoff, run_pair
+from llmtrain.parallel.turns import handoff, recording, run_pair
 
 
 class _Work:
@@ -60,3 +60,21 @@ def test_an_error_on_either_side_reaches_the_caller_and_frees_the_other():
     with pytest.raises(ValueError, match="forward failed"):
         run_pair(fails, _side(log, "B", 2))
     assert log[-1] == "B done"
+
+
+def test_recording_stamps_each_collective_issued_then_turn_back_then_done():
+    log: list[str] = []
+    stamps: list[tuple[float, float, float]] = []
+
+    def forward() -> None:
+        with recording(stamps):
+            _side(log, "F", 2)()
+
+    run_pair(forward, _side(log, "B", 1))
+    outside: list[tuple[float, float, float]] = []
+    with recording(outside):
+        _side(log, "F", 1)()
+    # Only the recording thread's collectives: F's two inside the pair, each issued before the turn came back
+    # (B computed meanwhile), and one synchronous one outside, needed as it was issued.
+    assert len(stamps) == 2 and all(issued < needed <= done for issued, needed, done in stamps)
+    assert len(outside) == 1 and outside[0][0] == outside[0][1] <= outside[0][2]

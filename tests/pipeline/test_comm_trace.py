@@ -9,7 +9,16 @@ import torch
 
 from llmtrain.models import build
 from llmtrain.parallel import Topology
-from llmtrain.pipeline.comm_trace import CommEvent, CommTrace, exposed, hidden_receives, in_flight
+from llmtrain.pipeline.comm_trace import (
+    CommEvent,
+    CommTrace,
+    collective_overlap,
+    computing,
+    exposed,
+    hidden_receives,
+    in_flight,
+    nested_collectives,
+)
 from llmtrain.pipeline.executor import build_pipeline
 from llmtrain.pipeline.schedules import RECV_B, RECV_F, SEND_F, Action, build_schedule
 from llmtrain.pipeline.timeline import Span
@@ -44,6 +53,34 @@ class _Work:
 
     def wait(self) -> None:
         self.waited = True
+
+
+# An overlapped pair on one rank: F of micro-batch 1 computes 0-1, issues an all-to-all at 1 and passes the
+# turn; B of micro-batch 0 gets it at 1.1, computes to 3, issues its own and passes the turn back; F waits
+# 3-3.5 for its exchange, computes to 4 and ends; B waits 4-4.25 for its own and computes to 5.
+PAIR_SPANS = [Span(0, "F", 1, 0, 0.0, 4.0), Span(0, "B", 0, 1, 1.1, 5.0)]
+PAIR_A2A = [CommEvent(0, "F", 1, 0, 1.0, 3.0, 3.5), CommEvent(0, "B", 0, 1, 3.0, 4.0, 4.25)]
+
+
+def test_a_pairs_all_to_alls_hide_behind_the_other_micro_batchs_compute():
+    b_first, f_last = Span(0, "B", 0, 1, 1.1, 3.0), Span(0, "F", 1, 0, 3.5, 4.0)
+    assert computing(PAIR_SPANS, PAIR_A2A) == [
+        Span(0, "F", 1, 0, 0.0, 1.0),
+        f_last,
+        b_first,
+        Span(0, "B", 0, 1, 4.25, 5.0),
+    ]
+    # The exchanges' union 1-4.25: 1.1-3 under B's compute and 3.5-4 under F's are hidden; 1-1.1 (the
+    # hand-over), 3-3.5 and 4-4.25 (a side waiting for its exchange, the other idle) exposed.
+    assert collective_overlap(PAIR_SPANS, PAIR_A2A) == pytest.approx((0.85, 2.4))
+    assert nested_collectives(PAIR_SPANS, PAIR_A2A) == [(PAIR_A2A[0], b_first), (PAIR_A2A[1], f_last)]
+
+
+def test_without_a_pair_the_all_to_alls_are_exposed_and_nest_in_nothing():
+    spans = [Span(0, "F", 1, 0, 0.0, 2.0), Span(0, "B", 0, 1, 2.0, 4.0)]
+    a2a = [CommEvent(0, "F", 1, 0, 1.0, 1.0, 1.5), CommEvent(0, "B", 0, 1, 3.0, 3.0, 3.25)]
+    assert collective_overlap(spans, a2a) == pytest.approx((0.75, 0.0))
+    assert nested_collectives(spans, a2a) == []
 
 
 def test_the_recorder_keeps_posted_needed_done_in_order():
