@@ -117,10 +117,15 @@ def _worker(rank: int, world: int, store: str, cases: list, refs: list, out: str
     try:
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-        failures = {}
+        failures, traced = {}, {}
         for args, ref in zip(cases, refs, strict=True):
             job = make_job(*args)
-            result = run(job, Topology(job.parallel, world, rank))
+            arrivals = GradientArrivals() if _traced_under_tp(job) else None
+            result = run(
+                job, Topology(job.parallel, world, rank), arrivals is not None, arrivals and arrivals.watch
+            )
+            if arrivals is not None:
+                traced[args] = {"trace": result["trace"], "arrivals": arrivals.kinds(result["trace"])}
             failures[args] = ref.check(
                 f"{args} rank {rank}", result["losses"], result["grad_norms"], result["state"]
             )
@@ -132,8 +137,7 @@ def _worker(rank: int, world: int, store: str, cases: list, refs: list, out: str
                 if held != [list(range(starts[c], starts[c] + sizes[c])) for c in mine]:
                     failures[args].append(f"{args} rank {rank}: stages hold layers {held}")
             dist.barrier()
-        if world == ZERO_BUBBLE_TP_WORLD:  # test_zero_bubble_defers_tensor_parallel_weight_gradients's runs
-            failures[ZERO_BUBBLE_TP] = _zero_bubble_under_tp(rank, world)
+        failures[ZERO_BUBBLE_TP] = traced
         outcome: dict | str = failures
     except Exception:
         outcome = traceback.format_exc()
@@ -270,9 +274,8 @@ PLANNED_CASES = [
     ("llama", 6, 1, 2, 1, "1f1b", 1, False, 0, (5, 1), MIXED),
     ("gpt", 6, 1, 2, 1, "interleaved_1f1b", 2, False, 0, (1, 3, 1, 1), MIXED),
 ]
-ZERO_BUBBLE_TP, ZERO_BUBBLE_TP_WORLD = "zero bubble under tp", 4
-"""The key of test_zero_bubble_defers_tensor_parallel_weight_gradients's traced runs in a rank's results, and
-the world size of the group that runs them."""
+ZERO_BUBBLE_TP = "zero bubble under tp"
+"""The key of test_zero_bubble_defers_tensor_parallel_weight_gradients's traced runs in a rank's results."""
 WORLD_CASES = {
     world: arch_layout_cases(world) + V_CASES.get(world, []) + (PLANNED_CASES if world == 2 else [])
     for world in sorted(LAYOUTS)
@@ -323,42 +326,36 @@ def test_pp1_is_the_degenerate_case_of_the_same_executor():
         check(name, job, result)
 
 
-def _zero_bubble_under_tp(rank: int, world: int) -> dict:
-    """Traced zb_h1 runs at tp=2, pp=2, in the processes of the module's world-4 group (_worker)."""
-    out = {}
-    for arch, sp in (("llama", False), ("gpt", True)):
-        job = make_job(arch, 4, tp=2, pp=2, schedule="zb_h1", sp=sp)
-        arrivals = GradientArrivals()
-        result = run(job, Topology(job.parallel, world, rank), trace=True, setup=arrivals.watch)
-        out[(arch, sp)] = {
-            "losses": result["losses"],
-            "grad_norms": result["grad_norms"],
-            "state": result["state"],
-            "trace": result["trace"],
-            "arrivals": arrivals.kinds(result["trace"]),
-        }
-    return out
+def _traced_under_tp(job: JobConfig) -> bool:
+    """Whether a case is one of test_zero_bubble_defers_tensor_parallel_weight_gradients's runs: the world-4
+    matrix's zb_h1 cases at tp=2, pp=2 (the layout/schedule cell without sequence parallelism, the TP cases
+    with it), traced while they are checked against one process. Tracing and the gradient hooks change no
+    value, so a separate traced run of the same job would only repeat the matrix's."""
+    p = job.parallel
+    return (p.schedule, p.tp, p.pp, p.dp) == ("zb_h1", 2, 2, 1)
 
 
 @pytest.mark.slow
 def test_zero_bubble_defers_tensor_parallel_weight_gradients():
     """zb_h1 at tp=2, pp=2: the W actions compute the weight gradients of the column/row parallel layers
     after their I (several other actions later on the last pipeline rank), and the run matches one process.
-    Run by the world-4 group of the matrix tests (_world_results): 4 more processes cost more than it."""
-    world = ZERO_BUBBLE_TP_WORLD
+    Traced in the world-4 group of the matrix tests (_world_results, _traced_under_tp)."""
+    world = 4
     results = _world_results(world)
     errors = [r for r in results.values() if isinstance(r, str)]
     assert not errors, "\n".join(errors)
-    for arch, sp in results[0][ZERO_BUBBLE_TP]:
-        job = make_job(arch, 4, tp=2, pp=2, schedule="zb_h1", sp=sp)
+    cases = list(results[0][ZERO_BUBBLE_TP])
+    assert {make_job(*case).parallel.sequence_parallel for case in cases} == {False, True}, cases
+    failures = [f for case in cases for r in range(world) for f in results[r][case]]
+    assert not failures, "\n".join(failures)  # each matched one process
+    for case in cases:
         for rank in range(world):
-            r = results[rank][ZERO_BUBBLE_TP][(arch, sp)]
-            check(f"{arch} sp={sp} rank {rank}", job, r)
+            r = results[rank][ZERO_BUBBLE_TP][case]
             # Every linear layer of the rank's stage, all of them tensor-parallel here, got its weight
             # gradient of micro-batch i in the W of micro-batch i, once.
             assert len(r["arrivals"]) >= 12, r["arrivals"]
             for layer, got in r["arrivals"].items():
-                assert got == [("W", mb) for mb in range(4)], (rank, layer, got)
+                assert got == [("W", mb) for mb in range(4)], (case, rank, layer, got)
             trace = r["trace"]
             computes = [(e["kind"], e["microbatch"]) for e in trace]
             end_of_i = {e["microbatch"]: e["end"] for e in trace if e["kind"] == "I"}
