@@ -65,15 +65,26 @@ def test_report_gathers_every_step(tmp_path: Path) -> None:
     assert "no env.json" not in md and json.loads((tmp_path / "results.json").read_text())["env"] is None
 
 
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One dry run of bench_e2e.py for bf16 and fp8, its main called in this process (each variant still
+    runs in a child process of its own, as on the GPU): our bf16 row, torchtitan's after it, our fp8 row.
+    The tests below read the same JSON; a run per precision started the script and its imports twice
+    (~5 CPU-s each) for the same rows."""
+    sys.path.insert(0, str(GPU))
+    import bench_e2e
+
+    out = tmp_path_factory.mktemp("e2e") / "e2e.json"
+    args = ["--dry-run", "--configs", str(ROOT / "configs/llama-1b.yaml"), "--precision", "bf16", "fp8"]
+    assert bench_e2e.main([*args, "--compile", "none", "--out", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
 @pytest.mark.slow
-def test_e2e_dry_run_trains_an_fp8_variant(tmp_path: Path) -> None:
-    out = tmp_path / "e2e.json"
-    args = ["--dry-run", "--configs", str(ROOT / "configs/llama-1b.yaml"), "--precision", "fp8"]
-    args += ["--compile", "none", "--out", str(out)]
-    subprocess.run(
-        [sys.executable, str(GPU / "bench_e2e.py"), *args], check=True, capture_output=True, timeout=300
-    )
-    (row,) = json.loads(out.read_text())["rows"]
+def test_e2e_dry_run_trains_an_fp8_variant(dry_run: dict) -> None:
+    ours = [r for r in dry_run["rows"] if r["impl"] == "llmtrain"]
+    assert [r["overrides"][-1] for r in ours] == ["train.precision=bf16", "train.precision=fp8"]
+    row = ours[1]
     assert row["status"] == "ok", row
     assert row["tokens_per_s"] > 0 and row["mfu_vs_bf16_peak"] is None  # no peak to stand behind on CPU
     assert len(row["losses"]) == 3 and all(loss > 0 for loss in row["losses"])
@@ -145,18 +156,12 @@ def test_titan_peer_ffn_rule_gives_the_configs_width() -> None:
 
 
 @pytest.mark.slow
-def test_e2e_dry_run_reports_torchtitan_not_installed(tmp_path: Path) -> None:
+def test_e2e_dry_run_reports_torchtitan_not_installed(dry_run: dict) -> None:
     if importlib.util.find_spec("torchtitan") is not None:
         pytest.skip("torchtitan is installed here: its row runs instead")
-    out = tmp_path / "e2e.json"
-    args = ["--dry-run", "--configs", str(ROOT / "configs/llama-1b.yaml"), "--precision", "bf16"]
-    args += ["--compile", "none", "--out", str(out)]
-    subprocess.run(
-        [sys.executable, str(GPU / "bench_e2e.py"), *args], check=True, capture_output=True, timeout=300
-    )
-    payload = json.loads(out.read_text())
-    ours, titan = payload["rows"]
+    ours, titan, _ = dry_run["rows"]
     assert ours["status"] == "ok" and ours["impl"] == "llmtrain"
+    assert ours["overrides"][-1] == "train.precision=bf16"
     assert titan["impl"] == "torchtitan" and titan["status"] == "not installed"
-    assert payload["torchtitan"] == "not installed"
-    assert payload["vs_torchtitan"]["llama-1b.yaml"]["why"] == "torchtitan: not installed"
+    assert dry_run["torchtitan"] == "not installed"
+    assert dry_run["vs_torchtitan"]["llama-1b.yaml"]["why"] == "torchtitan: not installed"

@@ -797,13 +797,29 @@ PROCESS_SAMPLE = [
     Case({"train.seed": "-1"}, ("train.seed",), in_file=True),
     Case({"train.eval_batches": "0"}, ("train.eval_batches",)),
     Case({"model.num_attention_heads": "4", "parallel.tp": "3"}, ("parallel.tp",)),
-    Case({"parallel.tp": "2"}, ("parallel.tp",)),  # valid config, but not for one process
     Case({"trian.steps": "3"}, ("trian",)),
+    # Refused in llmtrain.training.run, after torch is imported: as the data are built, the latest refusal,
+    # after the process group, the watchdog's thread, the excepthook and the launch plan.
     Case({"data.tokenizer": "{work}/missing.model"}, ("data.tokenizer",)),
-    Case({"checkpoint.load": "{work}/missing"}, ("checkpoint.load",)),
     Case({}, ("{work}/job.yaml",), file_text=b"train:\n  lr: [1e-3\n"),
     Case({}, ("{work}/nope.yaml",), config="{work}/nope.yaml"),
 ]
+
+
+# Refused in llmtrain.training.run too, earlier than the tokenizer above: a world size the degrees do not
+# divide (valid config, but not for one process) as the process group is set up, a missing checkpoint.load
+# as the launch is planned. Run here, in this process: as processes each would start torch again (~8 CPU-s)
+# to show what the tokenizer's process shows of a refusal after the import (one line, exit 2, nothing
+# written, no traceback at exit).
+REFUSED_IN_RUN = [
+    Case({"parallel.tp": "2"}, ("parallel.tp",)),
+    Case({"checkpoint.load": "{work}/missing"}, ("checkpoint.load",)),
+]
+
+
+@pytest.mark.parametrize("case", REFUSED_IN_RUN, ids=lambda c: ",".join(c.values))
+def test_refusals_in_the_run(case):
+    expect_refused(case)
 
 
 @pytest.mark.slow

@@ -52,16 +52,17 @@ YARN = dict(
 )
 # (settings, optimizer) per world size. SGD shows a gradient off by a factor in the weights (Adam normalises
 # it away). One micro-batch size for both runs: the reference accumulates the same micro-batches, so the
-# capacity and the load-balancing loss see the same tokens per forward.
+# capacity and the load-balancing loss see the same tokens per forward. Each code path once: plain tp=2
+# (latent attention and experts split by heads and widths, dropless) is every tp=2 layout below without its
+# one addition, and the full q_proj (q_lora_rank=None) is split by TP alike with or without EP and capacity,
+# so it rides on the tp=2 ep=2 capacity layout (SGD, as before) rather than a launch of its own.
 LAYOUTS = {
     2: [
-        (dict(tp=2), "adamw"),
-        (dict(tp=2, q_lora_rank=None), "sgd"),
         (dict(tp=2, sequence_parallel=True), "sgd"),
         (dict(tp=2, ep=2), "adamw"),
         (dict(tp=2, **CAPACITY), "sgd"),
         (dict(tp=2, sequence_parallel=True, **CAPACITY), "adamw"),
-        (dict(tp=2, ep=2, **CAPACITY), "sgd"),
+        (dict(tp=2, ep=2, q_lora_rank=None, **CAPACITY), "sgd"),
         # Context parallelism splits the sequences too (two mirrored chunks a rank): the same capacity. YaRN
         # makes the latent softmax scale differ from 1/sqrt(head width), which the CP attention must take.
         (dict(cp=2, **YARN), "adamw"),

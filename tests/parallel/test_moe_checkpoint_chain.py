@@ -31,9 +31,11 @@ SEGMENT = 2  # steps each layout trains before it saves
 # (ep, tp, pp, zero_stage) of each segment; dp is what the other degrees leave of the 4 ranks.
 CHAIN = [(4, 1, 1, 1), (2, 2, 1, 3), (1, 1, 2, 2), (4, 2, 1, 0)]
 STEPS = SEGMENT * len(CHAIN)
-# Model overrides of tests.parallel._dist's tiny mixtral (4 experts, top-2, no load-balancing loss).
+# Model overrides of tests.parallel._dist's tiny mixtral (4 experts, top-2, no load-balancing loss). Mixtral
+# itself has no chain of its own: Qwen3-MoE is it (llmtrain.models.registry: the same norm, MLP, rotary
+# and, from this ModelConfig, the same experts and router) plus the QK-norm, so its chain moves every tensor
+# a Mixtral chain would, and ERNIE's all of them but the QK-norm.
 MODELS = {
-    "mixtral": {},
     "ernie_moe": dict(num_shared_experts=1, moe_ffn_hidden_size=32),
     "qwen3_moe": {},
 }

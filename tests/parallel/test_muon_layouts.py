@@ -50,10 +50,10 @@ lr * |g| / eps, so its error does too."""
 LAYOUTS = [
     ("llama", dict(dp=4, zero_stage=1)),
     ("llama", dict(dp=4, zero_stage=3)),
-    ("llama", dict(tp=2, pp=2)),
     ("mixtral", dict(tp=2, dp=2, ep=2, zero_stage=1)),
     ("deepseek_v3", dict(tp=2, dp=2, ep=2, zero_stage=3)),
-    # Multi-token prediction: its module's matrices on Muon, on the last stage with the embedding's copy.
+    # tp=2 x pp=2, with multi-token prediction: its module's matrices on Muon, on the last stage with the
+    # embedding's copy, beside every matrix a tp=2 x pp=2 llama without it has (no launch of its own).
     ("llama", dict(tp=2, pp=2, mtp_layers=1)),
 ]
 
