@@ -198,8 +198,9 @@ def free_port() -> int:
 
 # The ranks fork from a server process that imported torch, DTensor and llmtrain's stack once (per test
 # process), instead of each spawned rank importing them afresh: about 6 CPU-s per rank, the larger part of
-# most multi-process tests.
-mp.set_forkserver_preload(["torch", "torch.distributed.tensor", "tests.parallel._dist"])
+# most multi-process tests. torchao's float8 too (about 2.5 CPU-s a rank of the FP8 tests; a missing module is
+# skipped by the server).
+mp.set_forkserver_preload(["torch", "torch.distributed.tensor", "torchao.float8", "tests.parallel._dist"])
 
 
 def start_ranks(worker: Callable[..., Any], args: tuple, nprocs: int) -> None:

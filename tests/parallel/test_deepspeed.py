@@ -274,17 +274,19 @@ def _step_losses(out) -> dict[int, float]:
 @needs_deepspeed
 @pytest.mark.slow
 def test_deepspeed_checkpoint_resumes_on_llmtrain_and_deepspeed(tmp_path, deepspeed_extensions):
-    """tools/pretrain.py under torchrun, dp=2, fp32: DeepSpeed ZeRO-2 with CPU Adam trains 3 steps and saves
-    (in llmtrain's layout-free format); llmtrain's ZeRO-1, and DeepSpeed's ZeRO-3 with optimizer and
-    parameters on the CPU, each resume from that checkpoint to step 6 (the trainer restores the step, the
-    lr schedule and the data position). Every step's loss equals one llmtrain run of 6 steps on one
-    process within 1e-4 relative (the issue's bound for fp32 layouts; the engines and dp=2 against one
+    """tools/pretrain.py as torchrun starts its ranks, dp=2, fp32: DeepSpeed ZeRO-2 with CPU Adam trains 3
+    steps and saves (in llmtrain's layout-free format); llmtrain's ZeRO-1, and DeepSpeed's ZeRO-3 with
+    optimizer and parameters on the CPU, each resume from that checkpoint to step 6 (the trainer restores the
+    step, the lr schedule and the data position). Every step's loss equals one llmtrain run of 6 steps on
+    one process within 1e-4 relative (the issue's bound for fp32 layouts; the engines and dp=2 against one
     process differ by ~1e-7 here and in test_deepspeed_offload_trains_like_one_process, and a checkpoint
-    that lost Adam's hyper-parameters missed by 1e-2). The reference is one process rather than a
-    torchrun launch of dp=2 (a launcher and a rank fewer to start), run in this process (no interpreter,
-    torch or llmtrain to start either): the same global batches, so the same losses up to fp32 summation
-    order, and a reference made without DP's machinery at all."""
-    from tests.training._runs import run_cli, torchrun_command, train_here
+    that lost Adam's hyper-parameters missed by 1e-2). The launches' ranks are forked with torchrun's
+    environment (tests.checkpoint._ranks): the tool's run, save and resume are under test, not torchrun's
+    launcher (no restart happens), so neither it nor an interpreter per rank is started. The reference is
+    one process rather than a launch of dp=2, run in this process: the same global batches, so the same
+    losses up to fp32 summation order, and a reference made without DP's machinery at all."""
+    from tests.checkpoint._ranks import tiny_pretrain
+    from tests.training._runs import train_here
 
     # A constant lr, so a run of 3 steps follows the same schedule as one of 6.
     common = ["train.lr_decay=constant", "train.warmup_steps=0", "train.eval_interval=0"]
@@ -292,19 +294,14 @@ def test_deepspeed_checkpoint_resumes_on_llmtrain_and_deepspeed(tmp_path, deepsp
     deepspeed = ["parallel.engine=deepspeed", "parallel.zero_stage=2", "parallel.offload=optimizer"]
     llmtrain = ["parallel.zero_stage=1", "train.steps=6"]
     train_here(tmp_path / "straight", *common, "train.steps=6")  # the reference's launch is not under test
-    first = run_cli(torchrun_command(2, tmp_path / "ds", *common, *deepspeed, "train.steps=3"), timeout=600)
+    first = tiny_pretrain(2, tmp_path / "ds", *common, *deepspeed, "train.steps=3")
     assert first.returncode == 0, first.stderr[-3000:]
     (saved,) = (tmp_path / "ds").rglob("step_3")
-    second = run_cli(
-        torchrun_command(2, tmp_path / "resumed", *common, *llmtrain, f"checkpoint.load={saved}"), timeout=600
-    )
+    second = tiny_pretrain(2, tmp_path / "resumed", *common, *llmtrain, f"checkpoint.load={saved}")
     assert second.returncode == 0, second.stderr[-3000:]
     zero3 = ["parallel.engine=deepspeed", "parallel.zero_stage=3", "parallel.offload=optimizer+params"]
-    third = run_cli(
-        torchrun_command(
-            2, tmp_path / "ds_resumed", *common, *zero3, "train.steps=6", f"checkpoint.load={saved}"
-        ),
-        timeout=600,
+    third = tiny_pretrain(
+        2, tmp_path / "ds_resumed", *common, *zero3, "train.steps=6", f"checkpoint.load={saved}"
     )
     assert third.returncode == 0, third.stderr[-3000:]
     want = _step_losses(tmp_path / "straight")
