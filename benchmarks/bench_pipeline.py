@@ -74,6 +74,22 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
+def _rotated_times(runs: dict[str, tuple], warmup: int, steps: int) -> dict[str, list[float]]:
+    """Per run name, the times of ``steps`` steps after ``warmup``: each step runs every (owner, step
+    function) of ``runs`` once from zeroed gradients, rotating who goes first so that drifting machine load
+    favours no one."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    order = list(runs)
+    for step in range(warmup + steps):
+        for name in order[step % len(order) :] + order[: step % len(order)]:
+            owner, fn = runs[name]
+            owner.zero_grad(set_to_none=True)
+            t = _timed(fn)
+            if step >= warmup:
+                times[name].append(t)
+    return times
+
+
 def _traced_step(ex: PipelineExecutor, micro: list[torch.Tensor]) -> None:
     """One traced step of ``ex`` from zeroed gradients, every rank starting together."""
     ex.stages.zero_grad(set_to_none=True)
@@ -201,15 +217,7 @@ def _worker(rank: int, world: int, store: str, args: argparse.Namespace, results
             cls = getattr(torch_schedules, cls_name)
             theirs = cls(torch_stages[0] if v == 1 else torch_stages, m, loss_fn=_loss)
             runs[cls_name] = (stages, lambda theirs=theirs: torch_step(theirs))
-        times: dict[str, list[float]] = {name: [] for name in runs}
-        order = list(runs)
-        for step in range(args.warmup + args.steps):
-            # Rotate who goes first, so drifting machine load favours no one.
-            for name in order[step % len(order) :] + order[: step % len(order)]:
-                runs[name][0].zero_grad(set_to_none=True)
-                t = _timed(runs[name][1])
-                if step >= args.warmup:
-                    times[name].append(t)
+        times = _rotated_times(runs, args.warmup, args.steps)
         memory = {}
         for name, (owner, fn) in runs.items():
             owner.zero_grad(set_to_none=True)
@@ -306,15 +314,8 @@ def _moe_worker(rank: int, world: int, store: str, args: argparse.Namespace, res
     executors = {"dualpipe_v": fresh(), PAIRS_OFF: fresh()}
     executors[PAIRS_OFF].overlap = False
     assert executors["dualpipe_v"].overlap, "dualpipe_v runs no overlapped pairs on this layout"
-    times: dict[str, list[float]] = {name: [] for name in executors}
-    order = list(executors)
-    for step in range(args.warmup + args.steps):
-        for name in order[step % 2 :] + order[: step % 2]:
-            ex = executors[name]
-            ex.stages.zero_grad(set_to_none=True)
-            t = _timed(lambda ex=ex: ex.run(micro))
-            if step >= args.warmup:
-                times[name].append(t)
+    runs = {name: (ex.stages, lambda ex=ex: ex.run(micro)) for name, ex in executors.items()}
+    times = _rotated_times(runs, args.warmup, args.steps)
     out: dict[str, object] = {}
     for name, ex in executors.items():
         figures, p2p = [], []

@@ -1,11 +1,16 @@
-"""Shared pieces of the checkpoint tests: a tiny job, a training loop, a trained tokenizer."""
+"""Shared pieces of the checkpoint tests: a tiny job, a training loop, a trained tokenizer, and signals to a
+launch's processes."""
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import subprocess
 import sysconfig
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 
 from llmtrain import models
@@ -89,3 +94,25 @@ def stdlib_texts(first: int, count: int) -> list[str]:
 def train_tokenizer(path: Path, vocab_size: int = 512) -> Path:
     """A byte-fallback BPE SentencePiece model as tools/train_tokenizer.py trains it, on 40 stdlib modules."""
     return train_sentencepiece(stdlib_texts(0, 40), path, vocab_size)
+
+
+def signal_all(processes: list[psutil.Process], signum: int) -> None:
+    """Send `signum` to each of `processes` still alive (a data-loader worker may end meanwhile)."""
+    for process in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.send_signal(signum)
+
+
+def kill_launch(launch: subprocess.Popen) -> None:
+    """SIGKILL a launch that is still running with every process under it: the launcher first, so that it
+    restarts no worker, then its workers and theirs, which torchrun starts in sessions of their own and which
+    would otherwise outlive the test holding its ports and cores."""
+    if launch.poll() is not None:
+        return
+    try:
+        tree = psutil.Process(launch.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        tree = []
+    launch.kill()
+    signal_all(tree, signal.SIGKILL)
+    launch.wait()

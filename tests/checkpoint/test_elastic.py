@@ -9,7 +9,6 @@ per layout instead of a second, uninterrupted one: a 4-worker launch costs more 
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import json
 import os
@@ -28,6 +27,7 @@ from llmtrain.config import load
 from llmtrain.parallel.launch import launch_store, restart_warnings
 from llmtrain.training.metrics_file import read_rows
 from tests.checkpoint._ranks import pretrain
+from tests.checkpoint._util import kill_launch
 from tests.parallel._dist import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -84,23 +84,6 @@ def _resumed_from(out: Path, segment: int) -> int:
     return launch["start_step"]
 
 
-def _stop(launch: subprocess.Popen) -> None:
-    """SIGKILL a launch that is still running (past its deadline, or the test failed) with every process
-    under it: torchrun first, so that it restarts no worker, then its workers and theirs, which would
-    otherwise outlive the test holding its ports and cores."""
-    if launch.poll() is not None:
-        return
-    try:
-        tree = psutil.Process(launch.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        tree = []
-    launch.kill()
-    for process in tree:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            process.kill()
-    launch.wait()
-
-
 def _kill_a_worker_and_resume(out: Path, nproc: int, *layout: str) -> dict[int, tuple[float, float]]:
     """Run `layout` on `nproc` workers, SIGKILL a worker once the run has logged two steps past a
     checkpoint, and check that the restarted group resumes from that checkpoint and redoes those two steps
@@ -121,7 +104,7 @@ def _kill_a_worker_and_resume(out: Path, nproc: int, *layout: str) -> dict[int, 
     except subprocess.TimeoutExpired:
         returncode = None
     finally:
-        _stop(killed)
+        kill_launch(killed)
     log = out.with_suffix(".log").read_text()
     assert returncode is not None, f"the launch did not end within 500 s\n{log[-5000:]}"
     assert returncode == 0, log[-5000:]

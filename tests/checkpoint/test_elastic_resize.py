@@ -13,7 +13,6 @@ until torchrun's own SIGTERM for the membership change reaches them, then contin
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -30,6 +29,7 @@ from llmtrain.config import JobConfig, load
 from llmtrain.planner import plan_for_world
 from llmtrain.training.metrics_file import read_rows
 from tests.checkpoint._ranks import pretrain
+from tests.checkpoint._util import kill_launch, signal_all
 from tests.parallel._dist import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -145,21 +145,6 @@ def _sigterm_pending(process: psutil.Process) -> bool:
     )
 
 
-def _signal_all(processes: list[psutil.Process], signum: int) -> None:
-    for process in processes:
-        with contextlib.suppress(psutil.NoSuchProcess):  # a data-loader worker may end meanwhile
-            process.send_signal(signum)
-
-
-def _crash(agent: subprocess.Popen) -> None:
-    """SIGKILL an agent and its workers (torchrun starts each worker in a session of its own)."""
-    workers = psutil.Process(agent.pid).children()
-    agent.send_signal(signal.SIGKILL)
-    for worker in workers:
-        worker.send_signal(signal.SIGKILL)
-    agent.wait()
-
-
 @pytest.mark.slow
 def test_agent_lost_and_back_shrinks_and_grows_with_replanned_layout(tmp_path: Path) -> None:
     out = tmp_path / "elastic"
@@ -174,7 +159,7 @@ def test_agent_lost_and_back_shrinks_and_grows_with_replanned_layout(tmp_path: P
             [first, second],
             deadline,
         )
-        _crash(second)
+        kill_launch(second)  # the agent and its workers, as a lost machine
         _wait_for(
             lambda: (
                 _launches(out)[-1]["world_size"] == 2
@@ -188,7 +173,7 @@ def test_agent_lost_and_back_shrinks_and_grows_with_replanned_layout(tmp_path: P
         # for it, stopped, so that the job cannot finish first. When it has joined, the first agent stops its
         # workers for the new round with SIGTERM, which they save a checkpoint on once continued.
         workers = psutil.Process(first.pid).children(recursive=True)
-        _signal_all(workers, signal.SIGSTOP)
+        signal_all(workers, signal.SIGSTOP)
         second = _agent("second-again", port, out, host=False)
         _wait_for(
             lambda: any(_sigterm_pending(w) for w in workers),
@@ -196,13 +181,12 @@ def test_agent_lost_and_back_shrinks_and_grows_with_replanned_layout(tmp_path: P
             [first, second],
             deadline,
         )
-        _signal_all(workers, signal.SIGCONT)
+        signal_all(workers, signal.SIGCONT)
         assert first.wait(timeout=max(1, deadline - time.time())) == 0, (tmp_path / "first.log").read_text()
         assert second.wait(timeout=60) == 0, (tmp_path / "second-again.log").read_text()
     finally:
         for agent in (first, second):
-            if agent.poll() is None:
-                _crash(agent)
+            kill_launch(agent)
 
     launches = _launches(out)
     sizes = [launch["world_size"] for launch in launches]
