@@ -176,20 +176,22 @@ def _interleaved_groups(m: int, group: int) -> list[range]:
     return [range(s, starts[i + 1] if i + 1 < len(starts) else m) for i, s in enumerate(starts)]
 
 
-def _interleaved(pp: int, m: int, v: int) -> list[list[tuple[str, int, int]]]:
+def _interleaved(pp: int, m: int, v: int, round_trip: int = 2) -> list[list[tuple[str, int, int]]]:
     """Megatron's interleaved 1F1B (Narayanan et al. 2021): v chunks per rank, warm-up
-    2*(pp-rank-1) + (v-1)*pp forwards (more when m % pp != 0), backwards visiting chunks in reverse."""
+    round_trip*(pp-rank-1) + (v-1)*pp forwards (more when m % pp != 0), backwards visiting chunks in
+    reverse."""
     if v == 1:
         return _one_f_one_b(pp, m, v)
     groups = _interleaved_groups(m, pp)
     # Forwards run group by group through every chunk; the backward of chunk v-1-c follows that of c, so a
-    # rank must run ahead by (v-1) * the largest group, plus the 2*(pp-rank-1) of the round trip.
+    # rank must run ahead by (v-1) * the largest group, plus round_trip*(pp-rank-1) for the first backward's
+    # way down and back up.
     table = [(mb, c) for g in groups for c in range(v) for mb in g]
     largest = max(len(g) for g in groups)
     total = m * v
     order = []
     for rank in range(pp):
-        warmup = min(2 * (pp - rank - 1) + (v - 1) * largest, total)
+        warmup = min(round_trip * (pp - rank - 1) + (v - 1) * largest, total)
         fwd = [(F, mb, c) for mb, c in table]
         bwd = [(B, mb, v - 1 - c) for mb, c in table]
         seq = fwd[:warmup]
@@ -223,9 +225,12 @@ def _zb_h1(pp: int, m: int, v: int) -> list[list[tuple[str, int, int]]]:
 def _interleaved_zb(pp: int, m: int, v: int) -> list[list[tuple[str, int, int]]]:
     """Interleaved 1F1B with the backward split (the ZB-1P idea of Qi et al. 2023 on Megatron's interleaved
     order, as torch's ScheduleInterleavedZeroBubble): every B becomes an I, and rank r runs the W of its k-th
-    backward after its (k + r)-th I, as ZB-H1 does, so the deferred W fill the cool-down."""
+    backward after its (k + r)-th I, as ZB-H1 does, so the deferred W fill the cool-down. The warm-up is
+    torch's: one forward per downstream rank, not interleaved 1F1B's two (an I is about as long as an F,
+    half a full backward), so rank r holds (v-1)*pp + pp - r micro-batch chunks at most, not
+    (v-1)*pp + 2(pp - r) - 1; the W fill the slots where an I is not back yet."""
     order = []
-    for rank, seq in enumerate(_interleaved(pp, m, v)):
+    for rank, seq in enumerate(_interleaved(pp, m, v, round_trip=1)):
         out: list[tuple[str, int, int]] = []
         done: list[tuple[int, int]] = []
         owed = 0
