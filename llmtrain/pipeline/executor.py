@@ -15,7 +15,9 @@ mean loss, exactly as ``LocalStepRunner`` on one process. With a split backward 
 ``nn.Linear`` and the tensor-parallel column/row layers alike; ``W`` turns them into weight gradients later.
 A forward followed by a full backward that both exchange tokens over EP (DualPipeV's overlapped phase on an
 MoE model) run as a pair on two threads taking turns at the all-to-alls (llmtrain.parallel.turns): both
-computes' receives are waited for first, the sends between them posted after both.
+computes' receives are waited for first, the sends between them posted after both. The backward's
+all-to-alls take turns too where autograd runs it on a device thread of its own (GPUs; emulated on CPU in
+the tests, not yet run on a GPU).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from llmtrain.parallel.gemms import PLAIN, LinearGemms, linear
 from llmtrain.parallel.materialize import is_meta, materialize
 from llmtrain.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, gather_sequence
 from llmtrain.parallel.topology import Topology
-from llmtrain.parallel.turns import recording, run_pair
+from llmtrain.parallel.turns import backward_elsewhere, recording, run_pair
 from llmtrain.parallel.zero import apply_data_parallel, grad_sync
 from llmtrain.pipeline.comm_trace import CommTrace, collective_events
 from llmtrain.pipeline.router_stats import PipelineRouter
@@ -594,11 +596,14 @@ class PipelineExecutor:
         if a.kind == I:
             self._split.queue = deferred.setdefault(key, [])
         try:
-            if chunk.is_last:
-                # The step's loss is the mean over micro-batches, as on one process.
-                torch.autograd.backward(out * (self._loss_scale / m))
-            else:
-                torch.autograd.backward(out, grads_in.pop(key))
+            # Inside an overlapped pair the all-to-alls of a backward that autograd runs on its device's
+            # thread (GPUs) hand off for this side (llmtrain.parallel.turns.backward_elsewhere).
+            with backward_elsewhere():
+                if chunk.is_last:
+                    # The step's loss is the mean over micro-batches, as on one process.
+                    torch.autograd.backward(out * (self._loss_scale / m))
+                else:
+                    torch.autograd.backward(out, grads_in.pop(key))
         finally:
             self._split.queue = None
 
