@@ -39,8 +39,11 @@ llmtrain.planner.validation.regret): for a dense and an MoE small job (--regret-
 (--regret-processes), the layouts of the planner's search space cut by the rule it prints, each trained as
 --local's are, then per (job, N) the line `regret of parallel.auto's pick (JOB, N processes): ...` (the
 pick's measured time over the fastest, target <= 1.05) and the Spearman of predicted vs measured; progress and
-the total time on stderr, the rows in --json under "regret". --regret-limit K measures only the first K
-layouts of each set (the pick first), a quick end-to-end check. The 4-process cluster is
+the total time on stderr, the rows in --json under "regret". After the first pass, a confirmation round:
+the pick and every layout whose first run is within --regret-band (default 1.30) of the fastest are measured
+--regret-confirm (default 2) more times round-robin, each counting its fastest run (the table marks them
+with their number of runs; --regret-confirm 0: one run per layout). --regret-limit K measures only the
+first K layouts of each set (the pick first), a quick end-to-end check. The 4-process cluster is
 `tools/calibrate.py --devices 4`'s file (--local-cluster4: 4 processes sharing the cores):
 
     python tools/calibrate.py --output local.yaml && \
@@ -82,6 +85,8 @@ from llmtrain.planner.validation.local import (
 from llmtrain.planner.validation.published import format_results, provenance, summary, validate_megatron
 from llmtrain.planner.validation.recipes import TABLES, Recipe, format_recipes, summarise, validate_recipes
 from llmtrain.planner.validation.regret import (
+    REGRET_BAND,
+    REGRET_CONFIRM,
     REGRET_JOBS,
     REGRET_PROCESSES,
     RegretResult,
@@ -250,9 +255,11 @@ def regret_runs(
     warmup: int,
     repeats: int = 1,
     limit: int | None = None,
+    band: float = REGRET_BAND,
+    confirm: int = REGRET_CONFIRM,
 ) -> list[RegretResult]:
-    """The regret check of every job at every process count of `clusters`, progress and the total time on
-    stderr."""
+    """The regret check of every job at every process count of `clusters` (contenders within `band` measured
+    `confirm` more times), progress and the total time on stderr."""
     from llmtrain.config import load
 
     start = time.perf_counter()
@@ -263,7 +270,11 @@ def regret_runs(
             job = load(REPO / config, list(overrides))
             measure = run_measurer(Path(tmp), name, steps, warmup, repeats)
             for processes, cluster in clusters.items():
-                results.append(regret_check(name, job, cluster, processes, measure, limit, stderr_progress))
+                results.append(
+                    regret_check(
+                        name, job, cluster, processes, measure, limit, stderr_progress, band, confirm
+                    )
+                )
     print(f"[regret] {len(results)} (job, processes) in {time.perf_counter() - start:.0f} s", file=sys.stderr)
     return results
 
@@ -314,6 +325,19 @@ def main(argv: list[str] | None = None) -> int:
         "--regret-limit", type=int, help="measure only the first K layouts of each set (the pick first)"
     )
     parser.add_argument(
+        "--regret-band",
+        type=float,
+        default=REGRET_BAND,
+        help="re-measure the layouts whose first run is within this factor of the fastest, and the pick "
+        "(planner.validation.regret.REGRET_BAND argues the default)",
+    )
+    parser.add_argument(
+        "--regret-confirm",
+        type=int,
+        default=REGRET_CONFIRM,
+        help="runs of each such contender after its first, round-robin; the fastest counts (0: none)",
+    )
+    parser.add_argument(
         "--local-cluster4",
         help="cluster file for the 4-process --regret layouts (tools/calibrate.py --devices 4; "
         "default: profile it now)",
@@ -330,6 +354,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--regret-processes: at least 1 each; got {args.regret_processes!r}")
     if args.regret_limit is not None and args.regret_limit < 1:
         parser.error("--regret-limit must be at least 1")
+    if args.regret_band < 1:
+        parser.error(
+            f"--regret-band must be at least 1 (a factor of the fastest first run); got {args.regret_band}"
+        )
+    if args.regret_confirm < 0:
+        parser.error(f"--regret-confirm must be at least 0 (runs after the first); got {args.regret_confirm}")
     if (args.local or args.regret) and args.local_steps <= args.local_warmup:
         parser.error("--local-steps must exceed --local-warmup")
     if (args.local or args.regret) and args.local_repeats < 1:
@@ -360,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.regret:
         regret = regret_runs(
             regret_jobs, regret_clusters, args.local_steps, args.local_warmup, args.local_repeats,
-            args.regret_limit,
+            args.regret_limit, args.regret_band, args.regret_confirm,
         )  # fmt: skip
         print(format_regret(regret))
     if args.json:

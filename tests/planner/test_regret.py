@@ -19,6 +19,7 @@ from llmtrain.planner.validation.regret import (
     MEASURED_RULE,
     REGRET_JOBS,
     RegretResult,
+    confirm_contenders,
     format_regret,
     measured_set,
     regret_check,
@@ -147,14 +148,54 @@ def test_the_reported_pick_is_parallel_autos_choice_with_a_fake_measurement(two)
         return measured[layout]
 
     lines = []
-    r = regret_check(name, job, CLUSTER, 2, fake, limit=3, progress=lines.append)
+    r = regret_check(name, job, CLUSTER, 2, fake, limit=3, progress=lines.append, confirm=0)
     overrides, _ = plan_for_world(job, 2, CLUSTER)
     assert layout_overrides(r.pick) == overrides
     assert [p.layout for p in r.points] == list(measured) and r.points[0].layout == r.pick
     assert r.regret == 1.0 and len(lines) == 3 and f"[regret {name} N=2 3/3]" in lines[-1]
-    assert r.space == len(layouts)
+    assert r.space == len(layouts) and not r.confirmed
     assert [p.predicted for p in r.points] == [model.evaluate(p.layout, use_simulator=True).step_time
                                                for p in r.points]  # fmt: skip
+
+
+def test_the_confirmation_round_corrects_a_noisy_first_pass_round_robin():
+    # The pick's first run caught a burst of other load (1.25 s against 1.0 s for the fastest): one pass says
+    # regret 1.25. The contenders (within 1.30x of 1.0, and the pick) run twice more, one run of each per
+    # round; the fourth layout (2.0 s, out of the band) keeps its one run.
+    scripts = [[1.25, 0.9, 0.95], [1.0, 1.05, 1.0], [1.2, 1.1, 1.15], [2.0]]
+    calls, order = [], {}
+
+    def fake(layout):
+        times = scripts[order.setdefault(layout, len(order))]
+        calls.append(layout)
+        return times[calls.count(layout) - 1]  # an out-of-band layout measured twice: IndexError
+
+    lines = []
+    r = regret_check("dense", _job("dense"), CLUSTER, 2, fake, limit=4, progress=lines.append)
+    first = list(order)
+    assert first[0] == r.pick and calls == [*first, *first[:3], *first[:3]]  # round-robin, band 1.30
+    assert [p.measured for p in r.points] == [0.9, 1.0, 1.1, 2.0]  # each its fastest run
+    assert r.regret == 1.0 and r.fastest.layout == r.pick and [p.layout for p in r.confirmed] == first[:3]
+    assert len(lines) == 4 + 2 * 3 and "confirm round 2/2, 3/3]" in lines[-1]
+    table = format_regret([r])
+    assert "confirmed: 3 contenders (the pick and every layout whose first run is within 1.30x" in table
+    rows = [line for line in table.splitlines() if line.startswith("  ") and "predicted" not in line][1:]
+    assert rows[0].startswith(f"  pick {r.pick.short()} ") and rows[0].endswith("   3 confirmed")
+    assert rows[-1].startswith(f"       {first[3].short()} ") and rows[-1].endswith("  2.0000     1")
+    rec = r.record()
+    assert (rec["band"], rec["confirm"], rec["confirmed_layouts"], rec["regret"]) == (1.3, 2, 3, 1.0)
+    assert rec["rows"][0]["runs_s"] == [1.25, 0.9, 0.95] and rec["rows"][3] == {
+        "layout": first[3].short(), "predicted_s": r.points[3].predicted, "measured_s": 2.0,
+        "confirmed": False, "runs_s": [2.0],
+    }  # fmt: skip
+
+
+def test_an_out_of_band_pick_is_still_confirmed():
+    pick, fast, near = (Layout(dp=2, micro_batch=b) for b in (4, 8, 2))
+    calls = []
+    runs = confirm_contenders({pick: 2.0, fast: 1.0, near: 1.4}, pick, lambda lay: calls.append(lay) or 1.5)
+    assert calls == [pick, fast, pick, fast]  # near: 1.4 > 1.30 * 1.0, out; the pick whatever its time
+    assert runs == {pick: [2.0, 1.5, 1.5], fast: [1.0, 1.5, 1.5]}
 
 
 def test_parallel_auto_plans_for_the_kernels_the_run_uses():
@@ -175,3 +216,11 @@ def test_bad_regret_arguments_fail_before_any_run(tmp_path, capsys):
         bench.main(["--regret", "--regret-models", "dense,sparse"])
     assert exit_.value.code == 2
     assert "--regret-models: unknown sparse; use some of dense, moe" in capsys.readouterr().err
+    for args, message in (
+        (["--regret-band", "0.9"], "--regret-band must be at least 1 (a factor of the fastest first run)"),
+        (["--regret-confirm", "-1"], "--regret-confirm must be at least 0 (runs after the first)"),
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            bench.main(["--regret", *args])
+        assert exit_.value.code == 2
+        assert f"error: {message}; got {args[1]}" in capsys.readouterr().err.splitlines()[-1]
