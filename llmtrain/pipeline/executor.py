@@ -24,26 +24,20 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 
 from llmtrain.config.layout_rules import V_SCHEDULES
 from llmtrain.config.schema import JobConfig
 from llmtrain.models.moe import RouterFigures
 from llmtrain.parallel import comm
-from llmtrain.parallel.float8 import Float8Linear
 from llmtrain.parallel.fsdp import finish_backward, is_fsdp
-from llmtrain.parallel.gemms import PLAIN, LinearGemms, linear
 from llmtrain.parallel.materialize import is_meta, materialize
-from llmtrain.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, gather_sequence
 from llmtrain.parallel.topology import Topology
 from llmtrain.parallel.turns import backward_elsewhere, recording, run_pair
 from llmtrain.parallel.zero import apply_data_parallel, grad_sync
@@ -62,141 +56,9 @@ from llmtrain.pipeline.schedules import (
     build_schedule,
     transfers_in_order,
 )
+from llmtrain.pipeline.split_backward import SplitBackward, accumulate, defer_weight_grads
 from llmtrain.pipeline.stages import PipelineStages, activation_shape, build_stages
 from llmtrain.precision import torch_dtype
-
-_LinearFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
-
-
-@dataclass
-class _WeightGrad:
-    """The weight (and bias) gradient of one linear layer for one micro-batch, waiting for its W action.
-    ``x`` is the layer's input, or under sequence parallelism this rank's shard of it, all-gathered over
-    ``group`` when the W runs (every TP rank runs the same actions, so the gathers line up)."""
-
-    weight: nn.Parameter
-    bias: nn.Parameter | None
-    x: torch.Tensor
-    grad: torch.Tensor
-    group: Any = None
-    gemms: LinearGemms = PLAIN
-
-    def compute(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
-        """(parameter, gradient) pairs: grad^T x for the weight (through the layer's gemms: in float8 under
-        train.precision=fp8, as the layer's own backward computes it), the sum of grad for the bias."""
-        x = self.x
-        if self.group is not None:
-            with torch.no_grad():
-                x = gather_sequence(x, self.group)
-        g2, x2 = self.grad.reshape(-1, self.grad.shape[-1]), x.reshape(-1, x.shape[-1])
-        out = [(self.weight, self.gemms.grad_weight(g2, x2))]
-        if self.bias is not None:
-            out.append((self.bias, g2.sum(0)))
-        return out
-
-
-def _accumulate(work: list[_WeightGrad]) -> None:
-    """Accumulate weight/bias gradients through autograd, so gradient hooks (DP buckets) run."""
-    pairs = [pair for item in work for pair in item.compute()]
-    if pairs:
-        params, grads = zip(*pairs, strict=True)
-        torch.autograd.backward(list(params), list(grads))
-
-
-class _SplitBackward:
-    """One executor's zero-bubble state. While ``building`` (a split-backward schedule's F or I,
-    recomputation included) the patched linear layers build the deferrable graph; other executors
-    sharing the modules see plain layers. ``building`` is the calling thread's (an overlapped pair's
-    forward runs on a thread of its own beside the backward). While an I action runs, ``queue`` collects
-    the weight-gradient work of its micro-batch for the matching W (read by autograd's thread, which on a
-    GPU is not the caller's); outside of one the work is done at once."""
-
-    def __init__(self) -> None:
-        self._thread = threading.local()
-        self.queue: list[_WeightGrad] | None = None
-
-    @property
-    def building(self) -> bool:
-        return getattr(self._thread, "building", False)
-
-    @building.setter
-    def building(self, on: bool) -> None:
-        self._thread.building = on
-
-    def take(self, work: _WeightGrad) -> None:
-        if self.queue is not None:
-            self.queue.append(work)
-        else:
-            _accumulate([work])
-
-
-class _DeferrableLinear(torch.autograd.Function):
-    """The layer's linear (through its ``gemms``) whose backward returns the input gradient only and hands
-    the weight/bias gradient to ``split``. The parameters enter detached, so autograd's own graph has no
-    edge to them (their gradient hooks must run once, when the gradient really arrives); ``params`` are
-    the real leaves. With ``shard`` (x is its sequence-parallel all-gather over ``group``) only the shard
-    is kept, as the TP layer does."""
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        shard: torch.Tensor | None,
-        group: Any,
-        params: tuple[nn.Parameter, nn.Parameter | None],
-        split: _SplitBackward,
-        gemms: LinearGemms,
-    ) -> torch.Tensor:
-        ctx.save_for_backward(x if shard is None else shard, weight)
-        ctx.group = None if shard is None else group
-        ctx.params, ctx.split, ctx.gemms = params, split, gemms
-        return gemms.output(x, weight, bias)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, weight = ctx.saved_tensors
-        grad_x = ctx.gemms.grad_input(grad, weight) if ctx.needs_input_grad[0] else None
-        ctx.split.take(_WeightGrad(ctx.params[0], ctx.params[1], x, grad, ctx.group, ctx.gemms))
-        return grad_x, None, None, None, None, None, None, None
-
-
-def _split_linear(
-    split: _SplitBackward,
-    plain: _LinearFn,
-    group: Any,
-    gemms: LinearGemms,
-    x: torch.Tensor,
-    weight: nn.Parameter,
-    bias: nn.Parameter | None,
-) -> torch.Tensor:
-    """``plain(x, weight, bias)``, or while ``split.building`` the same product (through ``gemms``) with a
-    deferrable weight gradient. ``group``: the TP group a sequence-parallel input is gathered over (None
-    for nn.Linear)."""
-    if not split.building:
-        return plain(x, weight, bias)
-    shard = getattr(x, "sequence_shard", None) if group is not None else None
-    detached_bias = bias.detach() if bias is not None else None
-    return _DeferrableLinear.apply(
-        x, weight.detach(), detached_bias, shard, group, (weight, bias), split, gemms
-    )
-
-
-def _plain_linear(module: nn.Module) -> bool:
-    """``nn.Linear`` itself or llmtrain's Float8Linear, not another subclass with a forward of its own;
-    also once fully_shard has made it an FSDP unit (the output layer at zero 2/3), whose class FSDPLinear
-    only adds FSDPModule's methods."""
-    cls = type(module)
-    if cls.__bases__[0] is FSDPModule:
-        cls = cls.__bases__[-1]
-    return cls in (nn.Linear, Float8Linear)
-
-
-def _split_linear_forward(split: _SplitBackward, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    gemms = getattr(module, "gemms", PLAIN)
-    plain = functools.partial(linear, gemms=gemms)
-    return _split_linear(split, plain, None, gemms, x, module.weight, module.bias)
 
 
 def _mixed_backward(actions: Sequence[Action]) -> bool:
@@ -295,7 +157,7 @@ class PipelineExecutor:
             raise ValueError(
                 "parallel.virtual_stages > 1 needs parallel.pp > 1 (chunks hand activations to the next rank)"
             )
-        self._split = _SplitBackward()
+        self._split = SplitBackward()
         # A mixture of experts' router losses and figures span the stages (llmtrain.pipeline.router_stats).
         self.router = PipelineRouter(stages.chunks, topo) if stages.chunks[0].num_moe_layers else None
         self.router_figures: RouterFigures | None = None
@@ -304,7 +166,7 @@ class PipelineExecutor:
         """The last training run's multi-token prediction cross-entropy per depth (mean over micro-batches,
         (D,), every rank); None without model.mtp_layers."""
         if schedule.split_backward:
-            self._defer_weight_grads()
+            defer_weight_grads(self._split, self.stages.chunks)
         # DualPipeV's overlapped pairs: a forward and the next backward both exchanging tokens over EP run on
         # two threads taking turns at the all-to-alls (llmtrain.parallel.turns), so each exchange hides behind
         # the other's compute. FSDP's unsharding stays on one thread. Other schedules' F-then-B steps (1F1B's
@@ -312,25 +174,6 @@ class PipelineExecutor:
         moe = any(c.num_moe_layers for c in stages.chunks)
         self.overlap = schedule.name == "dualpipe_v" and topo.ep > 1 and not self._fsdp and moe
         """Run overlapped pairs on two threads (default for dualpipe_v where they exchange tokens over EP)."""
-
-    def _defer_weight_grads(self) -> None:
-        """Route the linear layers (``nn.Linear``, TP column/row parallel) through ``_split_linear``; a
-        weight shared with another module (a tied head) keeps its gradient in I, so each parameter gets
-        it from one kind of action only."""
-        modules = [module for chunk in self.stages.chunks for module in chunk.modules()]
-        uses: dict[int, int] = {}
-        for module in modules:
-            for p in module.parameters(recurse=False):
-                uses[id(p)] = uses.get(id(p), 0) + 1
-        for module in modules:
-            if uses.get(id(getattr(module, "weight", None)), 0) != 1:
-                continue
-            if _plain_linear(module):
-                module.forward = functools.partial(_split_linear_forward, self._split, module)
-            elif isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-                module.linear = functools.partial(
-                    _split_linear, self._split, module.linear, module.group, module.gemms
-                )
 
     def _global(self, pp_rank: int) -> int:
         return self.topo.rank_of(pp_rank=pp_rank)
@@ -486,7 +329,7 @@ class PipelineExecutor:
                     else:
                         with self._grad_sync(a):
                             if a.kind == W:
-                                _accumulate(deferred.pop(key))
+                                accumulate(deferred.pop(key))
                                 if self._fsdp:
                                     finish_backward(chunk)
                             else:
@@ -598,7 +441,7 @@ class PipelineExecutor:
         try:
             # Inside an overlapped pair the all-to-alls of a backward that autograd runs on its device's
             # thread (GPUs) hand off for this side (llmtrain.parallel.turns.backward_elsewhere).
-            with backward_elsewhere():
+            with backward_elsewhere(), self._split.in_backward():
                 if chunk.is_last:
                     # The step's loss is the mean over micro-batches, as on one process.
                     torch.autograd.backward(out * (self._loss_scale / m))

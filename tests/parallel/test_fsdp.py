@@ -34,7 +34,7 @@ from llmtrain.config.validate import validate
 from llmtrain.parallel import Topology
 from llmtrain.parallel.fsdp import fsdp_modules
 from llmtrain.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from llmtrain.pipeline.executor import _WeightGrad
+from llmtrain.pipeline.split_backward import WeightGrad
 from tests.parallel._dist import batches, parallel_run, sgd, spawn, tiny_job
 from tests.parallel._reference import Reference, torch_reference
 
@@ -110,21 +110,21 @@ def _divide_by_one(model: torch.nn.Module) -> None:
 
 
 class WeightGradWork:
-    """Every weight gradient the zero-bubble executor computes from its deferred work (_WeightGrad): when,
+    """Every weight gradient the zero-bubble executor computes from its deferred work (WeightGrad): when,
     and whether the layer's gathered (unsharded) weight was freed by then, as FSDP2 frees it on
-    resharding. Patches _WeightGrad.compute while entered."""
+    resharding. Patches WeightGrad.compute while entered."""
 
     def __init__(self) -> None:
         self.times: list[float] = []
         self.freed: list[bool] = []
-        original = _WeightGrad.compute
+        original = WeightGrad.compute
 
-        def compute(work: _WeightGrad) -> list:
+        def compute(work: WeightGrad) -> list:
             self.times.append(time.perf_counter())
             self.freed.append(work.weight.untyped_storage().nbytes() == 0)
             return original(work)
 
-        self._patch = mock.patch.object(_WeightGrad, "compute", compute)
+        self._patch = mock.patch.object(WeightGrad, "compute", compute)
 
     def __enter__(self) -> WeightGradWork:
         self._patch.start()
