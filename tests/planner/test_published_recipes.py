@@ -276,6 +276,52 @@ def test_the_transformer_engine_terms_under_fp8():
     assert cost("fp8", causal_skip=True).evaluate(layout).compute < torchao.evaluate(layout).compute
 
 
+def test_torchtitans_tensor_parallelism_under_float8():
+    from collections import Counter
+
+    from llmtrain.planner import CostModel, Layout, Software, Workload
+    from llmtrain.planner.cost.collectives import Comm, PassComms
+
+    model = load("llama3-70b", ["model.seq_length=8192", "model.max_position_embeddings=8192"]).model
+    h100, tp, sbh = load_cluster("h100-80gb").view(64), 8, 8192 * model.hidden_size  # one sequence
+    act = 2 * sbh  # bf16 bytes of the b x s x h activation
+
+    def cost(precision: str = "fp8", recipe: str = "tensorwise", **flags: bool) -> CostModel:
+        return CostModel(Workload(model, 8, precision, fp8_recipe=recipe), h100, Software(**flags))
+
+    def gather(nbytes: int) -> Comm:
+        return Comm("all_gather", "tp", tp, nbytes)
+
+    scatter = Comm("reduce_scatter", "tp", tp, act)
+    # llmtrain (hand count, collectives.tp_layer): the backward re-gathers the 4 column-parallel linears'
+    # inputs besides the 2 output-gradient gathers, all in bf16.
+    ours = cost().tp_layer(tp, act, True, "none")
+    assert Counter(ours.fwd) == {gather(act): 2, scatter: 2}
+    assert Counter(ours.bwd) == {gather(act): 6, scatter: 2}
+    # torchtitan: the gathered input kept for the backward, and every all-gather in float8 (the region
+    # inputs cast before PrepareFloat8ModuleInput gathers them, the row-parallel outputs' gradients before
+    # Float8RowwiseParallel's backward gathers them): half the bytes of each gather; the reduce-scatters bf16.
+    titan = cost(tp_saves_gathered_input=True, float8_tp=True)
+    layer = titan.tp_layer(tp, act, True, "none")
+    assert Counter(layer.fwd) == Counter(layer.bwd) == {gather(act // 2): 2, scatter: 2}
+    assert Counter(titan.tp_layer(tp, act, True, "full").bwd) == {gather(act // 2): 4, scatter: 4}
+    # Only tensorwise float8 gathers in float8 (torchtitan's rowwise recipes gather in bf16), and bf16 never.
+    for other in (cost("fp8", "rowwise", float8_tp=True), cost("bf16", float8_tp=True)):
+        assert Counter(other.tp_layer(tp, act, True, "none").fwd) == {gather(act): 2, scatter: 2}
+    # Without sequence parallelism there is nothing to gather: the all-reduces stay.
+    reduced = (Comm("all_reduce", "tp", tp, act),) * 2
+    assert titan.tp_layer(tp, act, False, "none") == PassComms(reduced, reduced)
+    # Memory: the QKV and MLP inputs kept whole (2 x s x h a sequence), in float8, instead of their bf16
+    # sequence shards (2 x 2 bytes x s x h / tp).
+    grown = titan.activation_bytes_per_layer(tp, 1, True, "none") - cost().activation_bytes_per_layer(
+        tp, 1, True, "none"
+    )
+    assert grown == pytest.approx(2 * sbh * (1 - 2 / tp))
+    # The step: fewer, smaller collectives exposed (9 activations' worth a layer against 16).
+    layout = Layout(tp=tp, dp=8, sequence_parallel=True, recompute="full", zero_stage=3)
+    assert titan.evaluate(layout).tp_comm < 0.6 * cost().evaluate(layout).tp_comm
+
+
 def test_a_layout_the_planner_rejects_is_named_not_scored():
     from llmtrain.planner.validation.recipes import evaluate
 

@@ -69,6 +69,21 @@ class CostBase:
         ]
 
     @property
+    def float8_tp(self) -> bool:
+        """Whether sequence parallelism's all-gathers carry float8 (Software.float8_tp, which torchtitan
+        applies under the tensorwise recipe only: its rowwise recipes gather in bf16)."""
+        return self.sw.float8_tp and self.prec == "fp8" and self.w.fp8_recipe == "tensorwise"
+
+    def tp_layer(self, tp: int, activation: int, sp: bool, recompute: str, moe: bool = False) -> C.PassComms:
+        """One layer's TP collectives (collectives.tp_layer) as this software issues them: re-gathering the
+        column-parallel inputs in the backward or not (Software.tp_saves_gathered_input), the all-gathers
+        in float8 or not (float8_tp)."""
+        latent = self.w.model.arch == "deepseek_v3"
+        gathered = activation // self.act_bytes if self.float8_tp else None
+        regather = not self.sw.tp_saves_gathered_input
+        return C.tp_layer(tp, activation, sp, recompute, moe, latent, regather, gathered)
+
+    @property
     def grouped_prec(self) -> str:
         """The precision of the routed experts' grouped GEMM: fp8 under Transformer Engine's recipes, and
         under llmtrain's as train.fp8_grouped_mm resolves (llmtrain.parallel.float8_experts): rowwise or

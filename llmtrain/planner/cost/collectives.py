@@ -50,7 +50,14 @@ def _gather_scatter(tp: int, activation: int) -> tuple[Comm, Comm]:
 
 
 def tp_layer(
-    tp: int, activation: int, sp: bool, recompute: str, moe: bool = False, latent: bool = False
+    tp: int,
+    activation: int,
+    sp: bool,
+    recompute: str,
+    moe: bool = False,
+    latent: bool = False,
+    regather: bool = True,
+    gathered: int | None = None,
 ) -> PassComms:
     """One transformer layer's TP collectives on an `activation`-byte (b*s*h) input.
 
@@ -68,16 +75,22 @@ def tp_layer(
 
     `latent`: the attention is multi-head latent attention (deepseek_v3), whose column-parallel
     up-projections take the latents of its whole down-projections, not the gathered input: under SP they
-    re-gather nothing (llmtrain.parallel.tensor_parallel._shard_latent_attention)."""
+    re-gather nothing (llmtrain.parallel.tensor_parallel._shard_latent_attention).
+
+    `regather` false: the column-parallel linears save the input their region gathered, as DTensor's
+    PrepareModuleInput + ColwiseParallel do in torchtitan (the gathered tensor is what autograd keeps for the
+    weight gradient), so the backward re-gathers nothing: 2 all-gathers + 2 reduce-scatters each way.
+    `gathered`: the bytes of each all-gathered tensor where they differ from `activation` (float8 tensor
+    parallelism gathers 1 byte an element, Software.float8_tp); the reduce-scatters keep `activation`."""
     if tp == 1:
         return PassComms()
     regions = 1 if moe else 2
     if sp:
         gather, scatter = (
-            Comm("all_gather", "tp", tp, activation),
+            Comm("all_gather", "tp", tp, activation if gathered is None else gathered),
             Comm("reduce_scatter", "tp", tp, activation),
         )
-        column = COLUMN_PARALLEL_PER_LAYER - (1 if moe else 0) - (3 if latent else 0)
+        column = COLUMN_PARALLEL_PER_LAYER - (1 if moe else 0) - (3 if latent else 0) if regather else 0
         fwd = (gather,) * regions + (scatter,) * regions
         bwd = (gather,) * (regions + column) + (scatter,) * regions
     else:

@@ -116,9 +116,9 @@ class LayerTime(CostBase):
             bwd += core_f
         # Tensor-parallel collectives on the b*s*h activation, as the trainer issues them (collectives.py),
         # the dense and the MoE layers' averaged; a MoE layer's router statistics summed over TP and CP.
-        latent, share = m.arch == "deepseek_v3", F.moe_layer_count(m) / m.num_layers
-        comms = C.tp_layer(tp, e * tok * h, sp, recompute, latent=latent)
-        moe = C.tp_layer(tp, e * tok * h, sp, recompute, True, latent)
+        share = F.moe_layer_count(m) / m.num_layers
+        comms = self.tp_layer(tp, e * tok * h, sp, recompute)
+        moe = self.tp_layer(tp, e * tok * h, sp, recompute, True)
         stats = C.router_stats(m.num_experts, tp, cp, recompute)
         tp_f = (1 - share) * self._comm_time(comms.fwd) + share * self._comm_time(moe.fwd)
         tp_b = (1 - share) * self._comm_time(comms.bwd) + share * self._comm_time(moe.bwd)

@@ -177,6 +177,17 @@ class Software:
     tp_comm_overlap: bool = False
     """Tensor-parallel collectives overlap the layer's GEMMs (Transformer Engine's userbuffers, as Megatron's
     tp_comm_overlap): only the part longer than the pass's GEMMs is exposed; false: all exposed."""
+    tp_saves_gathered_input: bool = False
+    """Under sequence parallelism each TP region gathers its input once, and its column-parallel linears keep
+    the gathered tensor for their backward (DTensor's PrepareModuleInput + ColwiseParallel, as torchtitan
+    applies them): no re-gather in the backward, and the QKV and MLP inputs saved whole; false: llmtrain
+    (and Megatron-Core), which keep the sequence shard and all-gather it again in the backward."""
+    float8_tp: bool = False
+    """Under fp8 with the tensorwise recipe, sequence parallelism's all-gathers carry float8, 1 byte an
+    element: each region's input is cast before it is gathered, and the row-parallel outputs' gradients are
+    cast before the backward gathers them (torchao's PrepareFloat8ModuleInput, Float8ColwiseParallel and
+    Float8RowwiseParallel, which torchtitan applies under tensorwise float8); the reduce-scatters of the
+    partial outputs and input gradients stay bf16."""
 
     @classmethod
     def whole_model_init(cls) -> Software:

@@ -182,7 +182,16 @@ class CostModel(LayerTime, DataParallelTime, StepCollectives):
         return activation_bytes_per_layer(
             self.w.model, self.w.seq, self.act_bytes, self.sw.flash_attention, tp, b, sp, recompute,
             self.sw.fused_kernels, float8_inputs=self.prec == "fp8" and self.sw.te_fp8,
+            gathered_inputs=self.gathered_inputs,
         )  # fmt: skip
+
+    @property
+    def gathered_inputs(self) -> float:
+        """Bytes an element of the QKV and MLP inputs kept whole under SP (Software.tp_saves_gathered_input:
+        float8 where the gather is, float8_tp), 0 where the shard is kept."""
+        if not self.sw.tp_saves_gathered_input:
+            return 0.0
+        return 1.0 if self.float8_tp else float(self.act_bytes)
 
     def memory(self, layout: Layout, inflight: int, num_micro: int) -> dict[str, float]:
         """Bytes on the fullest rank (memory.rank_memory), as MemoryBreakdown.as_dict."""
@@ -202,6 +211,7 @@ class CostModel(LayerTime, DataParallelTime, StepCollectives):
             counts=self.params,
             optimizer=self.w.optimizer,
             float8_layer=self._float8_layer(layout),
+            gathered_inputs=self.gathered_inputs,
         )
 
     def _float8_layer(self, layout: Layout) -> float:

@@ -68,7 +68,17 @@ grouped GEMMs), tensor-parallel communication overlapped with the GEMMs (the rec
 cuDNN's fused attention computing only the causal half of the scores. Booleans of what the framework does,
 no constant set from a table; the other tables keep PUBLISHED_SOFTWARE (docs/planner.md says what
 causal_skip does to their rows)."""
-TABLE_SOFTWARE = {"megatron_bridge_h100": MEGATRON_CORE_SOFTWARE}
+TORCHTITAN_SOFTWARE = replace(PUBLISHED_SOFTWARE, tp_saves_gathered_input=True, float8_tp=True)
+"""torchtitan's tensor parallelism (its llama3 parallelize.apply_tp): DTensor's sequence parallelism, each
+region's input gathered once by PrepareModuleInput and kept gathered for the backward of the column-parallel
+linears, and under its default tensorwise float8 torchao's Float8ColwiseParallel, Float8RowwiseParallel and
+PrepareFloat8ModuleInput, whose all-gathers carry float8 (the region inputs forward, the row-parallel
+outputs' gradients backward). Booleans of what the framework does; no constant set from a table."""
+TABLE_SOFTWARE = {
+    "megatron_bridge_h100": MEGATRON_CORE_SOFTWARE,
+    "torchtitan_a100": TORCHTITAN_SOFTWARE,
+    "torchtitan_h100": TORCHTITAN_SOFTWARE,
+}
 """Software of a table where it differs from PUBLISHED_SOFTWARE."""
 LONG_CONTEXT = 16384
 """Sequences of at least this many tokens count as long context."""
