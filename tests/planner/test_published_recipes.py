@@ -322,6 +322,38 @@ def test_torchtitans_tensor_parallelism_under_float8():
     assert titan.evaluate(layout).tp_comm < 0.6 * cost().evaluate(layout).tp_comm
 
 
+def test_async_tp_exposes_between_one_chunk_and_the_synchronous_time():
+    from llmtrain.planner import CostModel, Software, Workload
+    from llmtrain.planner.cost.layer_time import micro_pipelined
+    from llmtrain.planner.validation.recipes import row_software
+
+    # The mechanism: tp chunks, one exposed, the others hidden behind a chunk of the matmul each.
+    assert micro_pipelined(8.0, 0.0, 8) == 8.0  # no matmul to hide behind: all of it
+    assert micro_pipelined(8.0, 8.0, 8) == micro_pipelined(8.0, 100.0, 8) == 1.0  # one chunk of eight
+    assert micro_pipelined(8.0, 4.0, 8) == pytest.approx(1.0 + 7 / 8 * 4.0)  # and what outlasts the matmul
+    model = load("llama3-70b", ["model.seq_length=8192", "model.max_position_embeddings=8192"]).model
+    h100 = load_cluster("h100-80gb").view(64)
+
+    def layer(sp: bool, **flags: bool):
+        cost = CostModel(Workload(model, 8, "fp8"), h100, Software(float8_tp=True, **flags))
+        return cost._layer_costs(8, 4, sp, "full")
+
+    sync, overlapped = layer(True), layer(True, async_tp=True)
+    for a, s in ((overlapped.tp_fwd, sync.tp_fwd), (overlapped.tp_bwd, sync.tp_bwd)):
+        assert s / 8 <= a < s
+    assert (overlapped.fwd, overlapped.bwd) == (sync.fwd, sync.bwd)  # the matmuls themselves unchanged
+    # Without sequence parallelism the all-reduces are not micro-pipelined: nothing changes.
+    assert layer(False, async_tp=True) == layer(False)
+    # A row turns it on through its software column; an unknown flag is named, not scored.
+    row = {"software": "async_tp"}
+    assert row_software("torchtitan_h100", row).async_tp
+    assert not row_software("torchtitan_h100", {}).async_tp
+    bad = dict(load_recipes("torchtitan_h100")[-1], software="async_tp+magic")
+    assert (
+        "software 'magic' is not a flag a row may set (async_tp)" in express("torchtitan_h100", bad).skipped
+    )
+
+
 def test_a_layout_the_planner_rejects_is_named_not_scored():
     from llmtrain.planner.validation.recipes import evaluate
 

@@ -16,6 +16,18 @@ from llmtrain.planner.cost.base import CostBase
 from llmtrain.planner.cost.layout import Layout
 
 
+def micro_pipelined(comm: float, gemms: float, tp: int) -> float:
+    """Exposed seconds of `comm` seconds of TP collectives run micro-pipelined with the `gemms` seconds of
+    matmuls they feed or are fed by (Software.async_tp: torch's symmetric-memory fused all-gather-matmul
+    consumes the local shard while the next is copied from a peer, then each arriving shard; its fused
+    matmul-reduce-scatter sends each chunk's partial result while the next chunk is computed). The tensor
+    moves in tp chunks of comm / tp; tp - 1 of them overlap a chunk of the matmul (gemms / tp) and show only
+    what outlasts it, and one, the pipeline's ramp (the last partial result's transfer, which no matmul is
+    left to cover), stays exposed: comm / tp + (tp - 1) / tp * max(0, comm - gemms), between one chunk and
+    comm itself (no matmul to hide behind)."""
+    return comm / tp + (tp - 1) / tp * max(0.0, comm - gemms)
+
+
 @dataclass(frozen=True)
 class PassCosts:
     """Costs of one layer (or stage extra) for one micro-batch: forward / backward / weight-grad compute and
@@ -124,6 +136,10 @@ class LayerTime(CostBase):
         tp_b = (1 - share) * self._comm_time(comms.bwd) + share * self._comm_time(moe.bwd)
         if self.sw.tp_comm_overlap:  # hidden behind the pass's GEMMs (backward: input- and weight-gradient)
             tp_f, tp_b = max(0.0, tp_f - gemms), max(0.0, tp_b - 2 * gemms)
+        elif self.sw.async_tp and sp:
+            # The backward's GEMMs: input- and weight-gradient, and the forward's again under full recompute.
+            bwd_gemms = (3 if recompute == "full" else 2) * gemms
+            tp_f, tp_b = micro_pipelined(tp_f, gemms, tp), micro_pipelined(tp_b, bwd_gemms, tp)
         tp_f += share * self._router_stats_time(stats.fwd, "tp", tp)
         tp_b += share * self._router_stats_time(stats.bwd, "tp", tp)
         ops_f, ops_b = H.layer_ops(m, comms, recompute)

@@ -188,6 +188,11 @@ class Software:
     cast before the backward gathers them (torchao's PrepareFloat8ModuleInput, Float8ColwiseParallel and
     Float8RowwiseParallel, which torchtitan applies under tensorwise float8); the reduce-scatters of the
     partial outputs and input gradients stay bf16."""
+    async_tp: bool = False
+    """Sequence parallelism's all-gathers and reduce-scatters run micro-pipelined with the matmuls they feed
+    or are fed by (torch's symmetric-memory fused all-gather-matmul and matmul-reduce-scatter, torchtitan's
+    async TP): the tensor moves in tp chunks, each overlapping another chunk's matmul; one chunk's transfer
+    stays exposed, and the rest where it outlasts the matmul (layer_time.micro_pipelined)."""
 
     @classmethod
     def whole_model_init(cls) -> Software:
