@@ -68,10 +68,10 @@ def test_every_row_is_expressible_or_skipped_with_a_reason():
             assert f"model {r.row['model']} is not in the zoo" in r.skipped
         assert "no cluster file describes" not in r.skipped, r.row
     assert all(r.kind == "moe" for r in recipes if r.row["model"].startswith(("gpt-oss", "deepseek", "kimi")))
-    # torchtitan's "selective" checkpointing is its op-level policy (its llama3_8b.toml): named, not scored.
+    # torchtitan's "selective" checkpointing is its op-level policy (its llama3_8b.toml), which the cost
+    # model prices (selective_op): those rows are expressible.
     titan = [r for r in recipes if r.table.startswith("torchtitan") and r.row["recompute"] == "selective_op"]
-    assert len(titan) == 7
-    assert all("recompute 'selective_op' is not a mode the planner models" in r.skipped for r in titan)
+    assert len(titan) == 7 and not any(r.skipped for r in titan)
 
 
 def test_step_times_come_from_the_page_or_from_tokens_per_second():
@@ -186,7 +186,7 @@ def test_every_expressible_row_evaluates(bf16_and_torchtitan):
     recipes = bf16_and_torchtitan
     for r in recipes:
         assert (r.published is None) == bool(r.skipped), (r.row, r.skipped)
-    assert len(scored(recipes)) == 11
+    assert len(scored(recipes)) == 18
     bf16 = [r for r in recipes if r.table != "torchtitan_h100"]
     assert summarise(bf16)["dense"]["max_abs_error"] <= 0.12
 
@@ -352,6 +352,47 @@ def test_async_tp_exposes_between_one_chunk_and_the_synchronous_time():
     assert (
         "software 'magic' is not a flag a row may set (async_tp)" in express("torchtitan_h100", bad).skipped
     )
+
+
+def test_torchtitans_op_level_selective_recompute():
+    from llmtrain.planner import CostModel, Software, Workload
+
+    model = load("llama3-8b", ["model.seq_length=8192", "model.max_position_embeddings=8192"]).model
+    h100 = load_cluster("h100-80gb").view(8)
+
+    def cost(precision: str) -> CostModel:
+        return CostModel(Workload(model, 16, precision), h100, Software())
+
+    bf16, fp8 = cost("bf16"), cost("fp8")
+    h, f, kv = model.hidden_size, model.ffn_size, model.kv_heads * model.head_size
+    # Its policy saves aten.mm's outputs but every second one of the block (wq, wk, wv, wo, w1, w3, w2):
+    # wk, wo and w3 are recomputed; float8 linears multiply through torch._scaled_mm, not in its save list.
+    assert [(n, saved) for n, _, _, saved in bf16.op_sac_linears(1)] == [
+        (h, True), (kv, False), (kv, True), (h, False), (f, True), (f, False), (h, True),
+    ]  # fmt: skip
+    assert not any(saved for *_, saved in fp8.op_sac_linears(1))
+    # Time: more recomputed than selective (the attention core), less than full (the whole forward); under
+    # float8 every linear again, so more than under bf16.
+    for c in (bf16, fp8):
+        redo = {m: c._layer_costs(1, 2, False, m).bwd for m in ("none", "selective", "selective_op", "full")}
+        assert redo["none"] < redo["selective_op"] < redo["full"]
+    share = [
+        (c._layer_costs(1, 2, False, "selective_op").bwd - c._layer_costs(1, 2, False, "none").bwd)
+        / (c._layer_costs(1, 2, False, "full").bwd - c._layer_costs(1, 2, False, "none").bwd)
+        for c in (bf16, fp8)
+    ]
+    assert share[0] < share[1] < 1
+    # Memory (hand count, 2 sequences): the layer's input, the saved linears' outputs (q, v, w1, w2) and
+    # attention's output with its fp32 log-sum-exp, between full recompute's input alone and no recompute.
+    tok, a = 2 * 8192, model.num_attention_heads
+    saved = 2 * tok * (h + (h + kv + f + h) + h) + 4 * tok * a
+    assert bf16.activation_bytes_per_layer(1, 2, False, "selective_op") == pytest.approx(saved)
+    full, none = (bf16.activation_bytes_per_layer(1, 2, False, m) for m in ("full", "none"))
+    assert full < saved < none
+    # Dense models only: a MoE layer's experts are grouped GEMMs, which the policy's count does not see.
+    moe = CostModel(Workload(load("mixtral-8x7b").model, 8), h100)
+    with pytest.raises(ValueError, match="selective_op"):
+        moe.op_sac_linears(1)
 
 
 def test_a_layout_the_planner_rejects_is_named_not_scored():

@@ -68,6 +68,31 @@ class CostBase:
             for n, k, s in C.float8_linear_shapes(self.w.model, moe)
         ]
 
+    def op_sac_linears(self, tp: int) -> list[tuple[float, float, str, bool]]:
+        """(out, in features on a TP rank, precision, output saved) of a dense layer's linears in the order
+        torchtitan's Llama runs them (wq, wk, wv, wo, then w1, w3, w2: the gated MLP's gate and up as two
+        matmuls; up and down ungated), under its op-level selective activation checkpointing (recompute
+        selective_op): its policy (torchtitan's _save_list: aten.mm, the SDPA kernels, the functional
+        reduce-scatter, and under float8 the amax's max) keeps each saved op's output except every second
+        aten.mm of the block's forward, counted per block, which the backward recomputes with every op
+        outside the list. A float8 linear multiplies through torch._scaled_mm, which the list lacks: it is
+        recomputed and not counted. Dense models only (a MoE layer's experts are grouped GEMMs)."""
+        m = self.w.model
+        if m.is_moe:
+            raise ValueError(
+                "recompute selective_op (torchtitan's op-level policy) is modelled for dense models"
+            )
+        linears = self.local_linears(tp, False)
+        if F.is_gated(m):  # the fused gate-up as torchtitan's w1 and w3
+            (n, k, prec), down = linears[-2], linears[-1]
+            linears = [*linears[:-2], (n / 2, k, prec), (n / 2, k, prec), down]
+        out, mms = [], 0
+        for n, k, prec in linears:
+            mm = prec != "fp8"
+            mms += mm
+            out.append((n, k, prec, mm and mms % 2 == 1))
+        return out
+
     @property
     def float8_tp(self) -> bool:
         """Whether sequence parallelism's all-gathers carry float8 (Software.float8_tp, which torchtitan

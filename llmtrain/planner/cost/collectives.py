@@ -66,7 +66,8 @@ def tp_layer(
     sequence in the forward and reduce-scatter its gradient in the backward, the exits reduce-scatter in
     the forward and all-gather the gradient in the backward, and the 4 column-parallel linears re-gather
     their input in the backward: 2 all-gathers + 2 reduce-scatters forward, 6 + 2 backward. Full
-    recomputation runs the forward's collectives again in the backward.
+    recomputation runs the forward's collectives again in the backward; torchtitan's op-level selective
+    recomputation (selective_op) all but the reduce-scatters, whose outputs its policy saves.
 
     `moe`: the MLP is a mixture of experts, which is not a TP region (tensor_parallel._shard_moe): with SP
     it routes the sequence shard the rank holds (no collective); without SP each rank routes its slice of
@@ -97,6 +98,8 @@ def tp_layer(
         fwd = bwd = (Comm("all_reduce", "tp", tp, activation),) * regions
         if moe:
             fwd = bwd = (*fwd, Comm("all_gather", "tp", tp, activation))
+    if recompute == "selective_op":  # torchtitan's op-level policy saves the reduce-scatters' outputs
+        return PassComms(fwd, tuple(c for c in fwd if c.op != "reduce_scatter") + bwd)
     return PassComms(fwd, fwd + bwd if recompute == "full" else bwd)
 
 
@@ -188,7 +191,7 @@ def cp_layer(
         q = Comm("all_to_all", "cp", cp, tokens * heads * head_dim * act_bytes)
         kv = Comm("all_to_all", "cp", cp, tokens * cp_kv_heads(kv_heads, cp) * head_dim * act_bytes)
         fwd = bwd = (q, kv, kv, q)
-    return PassComms(fwd, fwd + bwd if recompute != "none" else bwd)
+    return PassComms(fwd, fwd + bwd if recompute in ("selective", "full") else bwd)
 
 
 COUNT_BYTES = 8

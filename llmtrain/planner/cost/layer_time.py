@@ -126,6 +126,11 @@ class LayerTime(CostBase):
             bwd += fwd
         elif recompute == "selective":
             bwd += core_f
+        elif recompute == "selective_op":
+            # torchtitan's op-level policy (CostBase.op_sac_linears): the linears it does not save, and every
+            # memory-bound forward op (norms, rotary, activation, residual adds, casts); attention is saved.
+            redo = [dev.gemm_time(tok, n, k, p) for n, k, p, saved in self.op_sac_linears(tp) if not saved]
+            bwd += sum(redo) + elem
         # Tensor-parallel collectives on the b*s*h activation, as the trainer issues them (collectives.py),
         # the dense and the MoE layers' averaged; a MoE layer's router statistics summed over TP and CP.
         share = F.moe_layer_count(m) / m.num_layers

@@ -174,6 +174,7 @@ def activation_bytes_per_layer(
     moe_imbalance: float = 1.0,
     float8_inputs: bool = False,
     gathered_inputs: float = 0.0,
+    op_sac_saved: float = 0.0,
 ) -> float:
     """Saved activations of one layer for one micro-batch of `seq` tokens (a context-parallel rank's share
     of the sequence under cp) (Korthikanti et al. 2022, generalised).
@@ -187,12 +188,18 @@ def activation_bytes_per_layer(
     (Transformer Engine's FP8 linears, Software.te_fp8). gathered_inputs: under SP the QKV and MLP inputs
     are kept whole, as their region all-gathered them, this many bytes an element (Software.
     tp_saves_gathered_input: 1 where the gather is float8, float8_tp); 0: kept as the sequence shard.
+    Under torchtitan's op-level selective recomputation (selective_op) a layer keeps its input (the
+    checkpoint's), the outputs of the linears its policy saves (`op_sac_saved` elements a token on the rank:
+    CostBase.op_sac_linears) and attention's output with its fp32 log-sum-exp.
     """
     m, e, s = model, act_bytes, seq
     h, d = m.hidden_size, m.head_size
     sbh = s * b * h
     if recompute == "full":
         return e * sbh / (tp if sp else 1)  # the layer's input only
+    if recompute == "selective_op":
+        attention = (m.num_attention_heads * d * e + 4 * m.num_attention_heads) / tp
+        return e * sbh / (tp if sp else 1) + s * b * (attention + e * op_sac_saved)
     a, kv, f = m.num_attention_heads, m.kv_heads, m.ffn_size
     kv_local = max(kv / tp, 1) * tp  # kv heads are replicated when tp exceeds them
     hidden_mask = 1 if m.hidden_dropout > 0 else 0
@@ -424,6 +431,7 @@ def rank_memory(
     optimizer: str = "adamw",
     float8_layer: float = 0.0,
     gathered_inputs: float = 0.0,
+    op_sac_saved: float = 0.0,
 ) -> MemoryBreakdown:
     """Bytes on the fullest rank of `layout` (the first pipeline rank, or the last when its output layer and
     logits dominate; any rank under the layout's own stage split or per-layer recomputation), with the
@@ -432,7 +440,8 @@ def rank_memory(
     counted in fp32 bytes); `counts` the model's parameter counts (given: not counted again); `optimizer`
     train.optimizer (muon: see the module docstring); `float8_layer` the mean layer's weight elements
     gathered in float8, 1 byte each (train.fp8_all_gather); `gathered_inputs` the bytes an element of the
-    QKV and MLP inputs kept whole under SP (activation_bytes_per_layer)."""
+    QKV and MLP inputs kept whole under SP, `op_sac_saved` the elements a token of the linear outputs
+    torchtitan's op-level selective recomputation saves (activation_bytes_per_layer)."""
     e = 4 if precision == "fp32" else 2
     counts = counts or F.parameter_counts(model)
     tp, pp, v, b = layout.tp, layout.pp, layout.virtual_stages, layout.micro_batch
@@ -459,6 +468,7 @@ def rank_memory(
             software.moe_imbalance,
             precision == "fp8" and software.te_fp8,
             gathered_inputs,
+            op_sac_saved,
         )
         for mode in dict.fromkeys(modes)
     }
@@ -485,6 +495,7 @@ def rank_memory(
         software.moe_imbalance,
         precision == "fp8" and software.te_fp8,
         gathered_inputs,
+        op_sac_saved,
     )
     # Last rank: the micro-batches its schedule keeps in flight plus one micro-batch's logits at the start of
     # its backward. Fused cross-entropy: the logits and an fp32 copy. PyTorch's: the fp32 log-probabilities

@@ -86,9 +86,10 @@ TABLE_SOFTWARE = {
 """Software of a table where it differs from PUBLISHED_SOFTWARE."""
 LONG_CONTEXT = 16384
 """Sequences of at least this many tokens count as long context."""
-RECOMPUTE = ("none", "selective", "full", "every_second_layer")
+RECOMPUTE = ("none", "selective", "full", "every_second_layer", "selective_op")
 """Recompute wordings of the tables the planner expresses (every_second_layer: layers alternately full and
-none, torchtitan's "selective layer" checkpointing)."""
+none, torchtitan's "selective layer" checkpointing; selective_op: torchtitan's op-level policy, which the
+cost model prices (CostBase.op_sac_linears) though llmtrain's trainer does not run it)."""
 
 
 @dataclass
