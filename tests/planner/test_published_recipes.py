@@ -68,10 +68,10 @@ def test_every_row_is_expressible_or_skipped_with_a_reason():
             assert f"model {r.row['model']} is not in the zoo" in r.skipped
         assert "no cluster file describes" not in r.skipped, r.row
     assert all(r.kind == "moe" for r in recipes if r.row["model"].startswith(("gpt-oss", "deepseek", "kimi")))
-    # torchtitan's "selective" checkpointing is its op-level policy (its llama3_8b.toml): named, not scored.
+    # torchtitan's "selective" checkpointing is its op-level policy (its llama3_8b.toml), which the cost
+    # model prices (selective_op): those rows are expressible.
     titan = [r for r in recipes if r.table.startswith("torchtitan") and r.row["recompute"] == "selective_op"]
-    assert len(titan) == 7
-    assert all("recompute 'selective_op' is not a mode the planner models" in r.skipped for r in titan)
+    assert len(titan) == 7 and not any(r.skipped for r in titan)
 
 
 def test_step_times_come_from_the_page_or_from_tokens_per_second():
@@ -186,7 +186,7 @@ def test_every_expressible_row_evaluates(bf16_and_torchtitan):
     recipes = bf16_and_torchtitan
     for r in recipes:
         assert (r.published is None) == bool(r.skipped), (r.row, r.skipped)
-    assert len(scored(recipes)) == 11
+    assert len(scored(recipes)) == 18
     bf16 = [r for r in recipes if r.table != "torchtitan_h100"]
     assert summarise(bf16)["dense"]["max_abs_error"] <= 0.12
 
@@ -274,6 +274,125 @@ def test_the_transformer_engine_terms_under_fp8():
     # Overlapped TP collectives and the causal half of the scores: each shortens the step.
     assert cost("fp8", tp_comm_overlap=True).evaluate(layout).tp_comm < torchao.evaluate(layout).tp_comm
     assert cost("fp8", causal_skip=True).evaluate(layout).compute < torchao.evaluate(layout).compute
+
+
+def test_torchtitans_tensor_parallelism_under_float8():
+    from collections import Counter
+
+    from llmtrain.planner import CostModel, Layout, Software, Workload
+    from llmtrain.planner.cost.collectives import Comm, PassComms
+
+    model = load("llama3-70b", ["model.seq_length=8192", "model.max_position_embeddings=8192"]).model
+    h100, tp, sbh = load_cluster("h100-80gb").view(64), 8, 8192 * model.hidden_size  # one sequence
+    act = 2 * sbh  # bf16 bytes of the b x s x h activation
+
+    def cost(precision: str = "fp8", recipe: str = "tensorwise", **flags: bool) -> CostModel:
+        return CostModel(Workload(model, 8, precision, fp8_recipe=recipe), h100, Software(**flags))
+
+    def gather(nbytes: int) -> Comm:
+        return Comm("all_gather", "tp", tp, nbytes)
+
+    scatter = Comm("reduce_scatter", "tp", tp, act)
+    # llmtrain (hand count, collectives.tp_layer): the backward re-gathers the 4 column-parallel linears'
+    # inputs besides the 2 output-gradient gathers, all in bf16.
+    ours = cost().tp_layer(tp, act, True, "none")
+    assert Counter(ours.fwd) == {gather(act): 2, scatter: 2}
+    assert Counter(ours.bwd) == {gather(act): 6, scatter: 2}
+    # torchtitan: the gathered input kept for the backward, and every all-gather in float8 (the region
+    # inputs cast before PrepareFloat8ModuleInput gathers them, the row-parallel outputs' gradients before
+    # Float8RowwiseParallel's backward gathers them): half the bytes of each gather; the reduce-scatters bf16.
+    titan = cost(tp_saves_gathered_input=True, float8_tp=True)
+    layer = titan.tp_layer(tp, act, True, "none")
+    assert Counter(layer.fwd) == Counter(layer.bwd) == {gather(act // 2): 2, scatter: 2}
+    assert Counter(titan.tp_layer(tp, act, True, "full").bwd) == {gather(act // 2): 4, scatter: 4}
+    # Only tensorwise float8 gathers in float8 (torchtitan's rowwise recipes gather in bf16), and bf16 never.
+    for other in (cost("fp8", "rowwise", float8_tp=True), cost("bf16", float8_tp=True)):
+        assert Counter(other.tp_layer(tp, act, True, "none").fwd) == {gather(act): 2, scatter: 2}
+    # Without sequence parallelism there is nothing to gather: the all-reduces stay.
+    reduced = (Comm("all_reduce", "tp", tp, act),) * 2
+    assert titan.tp_layer(tp, act, False, "none") == PassComms(reduced, reduced)
+    # Memory: the QKV and MLP inputs kept whole (2 x s x h a sequence), in float8, instead of their bf16
+    # sequence shards (2 x 2 bytes x s x h / tp).
+    grown = titan.activation_bytes_per_layer(tp, 1, True, "none") - cost().activation_bytes_per_layer(
+        tp, 1, True, "none"
+    )
+    assert grown == pytest.approx(2 * sbh * (1 - 2 / tp))
+    # The step: fewer, smaller collectives exposed (9 activations' worth a layer against 16).
+    layout = Layout(tp=tp, dp=8, sequence_parallel=True, recompute="full", zero_stage=3)
+    assert titan.evaluate(layout).tp_comm < 0.6 * cost().evaluate(layout).tp_comm
+
+
+def test_async_tp_exposes_between_one_chunk_and_the_synchronous_time():
+    from llmtrain.planner import CostModel, Software, Workload
+    from llmtrain.planner.cost.layer_time import micro_pipelined
+    from llmtrain.planner.validation.recipes import row_software
+
+    # The mechanism: tp chunks, one exposed, the others hidden behind a chunk of the matmul each.
+    assert micro_pipelined(8.0, 0.0, 8) == 8.0  # no matmul to hide behind: all of it
+    assert micro_pipelined(8.0, 8.0, 8) == micro_pipelined(8.0, 100.0, 8) == 1.0  # one chunk of eight
+    assert micro_pipelined(8.0, 4.0, 8) == pytest.approx(1.0 + 7 / 8 * 4.0)  # and what outlasts the matmul
+    model = load("llama3-70b", ["model.seq_length=8192", "model.max_position_embeddings=8192"]).model
+    h100 = load_cluster("h100-80gb").view(64)
+
+    def layer(sp: bool, **flags: bool):
+        cost = CostModel(Workload(model, 8, "fp8"), h100, Software(float8_tp=True, **flags))
+        return cost._layer_costs(8, 4, sp, "full")
+
+    sync, overlapped = layer(True), layer(True, async_tp=True)
+    for a, s in ((overlapped.tp_fwd, sync.tp_fwd), (overlapped.tp_bwd, sync.tp_bwd)):
+        assert s / 8 <= a < s
+    assert (overlapped.fwd, overlapped.bwd) == (sync.fwd, sync.bwd)  # the matmuls themselves unchanged
+    # Without sequence parallelism the all-reduces are not micro-pipelined: nothing changes.
+    assert layer(False, async_tp=True) == layer(False)
+    # A row turns it on through its software column; an unknown flag is named, not scored.
+    row = {"software": "async_tp"}
+    assert row_software("torchtitan_h100", row).async_tp
+    assert not row_software("torchtitan_h100", {}).async_tp
+    bad = dict(load_recipes("torchtitan_h100")[-1], software="async_tp+magic")
+    assert (
+        "software 'magic' is not a flag a row may set (async_tp)" in express("torchtitan_h100", bad).skipped
+    )
+
+
+def test_torchtitans_op_level_selective_recompute():
+    from llmtrain.planner import CostModel, Software, Workload
+
+    model = load("llama3-8b", ["model.seq_length=8192", "model.max_position_embeddings=8192"]).model
+    h100 = load_cluster("h100-80gb").view(8)
+
+    def cost(precision: str) -> CostModel:
+        return CostModel(Workload(model, 16, precision), h100, Software())
+
+    bf16, fp8 = cost("bf16"), cost("fp8")
+    h, f, kv = model.hidden_size, model.ffn_size, model.kv_heads * model.head_size
+    # Its policy saves aten.mm's outputs but every second one of the block (wq, wk, wv, wo, w1, w3, w2):
+    # wk, wo and w3 are recomputed; float8 linears multiply through torch._scaled_mm, not in its save list.
+    assert [(n, saved) for n, _, _, saved in bf16.op_sac_linears(1)] == [
+        (h, True), (kv, False), (kv, True), (h, False), (f, True), (f, False), (h, True),
+    ]  # fmt: skip
+    assert not any(saved for *_, saved in fp8.op_sac_linears(1))
+    # Time: more recomputed than selective (the attention core), less than full (the whole forward); under
+    # float8 every linear again, so more than under bf16.
+    for c in (bf16, fp8):
+        redo = {m: c._layer_costs(1, 2, False, m).bwd for m in ("none", "selective", "selective_op", "full")}
+        assert redo["none"] < redo["selective_op"] < redo["full"]
+    share = [
+        (c._layer_costs(1, 2, False, "selective_op").bwd - c._layer_costs(1, 2, False, "none").bwd)
+        / (c._layer_costs(1, 2, False, "full").bwd - c._layer_costs(1, 2, False, "none").bwd)
+        for c in (bf16, fp8)
+    ]
+    assert share[0] < share[1] < 1
+    # Memory (hand count, 2 sequences): the layer's input, the saved linears' outputs (q, v, w1, w2) and
+    # attention's output with its fp32 log-sum-exp, between full recompute's input alone and no recompute.
+    tok, a = 2 * 8192, model.num_attention_heads
+    saved = 2 * tok * (h + (h + kv + f + h) + h) + 4 * tok * a
+    assert bf16.activation_bytes_per_layer(1, 2, False, "selective_op") == pytest.approx(saved)
+    full, none = (bf16.activation_bytes_per_layer(1, 2, False, m) for m in ("full", "none"))
+    assert full < saved < none
+    # Dense models only: a MoE layer's experts are grouped GEMMs, which the policy's count does not see.
+    moe = CostModel(Workload(load("mixtral-8x7b").model, 8), h100)
+    with pytest.raises(ValueError, match="selective_op"):
+        moe.op_sac_linears(1)
 
 
 def test_a_layout_the_planner_rejects_is_named_not_scored():

@@ -68,6 +68,46 @@ class CostBase:
             for n, k, s in C.float8_linear_shapes(self.w.model, moe)
         ]
 
+    def op_sac_linears(self, tp: int) -> list[tuple[float, float, str, bool]]:
+        """(out, in features on a TP rank, precision, output saved) of a dense layer's linears in the order
+        torchtitan's Llama runs them (wq, wk, wv, wo, then w1, w3, w2: the gated MLP's gate and up as two
+        matmuls; up and down ungated), under its op-level selective activation checkpointing (recompute
+        selective_op): its policy (torchtitan's _save_list: aten.mm, the SDPA kernels, the functional
+        reduce-scatter, and under float8 the amax's max) keeps each saved op's output except every second
+        aten.mm of the block's forward, counted per block, which the backward recomputes with every op
+        outside the list. A float8 linear multiplies through torch._scaled_mm, which the list lacks: it is
+        recomputed and not counted. Dense models only (a MoE layer's experts are grouped GEMMs)."""
+        m = self.w.model
+        if m.is_moe:
+            raise ValueError(
+                "recompute selective_op (torchtitan's op-level policy) is modelled for dense models"
+            )
+        linears = self.local_linears(tp, False)
+        if F.is_gated(m):  # the fused gate-up as torchtitan's w1 and w3
+            (n, k, prec), down = linears[-2], linears[-1]
+            linears = [*linears[:-2], (n / 2, k, prec), (n / 2, k, prec), down]
+        out, mms = [], 0
+        for n, k, prec in linears:
+            mm = prec != "fp8"
+            mms += mm
+            out.append((n, k, prec, mm and mms % 2 == 1))
+        return out
+
+    @property
+    def float8_tp(self) -> bool:
+        """Whether sequence parallelism's all-gathers carry float8 (Software.float8_tp, which torchtitan
+        applies under the tensorwise recipe only: its rowwise recipes gather in bf16)."""
+        return self.sw.float8_tp and self.prec == "fp8" and self.w.fp8_recipe == "tensorwise"
+
+    def tp_layer(self, tp: int, activation: int, sp: bool, recompute: str, moe: bool = False) -> C.PassComms:
+        """One layer's TP collectives (collectives.tp_layer) as this software issues them: re-gathering the
+        column-parallel inputs in the backward or not (Software.tp_saves_gathered_input), the all-gathers
+        in float8 or not (float8_tp)."""
+        latent = self.w.model.arch == "deepseek_v3"
+        gathered = activation // self.act_bytes if self.float8_tp else None
+        regather = not self.sw.tp_saves_gathered_input
+        return C.tp_layer(tp, activation, sp, recompute, moe, latent, regather, gathered)
+
     @property
     def grouped_prec(self) -> str:
         """The precision of the routed experts' grouped GEMM: fp8 under Transformer Engine's recipes, and

@@ -50,7 +50,14 @@ def _gather_scatter(tp: int, activation: int) -> tuple[Comm, Comm]:
 
 
 def tp_layer(
-    tp: int, activation: int, sp: bool, recompute: str, moe: bool = False, latent: bool = False
+    tp: int,
+    activation: int,
+    sp: bool,
+    recompute: str,
+    moe: bool = False,
+    latent: bool = False,
+    regather: bool = True,
+    gathered: int | None = None,
 ) -> PassComms:
     """One transformer layer's TP collectives on an `activation`-byte (b*s*h) input.
 
@@ -59,7 +66,8 @@ def tp_layer(
     sequence in the forward and reduce-scatter its gradient in the backward, the exits reduce-scatter in
     the forward and all-gather the gradient in the backward, and the 4 column-parallel linears re-gather
     their input in the backward: 2 all-gathers + 2 reduce-scatters forward, 6 + 2 backward. Full
-    recomputation runs the forward's collectives again in the backward.
+    recomputation runs the forward's collectives again in the backward; torchtitan's op-level selective
+    recomputation (selective_op) all but the reduce-scatters, whose outputs its policy saves.
 
     `moe`: the MLP is a mixture of experts, which is not a TP region (tensor_parallel._shard_moe): with SP
     it routes the sequence shard the rank holds (no collective); without SP each rank routes its slice of
@@ -68,22 +76,30 @@ def tp_layer(
 
     `latent`: the attention is multi-head latent attention (deepseek_v3), whose column-parallel
     up-projections take the latents of its whole down-projections, not the gathered input: under SP they
-    re-gather nothing (llmtrain.parallel.tensor_parallel._shard_latent_attention)."""
+    re-gather nothing (llmtrain.parallel.tensor_parallel._shard_latent_attention).
+
+    `regather` false: the column-parallel linears save the input their region gathered, as DTensor's
+    PrepareModuleInput + ColwiseParallel do in torchtitan (the gathered tensor is what autograd keeps for the
+    weight gradient), so the backward re-gathers nothing: 2 all-gathers + 2 reduce-scatters each way.
+    `gathered`: the bytes of each all-gathered tensor where they differ from `activation` (float8 tensor
+    parallelism gathers 1 byte an element, Software.float8_tp); the reduce-scatters keep `activation`."""
     if tp == 1:
         return PassComms()
     regions = 1 if moe else 2
     if sp:
         gather, scatter = (
-            Comm("all_gather", "tp", tp, activation),
+            Comm("all_gather", "tp", tp, activation if gathered is None else gathered),
             Comm("reduce_scatter", "tp", tp, activation),
         )
-        column = COLUMN_PARALLEL_PER_LAYER - (1 if moe else 0) - (3 if latent else 0)
+        column = COLUMN_PARALLEL_PER_LAYER - (1 if moe else 0) - (3 if latent else 0) if regather else 0
         fwd = (gather,) * regions + (scatter,) * regions
         bwd = (gather,) * (regions + column) + (scatter,) * regions
     else:
         fwd = bwd = (Comm("all_reduce", "tp", tp, activation),) * regions
         if moe:
             fwd = bwd = (*fwd, Comm("all_gather", "tp", tp, activation))
+    if recompute == "selective_op":  # torchtitan's op-level policy saves the reduce-scatters' outputs
+        return PassComms(fwd, tuple(c for c in fwd if c.op != "reduce_scatter") + bwd)
     return PassComms(fwd, fwd + bwd if recompute == "full" else bwd)
 
 
@@ -175,7 +191,7 @@ def cp_layer(
         q = Comm("all_to_all", "cp", cp, tokens * heads * head_dim * act_bytes)
         kv = Comm("all_to_all", "cp", cp, tokens * cp_kv_heads(kv_heads, cp) * head_dim * act_bytes)
         fwd = bwd = (q, kv, kv, q)
-    return PassComms(fwd, fwd + bwd if recompute != "none" else bwd)
+    return PassComms(fwd, fwd + bwd if recompute in ("selective", "full") else bwd)
 
 
 COUNT_BYTES = 8

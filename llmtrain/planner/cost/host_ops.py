@@ -71,9 +71,10 @@ def ce_passes(fused: bool, vocab_parallel: bool) -> tuple[int, int]:
 def layer_ops(model: ModelConfig, comms: PassComms, recompute: str) -> tuple[int, int]:
     """(forward, backward) operators of one layer for one micro-batch: the block's, one more per
     collective the layer issues (`comms`, recomputation's repeats included), and the forward again in the
-    backward under full recomputation."""
+    backward under full recomputation and torchtitan's op-level selective recomputation (whose saved ops
+    are the large kernels, not the many small ones)."""
     fwd, bwd = BLOCK_OPS[F.is_gated(model)]
-    redo = {"full": fwd, "selective": SELECTIVE_OPS}.get(recompute, 0)
+    redo = {"full": fwd, "selective_op": fwd, "selective": SELECTIVE_OPS}.get(recompute, 0)
     return fwd + len(comms.fwd), bwd + redo + len(comms.bwd)
 
 

@@ -16,6 +16,18 @@ from llmtrain.planner.cost.base import CostBase
 from llmtrain.planner.cost.layout import Layout
 
 
+def micro_pipelined(comm: float, gemms: float, tp: int) -> float:
+    """Exposed seconds of `comm` seconds of TP collectives run micro-pipelined with the `gemms` seconds of
+    matmuls they feed or are fed by (Software.async_tp: torch's symmetric-memory fused all-gather-matmul
+    consumes the local shard while the next is copied from a peer, then each arriving shard; its fused
+    matmul-reduce-scatter sends each chunk's partial result while the next chunk is computed). The tensor
+    moves in tp chunks of comm / tp; tp - 1 of them overlap a chunk of the matmul (gemms / tp) and show only
+    what outlasts it, and one, the pipeline's ramp (the last partial result's transfer, which no matmul is
+    left to cover), stays exposed: comm / tp + (tp - 1) / tp * max(0, comm - gemms), between one chunk and
+    comm itself (no matmul to hide behind)."""
+    return comm / tp + (tp - 1) / tp * max(0.0, comm - gemms)
+
+
 @dataclass(frozen=True)
 class PassCosts:
     """Costs of one layer (or stage extra) for one micro-batch: forward / backward / weight-grad compute and
@@ -114,16 +126,25 @@ class LayerTime(CostBase):
             bwd += fwd
         elif recompute == "selective":
             bwd += core_f
+        elif recompute == "selective_op":
+            # torchtitan's op-level policy (CostBase.op_sac_linears): the linears it does not save, and every
+            # memory-bound forward op (norms, rotary, activation, residual adds, casts); attention is saved.
+            redo = [dev.gemm_time(tok, n, k, p) for n, k, p, saved in self.op_sac_linears(tp) if not saved]
+            bwd += sum(redo) + elem
         # Tensor-parallel collectives on the b*s*h activation, as the trainer issues them (collectives.py),
         # the dense and the MoE layers' averaged; a MoE layer's router statistics summed over TP and CP.
-        latent, share = m.arch == "deepseek_v3", F.moe_layer_count(m) / m.num_layers
-        comms = C.tp_layer(tp, e * tok * h, sp, recompute, latent=latent)
-        moe = C.tp_layer(tp, e * tok * h, sp, recompute, True, latent)
+        share = F.moe_layer_count(m) / m.num_layers
+        comms = self.tp_layer(tp, e * tok * h, sp, recompute)
+        moe = self.tp_layer(tp, e * tok * h, sp, recompute, True)
         stats = C.router_stats(m.num_experts, tp, cp, recompute)
         tp_f = (1 - share) * self._comm_time(comms.fwd) + share * self._comm_time(moe.fwd)
         tp_b = (1 - share) * self._comm_time(comms.bwd) + share * self._comm_time(moe.bwd)
         if self.sw.tp_comm_overlap:  # hidden behind the pass's GEMMs (backward: input- and weight-gradient)
             tp_f, tp_b = max(0.0, tp_f - gemms), max(0.0, tp_b - 2 * gemms)
+        elif self.sw.async_tp and sp:
+            # The backward's GEMMs: input- and weight-gradient, and the forward's again under full recompute.
+            bwd_gemms = (3 if recompute == "full" else 2) * gemms
+            tp_f, tp_b = micro_pipelined(tp_f, gemms, tp), micro_pipelined(tp_b, bwd_gemms, tp)
         tp_f += share * self._router_stats_time(stats.fwd, "tp", tp)
         tp_b += share * self._router_stats_time(stats.bwd, "tp", tp)
         ops_f, ops_b = H.layer_ops(m, comms, recompute)

@@ -177,6 +177,22 @@ class Software:
     tp_comm_overlap: bool = False
     """Tensor-parallel collectives overlap the layer's GEMMs (Transformer Engine's userbuffers, as Megatron's
     tp_comm_overlap): only the part longer than the pass's GEMMs is exposed; false: all exposed."""
+    tp_saves_gathered_input: bool = False
+    """Under sequence parallelism each TP region gathers its input once, and its column-parallel linears keep
+    the gathered tensor for their backward (DTensor's PrepareModuleInput + ColwiseParallel, as torchtitan
+    applies them): no re-gather in the backward, and the QKV and MLP inputs saved whole; false: llmtrain
+    (and Megatron-Core), which keep the sequence shard and all-gather it again in the backward."""
+    float8_tp: bool = False
+    """Under fp8 with the tensorwise recipe, sequence parallelism's all-gathers carry float8, 1 byte an
+    element: each region's input is cast before it is gathered, and the row-parallel outputs' gradients are
+    cast before the backward gathers them (torchao's PrepareFloat8ModuleInput, Float8ColwiseParallel and
+    Float8RowwiseParallel, which torchtitan applies under tensorwise float8); the reduce-scatters of the
+    partial outputs and input gradients stay bf16."""
+    async_tp: bool = False
+    """Sequence parallelism's all-gathers and reduce-scatters run micro-pipelined with the matmuls they feed
+    or are fed by (torch's symmetric-memory fused all-gather-matmul and matmul-reduce-scatter, torchtitan's
+    async TP): the tensor moves in tp chunks, each overlapping another chunk's matmul; one chunk's transfer
+    stays exposed, and the rest where it outlasts the matmul (layer_time.micro_pipelined)."""
 
     @classmethod
     def whole_model_init(cls) -> Software:

@@ -173,6 +173,8 @@ def activation_bytes_per_layer(
     ring_attention: bool = False,
     moe_imbalance: float = 1.0,
     float8_inputs: bool = False,
+    gathered_inputs: float = 0.0,
+    op_sac_saved: float = 0.0,
 ) -> float:
     """Saved activations of one layer for one micro-batch of `seq` tokens (a context-parallel rank's share
     of the sequence under cp) (Korthikanti et al. 2022, generalised).
@@ -183,20 +185,29 @@ def activation_bytes_per_layer(
     (context parallelism) also keeps its output in fp32 and the fp32 log-sum-exp of every row. A MoE model's
     layer is the larger of its dense and its MoE layers (moe_mlp_saved_per_token). float8_inputs: the dense
     linears' inputs (QKV, MLP, out-projection and down-projection inputs) are saved in float8, a byte each
-    (Transformer Engine's FP8 linears, Software.te_fp8).
+    (Transformer Engine's FP8 linears, Software.te_fp8). gathered_inputs: under SP the QKV and MLP inputs
+    are kept whole, as their region all-gathered them, this many bytes an element (Software.
+    tp_saves_gathered_input: 1 where the gather is float8, float8_tp); 0: kept as the sequence shard.
+    Under torchtitan's op-level selective recomputation (selective_op) a layer keeps its input (the
+    checkpoint's), the outputs of the linears its policy saves (`op_sac_saved` elements a token on the rank:
+    CostBase.op_sac_linears) and attention's output with its fp32 log-sum-exp.
     """
     m, e, s = model, act_bytes, seq
     h, d = m.hidden_size, m.head_size
     sbh = s * b * h
     if recompute == "full":
         return e * sbh / (tp if sp else 1)  # the layer's input only
+    if recompute == "selective_op":
+        attention = (m.num_attention_heads * d * e + 4 * m.num_attention_heads) / tp
+        return e * sbh / (tp if sp else 1) + s * b * (attention + e * op_sac_saved)
     a, kv, f = m.num_attention_heads, m.kv_heads, m.ffn_size
     kv_local = max(kv / tp, 1) * tp  # kv heads are replicated when tp exceeds them
     hidden_mask = 1 if m.hidden_dropout > 0 else 0
     # Replicated over TP unless SP: 2 norm inputs, QKV input, MLP input, 2 dropout masks.
     unfused_norms = 2 if not fused_kernels and m.arch != "gpt" else 0  # LayerNorm saves no extra copy
     lin = 1 if float8_inputs else e  # bytes of a saved linear input
-    replicated = ((2 + unfused_norms) * e + 2 * lin + hidden_mask * 2) * sbh
+    whole = 2 * gathered_inputs * sbh if sp and gathered_inputs else 0.0
+    replicated = ((2 + unfused_norms) * e + (0 if whole else 2 * lin) + hidden_mask * 2) * sbh
     # Split over TP: Q, K, V, attention output (out-proj input), MLP intermediates.
     # gated: gate+up output and the product (down-projection input); unfused also the activated gate
     mlp = ((2 if fused_kernels else 3) * e + lin) * f if F.is_gated(m) else (e + lin) * f
@@ -207,7 +218,7 @@ def activation_bytes_per_layer(
     if not flash_attention and recompute != "selective":
         drop = m.attention_dropout > 0
         split += a * s * s * b * (e + (1 + e if drop else 0))  # softmax output (+ dropout mask and output)
-    return replicated / (tp if sp else 1) + split / tp
+    return replicated / (tp if sp else 1) + split / tp + whole
 
 
 def moe_mlp_saved_per_token(
@@ -419,6 +430,8 @@ def rank_memory(
     counts: F.ParamCounts | None = None,
     optimizer: str = "adamw",
     float8_layer: float = 0.0,
+    gathered_inputs: float = 0.0,
+    op_sac_saved: float = 0.0,
 ) -> MemoryBreakdown:
     """Bytes on the fullest rank of `layout` (the first pipeline rank, or the last when its output layer and
     logits dominate; any rank under the layout's own stage split or per-layer recomputation), with the
@@ -426,7 +439,9 @@ def rank_memory(
     micro-batches in flight on the first rank; `bucket_bytes` the data-parallel bucket (parallel.dp_bucket_mb,
     counted in fp32 bytes); `counts` the model's parameter counts (given: not counted again); `optimizer`
     train.optimizer (muon: see the module docstring); `float8_layer` the mean layer's weight elements
-    gathered in float8, 1 byte each (train.fp8_all_gather)."""
+    gathered in float8, 1 byte each (train.fp8_all_gather); `gathered_inputs` the bytes an element of the
+    QKV and MLP inputs kept whole under SP, `op_sac_saved` the elements a token of the linear outputs
+    torchtitan's op-level selective recomputation saves (activation_bytes_per_layer)."""
     e = 4 if precision == "fp32" else 2
     counts = counts or F.parameter_counts(model)
     tp, pp, v, b = layout.tp, layout.pp, layout.virtual_stages, layout.micro_batch
@@ -452,6 +467,8 @@ def rank_memory(
             layout.cp > 1 and layout.cp_comm == "ring" and not software.fused_ring_attention,
             software.moe_imbalance,
             precision == "fp8" and software.te_fp8,
+            gathered_inputs,
+            op_sac_saved,
         )
         for mode in dict.fromkeys(modes)
     }
@@ -477,6 +494,8 @@ def rank_memory(
         layout.cp > 1 and layout.cp_comm == "ring" and not software.fused_ring_attention,
         software.moe_imbalance,
         precision == "fp8" and software.te_fp8,
+        gathered_inputs,
+        op_sac_saved,
     )
     # Last rank: the micro-batches its schedule keeps in flight plus one micro-batch's logits at the start of
     # its backward. Fused cross-entropy: the logits and an fp32 copy. PyTorch's: the fp32 log-probabilities

@@ -171,6 +171,9 @@ class CostModel(LayerTime, DataParallelTime, StepCollectives):
             rc: F.training_flops_per_token(workload.model, workload.seq, rc) for rc in F.RECOMPUTE_MODES
         }
         self._model_flops = F.model_flops_per_token(workload.model, workload.seq)
+        if not workload.model.is_moe:  # torchtitan's op-level selective recomputation: its unsaved linears
+            redo = sum(2.0 * n * k for n, k, _, saved in self.op_sac_linears(1) if not saved)
+            self._flops["selective_op"] = self._flops["none"] + workload.model.num_layers * redo
         self._layer = functools.lru_cache(maxsize=None)(self._layer_costs)
         self._extras = functools.lru_cache(maxsize=None)(self._stage_extras)
         self._config_problem = functools.lru_cache(maxsize=None)(self._trainer_problem)
@@ -182,7 +185,23 @@ class CostModel(LayerTime, DataParallelTime, StepCollectives):
         return activation_bytes_per_layer(
             self.w.model, self.w.seq, self.act_bytes, self.sw.flash_attention, tp, b, sp, recompute,
             self.sw.fused_kernels, float8_inputs=self.prec == "fp8" and self.sw.te_fp8,
+            gathered_inputs=self.gathered_inputs, op_sac_saved=self._op_sac_saved(tp, recompute),
         )  # fmt: skip
+
+    def _op_sac_saved(self, tp: int, *modes: str) -> float:
+        """Elements a token of the linear outputs torchtitan's op-level selective recomputation saves on a TP
+        rank (op_sac_linears), where a layer runs it (`modes`), else 0."""
+        if "selective_op" not in modes:
+            return 0.0
+        return sum(n for n, _, _, saved in self.op_sac_linears(tp) if saved)
+
+    @property
+    def gathered_inputs(self) -> float:
+        """Bytes an element of the QKV and MLP inputs kept whole under SP (Software.tp_saves_gathered_input:
+        float8 where the gather is, float8_tp), 0 where the shard is kept."""
+        if not self.sw.tp_saves_gathered_input:
+            return 0.0
+        return 1.0 if self.float8_tp else float(self.act_bytes)
 
     def memory(self, layout: Layout, inflight: int, num_micro: int) -> dict[str, float]:
         """Bytes on the fullest rank (memory.rank_memory), as MemoryBreakdown.as_dict."""
@@ -202,6 +221,8 @@ class CostModel(LayerTime, DataParallelTime, StepCollectives):
             counts=self.params,
             optimizer=self.w.optimizer,
             float8_layer=self._float8_layer(layout),
+            gathered_inputs=self.gathered_inputs,
+            op_sac_saved=self._op_sac_saved(layout.tp, *layout.layer_modes(self.w.model.num_layers)),
         )
 
     def _float8_layer(self, layout: Layout) -> float:

@@ -62,7 +62,7 @@ class StepCollectives(CostBase):
             first, last = stage == 0, stage == pp * v - 1
             layers = range(starts[stage], starts[stage + 1])
             for (mode, moe), n in Counter((modes[i], m.is_moe_layer(i)) for i in layers).items():
-                layer = C.tp_layer(tp, activation, sp, mode, moe, m.arch == "deepseek_v3")
+                layer = self.tp_layer(tp, activation, sp, mode, moe)
                 context = C.cp_layer(cp, layout.cp_comm, tok, heads, kv, m.head_size, e, mode)
                 add(layer.fwd + layer.bwd + context.fwd + context.bwd, num_micro * n)
                 if moe:

@@ -53,7 +53,11 @@ COLUMNS = (
     "release", "model", "cluster", "precision", "gpus", "global_batch", "micro_batch", "seq_length",
     "tp", "pp", "cp", "vp", "ep", "fsdp", "recompute", "measured_step_s", "tokens_per_gpu_s",
 )  # fmt: skip
-"""What a recipe table needs (blank where the page does not state it)."""
+"""What a recipe table needs (blank where the page does not state it). Optional columns: kind (moe for a
+model not in configs/), pipeline_runs (schedule runs a step) and software ('+'-joined Software flags the
+row's run turns on beyond its table's software, e.g. async_tp: SOFTWARE_FLAGS)."""
+SOFTWARE_FLAGS = ("async_tp",)
+"""Software flags a row may turn on (its software column): what a page varies between rows of one table."""
 MODELLED_PRECISIONS = ("bf16", "fp16", "fp8")
 """Precisions the cost model describes (fp8: the blocks' linears in float8, llmtrain.planner.cost)."""
 PUBLISHED_SOFTWARE = Software(fused_ring_attention=True, fused_moe_permute=True)
@@ -68,13 +72,24 @@ grouped GEMMs), tensor-parallel communication overlapped with the GEMMs (the rec
 cuDNN's fused attention computing only the causal half of the scores. Booleans of what the framework does,
 no constant set from a table; the other tables keep PUBLISHED_SOFTWARE (docs/planner.md says what
 causal_skip does to their rows)."""
-TABLE_SOFTWARE = {"megatron_bridge_h100": MEGATRON_CORE_SOFTWARE}
+TORCHTITAN_SOFTWARE = replace(PUBLISHED_SOFTWARE, tp_saves_gathered_input=True, float8_tp=True)
+"""torchtitan's tensor parallelism (its llama3 parallelize.apply_tp): DTensor's sequence parallelism, each
+region's input gathered once by PrepareModuleInput and kept gathered for the backward of the column-parallel
+linears, and under its default tensorwise float8 torchao's Float8ColwiseParallel, Float8RowwiseParallel and
+PrepareFloat8ModuleInput, whose all-gathers carry float8 (the region inputs forward, the row-parallel
+outputs' gradients backward). Booleans of what the framework does; no constant set from a table."""
+TABLE_SOFTWARE = {
+    "megatron_bridge_h100": MEGATRON_CORE_SOFTWARE,
+    "torchtitan_a100": TORCHTITAN_SOFTWARE,
+    "torchtitan_h100": TORCHTITAN_SOFTWARE,
+}
 """Software of a table where it differs from PUBLISHED_SOFTWARE."""
 LONG_CONTEXT = 16384
 """Sequences of at least this many tokens count as long context."""
-RECOMPUTE = ("none", "selective", "full", "every_second_layer")
+RECOMPUTE = ("none", "selective", "full", "every_second_layer", "selective_op")
 """Recompute wordings of the tables the planner expresses (every_second_layer: layers alternately full and
-none, torchtitan's "selective layer" checkpointing)."""
+none, torchtitan's "selective layer" checkpointing; selective_op: torchtitan's op-level policy, which the
+cost model prices (CostBase.op_sac_linears) though llmtrain's trainer does not run it)."""
 
 
 @dataclass
@@ -217,6 +232,19 @@ def known_cluster(name: str) -> Cluster | None:
         return None
 
 
+def row_flags(row: dict[str, str]) -> list[str]:
+    """The Software flags the row's optional software column turns on."""
+    return [flag for flag in (row.get("software") or "").split("+") if flag]
+
+
+def row_software(table: str, row: dict[str, str]) -> Software:
+    """The software of the row's run: its table's (TABLE_SOFTWARE), with the row's own flags turned on."""
+    return replace(
+        TABLE_SOFTWARE.get(table, PUBLISHED_SOFTWARE),
+        **dict.fromkeys(row_flags(row), True),  # type: ignore[arg-type]
+    )
+
+
 def express(table: str, row: dict[str, str]) -> Recipe:
     """The row as the planner sees it: its kind and measured time, and a skip reason if it has one."""
     measured = measured_step(row)
@@ -238,6 +266,9 @@ def express(table: str, row: dict[str, str]) -> Recipe:
         reasons.append(f"no cluster file describes {row['cluster']} (no shipped preset)")
     elif row["precision"] in MODELLED_PRECISIONS and (problem := cluster_problem(cluster, row["precision"])):
         reasons.append(problem)
+    for flag in row_flags(row):
+        if flag not in SOFTWARE_FLAGS:
+            reasons.append(f"software {flag!r} is not a flag a row may set ({', '.join(SOFTWARE_FLAGS)})")
     if row["recompute"] and row["recompute"] not in RECOMPUTE:
         reasons.append(f"recompute {row['recompute']!r} is not a mode the planner models")
     if measured is None:
@@ -262,7 +293,7 @@ def evaluate(recipe: Recipe, search_best: bool = True) -> Recipe:
     work = Workload(model, int(row["global_batch"]) // recipe.runs, row["precision"])
     cluster = load_cluster(row["cluster"])
     gpus = int(row["gpus"])
-    software = TABLE_SOFTWARE.get(recipe.table, PUBLISHED_SOFTWARE)
+    software = row_software(recipe.table, row)
     fixed = fixed_layout(row, model.num_layers)
     per_layer = fixed.pop("layer_recompute", None)
     if row.get("pipeline_runs") and fixed.get("zero_stage") == 3:
