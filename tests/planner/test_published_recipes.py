@@ -349,9 +349,45 @@ def test_async_tp_exposes_between_one_chunk_and_the_synchronous_time():
     assert row_software("torchtitan_h100", row).async_tp
     assert not row_software("torchtitan_h100", {}).async_tp
     bad = dict(load_recipes("torchtitan_h100")[-1], software="async_tp+magic")
-    assert (
-        "software 'magic' is not a flag a row may set (async_tp)" in express("torchtitan_h100", bad).skipped
-    )
+    skipped = express("torchtitan_h100", bad).skipped
+    assert "software 'magic' is not a flag a row may set (async_tp, fused_kernels" in skipped
+
+
+def test_a_row_turns_a_flag_off_torchtitans_eager_rows_run_unfused():
+    from llmtrain.planner import CostModel, Software, Workload
+    from llmtrain.planner.cost import host_ops as H
+    from llmtrain.planner.validation.recipes import row_software
+
+    # `-flag` turns a flag of the table's software off, `flag` on; an unknown one is named either way.
+    assert not row_software("torchtitan_h100", {"software": "-fused_kernels"}).fused_kernels
+    assert row_software("torchtitan_h100", {"software": "-fused_kernels+async_tp"}).async_tp
+    bad = dict(load_recipes("torchtitan_h100")[0], software="-magic")
+    assert "software 'magic' is not a flag" in express("torchtitan_h100", bad).skipped
+    # torchtitan's rows without torch.compile in their name run its eager Llama (separate PyTorch norm,
+    # rotary, SwiGLU and add operators); the compiled ones Inductor's fused kernels.
+    for row in load_recipes("torchtitan_h100"):
+        eager = row["release"] in ("table1-fsdp", "table3-fsdp")
+        assert row_software("torchtitan_h100", row).fused_kernels is not eager, row["release"]
+    # What unfused prices on a GPU preset (no measured memory table): the reference operators' bytes
+    # (host_ops.reference_bytes: RMSNorm's square, mean and two multiplies, the rotary multiplies, negation,
+    # concatenation and add, SiLU and the gating multiply, the residual adds) at the HBM bandwidth, in place
+    # of the fused kernels' passes (each norm, add, rotary and SwiGLU one read and write).
+    model = load("llama3-8b", ["model.seq_length=8192", "model.max_position_embeddings=8192"]).model
+    h100 = load_cluster("h100-96gb-500w").view(8)
+
+    def layer(fused: bool):
+        cost = CostModel(Workload(model, 16), h100, Software(fused_kernels=fused))
+        return cost._layer_costs(1, 2, False, "none")
+
+    tok, h, e = 2 * 8192, model.hidden_size, 2
+    rotary = 2 * e * tok * (model.num_attention_heads + model.kv_heads) * model.head_size
+    fused_f = 2 * 2 * e * tok * h + 2 * 3 * e * tok * h + 6 * e * tok * model.ffn_size + rotary
+    ref_f, ref_b = H.reference_bytes(model, tok, 1, False, e)
+    assert ref_f > 1.4 * fused_f  # the norms: 7 element passes each, not 2
+    rate = h100.device.memory_bandwidth_gbs * 1e9 * h100.device.memory_efficiency
+    eager, fused = layer(False), layer(True)
+    assert eager.fwd - fused.fwd == pytest.approx((ref_f - fused_f) / rate)
+    assert eager.bwd - fused.bwd == pytest.approx((ref_b - 2 * fused_f) / rate)
 
 
 def test_torchtitans_op_level_selective_recompute():

@@ -55,9 +55,12 @@ COLUMNS = (
 )  # fmt: skip
 """What a recipe table needs (blank where the page does not state it). Optional columns: kind (moe for a
 model not in configs/), pipeline_runs (schedule runs a step) and software ('+'-joined Software flags the
-row's run turns on beyond its table's software, e.g. async_tp: SOFTWARE_FLAGS)."""
-SOFTWARE_FLAGS = ("async_tp",)
-"""Software flags a row may turn on (its software column): what a page varies between rows of one table."""
+row's run turns on beyond its table's software, e.g. async_tp, or with a leading '-' turns off, e.g.
+-fused_kernels: SOFTWARE_FLAGS)."""
+SOFTWARE_FLAGS = ("async_tp", "fused_kernels")
+"""Software flags a row may set (its software column: `flag` on, `-flag` off): what a page varies between rows
+of one table (torchtitan's: async TP, and torch.compile, which fuses the elementwise ops its eager rows run
+as separate PyTorch operators)."""
 MODELLED_PRECISIONS = ("bf16", "fp16", "fp8")
 """Precisions the cost model describes (fp8: the blocks' linears in float8, llmtrain.planner.cost)."""
 PUBLISHED_SOFTWARE = Software(fused_ring_attention=True, fused_moe_permute=True)
@@ -232,17 +235,15 @@ def known_cluster(name: str) -> Cluster | None:
         return None
 
 
-def row_flags(row: dict[str, str]) -> list[str]:
-    """The Software flags the row's optional software column turns on."""
-    return [flag for flag in (row.get("software") or "").split("+") if flag]
+def row_flags(row: dict[str, str]) -> dict[str, bool]:
+    """The Software flags the row's optional software column sets: `flag` on, `-flag` off."""
+    items = [item for item in (row.get("software") or "").split("+") if item]
+    return {item.removeprefix("-"): not item.startswith("-") for item in items}
 
 
 def row_software(table: str, row: dict[str, str]) -> Software:
-    """The software of the row's run: its table's (TABLE_SOFTWARE), with the row's own flags turned on."""
-    return replace(
-        TABLE_SOFTWARE.get(table, PUBLISHED_SOFTWARE),
-        **dict.fromkeys(row_flags(row), True),  # type: ignore[arg-type]
-    )
+    """The software of the row's run: its table's (TABLE_SOFTWARE), with the row's own flags set."""
+    return replace(TABLE_SOFTWARE.get(table, PUBLISHED_SOFTWARE), **row_flags(row))  # type: ignore[arg-type]
 
 
 def express(table: str, row: dict[str, str]) -> Recipe:
