@@ -70,3 +70,34 @@ def test_fp8_layer_is_faster_than_bf16_at_3b_but_pays_its_casts() -> None:
     fwd = 5 * sum(tok * i + i * o for i, o in linears)
     bwd = 5 * sum(2 * tok * o + i * o + tok * i for i, o in linears)
     assert fp8._float8_cast_bytes(1, tok) == (fwd, bwd)
+
+
+def test_compiled_float8_fuses_each_activations_amax_and_casts_it_once() -> None:
+    from dataclasses import replace
+
+    from llmtrain.planner import Software
+
+    # torchao's tensorwise scaling under torch.compile (Software.compiled_float8, torchtitan's compiled float8
+    # rows): an activation's amax is reduced in the kernel producing it, and one pass reads it (2 bytes an
+    # element) and writes its float8 copy in both layouts (1 + 1): the input forward, the output gradient
+    # backward, 4 bytes each; a weight keeps its amax read (2) and is cast forward and backward (3 each).
+    eager = _cost("fp8")
+    cluster = load_cluster("h100-80gb").view(8)
+    compiled = CostModel(eager.w, cluster, Software(compiled_float8=True))
+    m, tok = eager.w.model, eager.w.seq
+    h, d, f = m.hidden_size, m.head_size, m.ffn_size
+    q, kv = m.num_attention_heads * d, m.kv_heads * d
+    linears = [(h, q), (h, kv), (h, kv), (q, h), (h, 2 * f), (f, h)]
+    fwd = sum(4 * tok * i + 5 * i * o for i, o in linears)
+    bwd = sum(4 * tok * o + 3 * i * o for i, o in linears)
+    assert compiled._float8_cast_bytes(1, tok) == (fwd, bwd)
+    # Per linear 16 bytes per element of input, weight and output gradient against eager's 30: the layer
+    # is faster, its matmuls unchanged; llmtrain's own software (the default) keeps the eager casts.
+    assert not Software().compiled_float8
+    a, b = compiled._layer_costs(1, 1, False, "none"), eager._layer_costs(1, 1, False, "none")
+    assert a.fwd < b.fwd and a.bwd < b.bwd and a.wgrad == b.wgrad
+    # Only tensorwise scaling: torchao's rowwise recipe keeps the eager count.
+    rowwise = replace(eager.w, fp8_recipe="rowwise")
+    assert CostModel(rowwise, cluster, Software(compiled_float8=True))._float8_cast_bytes(
+        1, tok
+    ) == CostModel(rowwise, cluster)._float8_cast_bytes(1, tok)

@@ -227,7 +227,15 @@ class LayerTime(CostBase):
         float8 copy and the copy's transpose, 4 bytes an element, with the amax taken in the same pass; the
         input forward and the output gradient backward are cast once each, the saved float8 input serves the
         weight-gradient GEMM, and the weights' casts (once per step, cached across micro-batches) are left
-        out; the routed experts' rows are cast too (their grouped GEMM runs in FP8)."""
+        out; the routed experts' rows are cast too (their grouped GEMM runs in FP8).
+
+        Software.compiled_float8 (torchao's tensorwise scaling under torch.compile, the bytes of torchao's
+        roofline model with fusion): an activation's amax is reduced in the kernel that produces it (no
+        bytes), and its cast reads 2 bytes an element and writes 1 in each of two layouts, 4 bytes, once: the
+        input forward, its float8 copy saved for the weight-gradient GEMM, and the output gradient backward; a
+        weight's amax reads it (2 bytes) and each of its two casts, forward and backward, reads 2 and writes
+        1: forward 4 t i + 5 i o, backward 4 t o + 3 i o a linear, against 5 (t i + i o) and
+        5 (2 t o + i o + t i) eager."""
         m = self.w.model
         h, d = m.hidden_size, m.head_size
         a, kv = m.num_attention_heads / tp, max(m.kv_heads / tp, 1)
@@ -242,9 +250,14 @@ class LayerTime(CostBase):
         shared_f = m.expert_ffn_size * m.num_shared_experts if m.is_moe else 0
         shared = [(h, 2 * shared_f), (shared_f, h)] if shared_f else []
 
-        def passes(linears: list[tuple[float, float]], t: float) -> tuple[float, float]:
+        compiled = self.sw.compiled_float8 and self.w.fp8_recipe == "tensorwise"
+
+        def passes(linears: list[tuple[float, float]], t: float, fused: bool = False) -> tuple[float, float]:
             if self.sw.te_fp8:
                 return 4 * sum(t * i for i, _ in linears), 4 * sum(t * o for _, o in linears)
+            if fused:
+                fwd = sum(4 * t * i + 5 * i * o for i, o in linears)
+                return fwd, sum(4 * t * o + 3 * i * o for i, o in linears)
             fwd = sum(t * i + i * o for i, o in linears)
             bwd = sum(2 * t * o + i * o + t * i for i, o in linears)
             return 5 * fwd, 5 * bwd
@@ -255,9 +268,10 @@ class LayerTime(CostBase):
             dense = [(k, n) for n, k, p in block[-2:] if p == "fp8"]
             shared = [(k, n) for n, k, p in self.local_linears(tp, True)[-2:] if p == "fp8"] if shared else []
         share = F.moe_layer_count(m) / m.num_layers
-        attn_f, attn_b = passes(attn, tok)
-        dense_f, dense_b = passes(dense, tok)
-        moe_f, moe_b = passes(shared, tok / tp)
+        # The routed experts' grouped GEMMs (rowwise or MX scaling) keep the eager count below.
+        attn_f, attn_b = passes(attn, tok, compiled)
+        dense_f, dense_b = passes(dense, tok, compiled)
+        moe_f, moe_b = passes(shared, tok / tp, compiled)
         if share and self.grouped_prec == "fp8":
             # The routed rows' casts, and (llmtrain's torchao grouped GEMMs) each local expert's weights.
             fe, local = m.expert_ffn_size, m.num_experts // ep

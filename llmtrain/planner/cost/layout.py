@@ -193,6 +193,14 @@ class Software:
     or are fed by (torch's symmetric-memory fused all-gather-matmul and matmul-reduce-scatter, torchtitan's
     async TP): the tensor moves in tp chunks, each overlapping another chunk's matmul; one chunk's transfer
     stays exposed, and the rest where it outlasts the matmul (layer_time.micro_pipelined)."""
+    compiled_float8: bool = False
+    """Under fp8 with the tensorwise recipe, torchao's float8 linears run under torch.compile, whose Inductor
+    kernels fuse the scaling (torchao's float8 README and roofline model, torchtitan's "required for
+    competitive performance"): an activation's amax (the linear's input forward, its output gradient
+    backward) is reduced inside the kernel that produces the tensor, and one cast pass reads it and writes
+    its float8 copy in both layouts (the forward GEMM's and the weight-gradient GEMM's), so the input is not
+    cast again in the backward; a weight, produced by no kernel of the graph, keeps its amax pass and is cast
+    once forward and once backward (layer_time._float8_cast_bytes); false: llmtrain's eager torchao casts."""
 
     @classmethod
     def whole_model_init(cls) -> Software:

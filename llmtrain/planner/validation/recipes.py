@@ -57,10 +57,10 @@ COLUMNS = (
 model not in configs/), pipeline_runs (schedule runs a step) and software ('+'-joined Software flags the
 row's run turns on beyond its table's software, e.g. async_tp, or with a leading '-' turns off, e.g.
 -fused_kernels: SOFTWARE_FLAGS)."""
-SOFTWARE_FLAGS = ("async_tp", "fused_kernels")
+SOFTWARE_FLAGS = ("async_tp", "fused_kernels", "compiled_float8")
 """Software flags a row may set (its software column: `flag` on, `-flag` off): what a page varies between rows
 of one table (torchtitan's: async TP, and torch.compile, which fuses the elementwise ops its eager rows run
-as separate PyTorch operators)."""
+as separate PyTorch operators and, under float8, the scaling into the kernels producing the activations)."""
 MODELLED_PRECISIONS = ("bf16", "fp16", "fp8")
 """Precisions the cost model describes (fp8: the blocks' linears in float8, llmtrain.planner.cost)."""
 PUBLISHED_SOFTWARE = Software(fused_ring_attention=True, fused_moe_permute=True)
