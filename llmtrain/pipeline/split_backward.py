@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +21,7 @@ from torch.distributed.fsdp import FSDPModule
 from llmtrain.parallel.float8 import Float8Linear
 from llmtrain.parallel.gemms import PLAIN, LinearGemms, linear
 from llmtrain.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, gather_sequence
+from llmtrain.parallel.thread_state import CallerLocal
 
 _LinearFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
@@ -66,30 +66,25 @@ class SplitBackward:
     recomputation included) the patched linear layers build the deferrable graph; other executors
     sharing the modules see plain layers. ``building`` is the calling thread's (a pair's forward runs on a
     thread of its own); a thread that never set it (autograd's on a GPU, recomputing inside an I) reads
-    the caller's, waiting ``in_backward``. While an I runs, ``queue`` collects its weight-gradient work for
-    the matching W (read by autograd's thread); outside of one the work is done at once."""
+    the caller's, waiting ``in_backward`` (llmtrain.parallel.thread_state). While an I runs, ``queue``
+    collects its weight-gradient work for the matching W (read by autograd's thread); outside of one the work
+    is done at once."""
 
     def __init__(self) -> None:
-        self._thread = threading.local()
-        self._caller_building = False
+        self._thread = CallerLocal(building=False)
         self.queue: list[WeightGrad] | None = None
 
     @property
     def building(self) -> bool:
-        return getattr(self._thread, "building", self._caller_building)
+        return self._thread.get("building")
 
     @building.setter
     def building(self, on: bool) -> None:
-        self._thread.building = on
+        self._thread.set("building", on)
 
-    @contextlib.contextmanager
-    def in_backward(self) -> Iterator[None]:
+    def in_backward(self) -> contextlib.AbstractContextManager[None]:
         """While the calling thread waits in a backward, threads of autograd's build as it does."""
-        self._caller_building = self.building
-        try:
-            yield
-        finally:
-            self._caller_building = False
+        return self._thread.lent()
 
     def take(self, work: WeightGrad) -> None:
         if self.queue is not None:
