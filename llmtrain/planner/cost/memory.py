@@ -453,25 +453,24 @@ def rank_memory(
     # shards over the expert-data-parallel group: expert_shard_group).
     layer_p, layer_x = layer_parameters(model, tp, layout.ep, counts)
     modes = layout.layer_modes(model.num_layers)
-    per_mode = {
-        mode: activation_bytes_per_layer(
-            model,
-            s,
-            e,
-            software.flash_attention,
-            tp,
-            b,
-            layout.sequence_parallel,
-            mode,
-            software.fused_kernels,
-            layout.cp > 1 and layout.cp_comm == "ring" and not software.fused_ring_attention,
-            software.moe_imbalance,
-            precision == "fp8" and software.te_fp8,
-            gathered_inputs,
-            op_sac_saved,
-        )
-        for mode in dict.fromkeys(modes)
-    }
+    # One layer's saved activations under each recompute mode, the rest of the arguments the layout's.
+    layer_bytes = functools.partial(
+        activation_bytes_per_layer,
+        model,
+        s,
+        e,
+        software.flash_attention,
+        tp,
+        b,
+        layout.sequence_parallel,
+        fused_kernels=software.fused_kernels,
+        ring_attention=layout.cp > 1 and layout.cp_comm == "ring" and not software.fused_ring_attention,
+        moe_imbalance=software.moe_imbalance,
+        float8_inputs=precision == "fp8" and software.te_fp8,
+        gathered_inputs=gathered_inputs,
+        op_sac_saved=op_sac_saved,
+    )
+    per_mode = {mode: layer_bytes(mode) for mode in dict.fromkeys(modes)}
     if layout.layer_recompute:
         acc = list(itertools.accumulate((per_mode[m] for m in modes), initial=0.0))
         ends = list(itertools.accumulate(stages, initial=0))
@@ -481,22 +480,7 @@ def rank_memory(
     tok = b * s
     sp_div = tp if layout.sequence_parallel else 1
     # The first block's activations during its own backward (recomputed whole under full recomputation).
-    first_block_end = activation_bytes_per_layer(
-        model,
-        s,
-        e,
-        software.flash_attention,
-        tp,
-        b,
-        layout.sequence_parallel,
-        "none" if modes[0] == "full" else modes[0],
-        software.fused_kernels,
-        layout.cp > 1 and layout.cp_comm == "ring" and not software.fused_ring_attention,
-        software.moe_imbalance,
-        precision == "fp8" and software.te_fp8,
-        gathered_inputs,
-        op_sac_saved,
-    )
+    first_block_end = layer_bytes("none" if modes[0] == "full" else modes[0])
     # Last rank: the micro-batches its schedule keeps in flight plus one micro-batch's logits at the start of
     # its backward. Fused cross-entropy: the logits and an fp32 copy. PyTorch's: the fp32 log-probabilities
     # it saves, their gradient and the fp32 logits' gradient (16-bit logits are cast up and not kept), and
